@@ -1,0 +1,212 @@
+"""Configuration dataclasses shared by every part of DSpark.
+
+Three separate types, never one global bag (house rule 5):
+
+* :class:`DrafterConfig`   – the drafter's architecture and its link to the target (METHOD §1), stored in
+  the checkpoint's ``config.json`` together with the STS temperatures (METHOD §3).
+* :class:`SchedulerConfig` – which verify-length policy runs and its parameters (METHOD §5).
+* :class:`GenerationConfig` – how one batch of prompts is decoded (sampling, limits, seed).
+
+Names follow ``design/METHOD.md``: ``gamma`` is the block size γ, ``p_t`` the target distribution,
+``p_d`` the draft distribution, ``a`` the prefix survival and ``ℓ`` the verify length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+HeadType = Literal["markov", "rnn", "none"]
+DecodeMode = Literal["greedy", "sampling"]
+SchedulerMode = Literal["none", "fixed", "dsd", "threshold", "adaptive-sync", "adaptive", "oracle"]
+SCHEDULER_MODES: tuple[str, ...] = ("none", "fixed", "dsd", "threshold", "adaptive-sync", "adaptive", "oracle")
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> tuple[int, ...]:
+    """The DFlash layer rule (METHOD §1): ``num_taps`` layers spread evenly from layer 1 to layer N-3.
+
+    Layer ``l`` means the residual stream *after* decoder layer ``l`` (0-based), i.e. HF's
+    ``hidden_states[l + 1]``. The last layer is never tapped: HF returns it after the final norm.
+    Qwen3-8B (36 layers) gives ``(1, 9, 17, 25, 33)``; SmolLM2-135M (30 layers) gives ``(1, 8, 14, 21, 27)`` (halves round up).
+    """
+    if num_target_layers < 4:
+        # Tiny test targets: tap every layer but the last, as many as exist.
+        return tuple(range(max(num_target_layers - 1, 1)))[:num_taps] or (0,)
+    start, end = 1, num_target_layers - 3
+    if num_taps == 1:
+        return (start,)
+    span = end - start
+    ids = sorted({int(math.floor(start + i * span / (num_taps - 1) + 0.5)) for i in range(num_taps)})
+    return tuple(ids)
+
+
+@dataclass
+class DrafterConfig:
+    """Architecture of a DSpark drafter for one target model.
+
+    The backbone layers copy the target's attention/MLP shape (METHOD §1), so the first block of
+    fields is read from the target's HF config by :meth:`from_target_config`.
+    """
+
+    # --- copied from the target: the backbone layers have the target's shape ---
+    vocab_size: int  # V; the drafter shares the target's embedding and LM head (never stored)
+    hidden_size: int  # d
+    num_attention_heads: int  # H
+    num_key_value_heads: int  # grouped-query attention as in the target
+    head_dim: int  # D
+    intermediate_size: int  # MLP width of a backbone layer
+    rms_norm_eps: float = 1e-5  # the target's value; mismatched eps shifts the feature scale
+    rope_theta: float = 10000.0  # the target's RoPE base: context keys use the target's positions
+    qk_norm: bool = False  # Qwen3-style RMSNorm on q and k per head (follows the target family)
+    attention_bias: bool = False  # Qwen2 uses q/k/v biases; Llama and Qwen3 do not
+    target_num_layers: int = 0  # N of the target, recorded to validate the tapped layer ids
+    target_name: str = ""  # identity of the target this drafter was trained for (name or directory)
+
+    # --- DSpark choices ---
+    num_layers: int = 2  # backbone depth; the paper's ablation: 2 layers already beat a 5-layer DFlash
+    target_layer_ids: tuple[int, ...] = ()  # tapped target layers; empty -> default_target_layer_ids
+    block_size: int = 7  # γ: drafts per step; the paper's default
+    head: HeadType = "markov"  # sequential head; "none" is the parallel-only (DFlash-style) ablation
+    markov_rank: int = 64  # r of W1: V→r, W2: r→V; the paper uses 256 for 4B–14B targets
+    mask_token_id: int | None = None  # spare vocabulary row for the mask token; None -> learned vector
+    # SmolLM2's 49152-token vocabulary has no spare row, hence the learned mask embedding default.
+    sts_temperatures: dict[str, list[float]] = field(default_factory=dict)
+    # STS temperatures per decoding mode ("greedy", "sampling"), one per slot; empty -> uncalibrated.
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        if not self.target_layer_ids and self.target_num_layers:
+            self.target_layer_ids = default_target_layer_ids(self.target_num_layers)
+        problems = []
+        for name in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "num_layers", "block_size", "markov_rank"):
+            if int(getattr(self, name)) <= 0:
+                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % max(self.num_key_value_heads, 1):
+            problems.append("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.head not in ("markov", "rnn", "none"):
+            problems.append(f"head must be 'markov', 'rnn' or 'none', got {self.head!r}")
+        if not self.target_layer_ids:
+            problems.append("target_layer_ids is empty and target_num_layers is unknown")
+        if self.target_num_layers and any(not 0 <= i < self.target_num_layers for i in self.target_layer_ids):
+            problems.append(f"target_layer_ids {self.target_layer_ids} out of range for a "
+                            f"{self.target_num_layers}-layer target")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
+        for mode, temps in self.sts_temperatures.items():
+            if mode not in ("greedy", "sampling"):
+                problems.append(f"sts_temperatures has unknown decoding mode {mode!r}")
+            elif len(temps) != self.block_size or any(not (t > 0 and math.isfinite(t)) for t in temps):
+                problems.append(f"sts_temperatures[{mode!r}] must hold {self.block_size} positive numbers")
+        if problems:
+            raise ValueError("invalid DrafterConfig: " + "; ".join(problems))
+
+    @property
+    def num_taps(self) -> int:
+        """m: how many target layers are concatenated into the context features."""
+        return len(self.target_layer_ids)
+
+    @property
+    def gamma(self) -> int:
+        return self.block_size
+
+    @classmethod
+    def from_target_config(cls, target_config: Any, **overrides: Any) -> DrafterConfig:
+        """Build a drafter config whose layers have the shape of an HF Llama/Qwen2/Qwen3 config."""
+        heads = target_config.num_attention_heads
+        fields: dict[str, Any] = dict(
+            vocab_size=target_config.vocab_size,
+            hidden_size=target_config.hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+            intermediate_size=target_config.intermediate_size,
+            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(target_config),
+            qk_norm=getattr(target_config, "model_type", "") == "qwen3",
+            attention_bias=bool(getattr(target_config, "attention_bias", False))
+            or getattr(target_config, "model_type", "") == "qwen2",
+            target_num_layers=target_config.num_hidden_layers,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown DrafterConfig fields {unknown}; is this a DSpark drafter config.json?")
+        return cls(**d)
+
+
+def _rope_theta(target_config: Any) -> float:
+    """RoPE base of an HF config; transformers 5 moved it into ``rope_parameters``."""
+    params = getattr(target_config, "rope_parameters", None) or getattr(target_config, "rope_scaling", None)
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    theta = getattr(target_config, "rope_theta", None)
+    return float(theta) if theta is not None else 10000.0
+
+
+@dataclass
+class SchedulerConfig:
+    """Which verify-length policy chooses ℓ_r each step (METHOD §5), and its parameters."""
+
+    mode: SchedulerMode = "adaptive"  # the paper's method in its production (asynchronous) form
+    k: int = 7  # fixed mode: verify length for every request (clipped to γ)
+    dsd_table: dict[int, int] = field(default_factory=lambda: {1: 7, 4: 5, 16: 3, 64: 2, 256: 1})
+    # dsd mode (vLLM #32374 num_speculative_tokens_per_batch_size): K for the largest key ≤ batch size.
+    # The default mirrors the shape of published tables (long drafts at low batch, short at high batch).
+    threshold: float = 0.5  # threshold mode: verify slot j while the prefix survival a_j ≥ threshold
+    staleness: int = 2  # adaptive mode: the budget uses survivals this many steps old (overlapped host)
+
+    def __post_init__(self) -> None:
+        if self.mode not in SCHEDULER_MODES:
+            raise ValueError(f"unknown scheduler mode {self.mode!r}; choose one of {', '.join(SCHEDULER_MODES)}")
+        if self.k < 0:
+            raise ValueError(f"k must be ≥ 0, got {self.k}")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must lie in [0, 1], got {self.threshold}")
+        if self.staleness < 0:
+            raise ValueError(f"staleness must be ≥ 0, got {self.staleness}")
+        self.dsd_table = {int(b): int(v) for b, v in self.dsd_table.items()}
+        if not self.dsd_table or any(b < 1 or v < 0 for b, v in self.dsd_table.items()):
+            raise ValueError(f"dsd_table needs batch sizes ≥ 1 mapped to K ≥ 0, got {self.dsd_table}")
+
+
+@dataclass
+class GenerationConfig:
+    """How a batch of prompts is decoded. One config per batch; the ops take per-request tensors."""
+
+    max_new_tokens: int = 128  # emitted tokens per prompt, the first (prefill) token included
+    temperature: float = 0.0  # 0 -> greedy (argmax) decoding; > 0 -> lossless rejection sampling
+    top_p: float = 1.0  # nucleus filter applied to the target distribution (1.0 = off)
+    top_k: int = 0  # top-k filter applied to the target distribution (0 = off)
+    seed: int = 0  # root of the random-number contract (reference/sampling.py)
+    chat_template: bool = True  # wrap prompts in the target's chat template
+    ignore_eos: bool = False  # benchmarks: keep decoding past EOS to a fixed length
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be ≥ 0, got {self.top_k}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be a non-negative 64-bit integer, got {self.seed}")
+
+    @property
+    def decode_mode(self) -> DecodeMode:
+        """Which STS temperature set applies: greedy labels are argmax matches, sampling labels are RS outcomes."""
+        return "greedy" if self.temperature == 0 else "sampling"

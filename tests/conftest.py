@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random targets of the supported families, built without any download."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def tiny_hf_model(family: str = "llama", vocab_size: int = 96, num_layers: int = 4, seed: int = 0):
+    """A small random HF causal LM of the given family (llama or qwen3), in fp32 eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    else:
+        raise ValueError(family)
+    # Random init gives near-uniform logits; scale the embedding so greedy decoding has clear winners.
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(8.0)
+    return model.eval()
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def tiny_family(request):
+    return request.param
