@@ -1,0 +1,473 @@
+"""The batched speculative decoding loop: prefill, then draft → schedule → verify → commit (METHOD §1–§5).
+
+This is the plain synchronous loop of ``design/ARCHITECTURE.md`` ("The data flow of one decoding step"),
+written for reading, not speed: every request keeps its own target KV cache and drafter context cache,
+and the loop touches them one request at a time. ``optimized/`` runs the same method batched on the
+device and must emit exactly the same tokens (the equivalence contract).
+
+One step, for the R unfinished requests of a batch::
+
+    draft     drafter backbone over [x_0, M, …, M] + sequential head  → x_1..x_γ, p_d, confidences c_k
+    schedule  calibrated prefix survivals a_{r,k} (STS) → verify lengths ℓ_r        (reference/scheduler.py)
+    verify    target forward over [x_0, x_1..x_ℓ] → p_t; rejection sampling → accepted + 1 token
+    commit    keep the target KV and drafter context of the accepted positions; the emitted token is the
+              next anchor x_0
+
+Names follow ``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reference.calibration import apply_sts, temperatures_for
+from reference.checkpoint import load_drafter
+from reference.config import SCHEDULER_MODES, DrafterConfig, GenerationConfig, SchedulerConfig
+from reference.cost_model import CostTable, default_bucket_sizes, measure_cost_table
+from reference.drafter import DSparkDrafter
+from reference.sampling import Purpose, logits_to_probs, sample
+from reference.scheduler import Scheduler, prefix_survival
+from reference.target import Target
+from reference.verify import rejection_sample
+
+log = logging.getLogger("dspark.generate")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-dspark"
+
+
+@dataclass
+class Request:
+    """The state of one request in the loop (a tiny ``Sequence`` object, as in nano-vllm)."""
+
+    request_id: int
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    verify_lengths: list[int] = field(default_factory=list)  # ℓ chosen at each step
+    accepted_lengths: list[int] = field(default_factory=list)  # drafts accepted at each step (τ - 1)
+    survivals: list[torch.Tensor] = field(default_factory=list)  # [γ] calibrated a_k of each step's draft
+    # Per-request caches (not part of the result).
+    kv: Any = None  # the target's KV cache, holding positions 0..anchor_pos-1
+    ctx: Any = None  # the drafter's context cache, holding positions 0..anchor_pos-1
+
+    @property
+    def anchor(self) -> int:
+        """x_0: the last emitted token."""
+        return self.output_ids[-1]
+
+    @property
+    def anchor_pos(self) -> int:
+        """Absolute position of x_0."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class GenerationResult:
+    """What one prompt produced, with the per-step statistics the CLI prints."""
+
+    request_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    verify_lengths: list[int]
+    accepted_lengths: list[int]
+    text: str = ""
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """τ averaged over steps: accepted drafts + 1 emitted token (the prefill token is not a step)."""
+        steps = len(self.accepted_lengths)
+        return (sum(self.accepted_lengths) + steps) / steps if steps else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["mean_accepted_length"] = self.mean_accepted_length
+        d["num_steps"] = len(self.accepted_lengths)
+        return d
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The stages of one step
+# ----------------------------------------------------------------------------------------------------------
+
+
+def prefill(target: Target, drafter: DSparkDrafter | None, req: Request, gen: GenerationConfig) -> None:
+    """Run the prompt through the target; the last row gives the first token, sampled like a bonus token."""
+    prompt = torch.tensor(req.prompt_ids, dtype=torch.long, device=target.device)  # [S]
+    req.kv = target.new_cache()
+    logits, features = target.forward(prompt, req.kv, start_pos=0)  # [S, V], [S, m*d]
+    if drafter is not None:
+        req.ctx = drafter.new_context_cache()
+        req.ctx.append(features, torch.arange(len(req.prompt_ids), device=target.device))
+    p_t = logits_to_probs(logits[-1:], _temps(gen, 1), _top_p(gen, 1), _top_k(gen, 1))  # [1, V]
+    position = torch.tensor([len(req.prompt_ids)])
+    first = sample(p_t, gen.seed, torch.tensor([req.request_id]), position, int(Purpose.BONUS))
+    _emit(target, req, [int(first)], gen)
+
+
+def draft(drafter: DSparkDrafter, reqs: list[Request], gen: GenerationConfig):
+    """The drafter proposes γ tokens per request; returns the DraftOutput and calibrated survivals [R, γ]."""
+    h = torch.stack([drafter.backbone_cached(r.anchor, r.anchor_pos, r.ctx) for r in reqs])  # [R, γ, d]
+    anchors = torch.tensor([r.anchor for r in reqs])  # [R]
+    anchor_pos = torch.tensor([r.anchor_pos for r in reqs])  # [R]
+    ids = torch.tensor([r.request_id for r in reqs])  # [R]
+    out = drafter.sample_block(h, anchors, anchor_pos, _temps(gen, len(reqs)), gen.seed, ids)
+    temps = temperatures_for(drafter.config, gen.decode_mode)
+    survival = prefix_survival(apply_sts(out.conf_logits, temps))  # [R, γ]
+    return out, survival
+
+
+def verify(target: Target, reqs: list[Request], drafts, lens: torch.Tensor, gen: GenerationConfig):
+    """Target forward over [x_0, x_1..x_ℓ] per request, then lossless rejection sampling (METHOD §4)."""
+    gamma = drafts.tokens.shape[1]
+    vocab = target.vocab_size
+    target_probs = torch.zeros(len(reqs), gamma + 1, vocab)  # [R, γ+1, V]; rows past ℓ_r stay unused
+    features = []
+    for i, r in enumerate(reqs):
+        ell = int(lens[i])
+        block = torch.tensor([r.anchor, *drafts.tokens[i, :ell].tolist()], device=target.device)  # [ℓ+1]
+        logits, feats = target.forward(block, r.kv, start_pos=r.anchor_pos)  # [ℓ+1, V], [ℓ+1, m*d]
+        target_probs[i, : ell + 1] = logits_to_probs(logits[None], _temps(gen, 1), _top_p(gen, 1), _top_k(gen, 1))[0]
+        features.append(feats)
+    ids = torch.tensor([r.request_id for r in reqs])
+    anchor_pos = torch.tensor([r.anchor_pos for r in reqs])
+    result = rejection_sample(drafts.tokens, lens, drafts.probs, target_probs, gen.seed, ids, anchor_pos)
+    return result, features
+
+
+def commit(target: Target, req: Request, tokens: list[int], features: torch.Tensor | None, gen: GenerationConfig) -> None:
+    """Keep the caches of the accepted positions and append the emitted tokens.
+
+    ``tokens`` are the accepted drafts plus the recovered/bonus token. The target KV cache and the drafter
+    context gain positions anchor_pos..anchor_pos+accepted (x_0 and the accepted drafts); the last emitted
+    token becomes the next anchor, whose features do not exist yet (METHOD §1).
+    """
+    start, keep = req.anchor_pos, len(tokens)  # positions start..start+keep-1 are now verified
+    target.crop(req.kv, start + keep)
+    if req.ctx is not None and features is not None:
+        req.ctx.append(features[:keep], torch.arange(start, start + keep, device=features.device))
+    _emit(target, req, tokens, gen)
+
+
+def _emit(target: Target, req: Request, tokens: list[int], gen: GenerationConfig) -> None:
+    """Append emitted tokens, stopping at EOS (tokens after an accepted EOS are dropped) or the length limit."""
+    for tok in tokens:
+        req.output_ids.append(tok)
+        if not gen.ignore_eos and tok in target.eos_token_ids:
+            req.finish_reason = "stop"
+            return
+        if len(req.output_ids) >= gen.max_new_tokens:
+            req.finish_reason = "length"
+            return
+        if len(req.prompt_ids) + len(req.output_ids) >= target.max_positions:
+            req.finish_reason = "length"
+            return
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def generate(
+    target: Target,
+    drafter: DSparkDrafter | None,
+    prompts: list[list[int]],
+    gen: GenerationConfig,
+    sched: SchedulerConfig,
+    cost: CostTable | None = None,
+    request_ids: list[int] | None = None,
+    progress: bool = False,
+) -> list[GenerationResult]:
+    """Decode a batch of tokenised prompts with speculative decoding; all prompts form one batch.
+
+    Args:
+        target: the target model (the output distribution is the target's, whatever the drafter does).
+        drafter: the DSpark drafter; may be None only in mode "none".
+        prompts: token ids per prompt (chat template already applied).
+        gen: sampling, seed and limits.
+        sched: the verify-length policy (METHOD §5).
+        cost: the SPS table for the adaptive modes.
+        request_ids: ids keying the random numbers (default 0..R-1); a request's output depends only on
+            its own id, prompt and the seed, never on its neighbours in the batch.
+    """
+    if sched.mode != "none" and drafter is None:
+        raise ValueError(f"mode {sched.mode!r} needs a drafter")
+    if sched.mode in ("adaptive", "adaptive-sync") and cost is None:
+        raise ValueError(f"mode {sched.mode!r} needs a cost table (see reference.cost_model)")
+    ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
+    if len(ids) != len(prompts) or len(set(ids)) != len(ids):
+        raise ValueError("request_ids must be unique, one per prompt")
+    gamma = drafter.config.block_size if drafter is not None else 0
+    scheduler = Scheduler(sched, gamma=gamma, cost=cost)
+
+    reqs = [Request(request_id=i, prompt_ids=list(p)) for i, p in zip(ids, prompts)]
+    for r in reqs:
+        if not r.prompt_ids:
+            raise ValueError(f"request {r.request_id}: empty prompt")
+        prefill(target, drafter if sched.mode != "none" else None, r, gen)
+
+    bar = _progress(progress, sum(gen.max_new_tokens for _ in reqs))
+    while active := [r for r in reqs if not r.finished]:
+        step(target, drafter, scheduler, active, gen)
+        bar.update(sum(len(r.output_ids) for r in reqs) - bar.n)
+    bar.close()
+    return [_result(target, r) for r in reqs]
+
+
+def step(target: Target, drafter: DSparkDrafter | None, scheduler: Scheduler, reqs: list[Request],
+         gen: GenerationConfig) -> None:
+    """One speculative step for the active requests: draft, schedule, verify, commit."""
+    mode = scheduler.config.mode
+    if mode == "none":
+        drafts = _empty_draft(len(reqs), target.vocab_size)
+        lens = torch.zeros(len(reqs), dtype=torch.long)
+    else:
+        drafts, survival = draft(drafter, reqs, gen)  # survival [R, γ]
+        stale = _stale_survivals(reqs, scheduler.config.staleness, survival.shape[1])
+        if mode == "oracle":
+            lens = torch.full((len(reqs),), drafts.tokens.shape[1], dtype=torch.long)  # verify all, count less
+        else:
+            lens = scheduler.lengths(survival, a_stale=stale, num_anchor_tokens=len(reqs))
+        for r, a in zip(reqs, survival):
+            r.survivals.append(a)
+
+    result, features = verify(target, reqs, drafts, lens, gen)
+    if mode == "oracle":
+        # The oracle verifies exactly the accepted prefix + the rejected slot (so the emitted token is the same
+        # recovered token); it is simulated by verifying everything and recording the shorter length.
+        lens = torch.clamp(result.num_accepted + 1, max=drafts.tokens.shape[1])
+    for i, r in enumerate(reqs):
+        n = int(result.num_emitted[i])
+        r.verify_lengths.append(int(lens[i]))
+        r.accepted_lengths.append(n - 1)
+        commit(target, r, result.tokens[i, :n].tolist(), features[i], gen)
+
+
+def _stale_survivals(reqs: list[Request], staleness: int, gamma: int) -> torch.Tensor:
+    """a_stale [R, γ]: each request's survivals from ``staleness`` steps ago; NaN rows for requests too new.
+
+    The current step's survivals are appended after this call, so ``survivals[-staleness]`` is the draft
+    made ``staleness`` steps before the current one (staleness=0 means "the current draft", for studies).
+    """
+    rows = []
+    for r in reqs:
+        if staleness == 0:
+            rows.append(None)
+        elif len(r.survivals) >= staleness:
+            rows.append(r.survivals[-staleness])
+        else:
+            rows.append(torch.full((gamma,), float("nan")))
+    if staleness == 0:
+        return None
+    return torch.stack(rows)
+
+
+def _empty_draft(num_requests: int, vocab: int):
+    from reference.drafter import DraftOutput
+
+    return DraftOutput(
+        tokens=torch.zeros(num_requests, 0, dtype=torch.long),
+        probs=torch.zeros(num_requests, 0, vocab),
+        conf_logits=torch.zeros(num_requests, 0),
+    )
+
+
+def _result(target: Target, r: Request) -> GenerationResult:
+    text = target.decode(r.output_ids) if target.tokenizer is not None else ""
+    return GenerationResult(r.request_id, r.prompt_ids, r.output_ids, r.finish_reason or "length",
+                            r.verify_lengths, r.accepted_lengths, text)
+
+
+def _temps(gen: GenerationConfig, n: int) -> torch.Tensor:
+    return torch.full((n,), float(gen.temperature))
+
+
+def _top_p(gen: GenerationConfig, n: int) -> torch.Tensor:
+    return torch.full((n,), float(gen.top_p))
+
+
+def _top_k(gen: GenerationConfig, n: int) -> torch.Tensor:
+    return torch.full((n,), int(gen.top_k), dtype=torch.long)
+
+
+def _progress(enabled: bool, total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled, unit="tok", desc="generate")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Building the pieces: drafter, cost table
+# ----------------------------------------------------------------------------------------------------------
+
+
+def load_or_init_drafter(path: str | None, target: Target, gamma: int | None = None, seed: int = 0) -> DSparkDrafter:
+    """Load a drafter checkpoint, or (no checkpoint) build a randomly initialised one — loudly."""
+    if path is not None and Path(path).exists():
+        drafter = load_drafter(path, target)
+        if gamma is not None and gamma != drafter.config.block_size:
+            raise ValueError(f"--gamma {gamma} differs from the drafter's trained block size "
+                             f"{drafter.config.block_size}; a drafter drafts the block it was trained for")
+        return drafter
+    if path is not None and path != str(DEFAULT_DRAFTER):
+        raise FileNotFoundError(f"drafter checkpoint {path} does not exist")
+    banner = "!" * 100
+    log.warning("\n%s\nNO TRAINED DRAFTER at %s: using a RANDOMLY INITIALISED drafter (seed %d).\n"
+                "Output is still exactly the target's (verification is lossless), but acceptance will be near "
+                "zero and there is no speed-up. Train one with scripts/train_drafter.py.\n%s",
+                banner, path or DEFAULT_DRAFTER, seed, banner)
+    torch.manual_seed(seed)
+    config = DrafterConfig.from_target_config(target.config, block_size=gamma or 7, target_name=target.name,
+                                              target_layer_ids=target.layer_ids)
+    drafter = DSparkDrafter(config).to(device=target.device, dtype=target.dtype).eval()
+    drafter.attach_target(target.embed_tokens, target.lm_head)
+    return drafter
+
+
+def measure_reference_cost_table(target: Target, drafter: DSparkDrafter, max_requests: int,
+                                 repeats: int = 3) -> CostTable:
+    """Time dummy verify forwards and drafter steps of this loop (the reference's own SPS curve)."""
+    gamma = drafter.config.block_size
+    ctx_len = 64  # a short, realistic context: long profiling contexts inflate the fixed cost (SERVING-NOTES)
+    dummy = torch.zeros(ctx_len, dtype=torch.long, device=target.device)
+
+    def verify_fn(n: int) -> None:
+        kv = target.new_cache()
+        target.forward(dummy, kv, start_pos=0)
+        target.forward(torch.zeros(n, dtype=torch.long, device=target.device), kv, start_pos=ctx_len)
+
+    ctx = drafter.new_context_cache()
+    ctx.append(torch.zeros(ctx_len, drafter.config.num_taps * drafter.config.hidden_size, device=target.device,
+                           dtype=target.dtype), torch.arange(ctx_len, device=target.device))
+
+    def draft_fn(r: int) -> None:
+        h = torch.stack([drafter.backbone_cached(0, ctx_len, ctx) for _ in range(r)])
+        drafter.sample_block(h, torch.zeros(r, dtype=torch.long), torch.full((r,), ctx_len), torch.zeros(r), 0,
+                             torch.arange(r))
+
+    sizes = default_bucket_sizes(max_requests * (gamma + 1))
+    return measure_cost_table(verify_fn, draft_fn, sizes, list(range(1, max_requests + 1)), repeats=repeats,
+                              warmup=1, hardware=_hardware(target.device), progress=True)
+
+
+def _hardware(device: Any) -> str:
+    import platform
+
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------------------
+
+
+def build_parser(prog: str = "python -m reference.generate") -> argparse.ArgumentParser:
+    """The CLI shared (flag for flag) with ``optimized.generate``."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    src.add_argument("--prompts-file", help='JSONL file, one {"prompt": ...} per line')
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target: 'smollm2-135m-instruct' or a local HF directory")
+    p.add_argument("--drafter", default=None, help=f"drafter checkpoint directory (default {DEFAULT_DRAFTER})")
+    p.add_argument("--mode", default="adaptive", choices=[m for m in SCHEDULER_MODES])
+    p.add_argument("--k", type=int, default=None, help="verify length in mode fixed (default γ)")
+    p.add_argument("--gamma", type=int, default=None, help="block size γ (must match the drafter)")
+    p.add_argument("--threshold", type=float, default=0.5, help="prefix-survival threshold in mode threshold")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--cost-table", default=None, help="SPS table JSON (measured at start-up if absent)")
+    p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
+    p.add_argument("--ignore-eos", action="store_true", help="decode to --max-new-tokens (benchmarks)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt per line")
+    return p
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """Prompts from --prompt flags or a JSONL file; bad lines fail with their line number."""
+    if args.prompt:
+        return list(args.prompt)
+    prompts = []
+    with open(args.prompts_file, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{args.prompts_file}:{n}: not valid JSON ({e})") from e
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise SystemExit(f'{args.prompts_file}:{n}: expected an object with a string "prompt"')
+            prompts.append(obj["prompt"])
+    if not prompts:
+        raise SystemExit(f"{args.prompts_file}: no prompts")
+    return prompts
+
+
+def configs_from_args(args: argparse.Namespace, gamma: int) -> tuple[GenerationConfig, SchedulerConfig]:
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                           top_k=args.top_k, seed=args.seed, chat_template=not args.no_chat_template,
+                           ignore_eos=args.ignore_eos)
+    k = gamma if args.k is None else args.k
+    if k > gamma:
+        raise SystemExit(f"--k {k} exceeds the block size γ = {gamma}")
+    sched = SchedulerConfig(mode=args.mode, k=k, threshold=args.threshold)
+    return gen, sched
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    prompts = read_prompts(args)
+    target = Target.load(args.model)
+    drafter = None
+    if args.mode != "none":
+        drafter = load_or_init_drafter(args.drafter or str(DEFAULT_DRAFTER), target, args.gamma, args.seed)
+    gamma = drafter.config.block_size if drafter is not None else (args.gamma or 7)
+    gen, sched = configs_from_args(args, gamma)
+    cost = None
+    if sched.mode in ("adaptive", "adaptive-sync"):
+        if args.cost_table:
+            cost = CostTable.load(args.cost_table)
+        else:
+            log.info("no --cost-table: measuring this machine's SPS curve (pass --cost-table to reuse one)")
+            cost = measure_reference_cost_table(target, drafter, max_requests=len(prompts))
+    token_prompts = [target.encode(p, chat_template=gen.chat_template) for p in prompts]
+    t0 = time.perf_counter()
+    results = generate(target, drafter, token_prompts, gen, sched, cost, progress=not args.json)
+    elapsed = time.perf_counter() - t0
+    new_tokens = sum(len(r.token_ids) for r in results)
+    for r in results:
+        if args.json:
+            print(json.dumps(r.to_json()), flush=True)
+        else:
+            print(f"--- prompt {r.request_id} ({r.finish_reason}, τ = {r.mean_accepted_length:.2f}) ---")
+            print(r.text)
+    log.info("%d tokens in %.2f s (%.1f tokens/s), mode %s", new_tokens, elapsed, new_tokens / elapsed, sched.mode)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
