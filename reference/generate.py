@@ -174,8 +174,8 @@ def _emit(target: Target, req: Request, tokens: list[int], gen: GenerationConfig
         if len(req.output_ids) >= gen.max_new_tokens:
             req.finish_reason = "length"
             return
-        if len(req.prompt_ids) + len(req.output_ids) >= target.max_positions:
-            req.finish_reason = "length"
+        if len(req.prompt_ids) + len(req.output_ids) >= max_positions(target):
+            req.finish_reason = "length"  # the next anchor would sit past the model's position range
             return
 
 
@@ -277,6 +277,11 @@ def _stale_survivals(reqs: list[Request], staleness: int, gamma: int) -> torch.T
     if staleness == 0:
         return None
     return torch.stack(rows)
+
+
+def max_positions(target: Target) -> int:
+    """The target's context window (positions 0..max-1)."""
+    return int(getattr(target.config, "max_position_embeddings", None) or 2**31 - 1)
 
 
 def _empty_draft(num_requests: int, vocab: int):

@@ -31,3 +31,11 @@ def tiny_hf_model(family: str = "llama", vocab_size: int = 96, num_layers: int =
 @pytest.fixture(params=["llama", "qwen3"])
 def tiny_family(request):
     return request.param
+
+
+@pytest.fixture(scope="session")
+def smollm2_target():
+    """The default target, SmolLM2-135M-Instruct, in fp32 on CPU (first run dequantizes and caches it, ~25 s)."""
+    from reference.target import Target
+
+    return Target.load()

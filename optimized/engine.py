@@ -1,0 +1,378 @@
+"""The optimized engine: continuous batching + confidence-scheduled speculative decoding on static caches.
+
+The same method as ``reference/generate.py`` (METHOD §1–§5), batched on the device. One ``step()``::
+
+    plan      admit waiting requests, choose prefill chunks, and the verify budget B from a stale host copy of
+              the survivals (no wait on the device)
+    prefill   prompt chunks through the target (eager, never in a decode graph); finished prompts sample
+              their first token and append their features to the drafter context
+    verify    one varlen target forward over [x_0, x_1..x_ℓ] of every decoding request (CUDA graph per token
+              bucket), ℓ_r = top-B of the *current* survivals on the device, then rejection sampling
+    commit    one host read of the emitted tokens (finishing, streaming, stop strings)
+    draft     drafter context += features of the verified positions; backbone over [x_0, M, …, M]; fused
+              sequential-head sampling + confidence; STS → survivals for the next step
+
+Every per-request length, offset and position is derived on the device from device tensors. The host holds
+totals only (the number of decoding requests, the budget B). The single host↔device synchronisation per step
+is the read of the emitted tokens (named below); the budget never waits for the device.
+
+Names follow ``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from optimized.kernels.allocate import allocate_top_b
+from optimized.kernels.draft_head import sample_draft_block
+from optimized.kernels.verify import rejection_sample
+from optimized.models.drafter import OptimizedDrafter
+from optimized.models.target import OptimizedTarget
+from optimized.scheduler import BatchScheduler, SamplingParams, Sequence, Status
+from reference.calibration import temperatures_for
+from reference.config import SchedulerConfig
+from reference.cost_model import CostTable
+from reference.drafter import DSparkDrafter
+from reference.sampling import Purpose, logits_to_probs, sample
+from reference.scheduler import Scheduler, best_budget
+from reference.target import Target
+
+log = logging.getLogger("dspark.engine")
+
+
+@dataclass
+class EngineConfig:
+    """Sizes fixed at start-up (static caches and CUDA-graph buckets depend on them)."""
+
+    max_num_seqs: int = 64  # slots of the static KV caches = the largest decoding batch
+    max_seq_len: int = 2048  # positions per slot (prompt + output + γ scratch for the drafter block)
+    prefill_chunk: int = 8192  # prompt tokens per step over all prefilling requests (chunked prefill)
+    enforce_eager: bool = False  # True: no CUDA graphs (the same code path, launched eagerly)
+    seed: int = 0  # root of the random-number contract (reference/sampling.py)
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1:
+            raise ValueError("max_num_seqs, max_seq_len and prefill_chunk must be positive")
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request (for streaming)."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    new_logprobs: list[float] = field(default_factory=list)
+
+
+class Engine:
+    """``add_request`` / ``step`` / ``abort`` over a fixed set of slots."""
+
+    def __init__(self, target: Target, drafter: DSparkDrafter | None, config: EngineConfig,
+                 sched: SchedulerConfig, cost: CostTable | None = None) -> None:
+        if sched.mode != "none" and drafter is None:
+            raise ValueError(f"mode {sched.mode!r} needs a drafter")
+        if sched.mode in ("adaptive", "adaptive-sync") and cost is None:
+            raise ValueError(f"mode {sched.mode!r} needs a cost table")
+        self.config, self.sched_config, self.cost = config, sched, cost
+        self.device = torch.device(config.device)
+        self.reference_target = target
+        self.gamma = drafter.config.block_size if drafter is not None else 0
+        self.vocab = target.vocab_size
+        slots = config.max_num_seqs + 1  # the last slot is scratch: padded tokens write their K/V there
+        self.scratch_slot = config.max_num_seqs
+        self.target = OptimizedTarget(target, max_num_seqs=slots, max_seq_len=config.max_seq_len,
+                                      device=self.device, dtype=config.dtype)
+        self.drafter = None
+        if drafter is not None and sched.mode != "none":
+            self.drafter = OptimizedDrafter(drafter, max_num_seqs=slots, max_seq_len=config.max_seq_len,
+                                            device=self.device, dtype=config.dtype)
+            self.sts = {mode: torch.tensor(temperatures_for(drafter.config, mode), device=self.device)
+                        for mode in ("greedy", "sampling")}
+        self.batch = BatchScheduler(sched, config.max_num_seqs, config.max_seq_len, config.prefill_chunk)
+        self.policy = Scheduler(sched, gamma=self.gamma, cost=cost)
+        self.eos = sorted(target.eos_token_ids)
+        self.tokenizer = target.tokenizer
+        self._alloc_state(slots)
+        self._ids: dict[int, Sequence] = {}
+        self.stats = {"steps": 0, "host_schedule_s": 0.0, "step_s": 0.0}
+
+    # ------------------------------------------------------------------------------------------------------
+    # Per-slot device state
+    # ------------------------------------------------------------------------------------------------------
+
+    def _alloc_state(self, slots: int) -> None:
+        dev, g = self.device, max(self.gamma, 1)
+        self.anchor = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] x_0 of each slot
+        self.anchor_pos = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] its absolute position
+        self.draft_tokens = torch.zeros(slots, g, dtype=torch.long, device=dev)  # [S, γ]
+        self.draft_probs = torch.zeros(slots, g, self.vocab, dtype=torch.float32, device=dev)  # [S, γ, V]
+        self.survival = torch.zeros(slots, g, dtype=torch.float32, device=dev)  # [S, γ] calibrated a_k
+        self.request_id = torch.zeros(slots, dtype=torch.long, device=dev)  # [S]
+        self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)  # [S]
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)  # [S]
+        self.top_k = torch.zeros(slots, dtype=torch.long, device=dev)  # [S]
+
+    # ------------------------------------------------------------------------------------------------------
+    # Public API
+    # ------------------------------------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    request_id: int | None = None) -> int:
+        """Queue a tokenised prompt; returns its request id (which keys its random numbers)."""
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab})")
+        rid = request_id if request_id is not None else (max(self._ids, default=-1) + 1)
+        if rid in self._ids and not self._ids[rid].finished:
+            raise ValueError(f"request id {rid} is already running")
+        params = params or SamplingParams()
+        room = self.config.max_seq_len - self.gamma - 1
+        if len(prompt_ids) + params.max_new_tokens + self.gamma + 1 > self.config.max_seq_len:
+            if len(prompt_ids) >= room:
+                raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_seq_len "
+                                 f"{self.config.max_seq_len} (γ = {self.gamma} positions are scratch)")
+        seq = Sequence(request_id=rid, prompt_ids=list(prompt_ids), params=params)
+        self.batch.add(seq)
+        self._ids[rid] = seq
+        return rid
+
+    def abort(self, request_id: int) -> bool:
+        return self.batch.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.batch.has_work()
+
+    def sequence(self, request_id: int) -> Sequence:
+        return self._ids[request_id]
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """One engine step: plan, prefill, verify, commit, draft."""
+        t0 = time.perf_counter()
+        self.batch.admit()
+        prefill_plan = self.batch.plan_prefill()
+        decoding = self.batch.decoding()
+        plan = self._plan_verify(decoding) if decoding else None
+        t1 = time.perf_counter()
+        outputs: list[StepOutput] = []
+        newly_decoding = self._prefill(prefill_plan, outputs) if prefill_plan else []
+        if decoding:
+            self._verify_and_commit(decoding, plan, outputs)
+        to_draft = [s for s in decoding + newly_decoding if not s.finished]
+        if to_draft and self.drafter is not None:
+            self._draft(to_draft)
+        self.stats["steps"] += 1
+        self.stats["host_schedule_s"] += t1 - t0
+        self.stats["step_s"] += time.perf_counter() - t0
+        return outputs
+
+    # ------------------------------------------------------------------------------------------------------
+    # Stages
+    # ------------------------------------------------------------------------------------------------------
+
+    def _prefill(self, plan: list[tuple[Sequence, int]], outputs: list[StepOutput]) -> list[Sequence]:
+        """Run prompt chunks; sequences whose prompt completes get their first token (a bonus draw)."""
+        dev = self.device
+        tokens, positions, cu, kv_lens, slots, last_rows, done = [], [], [0], [], [], [], []
+        for seq, n in plan:
+            start = seq.num_prefilled
+            tokens += seq.prompt_ids[start:start + n]
+            positions += range(start, start + n)
+            cu.append(cu[-1] + n)
+            kv_lens.append(start + n)
+            slots.append(seq.slot)
+            seq.num_prefilled += n
+            if seq.num_prefilled == len(seq.prompt_ids):
+                last_rows.append(cu[-1] - 1)
+                done.append(seq)
+        tok = torch.tensor(tokens, dtype=torch.long, device=dev)  # [N]
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)  # [N]
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)  # [R+1]
+        kv_t = torch.tensor(kv_lens, dtype=torch.int32, device=dev)  # [R]
+        slot_t = torch.tensor(slots, dtype=torch.int32, device=dev)  # [R]
+        rows = torch.tensor(last_rows, dtype=torch.long, device=dev)  # [M]
+        logits, features = self.target.forward(tok, pos, cu_t, kv_t, slot_t, logits_rows=rows)  # [M, V], [N, m*d]
+        if self.drafter is not None:
+            slot_of_token = torch.repeat_interleave(slot_t.long(), torch.diff(cu_t).long())  # [N]
+            self.drafter.append_context(features, pos, slot_of_token)
+        if not done:
+            return []
+        for seq in done:
+            self._load_params(seq)
+        done_slots = torch.tensor([s.slot for s in done], dtype=torch.long, device=dev)
+        p_t = logits_to_probs(logits, self.temperature[done_slots], self.top_p[done_slots], self.top_k[done_slots])
+        positions_first = torch.tensor([len(s.prompt_ids) for s in done], dtype=torch.long, device=dev)
+        first = sample(p_t, self.config.seed, self.request_id[done_slots], positions_first, int(Purpose.BONUS))
+        logp = torch.log(p_t.gather(1, first[:, None]))[:, 0]
+        self.anchor[done_slots] = first
+        self.anchor_pos[done_slots] = positions_first
+        # sync: the first token is streamed and checked for EOS on the host.
+        first_host, logp_host = first.tolist(), logp.tolist()
+        for seq, tok_id, lp in zip(done, first_host, logp_host):
+            seq.status = Status.DECODE
+            self._emit(seq, [tok_id], [lp], outputs)
+        return done
+
+    def _plan_verify(self, decoding: list[Sequence]) -> dict:
+        """Host part of scheduling: the verify budget from stale survivals (never waits for the device)."""
+        mode, r = self.sched_config.mode, len(decoding)
+        plan = {"mode": mode, "budget": None}
+        if mode == "adaptive":
+            stale = torch.stack([self._stale(s) for s in decoding])  # [R, γ] host copy, NaN rows = too new
+            plan["budget"] = best_budget(stale, self.cost, num_anchor_tokens=r, num_requests=r)
+        return plan
+
+    def _stale(self, seq: Sequence) -> torch.Tensor:
+        """The survivals ``staleness`` drafts before the current one (NaN when the request is too new)."""
+        k = self.sched_config.staleness
+        # seq.survivals[-1] is the current draft; the reference appends it after reading the stale row.
+        if k == 0:
+            return seq.survivals[-1]
+        if len(seq.survivals) >= k + 1:
+            return seq.survivals[-(k + 1)]
+        return torch.full((self.gamma,), float("nan"))
+
+    def _verify_lengths(self, decoding: list[Sequence], rows: torch.Tensor, plan: dict) -> tuple[torch.Tensor, int]:
+        """ℓ [R] on the device and the total verify tokens N = R + Σℓ (known to the host where possible)."""
+        mode, r, g = plan["mode"], len(decoding), self.gamma
+        if mode == "none":
+            return torch.zeros(r, dtype=torch.long, device=self.device), r
+        if mode == "adaptive":
+            budget = plan["budget"]
+            return allocate_top_b(self.survival[rows], budget), r + budget
+        if mode in ("fixed", "dsd"):
+            lens = self.policy.lengths(torch.zeros(r, g), a_stale=None, num_anchor_tokens=r)  # host-only rule
+            return lens.to(self.device), r + int(lens.sum())
+        if mode == "oracle":
+            return torch.full((r,), g, dtype=torch.long, device=self.device), r * (g + 1)
+        # threshold and adaptive-sync decide from the current survivals, which live on the device.
+        # sync: these two policies are synchronous by definition (the paper's Algorithm 1 reads the current a).
+        a_now = self.survival[rows].cpu()
+        lens = self.policy.lengths(a_now, a_stale=None, num_anchor_tokens=r)
+        return lens.to(self.device), r + int(lens.sum())
+
+    def _verify_and_commit(self, decoding: list[Sequence], plan: dict, outputs: list[StepOutput]) -> None:
+        dev, g = self.device, self.gamma
+        rows = torch.tensor([s.slot for s in decoding], dtype=torch.long, device=dev)  # [R] slot of each row
+        r = len(decoding)
+        lens, n_tokens = self._verify_lengths(decoding, rows, plan)  # [R], host int
+        n_pad = self.target.padded_tokens(n_tokens)
+        # Token layout, all on the device: request j owns tokens cu[j] .. cu[j+1]-1 = [x_0, x_1..x_ℓ].
+        cu = torch.zeros(r + 1, dtype=torch.long, device=dev)
+        cu[1:] = torch.cumsum(lens + 1, 0)  # [R+1]
+        t = torch.arange(n_pad, device=dev)  # [N_pad]
+        owner = torch.searchsorted(cu[1:], t, right=True).clamp(max=r - 1)  # [N_pad] row of each token
+        offset = t - cu[owner]  # [N_pad] 0 = anchor, k = draft slot k
+        valid = t < cu[r]
+        slot_of = rows[owner]
+        drafts = self.draft_tokens[slot_of, (offset - 1).clamp(min=0, max=max(g - 1, 0))] if g else self.anchor[slot_of]
+        tokens = torch.where(offset == 0, self.anchor[slot_of], drafts)
+        tokens = torch.where(valid, tokens, torch.zeros_like(tokens))
+        positions = torch.where(valid, self.anchor_pos[slot_of] + offset, torch.zeros_like(offset))
+        token_slot = torch.where(valid, slot_of, torch.full_like(slot_of, self.scratch_slot))
+        kv_lens = (self.anchor_pos[rows] + lens + 1).to(torch.int32)
+        logits, features = self.target.verify_forward(tokens, positions, cu.to(torch.int32), kv_lens,
+                                                      rows.to(torch.int32), token_slot, n_pad)
+        # p_t at every verified position, laid out [R, γ+1, V] for the verifier (row R is a dump for padding).
+        temps = self.temperature[slot_of]
+        probs = logits_to_probs(logits.float(), temps, self.top_p[slot_of], self.top_k[slot_of])  # [N_pad, V]
+        target_probs = torch.zeros(r + 1, g + 1, self.vocab, device=dev)
+        target_probs[torch.where(valid, owner, torch.full_like(owner, r)), offset.clamp(max=g)] = probs
+        target_probs = target_probs[:r]
+        if g:
+            result = rejection_sample(self.draft_tokens[rows], lens, self.draft_probs[rows], target_probs,
+                                      self.config.seed, self.request_id[rows], self.anchor_pos[rows])
+            emitted, n_emitted = result.tokens, result.num_emitted
+        else:
+            bonus = sample(target_probs[:, 0], self.config.seed, self.request_id[rows], self.anchor_pos[rows] + 1,
+                           int(Purpose.BONUS))
+            emitted, n_emitted = bonus[:, None], torch.ones(r, dtype=torch.long, device=dev)
+        # log p_t of every emitted token (logprobs are returned with speculation on).
+        j = torch.arange(emitted.shape[1], device=dev)
+        safe = emitted.clamp(min=0)
+        logp = torch.log(target_probs[:, : emitted.shape[1]].gather(2, safe[..., None])[..., 0].clamp_min(1e-30))
+        # The next anchor: the last emitted token, one position past the accepted prefix.
+        last = emitted.gather(1, (n_emitted - 1)[:, None])[:, 0]
+        self.anchor[rows] = last
+        self.anchor_pos[rows] += n_emitted
+        if self.drafter is not None:
+            self.drafter.append_context(features[:n_pad], positions, token_slot)
+        if plan["mode"] == "oracle":
+            lens = torch.clamp(n_emitted, max=g)  # verify exactly the accepted prefix + the rejected slot
+        # sync: the one host read per step — emitted tokens drive finishing, streaming and stop strings.
+        host = torch.cat([emitted, n_emitted[:, None], lens[:, None]], 1).cpu()
+        logp_host = logp.cpu() if any(s.params.logprobs for s in decoding) else None
+        del j
+        for i, seq in enumerate(decoding):
+            n = int(host[i, -2])
+            seq.verify_lengths.append(int(host[i, -1]))
+            seq.accepted_lengths.append(n - 1)
+            lps = logp_host[i, :n].tolist() if logp_host is not None else []
+            self._emit(seq, host[i, :n].tolist(), lps, outputs)
+
+    def _draft(self, seqs: list[Sequence]) -> None:
+        """Backbone + fused sequential head for every decoding request; survivals stay on the device."""
+        dev = self.device
+        rows = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        h = self.drafter.backbone(self.anchor[rows], self.anchor_pos[rows], rows.to(torch.int32))  # [R, γ, d]
+        tokens, probs, conf_logits = sample_draft_block(
+            self.drafter.base_logits(h), h, self.anchor[rows], self.anchor_pos[rows], self.temperature[rows],
+            self.config.seed, self.request_id[rows], self.drafter.head)
+        self.draft_tokens[rows] = tokens
+        self.draft_probs[rows] = probs
+        greedy = (self.temperature[rows] == 0)[:, None]
+        temps = torch.where(greedy, self.sts["greedy"], self.sts["sampling"])  # [R, γ]
+        survival = torch.cumprod(torch.sigmoid(conf_logits.float() / temps), dim=1)
+        self.survival[rows] = survival
+        # The host keeps a copy for the stale budget of later steps. It is read only after the next step's
+        # token sync, so on CUDA this copy overlaps with the next step's work.
+        host = survival.to("cpu", non_blocking=True)
+        for i, seq in enumerate(seqs):
+            seq.survivals.append(host[i])
+
+    # ------------------------------------------------------------------------------------------------------
+    # Host bookkeeping
+    # ------------------------------------------------------------------------------------------------------
+
+    def _load_params(self, seq: Sequence) -> None:
+        p, s = seq.params, seq.slot
+        self.request_id[s] = seq.request_id
+        self.temperature[s] = p.temperature
+        self.top_p[s] = p.top_p
+        self.top_k[s] = p.top_k
+
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float], outputs: list[StepOutput]) -> None:
+        """Append emitted tokens; stop at EOS (later tokens dropped), the length limit or a stop string."""
+        new, new_lp = [], []
+        for i, tok in enumerate(tokens):
+            seq.output_ids.append(tok)
+            new.append(tok)
+            if logprobs:
+                seq.logprobs.append(logprobs[i])
+                new_lp.append(logprobs[i])
+            reason = None
+            if not seq.params.ignore_eos and tok in self.eos:
+                reason = "stop"
+            elif len(seq.output_ids) >= seq.params.max_new_tokens:
+                reason = "length"
+            elif seq.anchor_pos + self.gamma + 2 >= self.config.max_seq_len:
+                reason = "length"  # the next block would not fit the slot
+            if reason is None and seq.params.stop and self.tokenizer is not None and self._hit_stop(seq):
+                reason = "stop"
+            if reason is not None:
+                self.batch.finish(seq, reason)
+                break
+        outputs.append(StepOutput(seq.request_id, new, seq.finished, seq.finish_reason, new_lp))
+
+    def _hit_stop(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        return any(s in text for s in seq.params.stop)

@@ -1,0 +1,144 @@
+"""Continuous batching for the optimized engine: request state, admission, chunked prefill, finishing.
+
+Implements the host side of METHOD §5 in its production form. The host owns the list of sequences and a
+slot (a row of the static KV caches) per running sequence; each step it decides
+
+* which waiting sequences are admitted (a free slot and room in the token budget),
+* how many prompt tokens each prefilling sequence runs this step (chunked prefill),
+* the verify **budget** B of the decoding sequences, from a *stale* host copy of their calibrated prefix
+  survivals (``reference.scheduler.best_budget``; the copy is ``staleness`` drafts old, so computing B never
+  waits for the device). The per-request allocation ℓ_r = top-B of the *current* survivals happens on the
+  device (``optimized.kernels.allocate``).
+
+Names follow ``design/METHOD.md`` (``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from reference.config import SchedulerConfig
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted yet (no slot)
+    PREFILL = "prefill"  # admitted, prompt not fully in the cache yet
+    DECODE = "decode"  # has an anchor and a draft; takes part in speculative steps
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters (the server fills these from the request body)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()  # stop strings (checked on the decoded text; the stop string is cut off)
+    ignore_eos: bool = False
+    logprobs: bool = False  # return the target log-probability of every emitted token
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
+        if not (self.temperature >= 0 and self.temperature == self.temperature and self.temperature < float("inf")):
+            raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be ≥ 0, got {self.top_k}")
+
+
+@dataclass
+class Sequence:
+    """One request as the engine sees it."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    status: Status = Status.WAITING
+    slot: int = -1
+    num_prefilled: int = 0  # prompt tokens already in the KV cache
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    verify_lengths: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+    survivals: list[torch.Tensor] = field(default_factory=list)  # host copies [γ], one per draft
+    text_offset: int = 0  # for stop strings: decoded characters already checked
+
+    @property
+    def anchor_pos(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+class BatchScheduler:
+    """Admission and prefill planning over a fixed number of slots (the engine's ``max_num_seqs``)."""
+
+    def __init__(self, config: SchedulerConfig, max_num_seqs: int, max_seq_len: int, prefill_chunk: int) -> None:
+        self.config = config
+        self.max_num_seqs = max_num_seqs
+        self.max_seq_len = max_seq_len
+        self.prefill_chunk = prefill_chunk  # prompt tokens per step over all prefilling sequences
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admitted, in slot order of admission
+        self.free_slots = list(range(max_num_seqs))[::-1]
+        self._ids = itertools.count()
+
+    def add(self, seq: Sequence) -> None:
+        if len(seq.prompt_ids) + 1 > self.max_seq_len:
+            raise ValueError(f"prompt of {len(seq.prompt_ids)} tokens does not fit max_seq_len {self.max_seq_len}")
+        self.waiting.append(seq)
+
+    def abort(self, request_id: int) -> Sequence | None:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
+                return seq
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.finish(seq, "abort")
+                return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        if seq in self.running:
+            self.running.remove(seq)
+            self.free_slots.append(seq.slot)
+
+    def admit(self) -> None:
+        """Give free slots to waiting sequences, first come first served."""
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop()
+            seq.status = Status.PREFILL
+            self.running.append(seq)
+
+    def plan_prefill(self) -> list[tuple[Sequence, int]]:
+        """(sequence, number of prompt tokens to run) for this step, within the chunk budget."""
+        budget, plan = self.prefill_chunk, []
+        for seq in self.running:
+            if seq.status is not Status.PREFILL or budget <= 0:
+                continue
+            n = min(len(seq.prompt_ids) - seq.num_prefilled, budget)
+            plan.append((seq, n))
+            budget -= n
+        return plan
+
+    def decoding(self) -> list[Sequence]:
+        return [s for s in self.running if s.status is Status.DECODE]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)

@@ -1,0 +1,289 @@
+"""Sequential Temperature Scaling (STS) of the confidence head, and the calibration metrics (METHOD §3).
+
+Names follow ``design/METHOD.md``: ``p_t`` target, ``p_d`` draft, ``c_k`` the confidence of slot k,
+``a_k = Π_{i≤k} c_i`` the prefix survival, ``ℓ`` the verify length, γ the block size.
+
+The scheduler (METHOD §5) multiplies confidences and compares the products against step costs, so it needs
+calibrated *absolute* values, not just a good ranking. STS fits one temperature per slot on held-out
+proposals: each proposal gives raw confidence logits ``z_1..z_γ`` and prefix-survival labels
+``y_k = 1[drafts 1..k all accepted]`` for the slots that were verified (``k ≤ ℓ``); unverified slots are
+censored (NaN), never labelled 0. For ``k = 1..γ`` in order, ``T_k`` minimises the ECE of
+``Π_{i≤k} σ(z_i/T_i)`` against ``y_k`` with ``T_1..T_{k-1}`` already fixed. Dividing a logit by a positive
+temperature is monotone, so every slot keeps its ranking.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import torch
+from torch import Tensor
+
+from reference.config import DrafterConfig
+
+log = logging.getLogger(__name__)
+
+DECODE_MODES = ("greedy", "sampling")
+
+
+def default_temperature_grid() -> Tensor:
+    """The default STS search grid: 301 log-spaced temperatures from 0.05 to 20.
+
+    Why: T > 1 softens an over-confident head and T < 1 sharpens an under-confident one, and the two ends
+    are symmetric in log-space (0.05 = 1/20), so with 301 points T = 1 is the exact midpoint (index 150).
+    Neighbouring points differ by a factor 400^(1/300) ≈ 1.020, which moves a calibrated probability by
+    less than 0.5 % (|dσ(z/T)/d log T| = σ(1-σ)|z/T| ≤ 0.23 over the logits that matter, times 0.02),
+    well below the ~1 % ECE the paper reaches after calibration. A grid, unlike a gradient method, also
+    copes with ECE being piecewise constant in T.
+    """
+    return torch.logspace(math.log10(0.05), math.log10(20.0), 301, dtype=torch.float64)
+
+
+def _check_probs_labels(probs: Tensor, labels: Tensor, num_bins: int) -> None:
+    if probs.dim() != 1 or labels.shape != probs.shape:
+        raise ValueError(f"probs and labels must be 1-D of equal length, got {tuple(probs.shape)} "
+                         f"and {tuple(labels.shape)}")
+    if probs.numel() == 0:
+        raise ValueError("ECE of an empty set is undefined: no probabilities given")
+    if num_bins < 1:
+        raise ValueError(f"num_bins must be ≥ 1, got {num_bins}")
+    if bool(((probs < 0) | (probs > 1) | probs.isnan()).any()):
+        raise ValueError("probs must lie in [0, 1]")
+    if bool(((labels != 0) & (labels != 1)).any()):
+        raise ValueError("labels must be 0 or 1 (censored slots must be removed before computing ECE)")
+
+
+def _bin_index(probs: Tensor, num_bins: int) -> Tensor:
+    """Equal-width bins ``[i/B, (i+1)/B)`` on [0, 1], the last one closed so that p = 1 lands in it."""
+    return (probs * num_bins).long().clamp(0, num_bins - 1)
+
+
+def _ece_batched(probs: Tensor, labels: Tensor, num_bins: int) -> Tensor:
+    """ECE of G candidate probability vectors against one label vector at once.
+
+    Args:
+        probs: ``[G, M]`` probabilities (one row per candidate temperature).
+        labels: ``[M]`` 0/1 outcomes.
+        num_bins: B.
+
+    Returns:
+        ``[G]`` float64 ``Σ_b (n_b/M)·|mean conf_b − accuracy_b| = Σ_b |Σ_{i∈b}(p_i − y_i)| / M``.
+    """
+    G, M = probs.shape
+    probs = probs.double()
+    gap = probs - labels.double()[None, :]  # [G, M] per-sample signed miscalibration
+    bins = _bin_index(probs, num_bins) + num_bins * torch.arange(G, device=probs.device)[:, None]  # [G, M]
+    per_bin = torch.zeros(G * num_bins, dtype=torch.float64, device=probs.device)
+    per_bin.index_add_(0, bins.flatten(), gap.flatten())  # [G·B] Σ (p - y) in each bin
+    return per_bin.view(G, num_bins).abs().sum(dim=1) / M
+
+
+def expected_calibration_error(probs: Tensor, labels: Tensor, num_bins: int = 20) -> float:
+    """Expected calibration error with equal-width bins, weighted by bin count.
+
+    ``ECE = Σ_b (n_b / M) · |mean(p in b) − mean(y in b)|``, bins ``[i/B, (i+1)/B)`` with the last closed.
+
+    Args:
+        probs: ``[M]`` predicted probabilities in [0, 1].
+        labels: ``[M]`` outcomes in {0, 1}.
+        num_bins: B; METHOD §3 uses 20.
+    """
+    _check_probs_labels(probs, labels, num_bins)
+    return float(_ece_batched(probs[None, :], labels, num_bins)[0])
+
+
+def reliability_diagram(probs: Tensor, labels: Tensor, num_bins: int = 20) -> dict:
+    """Per-bin data of a reliability diagram, JSON-ready.
+
+    Returns:
+        ``{"num_bins", "lower", "upper", "count", "mean_confidence", "accuracy", "ece"}``; the per-bin
+        entries are lists of length B, with ``None`` mean/accuracy for empty bins.
+    """
+    _check_probs_labels(probs, labels, num_bins)
+    probs, labels = probs.double(), labels.double()
+    bins = _bin_index(probs, num_bins)  # [M]
+    count = torch.bincount(bins, minlength=num_bins)  # [B]
+    conf_sum = torch.bincount(bins, weights=probs, minlength=num_bins)  # [B]
+    hit_sum = torch.bincount(bins, weights=labels, minlength=num_bins)  # [B]
+    n = count.tolist()
+    return {
+        "num_bins": num_bins,
+        "lower": [i / num_bins for i in range(num_bins)],
+        "upper": [(i + 1) / num_bins for i in range(num_bins)],
+        "count": n,
+        "mean_confidence": [float(c) / k if k else None for c, k in zip(conf_sum.tolist(), n)],
+        "accuracy": [float(h) / k if k else None for h, k in zip(hit_sum.tolist(), n)],
+        "ece": float(_ece_batched(probs[None, :], labels, num_bins)[0]),
+    }
+
+
+def prefix_survival_labels(num_accepted: Tensor, verify_lens: Tensor, gamma: int) -> Tensor:
+    """Prefix-survival labels of M proposals, with unverified slots censored.
+
+    ``y_k = 1[drafts 1..k all accepted] = 1[k ≤ num_accepted]`` for ``k ≤ ℓ``, and NaN for ``k > ℓ``: a slot
+    the scheduler never sent to the target says nothing about the drafter. A slot ``k ≤ ℓ`` after the first
+    rejection is a real 0 (its prefix did not survive).
+
+    Args:
+        num_accepted: ``[M]`` int, accepted drafts per proposal (``0 ≤ num_accepted ≤ ℓ``).
+        verify_lens: ``[M]`` int, verify length ℓ per proposal (``0 ≤ ℓ ≤ γ``).
+        gamma: block size γ.
+
+    Returns:
+        ``[M, γ]`` float32 labels in {0, 1, NaN}.
+    """
+    if num_accepted.dim() != 1 or verify_lens.shape != num_accepted.shape:
+        raise ValueError(f"num_accepted and verify_lens must be 1-D [M] of equal length, got "
+                         f"{tuple(num_accepted.shape)} and {tuple(verify_lens.shape)}")
+    if gamma < 1:
+        raise ValueError(f"gamma must be ≥ 1, got {gamma}")
+    acc, ell = num_accepted.long(), verify_lens.long()
+    if bool(((ell < 0) | (ell > gamma)).any()):
+        raise ValueError(f"verify_lens must lie in [0, {gamma}]")
+    if bool(((acc < 0) | (acc > ell)).any()):
+        raise ValueError("num_accepted must lie in [0, verify_len] for every proposal")
+    k = torch.arange(1, gamma + 1, device=acc.device)[None, :]  # [1, γ]
+    y = (k <= acc[:, None]).float()  # [M, γ]
+    return torch.where(k <= ell[:, None], y, torch.full_like(y, float("nan")))
+
+
+def _check_logits_labels(conf_logits: Tensor, labels: Tensor) -> None:
+    if conf_logits.dim() != 2 or labels.shape != conf_logits.shape:
+        raise ValueError(f"conf_logits and labels must both be [M, γ], got {tuple(conf_logits.shape)} "
+                         f"and {tuple(labels.shape)}")
+    if not labels.is_floating_point():
+        raise ValueError(f"labels must be float with NaN for censored slots, got {labels.dtype}")
+    known = ~labels.isnan()
+    if bool((known & (labels != 0) & (labels != 1)).any()):
+        raise ValueError("labels must be 0, 1 or NaN (censored)")
+    # Prefix-survival labels never rise along k and are never observed after a censored slot.
+    later = labels[:, 1:]
+    earlier = labels[:, :-1]
+    if bool((~later.isnan() & (earlier.isnan() | (later > earlier))).any()):
+        raise ValueError("labels are not prefix-survival labels: y_k must be non-increasing in k and censoring "
+                         "must be a suffix (use prefix_survival_labels; per-slot acceptance labels are wrong here)")
+
+
+def fit_sts(conf_logits: Tensor, labels: Tensor, *, grid: Tensor | None = None, num_bins: int = 20) -> list[float]:
+    """Fit one temperature per slot, sequentially (METHOD §3).
+
+    For ``k = 1..γ``: ``T_k = argmin_{T ∈ grid} ECE(Π_{i<k} σ(z_i/T_i) · σ(z_k/T), y_k)`` over the rows where
+    ``y_k`` is not censored, with ``T_1..T_{k-1}`` fixed. Ties go to the smallest T in the grid. A slot with no
+    uncensored row keeps ``T_k = 1`` (and a warning is logged).
+
+    Args:
+        conf_logits: ``[M, γ]`` raw confidence logits z.
+        labels: ``[M, γ]`` prefix-survival labels (:func:`prefix_survival_labels`), NaN = censored.
+        grid: ``[G]`` positive candidate temperatures; default :func:`default_temperature_grid`.
+        num_bins: ECE bins; METHOD §3 uses 20.
+
+    Returns:
+        ``[T_1, .., T_γ]`` as Python floats.
+    """
+    _check_logits_labels(conf_logits, labels)
+    grid = default_temperature_grid() if grid is None else grid.double().flatten()
+    if grid.numel() == 0 or bool((grid <= 0).any()) or not bool(grid.isfinite().all()):
+        raise ValueError("grid must hold finite positive temperatures")
+    z = conf_logits.double()  # [M, γ]
+    grid = grid.to(z.device)
+    a_prev = torch.ones(z.shape[0], dtype=torch.float64, device=z.device)  # [M] Π_{i<k} ĉ_i, fixed so far
+    temps: list[float] = []
+    for k in range(z.shape[1]):
+        rows = ~labels[:, k].isnan()  # [M] uncensored at slot k
+        if not bool(rows.any()):
+            log.warning("STS: slot %d has no verified proposals; keeping T = 1", k + 1)
+            t_k = 1.0
+        else:
+            cand = a_prev[rows][None, :] * torch.sigmoid(z[rows, k][None, :] / grid[:, None])  # [G, m]
+            ece = _ece_batched(cand, labels[rows, k].to(z.device), num_bins)  # [G]
+            t_k = float(grid[int(torch.argmin(ece))])  # argmin returns the first minimum: smallest T on ties
+        temps.append(t_k)
+        a_prev = a_prev * torch.sigmoid(z[:, k] / t_k)
+    return temps
+
+
+def _check_temperatures(conf_logits: Tensor, temperatures) -> Tensor:
+    t = torch.as_tensor(temperatures, dtype=torch.float64).flatten()
+    if conf_logits.dim() < 1 or t.numel() != conf_logits.shape[-1]:
+        raise ValueError(f"need one temperature per slot: {t.numel()} temperatures for conf_logits "
+                         f"{tuple(conf_logits.shape)}")
+    if bool((t <= 0).any()) or not bool(t.isfinite().all()):
+        raise ValueError(f"temperatures must be finite and positive, got {t.tolist()}")
+    return t
+
+
+def apply_sts(conf_logits: Tensor, temperatures) -> Tensor:
+    """Calibrated per-slot confidences ``ĉ_k = σ(z_k / T_k)``.
+
+    Args:
+        conf_logits: ``[.., γ]`` raw confidence logits.
+        temperatures: γ positive temperatures (list or tensor).
+
+    Returns:
+        ``[.., γ]`` confidences in the dtype of ``conf_logits`` (float32 for integer input).
+    """
+    t = _check_temperatures(conf_logits, temperatures)
+    dtype = conf_logits.dtype if conf_logits.is_floating_point() else torch.float32
+    return torch.sigmoid(conf_logits / t.to(device=conf_logits.device, dtype=dtype))
+
+
+def prefix_survival(conf: Tensor) -> Tensor:
+    """Prefix survival ``a_k = Π_{i≤k} c_i`` along the last dimension: ``[.., γ] -> [.., γ]``."""
+    return torch.cumprod(conf, dim=-1)
+
+
+def calibration_report(conf_logits: Tensor, labels: Tensor, temperatures, num_bins: int = 20) -> dict:
+    """Per-slot ECE of the prefix survival before (T = 1) and after STS, JSON-ready.
+
+    Returns:
+        ``{"num_bins", "temperatures", "positions": [...]}``, one entry per slot k with ``k``, ``count``
+        (uncensored proposals), ``survival_rate`` (mean y_k), ``mean_a_before``/``mean_a_after`` and
+        ``ece_before``/``ece_after``; the float fields are ``None`` where ``count`` is 0.
+    """
+    _check_logits_labels(conf_logits, labels)
+    t = _check_temperatures(conf_logits, temperatures)
+    z = conf_logits.double()
+    a_before = prefix_survival(torch.sigmoid(z))  # [M, γ]
+    a_after = prefix_survival(apply_sts(z, t))  # [M, γ]
+    positions = []
+    for k in range(z.shape[1]):
+        rows = ~labels[:, k].isnan()
+        n = int(rows.sum())
+        entry: dict = {"k": k + 1, "count": n}
+        if n:
+            y = labels[rows, k].double()
+            entry.update(
+                survival_rate=float(y.mean()),
+                mean_a_before=float(a_before[rows, k].mean()),
+                mean_a_after=float(a_after[rows, k].mean()),
+                ece_before=expected_calibration_error(a_before[rows, k], y, num_bins),
+                ece_after=expected_calibration_error(a_after[rows, k], y, num_bins),
+            )
+        else:
+            entry.update(survival_rate=None, mean_a_before=None, mean_a_after=None, ece_before=None, ece_after=None)
+        positions.append(entry)
+    return {"num_bins": num_bins, "temperatures": [float(x) for x in t.tolist()], "positions": positions}
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_uncalibrated(mode: str) -> None:
+    """Log once per mode (the cache is the once-ness) that the scheduler runs on raw confidences."""
+    log.warning("no STS temperatures for decoding mode %r: using raw confidences (T = 1); "
+                "run scripts/calibrate.py for calibrated prefix survivals", mode)
+
+
+def temperatures_for(config: DrafterConfig, mode: str) -> list[float]:
+    """The STS temperatures of one decoding mode ("greedy" or "sampling"); all ones if uncalibrated.
+
+    Greedy labels are argmax matches and sampling labels are rejection-sampling outcomes, so the two modes
+    keep separate sets (METHOD §3).
+    """
+    if mode not in DECODE_MODES:
+        raise ValueError(f"unknown decoding mode {mode!r}; choose one of {', '.join(DECODE_MODES)}")
+    temps = config.sts_temperatures.get(mode)
+    if not temps:
+        _warn_uncalibrated(mode)
+        return [1.0] * config.block_size
+    return [float(t) for t in temps]

@@ -1,0 +1,258 @@
+"""Save and load a DSpark drafter directory: ``config.json`` plus sharded safetensors.
+
+The format stores what METHOD §1 says the drafter owns (context projection, backbone layers, sequential and
+confidence heads, the learned mask vector) and the STS temperatures of METHOD §3 (inside the drafter config).
+The target's embedding and LM head are shared and never saved. Names follow METHOD.md (``p_t`` target,
+``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
+
+Layout of a checkpoint directory::
+
+    config.json                     {"format": "dspark-drafter", "format_version": 1,
+                                     "drafter": DrafterConfig.to_dict(),
+                                     "target": {"name", "num_layers", "hidden_size", "vocab_size"},
+                                     "dtype": "float32" | "bfloat16" | ..., "extra": {...} (optional)}
+    model.safetensors               when everything fits in one shard, otherwise
+    model-00001-of-0000N.safetensors ... + model.safetensors.index.json  {"metadata": {...}, "weight_map": {...}}
+
+Shards hold at most 15 MB by default so that checkpoints can live in the repository without Git LFS.
+Every loading problem fails fast with a message naming the file or key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from reference.config import DrafterConfig
+from reference.drafter import DSparkDrafter
+
+FORMAT = "dspark-drafter"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 15_000_000  # the repository's per-file limit for shipped checkpoints
+_TOP_LEVEL_KEYS = {"format", "format_version", "drafter", "target", "dtype", "extra"}
+# Upper bound of the safetensors header per tensor (name, dtype, shape, offsets as JSON) plus the file's
+# 8-byte length prefix and alignment padding; real entries are ~100 bytes, the file size is checked anyway.
+_HEADER_BYTES_PER_TENSOR = 256
+_HEADER_BYTES_FIXED = 64
+
+
+def _shard_name(i: int, n: int) -> str:
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Greedy packing in state_dict order: a new shard starts when the next tensor would overflow."""
+    shards: list[list[str]] = [[]]
+    used = _HEADER_BYTES_FIXED
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size() + _HEADER_BYTES_PER_TENSOR + len(name)
+        if size + _HEADER_BYTES_FIXED > max_shard_bytes:
+            raise ValueError(f"tensor {name!r} ({size} bytes) alone exceeds max_shard_bytes={max_shard_bytes}; "
+                             "save in a smaller dtype or lower the rank")
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = _HEADER_BYTES_FIXED
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def save_drafter(drafter: DSparkDrafter, directory: str | os.PathLike, *, max_shard_bytes: int = MAX_SHARD_BYTES,
+                 extra: dict[str, Any] | None = None) -> Path:
+    """Write ``drafter`` to ``directory`` (created if needed; old weight files there are replaced).
+
+    Args:
+        drafter: the drafter; only its own parameters are written (no embedding, no LM head).
+        directory: destination directory.
+        max_shard_bytes: upper bound on each safetensors file's size.
+        extra: JSON-serialisable metadata stored under ``"extra"`` (training run, data, step, ...).
+
+    Returns:
+        The directory as a Path.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in drafter.state_dict().items()}
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) != 1:
+        raise ValueError(f"drafter parameters mix dtypes {sorted(map(str, dtypes))}; cast it to one dtype first")
+    dtype = str(dtypes.pop()).removeprefix("torch.")
+    cfg = drafter.config
+    config = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "drafter": cfg.to_dict(),
+        "target": {"name": cfg.target_name, "num_layers": cfg.target_num_layers, "hidden_size": cfg.hidden_size,
+                   "vocab_size": cfg.vocab_size},
+        "dtype": dtype,
+    }
+    if extra:
+        config["extra"] = extra
+    # Stale weight files from an earlier save would otherwise be mixed with the new ones.
+    for old in [*directory.glob("model*.safetensors"), directory / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    shards = _plan_shards(tensors, max_shard_bytes)
+    names = [SINGLE_FILE] if len(shards) == 1 else [_shard_name(i + 1, len(shards)) for i in range(len(shards))]
+    for fname, keys in zip(names, shards, strict=True):
+        path = directory / fname
+        save_file({k: tensors[k] for k in keys}, str(path), metadata={"format": "pt"})
+        if path.stat().st_size > max_shard_bytes:  # guards the header estimate above
+            raise RuntimeError(f"{path} is {path.stat().st_size} bytes, over max_shard_bytes={max_shard_bytes}")
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {k: fname for fname, keys in zip(names, shards, strict=True) for k in keys}}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    _write_json(directory / CONFIG_FILE, config)
+    return directory
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    """Write atomically, so an interrupted rewrite never leaves a truncated config.json."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _read_config_json(directory: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"drafter checkpoint directory {directory} does not exist")
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: not a DSpark drafter checkpoint")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        found = config.get("format") if isinstance(config, dict) else type(config).__name__
+        raise ValueError(f"{path}: format is {found!r}, expected {FORMAT!r}")
+    if config.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {config.get('format_version')!r} is not supported "
+                         f"(this code reads version {FORMAT_VERSION})")
+    unknown = sorted(set(config) - _TOP_LEVEL_KEYS)
+    if unknown:
+        raise ValueError(f"{path}: unknown top-level keys {unknown} (free-form metadata belongs under 'extra')")
+    for key in ("drafter", "target", "dtype"):
+        if key not in config:
+            raise ValueError(f"{path}: missing key {key!r}")
+    return path, config
+
+
+def read_drafter_config(directory: str | os.PathLike) -> DrafterConfig:
+    """The :class:`DrafterConfig` stored in ``directory/config.json`` (validated)."""
+    path, config = _read_config_json(directory)
+    try:
+        return DrafterConfig.from_dict(config["drafter"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: 'drafter' section: {e}") from e
+
+
+def update_sts_temperatures(directory: str | os.PathLike, mode: str, temps: list[float]) -> DrafterConfig:
+    """Store the STS temperatures (one per slot) of decoding ``mode`` ("greedy" or "sampling") in place."""
+    path, config = _read_config_json(directory)
+    drafter = dict(config["drafter"])
+    drafter["sts_temperatures"] = {**drafter.get("sts_temperatures", {}), mode: [float(t) for t in temps]}
+    cfg = DrafterConfig.from_dict(drafter)  # validates the mode and the γ positive temperatures
+    config["drafter"] = cfg.to_dict()
+    _write_json(path, config)
+    return cfg
+
+
+def _weight_files(directory: Path) -> dict[str, Path]:
+    """Which file holds each tensor: from the index when sharded, else the single file."""
+    index_path = directory / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index_path} is not a valid safetensors index (needs a 'weight_map'): {e}") from e
+        files = {name: directory / fname for name, fname in weight_map.items()}
+        for path in sorted(set(files.values())):
+            if not path.is_file():
+                raise FileNotFoundError(f"shard {path.name} is listed in {index_path} but absent")
+        return files
+    single = directory / SINGLE_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _check_target(cfg: DrafterConfig, target: Any, directory: Path) -> None:
+    problems = []
+    if target.hidden_size != cfg.hidden_size:
+        problems.append(f"hidden size {cfg.hidden_size} != target's {target.hidden_size}")
+    if target.vocab_size != cfg.vocab_size:
+        problems.append(f"vocab size {cfg.vocab_size} != target's {target.vocab_size}")
+    if cfg.target_num_layers and target.num_layers != cfg.target_num_layers:
+        problems.append(f"trained for a {cfg.target_num_layers}-layer target, this one has {target.num_layers}")
+    if any(not 0 <= i < target.num_layers for i in cfg.target_layer_ids):
+        problems.append(f"layer ids {list(cfg.target_layer_ids)} out of range for {target.num_layers} layers")
+    layer_ids = getattr(target, "layer_ids", None)
+    if layer_ids is not None and tuple(layer_ids) != tuple(cfg.target_layer_ids):
+        problems.append(f"target taps layers {list(layer_ids)}, the drafter needs {list(cfg.target_layer_ids)} "
+                        "(load the target with layer_ids=those)")
+    if problems:
+        raise ValueError(f"drafter {directory} does not match the target: " + "; ".join(problems))
+
+
+def load_drafter(directory: str | os.PathLike, target: Any = None, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None) -> DSparkDrafter:
+    """Load a drafter saved by :func:`save_drafter`.
+
+    Args:
+        directory: the checkpoint directory.
+        target: optional target (with ``embed_tokens``, ``lm_head``, ``vocab_size``, ``hidden_size``,
+            ``num_layers``): validated against the checkpoint and attached.
+        device: where to put the drafter.
+        dtype: parameter dtype; None keeps the stored one.
+
+    Returns:
+        The drafter in eval mode.
+    """
+    directory = Path(directory)
+    cfg = read_drafter_config(directory)
+    _, config = _read_config_json(directory)
+    stored_dtype = getattr(torch, str(config["dtype"]), None)
+    if not isinstance(stored_dtype, torch.dtype):
+        raise ValueError(f"{directory / CONFIG_FILE}: unknown dtype {config['dtype']!r}")
+    if target is not None:
+        _check_target(cfg, target, directory)
+
+    drafter = DSparkDrafter(cfg)
+    expected = drafter.state_dict()
+    files = _weight_files(directory)
+    missing = sorted(set(expected) - set(files))
+    unexpected = sorted(set(files) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {directory} does not fit its config: missing tensors {missing}, "
+                         f"unexpected tensors {unexpected}")
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(set(files.values())):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if files.get(name) != path:
+                    raise ValueError(f"tensor {name!r} found in {path.name}, the index places it elsewhere")
+                t = f.get_tensor(name)
+                if t.shape != expected[name].shape:
+                    raise ValueError(f"tensor {name!r} in {path.name} has shape {list(t.shape)}, "
+                                     f"the config implies {list(expected[name].shape)}")
+                state[name] = t
+    absent = sorted(set(files) - set(state))
+    if absent:
+        raise ValueError(f"tensors {absent} are listed in {INDEX_FILE} but absent from their shards")
+    drafter.load_state_dict(state, strict=True)
+    drafter = drafter.to(device=device, dtype=dtype or stored_dtype).eval()
+    if target is not None:
+        drafter.attach_target(target.embed_tokens, target.lm_head)
+    return drafter

@@ -1,0 +1,523 @@
+"""The DSpark drafter: parallel backbone with target-context KV injection, sequential head, confidence head.
+
+Implements ``design/METHOD.md`` §1. Names follow METHOD.md: ``p_t`` target, ``p_d`` draft, ``a`` prefix
+survival, ``ℓ`` verify length, ``γ`` block size, ``x_0`` the anchor, ``U_k`` base logits, ``B_k`` the
+sequential head's bias, ``c_k`` confidence (returned here as its logit ``z_k``; STS calibrates it).
+
+One drafting step for a request whose anchor ``x_0`` sits at absolute position ``p``::
+
+    H_ctx   = RMSNorm(W_c · concat(H^(l1..lm)))          target features at positions < p
+    block   = [x_0, M, …, M]                              γ inputs at positions p..p+γ-1
+    h_1..γ  = backbone(block; keys/values += k/v_proj(H_ctx))   non-causal inside the block
+    U_k     = lm_head(h_k)                                the target's LM head, shared and frozen
+    B_k     = W2(W1[x_{k-1}])  (Markov)  or an RNN over the prefix; 0 for the parallel-only ablation
+    p_d,k   = softmax(U_k + B_k),   z_k = w·[h_k; W1[x_{k-1}]] + b,   c_k = σ(z_k)
+
+Only the sequential head is serial (``sample_block``); the backbone runs once per step. The classes go
+from leaf to root, as in nanoGPT's ``model.py``: RMSNorm, rotary helpers, Attention, MLP, Layer, the heads,
+the context cache and finally :class:`DSparkDrafter`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from reference import sampling
+from reference.config import DrafterConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain, computed in float32 like HF Llama/Qwen."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rotary position embedding, HF Llama convention (rotate_half, inv_freq = θ^(-2i/D)). The context keys must
+# be rotated exactly like the target would rotate them, because they are the target's positions.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """cos and sin tables for absolute ``positions`` [..., T] -> two tensors [..., T, D].
+
+    Computed in float32 on the fly (not a buffer): a buffer would be cast to bf16 by ``.to(dtype)`` and
+    lose the precision that large positions need.
+    """
+    # 1 / θ^(2i/D), spelled as HF spells it: θ^(-2i/D) rounds differently, and at position ~2000 the ulp of
+    # inv_freq already moves the angle by 1e-5.
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim  # [D/2]
+    inv_freq = 1.0 / (theta**exponents)  # [D/2]
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [..., T, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, heads, T, D] by the tables ``cos``/``sin`` [B, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D], broadcast over heads
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention whose keys/values are the injected context followed by the block itself.
+
+    Queries come only from the block. The context K/V are produced by this layer's own ``k_proj``/
+    ``v_proj`` from ``H_ctx`` (:meth:`project_kv`) and may be computed once and cached across steps.
+    """
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        d, H, Hkv, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = H, Hkv, D
+        self.rope_theta = config.rope_theta
+        self.q_proj = nn.Linear(d, H * D, bias=config.attention_bias)
+        self.k_proj = nn.Linear(d, Hkv * D, bias=config.attention_bias)
+        self.v_proj = nn.Linear(d, Hkv * D, bias=config.attention_bias)
+        self.o_proj = nn.Linear(H * D, d, bias=False)
+        # Qwen3 normalises every query/key head before RoPE; Llama and Qwen2 do not.
+        self.q_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
+
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (RoPE'd at ``positions``) and values of ``x`` [B, T, d] -> two tensors [B, Hkv, T, D]."""
+        B, T, _ = x.shape
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, k.dtype)  # [B, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        return k, v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """Attend from the block tokens to [context; block].
+
+        Args:
+            x: block hidden states [B, Q, d] (Q = all block tokens of a row, several blocks when packed).
+            positions: their absolute positions [B, Q].
+            ctx_k, ctx_v: this layer's context keys/values [B, Hkv, S, D] (keys already RoPE'd).
+            mask: boolean [B, 1, Q, S + Q], True where the query may attend.
+        """
+        B, Q, _ = x.shape
+        q = self.q_proj(x).view(B, Q, self.num_heads, self.head_dim)  # [B, Q, H, D]
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)  # [B, Q, D]
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, Q, D]
+        k, v = self.project_kv(x, positions)  # [B, Hkv, Q, D]
+        k = torch.cat((ctx_k, k), dim=2)  # [B, Hkv, S + Q, D]
+        v = torch.cat((ctx_v, v), dim=2)  # [B, Hkv, S + Q, D]
+        group = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(group, dim=1)  # [B, H, S + Q, D]: query head i reads kv head i // group
+        v = v.repeat_interleave(group, dim=1)  # [B, H, S + Q, D]
+        # Every query sees at least its own block, so no row is fully masked (which would give NaN).
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, Q, D]
+        return self.o_proj(y.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward of the target's shape: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    """One pre-norm backbone layer: x + attn(norm(x)), then x + mlp(norm(x)). HF parameter names."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sequential heads. Both expose the same step interface so that teacher forcing (training) and left-to-right
+# sampling (inference) run the same arithmetic:  bias_k, state_k = step(W1[x_{k-1}], h_k, state_{k-1}).
+# W2 starts at zero, so a fresh drafter is exactly its parallel-only self (B = 0); W2's gradient
+# dL/dB ⊗ W1[x] is non-zero from the first step, and W1 is trained through the confidence head meanwhile.
+# ---------------------------------------------------------------------------------------------------------
+
+
+class MarkovHead(nn.Module):
+    """B_k = W2(W1[x_{k-1}]): a low-rank bigram bias, the same W1, W2 for every slot (METHOD §1)."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        r = config.markov_rank
+        # W1 ~ N(0, 1) (nn.Embedding's default): unit-scale entries, like the RMS-normalised h_k they sit
+        # next to in the confidence head's input.
+        self.w1 = nn.Embedding(config.vocab_size, r)
+        self.w2 = nn.Linear(r, config.vocab_size, bias=False)
+        nn.init.zeros_(self.w2.weight)
+
+    def initial_state(self, h: torch.Tensor) -> torch.Tensor | None:
+        return None  # the Markov head carries no state beyond the previous token
+
+    def step(self, e_prev: torch.Tensor, h_k: torch.Tensor, state: torch.Tensor | None):
+        """e_prev = W1[x_{k-1}] [.., r], h_k [.., d] -> (B_k [.., V], state)."""
+        return self.w2(e_prev), state
+
+    def teacher_forced(self, e_prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """All slots at once: e_prev [.., γ, r] -> B [.., γ, V]; the Markov bias has no recurrence."""
+        return self.w2(e_prev)
+
+
+class RNNHead(nn.Module):
+    """Gated recurrent bias (METHOD §1 variant): z_k = [s_{k-1}; W1[x_{k-1}]; h_k] -> (g, c, o),
+    s_k = σ(g)⊙s_{k-1} + (1-σ(g))⊙tanh(c), B_k = W2·tanh(o), s_0 = 0."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        r, d = config.markov_rank, config.hidden_size
+        self.rank = r
+        self.w1 = nn.Embedding(config.vocab_size, r)  # N(0, 1), as in the Markov head
+        self.cell = nn.Linear(r + r + d, 3 * r)
+        self.w2 = nn.Linear(r, config.vocab_size, bias=False)
+        nn.init.zeros_(self.w2.weight)
+
+    def initial_state(self, h: torch.Tensor) -> torch.Tensor:
+        """s_0 = 0 [.., r] for a slot's hidden state h [.., d]."""
+        return h.new_zeros(*h.shape[:-1], self.rank)
+
+    def step(self, e_prev: torch.Tensor, h_k: torch.Tensor, state: torch.Tensor):
+        z = torch.cat((state, e_prev, h_k), dim=-1)  # [.., 2r + d]
+        g, c, o = self.cell(z).chunk(3, dim=-1)  # each [.., r]
+        gate = torch.sigmoid(g)
+        state = gate * state + (1 - gate) * torch.tanh(c)  # [.., r]
+        return self.w2(torch.tanh(o)), state
+
+    def teacher_forced(self, e_prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """e_prev [.., γ, r], h [.., γ, d] -> B [.., γ, V]; serial over γ (cheap: γ ≈ 7)."""
+        state, biases = self.initial_state(h[..., 0, :]), []
+        for k in range(h.shape[-2]):
+            bias, state = self.step(e_prev[..., k, :], h[..., k, :], state)
+            biases.append(bias)
+        return torch.stack(biases, dim=-2)
+
+
+@dataclass
+class DraftOutput:
+    """One drafting step for R requests."""
+
+    tokens: torch.Tensor  # [R, γ] int64: x_1..x_γ
+    probs: torch.Tensor  # [R, γ, V] float32: p_d, the exact distribution each x_k was drawn from
+    conf_logits: torch.Tensor  # [R, γ] float32: z_k, uncalibrated; c_k = σ(z_k / T_k) after STS
+
+
+def block_attention_mask(anchor_pos: torch.Tensor, ctx_pos: torch.Tensor, ctx_valid: torch.Tensor,
+                         gamma: int) -> torch.Tensor:
+    """Who may attend to whom when nb blocks of γ tokens are packed after S context tokens.
+
+    A block token sees valid context positions strictly before its anchor (the anchor's own target
+    features do not exist at draft time) and every token of its own block (non-causal); never another
+    block. Context tokens are never queries, so they have no rows.
+
+    Args:
+        anchor_pos: [B, nb] absolute positions of the anchors.
+        ctx_pos: [B, S] absolute positions of the context tokens.
+        ctx_valid: [B, S] bool, False for padding.
+        gamma: block size γ.
+
+    Returns:
+        Boolean mask [B, 1, nb·γ, S + nb·γ], True = may attend.
+    """
+    B, nb = anchor_pos.shape
+    q_anchor = anchor_pos.repeat_interleave(gamma, dim=1)  # [B, Q]: the anchor of each query's block
+    sees_ctx = ctx_valid[:, None, :] & (ctx_pos[:, None, :] < q_anchor[:, :, None])  # [B, Q, S]
+    block_id = torch.arange(nb, device=anchor_pos.device).repeat_interleave(gamma)  # [Q]
+    sees_block = (block_id[:, None] == block_id[None, :]).expand(B, -1, -1)  # [B, Q, Q]
+    return torch.cat((sees_ctx, sees_block), dim=-1).unsqueeze(1)  # [B, 1, Q, S + Q]
+
+
+class ContextCache:
+    """Per-request projected context K/V of every backbone layer, appended as tokens get verified.
+
+    Only the context is cached (METHOD §1): the block's own K/V change every step and are recomputed.
+    Create one with :meth:`DSparkDrafter.new_context_cache`.
+    """
+
+    def __init__(self, drafter: DSparkDrafter) -> None:
+        self._drafter = drafter
+        cfg, p = drafter.config, drafter.context_proj.weight
+        empty = p.new_zeros(cfg.num_key_value_heads, 0, cfg.head_dim)  # [Hkv, 0, D]
+        self.keys = [empty] * cfg.num_layers  # per layer [Hkv, n, D], RoPE'd at the context positions
+        self.values = [empty] * cfg.num_layers  # per layer [Hkv, n, D]
+        self.positions = torch.zeros(0, dtype=torch.long, device=p.device)  # [n]
+
+    @property
+    def length(self) -> int:
+        """Number of cached context positions."""
+        return int(self.positions.numel())
+
+    @torch.no_grad()
+    def append(self, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add target features [n, m·d] at absolute ``positions`` [n] (increasing, past the cached ones)."""
+        cfg = self._drafter.config
+        if features.dim() != 2 or features.shape[1] != cfg.num_taps * cfg.hidden_size:
+            raise ValueError(f"features must be [n, m·d] = [n, {cfg.num_taps * cfg.hidden_size}], "
+                             f"got {list(features.shape)}")
+        positions = positions.to(device=self.positions.device, dtype=torch.long)
+        if positions.shape != (features.shape[0],):
+            raise ValueError(f"positions must be [n] = [{features.shape[0]}], got {list(positions.shape)}")
+        if positions.numel() == 0:
+            return
+        if (positions[1:] <= positions[:-1]).any():
+            raise ValueError("positions must be strictly increasing")
+        if self.length and positions[0] <= self.positions[-1]:
+            raise ValueError(f"position {int(positions[0])} is not beyond the cached ones "
+                             f"(last cached {int(self.positions[-1])})")
+        h_ctx = self._drafter.project_context(features)[None]  # [1, n, d]
+        for i, layer in enumerate(self._drafter.layers):
+            k, v = layer.self_attn.project_kv(h_ctx, positions[None])  # [1, Hkv, n, D]
+            self.keys[i] = torch.cat((self.keys[i], k[0]), dim=1)
+            self.values[i] = torch.cat((self.values[i], v[0]), dim=1)
+        self.positions = torch.cat((self.positions, positions))
+
+
+class DSparkDrafter(nn.Module):
+    """The drafter of METHOD §1. The target's embedding and LM head are attached, never owned."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        d, m = config.hidden_size, config.num_taps
+        self.context_proj = nn.Linear(m * d, d, bias=False)  # W_c
+        self.context_norm = RMSNorm(d, config.rms_norm_eps)
+        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
+        self.final_norm = RMSNorm(d, config.rms_norm_eps)
+        if config.mask_token_id is None:
+            # The target has no spare vocabulary row for M: learn one vector. Drawn N(0, 1) here and rescaled
+            # to the embedding table's std by the first attach_target (the table is unknown until then).
+            self.mask_embedding = nn.Parameter(torch.randn(d))
+        self._mask_init_pending = config.mask_token_id is None
+        # Loaded weights must never be rescaled by a later attach_target.
+        self.register_load_state_dict_post_hook(DSparkDrafter._loaded_hook)
+        r = config.markov_rank
+        self.seq_head = {"markov": MarkovHead, "rnn": RNNHead, "none": lambda _: None}[config.head](config)
+        # The confidence head reads [h_k; W1[x_{k-1}]]; with no sequential head there is no W1, only h_k.
+        self.conf_head = nn.Linear(d + (0 if self.seq_head is None else r), 1)
+        self._init_weights()
+        # A tuple, not attributes: nn.Module would register the target's modules as submodules, putting
+        # them into state_dict, parameters() and the drafter's optimiser.
+        self._target: tuple[nn.Module, nn.Module] | None = None
+
+    def _init_weights(self) -> None:
+        # HF's initializer_range 0.02 for the backbone (nanoGPT does the same); W1 keeps N(0, 1), W2 stays 0.
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear) and not name.endswith("w2"):
+                nn.init.normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    @staticmethod
+    def _loaded_hook(module: DSparkDrafter, incompatible_keys) -> None:
+        module._mask_init_pending = False
+
+    # --- the target's shared modules ---------------------------------------------------------------------
+
+    def attach_target(self, embed_tokens: nn.Embedding, lm_head: nn.Module) -> None:
+        """Share the target's (frozen) embedding and LM head. They are not stored, saved or trained here."""
+        if embed_tokens.weight.shape[0] < self.config.vocab_size:
+            raise ValueError(f"embedding has {embed_tokens.weight.shape[0]} rows, the drafter's vocabulary is "
+                             f"{self.config.vocab_size}")
+        if embed_tokens.weight.shape[1] != self.config.hidden_size:
+            raise ValueError(f"embedding width {embed_tokens.weight.shape[1]} != drafter hidden size "
+                             f"{self.config.hidden_size}")
+        self._target = (embed_tokens, lm_head)
+        if self._mask_init_pending:
+            with torch.no_grad():
+                self.mask_embedding.mul_(embed_tokens.weight.float().std().to(self.mask_embedding.dtype))
+            self._mask_init_pending = False
+
+    def _target_modules(self) -> tuple[nn.Module, nn.Module]:
+        if self._target is None:
+            raise RuntimeError("no target attached: call attach_target(embed_tokens, lm_head) first")
+        return self._target
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._target_modules()[0](tokens).to(self.context_proj.weight.dtype)
+
+    def _base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """U = lm_head(h) in float32; h is cast to the LM head's dtype (the target may run in bf16)."""
+        lm_head = self._target_modules()[1]
+        weight = next(lm_head.parameters(), None)
+        return lm_head(h if weight is None else h.to(weight.dtype)).float()
+
+    def _block_embeddings(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """[x_0, M, …, M] embedded: anchor_ids [...] -> [..., γ, d]."""
+        x0 = self._embed(anchor_ids)  # [..., d]
+        if self.config.mask_token_id is None:
+            mask = self.mask_embedding.to(x0.dtype)
+        else:
+            mask = self._embed(torch.tensor(self.config.mask_token_id, device=anchor_ids.device))
+        masks = mask.expand(*x0.shape[:-1], self.config.block_size - 1, x0.shape[-1])  # [..., γ-1, d]
+        return torch.cat((x0.unsqueeze(-2), masks), dim=-2)  # [..., γ, d]
+
+    # --- the parallel backbone -----------------------------------------------------------------------------
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """H_ctx = RMSNorm(W_c · concat(H^(l1..lm))): features [..., S, m·d] -> [..., S, d]."""
+        expected = self.config.num_taps * self.config.hidden_size
+        if features.shape[-1] != expected:
+            raise ValueError(f"context features must have m·d = {expected} channels, got {features.shape[-1]}")
+        return self.context_norm(self.context_proj(features.to(self.context_proj.weight.dtype)))
+
+    def _backbone(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                  mask: torch.Tensor) -> torch.Tensor:
+        """Block embeddings x [B, Q, d] at positions [B, Q] -> h [B, Q, d] (after the final norm)."""
+        for layer, (ctx_k, ctx_v) in zip(self.layers, ctx_kv, strict=True):
+            x = layer(x, positions, ctx_k, ctx_v, mask)
+        return self.final_norm(x)
+
+    def forward(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, ctx_features: torch.Tensor,
+                ctx_pos: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
+        """Training forward: nb blocks per sequence, packed under :func:`block_attention_mask`.
+
+        Args:
+            anchor_ids: [B, nb] int64, the anchors x_0.
+            anchor_pos: [B, nb] int64, their absolute positions p.
+            ctx_features: [B, S, m·d], the target's tapped features.
+            ctx_pos: [B, S] int64, absolute positions of the context tokens.
+            ctx_valid: [B, S] bool, False for padding.
+
+        Returns:
+            h [B, nb, γ, d]; slot k (index k-1) of a block predicts the token at p + k.
+        """
+        B, nb = anchor_ids.shape
+        S, gamma = ctx_features.shape[1], self.config.block_size
+        if anchor_pos.shape != (B, nb):
+            raise ValueError(f"anchor_pos must be [B, nb] = {[B, nb]}, got {list(anchor_pos.shape)}")
+        if ctx_features.dim() != 3 or ctx_features.shape[0] != B:
+            raise ValueError(f"ctx_features must be [B, S, m·d] with B = {B}, got {list(ctx_features.shape)}")
+        if ctx_pos.shape != (B, S) or ctx_valid.shape != (B, S):
+            raise ValueError(f"ctx_pos and ctx_valid must be [B, S] = {[B, S]}, got {list(ctx_pos.shape)} "
+                             f"and {list(ctx_valid.shape)}")
+        x = self._block_embeddings(anchor_ids).reshape(B, nb * gamma, -1)  # [B, Q, d], Q = nb·γ
+        offsets = torch.arange(gamma, device=anchor_pos.device)
+        positions = (anchor_pos[..., None] + offsets).reshape(B, nb * gamma)  # [B, Q]
+        h_ctx = self.project_context(ctx_features)  # [B, S, d]
+        ctx_kv = [layer.self_attn.project_kv(h_ctx, ctx_pos) for layer in self.layers]  # per layer [B, Hkv, S, D]
+        mask = block_attention_mask(anchor_pos, ctx_pos, ctx_valid.bool(), gamma)  # [B, 1, Q, S + Q]
+        h = self._backbone(x, positions, ctx_kv, mask)  # [B, Q, d]
+        return h.view(B, nb, gamma, -1)
+
+    def new_context_cache(self) -> ContextCache:
+        return ContextCache(self)
+
+    @torch.no_grad()
+    def backbone_cached(self, anchor_id: int, anchor_pos: int, cache: ContextCache) -> torch.Tensor:
+        """Inference backbone for one request: the cached context (positions < anchor_pos) -> h [γ, d]."""
+        gamma, device = self.config.block_size, cache.positions.device
+        x = self._block_embeddings(torch.tensor([int(anchor_id)], device=device))  # [1, γ, d]
+        positions = (int(anchor_pos) + torch.arange(gamma, device=device))[None]  # [1, γ]
+        sees_ctx = (cache.positions < int(anchor_pos)).expand(gamma, -1)  # [γ, n]
+        sees_block = torch.ones(gamma, gamma, dtype=torch.bool, device=device)  # [γ, γ]
+        mask = torch.cat((sees_ctx, sees_block), dim=-1)[None, None]  # [1, 1, γ, n + γ]
+        ctx_kv = [(k[None], v[None]) for k, v in zip(cache.keys, cache.values, strict=True)]  # [1, Hkv, n, D]
+        return self._backbone(x, positions, ctx_kv, mask)[0]
+
+    # --- the heads -------------------------------------------------------------------------------------------
+
+    def _conf_logit(self, h_k: torch.Tensor, e_prev: torch.Tensor | None) -> torch.Tensor:
+        """z_k = w·[h_k; W1[x_{k-1}]] + b: [.., d] -> [..] float32. Never sees x_k."""
+        z = h_k if e_prev is None else torch.cat((h_k, e_prev), dim=-1)
+        return self.conf_head(z).squeeze(-1).float()
+
+    def head_logits(self, h: torch.Tensor, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced heads (training, calibration).
+
+        Args:
+            h: backbone output [.., γ, d].
+            prev_tokens: [.., γ] int64, x_{k-1} for each slot: the anchor, then the ground-truth tokens.
+
+        Returns:
+            draft_logits [.., γ, V] float32 (U + B; p_d = softmax of it) and conf_logits [.., γ] float32.
+        """
+        if prev_tokens.shape != h.shape[:-1] or h.shape[-2] != self.config.block_size:
+            raise ValueError(f"h [.., γ={self.config.block_size}, d] and prev_tokens [.., γ] disagree: "
+                             f"{list(h.shape)} vs {list(prev_tokens.shape)}")
+        logits = self._base_logits(h)  # [.., γ, V]
+        if self.seq_head is None:
+            return logits, self._conf_logit(h, None)
+        e_prev = self.seq_head.w1(prev_tokens)  # [.., γ, r]
+        logits = logits + self.seq_head.teacher_forced(e_prev, h).float()
+        return logits, self._conf_logit(h, e_prev)
+
+    @torch.no_grad()
+    def sample_block(self, h: torch.Tensor, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor,
+                     temperature: torch.Tensor, seed: int, request_ids: torch.Tensor) -> DraftOutput:
+        """Draw x_1..x_γ left to right, the only serial part of drafting (METHOD §1).
+
+        Args:
+            h: backbone output [R, γ, d].
+            anchor_ids, anchor_pos, request_ids: [R] int64.
+            temperature: [R] float; 0 gives one-hot argmax rows (greedy).
+            seed: the generation seed of the random-number contract.
+        """
+        R, gamma = h.shape[0], self.config.block_size
+        if h.dim() != 3 or h.shape[1] != gamma:
+            raise ValueError(f"h must be [R, γ={gamma}, d], got {list(h.shape)}")
+        for name, t in (("anchor_ids", anchor_ids), ("anchor_pos", anchor_pos), ("temperature", temperature),
+                        ("request_ids", request_ids)):
+            if t.shape != (R,):
+                raise ValueError(f"{name} must be [R] = [{R}], got {list(t.shape)}")
+        base = self._base_logits(h)  # [R, γ, V]
+        top_p = torch.ones(R, device=h.device)  # drafts are never truncated: p_d must cover what it proposes
+        top_k = torch.zeros(R, dtype=torch.long, device=h.device)
+        prev = anchor_ids.long()  # [R]: x_0
+        state = None if self.seq_head is None else self.seq_head.initial_state(h[:, 0])
+        tokens, probs, confs = [], [], []
+        for k in range(1, gamma + 1):
+            h_k = h[:, k - 1]  # [R, d]
+            logits = base[:, k - 1]  # [R, V]
+            e_prev = None
+            if self.seq_head is not None:
+                e_prev = self.seq_head.w1(prev)  # [R, r]
+                bias, state = self.seq_head.step(e_prev, h_k, state)
+                logits = logits + bias.float()
+            p_d = sampling.logits_to_probs(logits, temperature, top_p, top_k)  # [R, V]
+            x_k = sampling.sample(p_d, seed, request_ids, anchor_pos + k, sampling.draft_purpose(k))  # [R]
+            confs.append(self._conf_logit(h_k, e_prev))
+            tokens.append(x_k)
+            probs.append(p_d)
+            prev = x_k
+        return DraftOutput(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1).float(),
+                           conf_logits=torch.stack(confs, dim=1))
+
+    def num_parameters(self) -> int:
+        """Trainable parameters owned by the drafter (the shared embedding and LM head excluded)."""
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,379 @@
+"""The prefix scheduler: how many drafts each request verifies this step (METHOD §5).
+
+Survivals in, verify lengths out. Request ``r`` drafted ``x_{r,1..γ}`` with calibrated prefix survivals
+``a_{r,j} = Π_{i≤j} c_{r,i}``, the probability that drafts 1..j are all accepted. Verifying ``ℓ_r`` of them
+puts ``n = T_0 + Σ_r ℓ_r`` tokens in the target's forward (``T_0``: one anchor per decoding request plus any
+prefill tokens) and emits, in expectation, ``τ = R_s + Σ_r Σ_{j≤ℓ_r} a_{r,j}`` tokens (``R_s``: requests that
+sample a token this step). The scheduler maximises ``Θ = τ · SPS(n)``.
+
+**Why a global top-B is optimal.** For a fixed total ``B = Σ ℓ_r`` the step cost is fixed, so the best
+allocation maximises the sum of the chosen survivals: the ``B`` largest. Because ``a_{r,j}`` is
+non-increasing in ``j`` and ties rank the smaller slot first, the ``B`` largest form a prefix of every
+request's block. The whole problem is therefore one number, the budget ``B``.
+
+**Ranking.** Every global order in this module sorts candidates ``(r, j)`` by survival descending, then slot
+``j`` ascending, then request ``r`` ascending. The tie-break never looks at values, so two implementations
+(this one and ``optimized/``) that see equal survivals still agree on the allocation.
+
+**Losslessness.** Rejection sampling stays exact only if the decision to verify slot ``k`` uses nothing
+that was sampled at or after ``x_k`` (METHOD §5: whether slot ``k`` is verified may depend only on information
+available before ``x_k`` was sampled). ``a_{r,k+1}`` depends on ``x_{r,k}`` (the confidence head reads the
+previous token), so a rule that looks at ``a_{r,k+1}`` to decide slot ``k`` would favour drafts *because*
+their continuation looks good, and the output would drift from ``p_t`` (METHOD Appendix A: (0.7, 0.3)
+becomes (0.85, 0.15)). The policies:
+
+* :func:`algorithm1` (paper, synchronous, ``adaptive-sync``): admit candidates in rank order while ``Θ``
+  improves, stop at the first non-improvement. Whether ``(r, k)`` is admitted depends only on the
+  candidates ranked at or before it, whose survivals do not depend on ``x_{r,k}``. Lossless, but on a
+  jagged (staircase) cost curve the early stop can miss a better budget past a step.
+* :func:`best_budget` is the unconstrained argmax of ``Θ(B)`` over ``B = 0..R·γ``. It sees every survival,
+  so applied to the *current* survivals it is anticipating (not lossless). It is safe only on stale ones.
+* The asynchronous production variant (``adaptive``), :meth:`Scheduler.lengths`, is described there.
+
+Names follow ``design/METHOD.md``: ``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size, ``p_t``
+target and ``p_d`` draft distributions, ``SPS`` steps per second, ``Θ`` emitted tokens per second.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from reference.config import SchedulerConfig
+from reference.cost_model import CostTable
+
+_MONOTONE_TOL = 1e-6  # slack for survivals that were not produced by a float cumprod (e.g. STS in another dtype)
+
+
+# ---------------------------------------------------------------------------- survivals and ranking
+def prefix_survival(conf: Tensor) -> Tensor:
+    """Per-slot conditional confidences ``c`` -> prefix survivals ``a_{r,k} = Π_{i≤k} c_{r,i}``.
+
+    Args:
+        conf: ``[R, γ]`` confidences in [0, 1] (already calibrated by STS when they come from a drafter).
+
+    Returns:
+        ``[R, γ]`` prefix survivals, non-increasing along the slot axis.
+    """
+    if conf.dim() != 2:
+        raise ValueError(f"conf must be [R, γ], got shape {tuple(conf.shape)}")
+    if not torch.is_floating_point(conf):
+        raise ValueError(f"conf must be a floating-point tensor, got {conf.dtype}")
+    if not bool(((conf >= 0) & (conf <= 1)).all()):
+        raise ValueError("confidences must lie in [0, 1] (NaN is not allowed)")
+    return torch.cumprod(conf, dim=1)  # [R, γ]
+
+
+def rank_candidates(a: Tensor) -> tuple[Tensor, Tensor]:
+    """Global order of all candidates ``(r, j)``: survival descending, then slot ascending, then request ascending.
+
+    Args:
+        a: ``[R, γ]`` prefix survivals.
+
+    Returns:
+        ``(rows, slots)``, each ``[R·γ]`` int64: the request and the 0-based slot of the i-th best candidate.
+    """
+    a = _checked_survivals(a, "a")
+    R, gamma = a.shape
+    if R == 0:
+        empty = torch.zeros(0, dtype=torch.long)
+        return empty, empty
+    # Lay the candidates out slot-major (flat index j·R + r): a *stable* descending sort then keeps equal
+    # survivals in (slot, request) order, which is exactly the value-independent tie-break.
+    flat = a.t().reshape(-1)  # [γ·R]
+    order = torch.sort(flat, descending=True, stable=True).indices  # [γ·R]
+    return order % R, order // R
+
+
+def allocate_top_b(a: Tensor, budget: int) -> Tensor:
+    """Give the verify budget to the ``budget`` best candidates; returns ``ℓ`` ``[R]`` int64.
+
+    The chosen set is a prefix of every request's block (module docstring), so ``ℓ_r`` is simply how many
+    of the chosen candidates belong to request ``r``.
+    """
+    R, gamma = _shape(a, "a")
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= R * gamma:
+        raise ValueError(f"budget must be an integer in [0, R·γ] = [0, {R * gamma}], got {budget!r}")
+    rows, _ = rank_candidates(a)
+    lens = torch.bincount(rows[:budget], minlength=R)  # [R]
+    return lens.to(device=a.device, dtype=torch.long)
+
+
+def expected_tokens(a: Tensor, lens: Tensor, num_requests: int | None = None) -> float:
+    """``τ = R_s + Σ_r Σ_{j≤ℓ_r} a_{r,j}``: expected tokens emitted by a step that verifies ``lens``.
+
+    Args:
+        a: ``[R, γ]`` prefix survivals.
+        lens: ``[R]`` verify lengths in 0..γ.
+        num_requests: ``R_s``, requests that sample a token this step; default ``R``.
+    """
+    a = _checked_survivals(a, "a")
+    R, gamma = a.shape
+    lens = _checked_lengths(lens, R, gamma, "lens")
+    n_s = _num_sampling(num_requests, R)
+    verified = torch.arange(gamma) < lens[:, None]  # [R, γ]
+    return n_s + float((a * verified).sum())
+
+
+# ---------------------------------------------------------------------------- the budget
+def _throughput_curve(a: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests: int | None) -> list[float]:
+    """``Θ(B)`` for ``B = 0..R·γ`` along the global ranking (the best allocation of each size)."""
+    a = _checked_survivals(a, "a")
+    R, gamma = a.shape
+    n_s = _num_sampling(num_requests, R)
+    t0 = _num_anchor_tokens(num_anchor_tokens, R)
+    rows, slots = rank_candidates(a)
+    gains = a[rows, slots].tolist()  # [R·γ] descending survivals
+    theta, tau = [], float(n_s)
+    for b in range(R * gamma + 1):
+        if b > 0:
+            tau += gains[b - 1]
+        # The drafter drafted the full block for all R requests whatever B is, so its cost is keyed by R.
+        step = cost.step_time(t0 + b, R)
+        theta.append(tau / step if step > 0 else 0.0)
+    return theta
+
+
+def best_budget(a: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests: int | None = None) -> int:
+    """The unconstrained argmax over ``B = 0..R·γ`` of ``Θ(B) = (R_s + Σ of the B largest a) / step_time(T_0 + B, R)``.
+
+    Global, not the first local maximum: measured cost curves are staircases, and a budget that fills the
+    next CUDA graph can beat every smaller one. Ties go to the smaller ``B``. NOT lossless on the current
+    step's survivals (module docstring); :class:`Scheduler` calls it on stale ones only.
+
+    Args:
+        a: ``[R, γ]`` prefix survivals.
+        cost: the step-cost table.
+        num_anchor_tokens: ``T_0``, the verify tokens that are not drafts (≥ R: one anchor per request).
+        num_requests: ``R_s``, requests that sample a token this step (default ``R``).
+    """
+    theta = _throughput_curve(a, cost, num_anchor_tokens, num_requests)
+    return max(range(len(theta)), key=lambda b: (theta[b], -b))
+
+
+def algorithm1(a: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests: int | None = None) -> Tensor:
+    """Paper Algorithm 1: admit candidates in rank order while ``Θ`` strictly improves; stop at the first
+    non-improvement. Returns ``ℓ`` ``[R]`` int64. Arguments as in :func:`best_budget`.
+
+    The stop is what keeps it lossless on the current survivals: admitting ``(r, k)`` depends only on
+    candidates ranked at or before it, and none of those depends on ``x_{r,k}``.
+    """
+    theta = _throughput_curve(a, cost, num_anchor_tokens, num_requests)
+    budget = 0
+    while budget + 1 < len(theta) and theta[budget + 1] > theta[budget]:
+        budget += 1
+    return allocate_top_b(a, budget)
+
+
+def fill_stale_rows(a_stale: Tensor) -> Tensor:
+    """Replace NaN rows (requests with no stale survivals) by the mean stale curve of the other requests.
+
+    With no stale row at all the fill is zeros: such candidates add nothing to ``τ``, so the budget ignores
+    them (ties go to the smaller budget). A mean of non-increasing rows is non-increasing, so the result is
+    a valid survival matrix.
+    """
+    R, gamma = _shape(a_stale, "a_stale")
+    missing = torch.isnan(a_stale)  # [R, γ]
+    row_missing = missing.all(dim=1)  # [R]
+    if bool((missing.any(dim=1) & ~row_missing).any()):
+        raise ValueError("a_stale has rows that are partly NaN; a request has either a full stale row or none")
+    known = a_stale[~row_missing]  # [R_known, γ]
+    _checked_survivals(known, "a_stale")
+    fill = known.mean(dim=0) if known.shape[0] > 0 else torch.zeros(gamma, dtype=a_stale.dtype, device=a_stale.device)
+    return torch.where(row_missing[:, None], fill[None, :], a_stale)  # [R, γ]
+
+
+# ---------------------------------------------------------------------------- the policies
+@dataclass
+class Scheduler:
+    """Chooses every request's verify length ``ℓ_r`` each step, by ``config.mode`` (METHOD §5 and its baselines).
+
+    Attributes:
+        config: the policy and its parameters.
+        gamma: block size γ of the drafter; no request verifies more than γ drafts.
+        cost: step-cost table; required by ``adaptive-sync`` and ``adaptive``.
+    """
+
+    config: SchedulerConfig
+    gamma: int
+    cost: CostTable | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
+            raise ValueError(f"gamma must be a positive integer, got {self.gamma!r}")
+        if self.config.mode in ("adaptive-sync", "adaptive") and self.cost is None:
+            raise ValueError(f"scheduler mode {self.config.mode!r} needs a cost table (cost=None)")
+        if self.config.mode == "adaptive" and self.config.staleness < 1:
+            raise ValueError("adaptive mode with staleness 0 would take the unconstrained argmax over the current "
+                             "survivals, which is not lossless (METHOD Appendix A); use staleness ≥ 1, or "
+                             "mode 'adaptive-sync' for a synchronous scheduler")
+
+    def lengths(self, a_current: Tensor, *, a_stale: Tensor | None = None, num_anchor_tokens: int | None = None,
+                accepted_if_full: Tensor | None = None, num_requests: int | None = None) -> Tensor:
+        """Verify lengths ``ℓ`` ``[R]`` int64 for this step.
+
+        Modes:
+            * ``none``: 0 (ordinary decoding).
+            * ``fixed``: ``min(k, γ)`` for every request.
+            * ``dsd``: ``K`` from ``dsd_table`` at the largest key ≤ R (the smallest key's ``K`` when R is below
+              every key), clipped to γ (vLLM #32374).
+            * ``threshold``: the largest ``ℓ`` with ``a_{r,ℓ} ≥ threshold`` (0 if even ``a_{r,1}`` is below).
+            * ``adaptive-sync``: :func:`algorithm1` on ``a_current``.
+            * ``adaptive``: budget ``K = best_budget(a_stale)``, then ``allocate_top_b(a_current, K)``.
+            * ``oracle``: ``accepted_if_full`` (simulation only: needs the outcome of verifying everything).
+
+        The asynchronous ``adaptive`` mode, precisely. Steps are numbered by the engine; step ``t`` verifies
+        the blocks drafted from step ``t``'s anchors, whose survivals are ``a^(t)`` (``a_current``). In an
+        overlapped engine the host plans step ``t`` while the device is still running step ``t-1``; the
+        survivals of step ``t-1`` are being produced and copied on a side stream right then, so the newest
+        copy the host can read without synchronising is that of step ``t-2``. Hence ``a_stale`` row ``r``
+        holds the calibrated survivals request ``r`` had at step ``t - config.staleness`` (default 2; vLLM's
+        merged code uses 1). A request with no survivals at that step (it joined since) is a NaN row; it
+        gets the mean stale curve of the other requests, or zeros if no request has one (then the budget
+        ignores it, yet the allocation from current values may still give it slots). :class:`SurvivalHistory`
+        keeps these copies by request id.
+
+        Why both parts are non-anticipating, hence lossless:
+            * the budget ``K`` is a function of step ``t - staleness``'s survivals and of ``T_0``, all fixed
+              before any draft of step ``t`` was sampled;
+            * given ``K``, slot ``k`` of request ``r`` is verified iff fewer than ``K`` candidates rank ahead of
+              ``(r, k)``. Its own later slots never do (``a_{r,j}`` is non-increasing in ``j`` and ties rank the
+              later slot after the earlier one), so the decision reads ``a_{r,≤k}``, which depends only on
+              ``x_{r,<k}``, and the other requests' survivals, which do not depend on request ``r``'s draws.
+        The unconstrained argmax is safe only on stale values: on current ones ``K`` itself would read
+        ``a_{r,k+1}``, a function of ``x_{r,k}``, and the choice to verify ``x_{r,k}`` would depend on ``x_{r,k}``.
+
+        Args:
+            a_current: ``[R, γ]`` calibrated prefix survivals of this step's drafts.
+            a_stale: ``[R, γ]`` survivals of ``config.staleness`` steps earlier, NaN rows for requests without
+                one (``adaptive`` only).
+            num_anchor_tokens: ``T_0``, non-draft tokens in this verify forward (adaptive modes only).
+            accepted_if_full: ``[R]`` int, how many drafts full verification would accept (``oracle`` only).
+            num_requests: ``R_s``, requests that sample a token this step (adaptive modes; default ``R``).
+        """
+        a = _checked_survivals(a_current, "a_current")
+        R, gamma = a.shape
+        if gamma != self.gamma:
+            raise ValueError(f"a_current has {gamma} slots but the scheduler's block size is γ = {self.gamma}")
+        cfg, device = self.config, a_current.device
+        mode = cfg.mode
+        if mode == "none":
+            lens = torch.zeros(R, dtype=torch.long)
+        elif mode == "fixed":
+            lens = torch.full((R,), min(cfg.k, gamma), dtype=torch.long)
+        elif mode == "dsd":
+            keys = sorted(cfg.dsd_table)
+            key = max((b for b in keys if b <= R), default=keys[0])
+            lens = torch.full((R,), min(cfg.dsd_table[key], gamma), dtype=torch.long)
+        elif mode == "threshold":
+            # a is non-increasing along j, so the slots at or above the threshold are a prefix: count them.
+            lens = (a >= cfg.threshold).sum(dim=1)
+        elif mode == "adaptive-sync":
+            lens = algorithm1(a, self.cost, self._anchor_tokens(num_anchor_tokens), num_requests)
+        elif mode == "adaptive":
+            if a_stale is None:
+                raise ValueError("adaptive mode needs a_stale (NaN rows for requests without stale survivals)")
+            if tuple(a_stale.shape) != (R, gamma):
+                raise ValueError(f"a_stale has shape {tuple(a_stale.shape)}, expected {(R, gamma)} like a_current")
+            budget = best_budget(fill_stale_rows(a_stale), self.cost, self._anchor_tokens(num_anchor_tokens),
+                                 num_requests)
+            lens = allocate_top_b(a, budget)
+        elif mode == "oracle":
+            if accepted_if_full is None:
+                raise ValueError("oracle mode needs accepted_if_full (simulation only)")
+            lens = _checked_lengths(accepted_if_full, R, gamma, "accepted_if_full")
+        else:  # SchedulerConfig validates the mode; this guards against a mode added there but not here
+            raise ValueError(f"scheduler mode {mode!r} is not implemented")
+        return lens.to(device=device, dtype=torch.long)
+
+    @staticmethod
+    def _anchor_tokens(num_anchor_tokens: int | None) -> int:
+        if num_anchor_tokens is None:
+            raise ValueError("adaptive modes need num_anchor_tokens (T_0, the non-draft tokens of the verify forward)")
+        return num_anchor_tokens
+
+
+class SurvivalHistory:
+    """The host's copies of past survivals, by request id, for the ``adaptive`` budget.
+
+    Each step ``t``: ``a_stale = history.stale(t, ids, γ)`` before scheduling, then
+    ``history.record(t, ids, a_current)``. ``stale`` returns the rows recorded at step ``t - staleness`` and
+    NaN rows for requests not recorded then; copies older than any future lookup are dropped.
+    """
+
+    def __init__(self, staleness: int) -> None:
+        if staleness < 1:
+            raise ValueError(f"staleness must be ≥ 1, got {staleness}")
+        self.staleness = staleness
+        self._rows: dict[int, dict[int, Tensor]] = {}  # step -> request id -> [γ] survivals (CPU)
+
+    def record(self, step: int, request_ids: Sequence[int], a: Tensor) -> None:
+        a = _checked_survivals(a, "a")
+        if a.shape[0] != len(request_ids):
+            raise ValueError(f"{len(request_ids)} request ids for {a.shape[0]} survival rows")
+        self._rows[step] = {int(i): row.clone() for i, row in zip(request_ids, a)}
+        for old in [s for s in self._rows if s <= step - self.staleness]:  # next lookup is step+1 - staleness
+            del self._rows[old]
+
+    def stale(self, step: int, request_ids: Sequence[int], gamma: int) -> Tensor:
+        rows = self._rows.get(step - self.staleness, {})
+        out = torch.full((len(request_ids), gamma), math.nan, dtype=torch.float64)  # [R, γ]
+        for i, rid in enumerate(request_ids):
+            if int(rid) in rows:
+                out[i] = rows[int(rid)]
+        return out
+
+
+# ---------------------------------------------------------------------------- validation
+def _shape(a: Tensor, name: str) -> tuple[int, int]:
+    if not isinstance(a, Tensor) or a.dim() != 2:
+        raise ValueError(f"{name} must be an [R, γ] tensor, got {getattr(a, 'shape', type(a).__name__)}")
+    if not torch.is_floating_point(a):
+        raise ValueError(f"{name} must be a floating-point tensor, got {a.dtype}")
+    return a.shape[0], a.shape[1]
+
+
+def _checked_survivals(a: Tensor, name: str) -> Tensor:
+    """Validate prefix survivals and return them as a float64 CPU tensor, exactly non-increasing along j.
+
+    Tiny increases (≤ 1e-6, float noise from a calibration in another dtype) are flattened by a running
+    minimum; without it a slot could outrank the one before it and top-B would stop being a prefix.
+    """
+    _shape(a, name)
+    a = a.detach().to("cpu", torch.float64)  # [R, γ]
+    if not bool(((a >= 0) & (a <= 1)).all()):
+        raise ValueError(f"{name} must lie in [0, 1] (NaN is not allowed)")
+    if a.shape[1] > 1 and bool((a[:, 1:] - a[:, :-1] > _MONOTONE_TOL).any()):
+        raise ValueError(f"{name} must be non-increasing along the slot axis (prefix survivals); "
+                         f"pass confidences through prefix_survival first")
+    return torch.cummin(a, dim=1).values
+
+
+def _checked_lengths(lens: Tensor, R: int, gamma: int, name: str) -> Tensor:
+    if not isinstance(lens, Tensor) or tuple(lens.shape) != (R,):
+        raise ValueError(f"{name} must be an [R] = [{R}] tensor, got {getattr(lens, 'shape', type(lens).__name__)}")
+    if torch.is_floating_point(lens) or lens.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {lens.dtype}")
+    lens = lens.detach().to("cpu", torch.long)
+    if bool(((lens < 0) | (lens > gamma)).any()):
+        raise ValueError(f"{name} must lie in 0..γ = 0..{gamma}, got {lens.tolist()}")
+    return lens
+
+
+def _num_sampling(num_requests: int | None, R: int) -> int:
+    if num_requests is None:
+        return R
+    if isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < R:
+        raise ValueError(f"num_requests (requests that sample this step) must be an integer ≥ R = {R}, "
+                         f"got {num_requests!r}: every drafting request samples at least its bonus token")
+    return num_requests
+
+
+def _num_anchor_tokens(t0: int, R: int) -> int:
+    if isinstance(t0, bool) or not isinstance(t0, int) or t0 < R:
+        raise ValueError(f"num_anchor_tokens (T_0) must be an integer ≥ R = {R} (one anchor per request), got {t0!r}")
+    return t0

