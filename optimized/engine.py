@@ -38,7 +38,7 @@ from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
 from reference.sampling import Purpose, logits_to_probs, sample
-from reference.scheduler import Scheduler, best_budget
+from reference.scheduler import Scheduler, stale_budget
 from reference.target import Target
 
 log = logging.getLogger("dspark.engine")
@@ -97,7 +97,7 @@ class Engine:
             self.sts = {mode: torch.tensor(temperatures_for(drafter.config, mode), device=self.device)
                         for mode in ("greedy", "sampling")}
         self.batch = BatchScheduler(sched, config.max_num_seqs, config.max_seq_len, config.prefill_chunk)
-        self.policy = Scheduler(sched, gamma=self.gamma, cost=cost)
+        self.policy = Scheduler(sched, gamma=max(self.gamma, 1), cost=cost)
         self.eos = sorted(target.eos_token_ids)
         self.tokenizer = target.tokenizer
         self._alloc_state(slots)
@@ -228,7 +228,7 @@ class Engine:
         plan = {"mode": mode, "budget": None}
         if mode == "adaptive":
             stale = torch.stack([self._stale(s) for s in decoding])  # [R, γ] host copy, NaN rows = too new
-            plan["budget"] = best_budget(stale, self.cost, num_anchor_tokens=r, num_requests=r)
+            plan["budget"] = stale_budget(stale, self.cost, num_anchor_tokens=r, num_requests=r)
         return plan
 
     def _stale(self, seq: Sequence) -> torch.Tensor:

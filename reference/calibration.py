@@ -267,7 +267,7 @@ def calibration_report(conf_logits: Tensor, labels: Tensor, temperatures, num_bi
     return {"num_bins": num_bins, "temperatures": [float(x) for x in t.tolist()], "positions": positions}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_uncalibrated(mode: str) -> None:
     """Log once per mode (the cache is the once-ness) that the scheduler runs on raw confidences."""
     log.warning("no STS temperatures for decoding mode %r: using raw confidences (T = 1); "

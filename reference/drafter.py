@@ -327,7 +327,11 @@ class DSparkDrafter(nn.Module):
         # Loaded weights must never be rescaled by a later attach_target.
         self.register_load_state_dict_post_hook(DSparkDrafter._loaded_hook)
         r = config.markov_rank
-        self.seq_head = {"markov": MarkovHead, "rnn": RNNHead, "none": lambda _: None}[config.head](config)
+        self.seq_head: MarkovHead | RNNHead | None = None  # "none": the parallel-only ablation, B = 0
+        if config.head == "markov":
+            self.seq_head = MarkovHead(config)
+        elif config.head == "rnn":
+            self.seq_head = RNNHead(config)
         # The confidence head reads [h_k; W1[x_{k-1}]]; with no sequential head there is no W1, only h_k.
         self.conf_head = nn.Linear(d + (0 if self.seq_head is None else r), 1)
         self._init_weights()

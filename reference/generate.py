@@ -215,7 +215,7 @@ def generate(
     if len(ids) != len(prompts) or len(set(ids)) != len(ids):
         raise ValueError("request_ids must be unique, one per prompt")
     gamma = drafter.config.block_size if drafter is not None else 0
-    scheduler = Scheduler(sched, gamma=gamma, cost=cost)
+    scheduler = Scheduler(sched, gamma=max(gamma, 1), cost=cost)  # γ is unused in mode "none"
 
     reqs = [Request(request_id=i, prompt_ids=list(p)) for i, p in zip(ids, prompts)]
     for r in reqs:
@@ -285,12 +285,13 @@ def max_positions(target: Target) -> int:
 
 
 def _empty_draft(num_requests: int, vocab: int):
+    """Mode "none": a one-slot placeholder block that is never verified (ℓ = 0 for every request)."""
     from reference.drafter import DraftOutput
 
     return DraftOutput(
-        tokens=torch.zeros(num_requests, 0, dtype=torch.long),
-        probs=torch.zeros(num_requests, 0, vocab),
-        conf_logits=torch.zeros(num_requests, 0),
+        tokens=torch.zeros(num_requests, 1, dtype=torch.long),
+        probs=torch.full((num_requests, 1, vocab), 1.0 / vocab),
+        conf_logits=torch.zeros(num_requests, 1),
     )
 
 

@@ -79,7 +79,8 @@ def sample_anchors(loss_mask: Tensor, num_anchors: int, gamma: int,
     if num_anchors >= eligible.numel():
         return eligible.to(torch.int64)
     # A uniformly random permutation's first n entries are a uniform n-subset, drawn without replacement.
-    pick = torch.randperm(eligible.numel(), generator=generator)[:num_anchors]  # [nb] on the generator's device
+    device = generator.device if generator is not None else "cpu"  # randperm must run where its generator lives
+    pick = torch.randperm(eligible.numel(), generator=generator, device=device)[:num_anchors]  # [nb]
     return eligible[pick.to(eligible.device)].sort().values.to(torch.int64)
 
 

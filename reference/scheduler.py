@@ -36,8 +36,6 @@ target and ``p_d`` draft distributions, ``SPS`` steps per second, ``Θ`` emitted
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -187,6 +185,15 @@ def fill_stale_rows(a_stale: Tensor) -> Tensor:
     return torch.where(row_missing[:, None], fill[None, :], a_stale)  # [R, γ]
 
 
+def stale_budget(a_stale: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests: int | None = None) -> int:
+    """The asynchronous budget: :func:`best_budget` of the stale survivals, NaN rows filled by :func:`fill_stale_rows`.
+
+    This is the host half of the ``adaptive`` mode (:meth:`Scheduler.lengths`); an engine that allocates on the
+    device calls it directly and must get the same integer.
+    """
+    return best_budget(fill_stale_rows(a_stale), cost, num_anchor_tokens, num_requests)
+
+
 # ---------------------------------------------------------------------------- the policies
 @dataclass
 class Scheduler:
@@ -232,10 +239,10 @@ class Scheduler:
         survivals of step ``t-1`` are being produced and copied on a side stream right then, so the newest
         copy the host can read without synchronising is that of step ``t-2``. Hence ``a_stale`` row ``r``
         holds the calibrated survivals request ``r`` had at step ``t - config.staleness`` (default 2; vLLM's
-        merged code uses 1). A request with no survivals at that step (it joined since) is a NaN row; it
-        gets the mean stale curve of the other requests, or zeros if no request has one (then the budget
-        ignores it, yet the allocation from current values may still give it slots). :class:`SurvivalHistory`
-        keeps these copies by request id.
+        merged code uses 1), i.e. those of its draft ``staleness`` drafts before the current one (a decoding
+        request drafts every step, so the two counts agree). A request with no such draft (it joined since)
+        is a NaN row; it gets the mean stale curve of the other requests, or zeros if no request has one
+        (then the budget ignores it, yet the allocation from current values may still give it slots).
 
         Why both parts are non-anticipating, hence lossless:
             * the budget ``K`` is a function of step ``t - staleness``'s survivals and of ``T_0``, all fixed
@@ -279,8 +286,7 @@ class Scheduler:
                 raise ValueError("adaptive mode needs a_stale (NaN rows for requests without stale survivals)")
             if tuple(a_stale.shape) != (R, gamma):
                 raise ValueError(f"a_stale has shape {tuple(a_stale.shape)}, expected {(R, gamma)} like a_current")
-            budget = best_budget(fill_stale_rows(a_stale), self.cost, self._anchor_tokens(num_anchor_tokens),
-                                 num_requests)
+            budget = stale_budget(a_stale, self.cost, self._anchor_tokens(num_anchor_tokens), num_requests)
             lens = allocate_top_b(a, budget)
         elif mode == "oracle":
             if accepted_if_full is None:
@@ -295,37 +301,6 @@ class Scheduler:
         if num_anchor_tokens is None:
             raise ValueError("adaptive modes need num_anchor_tokens (T_0, the non-draft tokens of the verify forward)")
         return num_anchor_tokens
-
-
-class SurvivalHistory:
-    """The host's copies of past survivals, by request id, for the ``adaptive`` budget.
-
-    Each step ``t``: ``a_stale = history.stale(t, ids, γ)`` before scheduling, then
-    ``history.record(t, ids, a_current)``. ``stale`` returns the rows recorded at step ``t - staleness`` and
-    NaN rows for requests not recorded then; copies older than any future lookup are dropped.
-    """
-
-    def __init__(self, staleness: int) -> None:
-        if staleness < 1:
-            raise ValueError(f"staleness must be ≥ 1, got {staleness}")
-        self.staleness = staleness
-        self._rows: dict[int, dict[int, Tensor]] = {}  # step -> request id -> [γ] survivals (CPU)
-
-    def record(self, step: int, request_ids: Sequence[int], a: Tensor) -> None:
-        a = _checked_survivals(a, "a")
-        if a.shape[0] != len(request_ids):
-            raise ValueError(f"{len(request_ids)} request ids for {a.shape[0]} survival rows")
-        self._rows[step] = {int(i): row.clone() for i, row in zip(request_ids, a)}
-        for old in [s for s in self._rows if s <= step - self.staleness]:  # next lookup is step+1 - staleness
-            del self._rows[old]
-
-    def stale(self, step: int, request_ids: Sequence[int], gamma: int) -> Tensor:
-        rows = self._rows.get(step - self.staleness, {})
-        out = torch.full((len(request_ids), gamma), math.nan, dtype=torch.float64)  # [R, γ]
-        for i, rid in enumerate(request_ids):
-            if int(rid) in rows:
-                out[i] = rows[int(rid)]
-        return out
 
 
 # ---------------------------------------------------------------------------- validation

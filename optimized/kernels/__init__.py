@@ -1,0 +1,14 @@
+"""Triton kernels of the production path, each the fast twin of one ``reference/`` op (house rule 2).
+
+| module | op(s) | reference twin | METHOD |
+|---|---|---|---|
+| ``sampling`` | ``hash_uniform``, ``sample`` | ``reference/sampling.py`` | random-number contract |
+| ``verify`` | ``rejection_sample``, ``greedy_verify`` | ``reference/verify.py`` | §4 |
+| ``allocate`` | ``allocate_top_b`` (device torch ops, no kernel) | ``reference/scheduler.py`` | §5 |
+| ``draft_head`` | ``sample_draft_block``, ``sample_block`` | ``DSparkDrafter.sample_block`` | §1 |
+| ``attention`` | ``varlen_attention`` | naive attention | §1, §4 |
+
+Every op takes ``backend="auto" | "triton" | "torch"``; the torch fallback has the same signature. Import the
+ops from their modules: this package imports nothing eagerly, so modules that keep Triton optional (attention)
+stay importable without it.
+"""

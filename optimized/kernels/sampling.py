@@ -80,10 +80,13 @@ def resolve_backend(backend: str, *tensors: Tensor) -> str:
     """``"triton"`` or ``"torch"``: the explicit choice, or for ``"auto"`` Triton on CUDA / under the interpreter."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    on_cuda = any(t.is_cuda for t in tensors if isinstance(t, Tensor))
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if backend == "triton" and not (on_cuda or interpreted):
+        raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 to interpret on the CPU")
     if backend != "auto":
         return backend
-    on_cuda = any(t.is_cuda for t in tensors if isinstance(t, Tensor))
-    return "triton" if on_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1" else "torch"
+    return "triton" if on_cuda or interpreted else "torch"
 
 
 def split_seed(seed: int) -> tuple[int, int]:

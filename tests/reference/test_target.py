@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_hf_model
+from tests.conftest import tiny_hf_model
 
 from reference.config import default_target_layer_ids
 from reference.target import INSTALL_HINT, Target, build_cache_dir

@@ -266,8 +266,8 @@ def test_lossless_markov_model():
 
 
 def test_lossy_verifier_is_detected():
-    # The chi-square test has power: emitting the drafts unverified (ℓ forced to γ, acceptance ignored)
-    # is the draft distribution, and the test must reject it.
+    # The chi-square test has power: verifying against the draft itself (p_t := p_d, so every draft is
+    # accepted) emits the draft chain's distribution, and the test must tell it from the target's.
     g = torch.Generator().manual_seed(7)
     V, gamma, n = 6, 3, 20_000
     A = _mixed(g, V, V, floor=0.3)

@@ -1,0 +1,297 @@
+"""The serial part of drafting, fused: Markov-head sampling of x_1..x_γ together with the confidence head.
+
+Fast twin of ``reference/drafter.py::DSparkDrafter.sample_block`` for the Markov head (METHOD §1). Names
+follow ``design/METHOD.md``: ``U_k`` base logits, ``B_k`` sequential bias, ``p_d`` draft distribution, ``z_k``
+the confidence logit (``c_k = σ(z_k)`` before STS), ``γ`` block size. Per request, left to right::
+
+    prev = x_0
+    for k in 1..γ:
+        e      = W1[prev]                                  # [r]   the Markov embedding of the previous token
+        logits = U_k + W2 e                                # [V]   B_k = W2 e  (W2: Linear(r -> V), weight [V, r])
+        p_d_k  = softmax(logits / T)                       # [V]   one-hot at argmax(logits) when T = 0
+        x_k    = argmax_v p_d_k(v) / E_v                   #       exponential race, purpose 1 + 16k, position P + k
+        z_k    = conf_w · [h_k; e] + conf_b                #       never sees x_k (losslessness, METHOD §5)
+        prev   = x_k
+
+One program per request runs that loop. Each slot makes two passes over the vocabulary: pass 1 computes the
+tempered logits tile by tile (the ``[BLOCK_V, r]`` slice of W2 times ``e``), keeps an online max/sum for the
+softmax and the greedy argmax, and parks the tempered logits in the ``probs`` output row; pass 2 turns them
+into ``p_d`` in place and runs the race. W2 is read once per slot (the dominant traffic: ``V·r`` weights,
+resident in L2 across the batch). Known limit: one program per request streams all of W2 γ times (1.76 ms at
+R = 64, γ = 7, V = 49152, r = 64 on an H200); splitting the vocabulary over programs needs a cross-program
+reduction per slot (future work, measure first).
+
+Precision. Compute is fp32. Where the reference rounds a result to the weight dtype (``nn.Linear`` in
+fp16/bf16 returns that dtype), the kernel rounds the same intermediate (``B_k`` and ``z_k``) the same way, so
+half-precision drafters agree with the reference up to accumulation order.
+
+Only the Markov head is fused. :func:`sample_block` dispatches a :class:`reference.drafter.DSparkDrafter`:
+the RNN head and the parallel-only head ("none") run the reference's torch loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from optimized.kernels.sampling import (
+    PURPOSE_DRAFT,
+    _argmax_update,
+    _exponential_at,
+    _hash_key,
+    _per_row_words,
+    _race_update,
+    resolve_backend,
+    sample,
+    split_seed,
+)
+from reference.drafter import DraftOutput, DSparkDrafter
+from reference.sampling import draft_purpose
+
+__all__ = ["DraftOutput", "sample_block", "sample_draft_block"]
+
+# The W2 tile is BLOCK_V · BLOCK_R ≤ W2_TILE_ELEMENTS products, 128 per thread at 16 warps (r = 64 -> 1024
+# vocabulary lanes per step, r = 256 -> 256). One program streams W2 alone, so bytes in flight per step decide
+# its speed. Sweep on one H200 (triton 3.6, R = 64, γ = 7, V = 49152, r = 64, bf16 weights), ms per call:
+# 8192/4 warps 9.3, 16384/8 5.0, 32768/16 2.8, 65536/16 1.76, 65536/32 1.62 (32 warps left out: register risk).
+W2_TILE_ELEMENTS = 65536
+NUM_WARPS = 16
+MAX_BLOCK_V = 1024  # as RACE_BLOCK_V in sampling.py
+MAX_BLOCK_D = 1024  # hidden-state tile of the confidence dot product (d = 576 for SmolLM2-135M: one tile)
+
+
+@triton.jit
+def _round_to(x, ref_ptr):
+    """Round fp32 ``x`` to the element type of ``ref_ptr`` and back, like an ``nn.Linear`` output in that dtype."""
+    return x.to(ref_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+def _sample_draft_block_kernel(
+    tokens_ptr,  # [R, γ] int64 out: x_1..x_γ
+    probs_ptr,  # [R, γ, V] fp32 out: p_d (also the scratch of the tempered logits between the passes)
+    conf_ptr,  # [R, γ] fp32 out: z_k
+    base_ptr,  # [R, γ, V] U_k (fp32/fp16/bf16), last dim contiguous
+    stride_br,  # base stride over R
+    stride_bk,  # base stride over γ
+    h_ptr,  # [R, γ, d] backbone output h_k, last dim contiguous
+    stride_hr,  # h stride over R
+    stride_hk,  # h stride over γ
+    anchor_ids_ptr,  # [R] int64 x_0
+    anchor_pos_ptr,  # [R] int64 P
+    temperature_ptr,  # [R] fp32 T (0 = greedy)
+    request_ids_ptr,  # [R] int64 request ids
+    w1_ptr,  # [V, r] W1 = Embedding(V, r).weight, row-major
+    w2_ptr,  # [V, r] W2 = Linear(r, V).weight as stored, row-major
+    conf_w_ptr,  # [d + r] confidence weight (h part, then the W1 part)
+    conf_b_ptr,  # [1] confidence bias
+    seed_lo,  # low 32 bits of the seed
+    seed_hi,  # high 32 bits of the seed
+    gamma,  # γ
+    V,  # vocabulary size
+    d,  # hidden size
+    r,  # Markov rank
+    BLOCK_V: tl.constexpr,  # vocabulary tile
+    BLOCK_D: tl.constexpr,  # hidden tile
+    BLOCK_R: tl.constexpr,  # next power of two >= r
+):
+    row = tl.program_id(0).to(tl.int64)
+    rid = tl.load(request_ids_ptr + row)
+    anchor = tl.load(anchor_pos_ptr + row)
+    prev = tl.load(anchor_ids_ptr + row)
+    temp = tl.load(temperature_ptr + row)
+    greedy = temp == 0.0
+    temp_div = tl.where(greedy, 1.0, temp)  # the reference divides greedy rows by 1 (then takes the one-hot)
+    ranks = tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    rank_mask = ranks < r
+    conf_w_e = tl.load(conf_w_ptr + d + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R]
+    conf_b = tl.load(conf_b_ptr).to(tl.float32)
+
+    for j in range(0, gamma):  # slot k = j + 1
+        e = tl.load(w1_ptr + prev * r + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R] W1[prev]
+
+        # Confidence z_k = conf_w · [h_k; e] + b, before x_k exists.
+        z = tl.sum(e * conf_w_e, axis=0)
+        for ds in range(0, d, BLOCK_D):
+            dims = ds + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+            hk = tl.load(h_ptr + row * stride_hr + j * stride_hk + dims, mask=dims < d, other=0.0).to(tl.float32)
+            cw = tl.load(conf_w_ptr + dims, mask=dims < d, other=0.0).to(tl.float32)
+            z += tl.sum(hk * cw, axis=0)
+        tl.store(conf_ptr + row * gamma + j, _round_to(z + conf_b, conf_w_ptr))
+
+        # Pass 1: tempered logits into the probs row, online softmax statistics, greedy argmax.
+        out_row = probs_ptr + (row * gamma + j) * V
+        run_max = -float("inf")
+        run_sum = 0.0
+        best = -float("inf")
+        best_index = 0
+        for start in range(0, V, BLOCK_V):
+            lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+            mask = lanes < V
+            w2 = tl.load(w2_ptr + lanes[:, None] * r + ranks[None, :], mask=mask[:, None] & rank_mask[None, :],
+                         other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R]
+            bias = _round_to(tl.sum(w2 * e[None, :], axis=1), w2_ptr)  # [BLOCK_V] B_k, as Linear returns it
+            u_k = tl.load(base_ptr + row * stride_br + j * stride_bk + lanes, mask=mask, other=0.0).to(tl.float32)
+            logits = tl.where(mask, u_k + bias, -float("inf"))  # [BLOCK_V]
+            best, best_index = _argmax_update(best, best_index, logits, lanes)
+            x = tl.math.div_rn(logits, temp_div)  # [BLOCK_V]
+            tl.store(out_row + lanes, x, mask=mask)
+            new_max = tl.maximum(run_max, tl.max(x, axis=0))
+            # -inf - -inf is NaN: a row that is -inf so far keeps its zero sum (the reference needs one finite logit).
+            scale = tl.where(new_max == run_max, 1.0, tl.exp(run_max - new_max))
+            run_sum = run_sum * scale + tl.sum(tl.where(x > -float("inf"), tl.exp(x - new_max), 0.0), axis=0)
+            run_max = new_max
+        # Pass 2 reads lanes another thread of this program wrote in pass 1 (the W2 reduction has its own layout).
+        tl.debug_barrier()
+
+        # Pass 2: p_d in place and the exponential race for x_k.
+        key = _hash_key(seed_lo, seed_hi, rid, anchor + j + 1, PURPOSE_DRAFT + 16 * (j + 1))
+        race_score = -1.0
+        race_index = 0
+        for start in range(0, V, BLOCK_V):
+            lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+            mask = lanes < V
+            x = tl.load(out_row + lanes, mask=mask, other=-float("inf"))  # [BLOCK_V]
+            soft = tl.math.div_rn(tl.exp(x - run_max), run_sum)
+            p = tl.where(greedy, (lanes == best_index).to(tl.float32), soft)  # [BLOCK_V] p_d
+            tl.store(out_row + lanes, p, mask=mask)
+            race_score, race_index = _race_update(race_score, race_index, p, _exponential_at(key, lanes), lanes, mask)
+        tl.store(tokens_ptr + row * gamma + j, race_index.to(tl.int64))
+        prev = race_index.to(tl.int64)
+
+
+def _sample_draft_block_torch(base_logits, h, anchor_ids, anchor_pos, temperature, seed, rid, w1, w2, conf_w, conf_b):
+    """Torch fallback: the same loop with torch ops (the reference's arithmetic, sync-free)."""
+    R, gamma, V = base_logits.shape
+    temp = temperature.float()[:, None]  # [R, 1]
+    greedy = temp == 0
+    prev = anchor_ids  # [R]
+    tokens, probs, confs = [], [], []
+    for k in range(1, gamma + 1):
+        e = F.embedding(prev, w1)  # [R, r]
+        logits = base_logits[:, k - 1].float() + F.linear(e, w2).float()  # [R, V]
+        soft = torch.softmax(logits / torch.where(greedy, torch.ones_like(temp), temp), dim=-1)  # [R, V]
+        one_hot = F.one_hot(logits.argmax(dim=-1), V).float()  # [R, V]
+        p_d = torch.where(greedy, one_hot, soft)  # [R, V]
+        x_k = sample(p_d, seed, rid, anchor_pos + k, draft_purpose(k), backend="torch")  # [R]
+        z_in = torch.cat((h[:, k - 1].to(conf_w.dtype), e.to(conf_w.dtype)), dim=-1)  # [R, d + r]
+        confs.append(F.linear(z_in, conf_w[None, :], conf_b).squeeze(-1).float())
+        tokens.append(x_k)
+        probs.append(p_d)
+        prev = x_k
+    return DraftOutput(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1),
+                       conf_logits=torch.stack(confs, dim=1))
+
+
+def sample_draft_block(
+    base_logits: Tensor,
+    h: Tensor,
+    anchor_ids: Tensor,
+    anchor_pos: Tensor,
+    temperature: Tensor,
+    seed: int,
+    request_ids: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    conf_w: Tensor,
+    conf_b: Tensor,
+    backend: str = "auto",
+) -> DraftOutput:
+    """Sample a Markov-head block and its confidence logits (the loop in the module docstring).
+
+    Args:
+        base_logits: ``[R, γ, V]`` ``U_k = lm_head(h_k)`` (fp32/fp16/bf16; the reference passes fp32).
+        h: ``[R, γ, d]`` backbone output.
+        anchor_ids: ``[R]`` int64 anchors ``x_0``.
+        anchor_pos: ``[R]`` int64 anchor positions ``P``; slot ``k`` draws at ``P + k``.
+        temperature: ``[R]`` float, 0 for greedy rows.
+        seed: generation seed.
+        request_ids: ``[R]`` request ids.
+        w1: ``[V, r]`` ``MarkovHead.w1.weight`` (``Embedding(V, r)``).
+        w2: ``[V, r]`` ``MarkovHead.w2.weight`` exactly as stored by ``Linear(r, V, bias=False)``; same dtype as w1.
+        conf_w: ``[d + r]`` (or ``[1, d + r]``) ``conf_head.weight``: the ``h_k`` part, then the ``W1`` part.
+        conf_b: ``[1]`` (or 0-d) ``conf_head.bias``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        :class:`reference.drafter.DraftOutput`: tokens ``[R, γ]`` int64, probs ``[R, γ, V]`` fp32,
+        conf_logits ``[R, γ]`` fp32.
+    """
+    if base_logits.ndim != 3 or h.ndim != 3 or base_logits.shape[:2] != h.shape[:2]:
+        raise ValueError(f"base_logits [R, γ, V] and h [R, γ, d] disagree: {tuple(base_logits.shape)} vs "
+                         f"{tuple(h.shape)}")
+    R, gamma, V = base_logits.shape
+    d = h.shape[2]
+    if gamma < 1 or V < 1:
+        raise ValueError(f"need γ >= 1 and V >= 1, got base_logits {tuple(base_logits.shape)}")
+    if w1.ndim != 2 or w1.shape[0] != V or w2.shape != w1.shape or w1.dtype != w2.dtype:
+        raise ValueError(f"w1 and w2 must both be [V={V}, r] of one dtype (Embedding(V, r).weight and "
+                         f"Linear(r, V).weight), got {tuple(w1.shape)} {w1.dtype} and {tuple(w2.shape)} {w2.dtype}")
+    r = w1.shape[1]
+    conf_w = conf_w.reshape(-1)
+    conf_b = torch.as_tensor(conf_b, device=conf_w.device).reshape(-1)
+    if conf_w.shape != (d + r,) or conf_b.shape != (1,):
+        raise ValueError(f"conf_w must hold d + r = {d + r} weights and conf_b one bias, got "
+                         f"{tuple(conf_w.shape)} and {tuple(conf_b.shape)}")
+    dev = base_logits.device
+    anchor_ids = _per_row_words(anchor_ids, R, dev, "anchor_ids")  # [R]
+    anchor_pos = _per_row_words(anchor_pos, R, dev, "anchor_pos")  # [R]
+    rid = _per_row_words(request_ids, R, dev, "request_ids")  # [R]
+    temperature = torch.as_tensor(temperature, device=dev)
+    if temperature.shape != (R,) or not temperature.dtype.is_floating_point:
+        raise ValueError(f"temperature must be a float tensor [R={R}], got {temperature.dtype} "
+                         f"{tuple(temperature.shape)}")
+    lo, hi = split_seed(seed)
+    if resolve_backend(backend, base_logits) == "torch":
+        return _sample_draft_block_torch(base_logits, h, anchor_ids, anchor_pos, temperature, seed, rid,
+                                         w1, w2, conf_w, conf_b.to(conf_w.dtype))
+    out = DraftOutput(tokens=torch.empty(R, gamma, dtype=torch.int64, device=dev),
+                      probs=torch.empty(R, gamma, V, dtype=torch.float32, device=dev),
+                      conf_logits=torch.empty(R, gamma, dtype=torch.float32, device=dev))
+    if R == 0:
+        return out
+    base_logits = base_logits if base_logits.stride(-1) == 1 else base_logits.contiguous()
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    block_r = triton.next_power_of_2(r)
+    block_v = max(16, min(MAX_BLOCK_V, W2_TILE_ELEMENTS // block_r, triton.next_power_of_2(V)))
+    _sample_draft_block_kernel[(R,)](
+        out.tokens, out.probs, out.conf_logits,
+        base_logits, base_logits.stride(0), base_logits.stride(1),
+        h, h.stride(0), h.stride(1),
+        anchor_ids, anchor_pos, temperature.float().contiguous(), rid,
+        w1.contiguous(), w2.contiguous(), conf_w.contiguous(), conf_b.to(conf_w.dtype).contiguous(),
+        lo, hi, gamma, V, d, r,
+        BLOCK_V=block_v, BLOCK_D=min(MAX_BLOCK_D, triton.next_power_of_2(d)), BLOCK_R=block_r,
+        num_warps=NUM_WARPS,
+    )
+    return out
+
+
+@torch.no_grad()
+def sample_block(
+    drafter: DSparkDrafter,
+    h: Tensor,
+    anchor_ids: Tensor,
+    anchor_pos: Tensor,
+    temperature: Tensor,
+    seed: int,
+    request_ids: Tensor,
+    backend: str = "auto",
+) -> DraftOutput:
+    """``drafter.sample_block`` with the Markov head fused; the RNN and "none" heads run the reference loop.
+
+    Args:
+        drafter: a :class:`reference.drafter.DSparkDrafter` with its target attached.
+        h, anchor_ids, anchor_pos, temperature, seed, request_ids: as ``DSparkDrafter.sample_block``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` for the fused Markov path.
+    """
+    if drafter.config.head != "markov":
+        return drafter.sample_block(h, anchor_ids, anchor_pos, temperature, seed, request_ids)
+    head = drafter.seq_head
+    base = drafter._base_logits(h)  # [R, γ, V] fp32: U_k exactly as the reference computes it
+    return sample_draft_block(base, h, anchor_ids, anchor_pos, temperature, seed, request_ids,
+                              head.w1.weight, head.w2.weight, drafter.conf_head.weight, drafter.conf_head.bias,
+                              backend=backend)

@@ -1,0 +1,331 @@
+"""Triton twins of lossless verification: speculative rejection sampling and greedy verification.
+
+Fast twin of ``reference/verify.py`` (METHOD §4), equal to it token for token. Names follow
+``design/METHOD.md``: ``p_t`` target, ``p_d`` draft, ``ℓ`` verify length, ``γ`` block size, ``τ`` emitted.
+The terms (accepted, recovered/residual, bonus, emitted) and the positions are defined in the reference's
+module docstring; in short, for request ``r`` with anchor at position ``P``:
+
+* slot ``k = 1..ℓ`` (index ``j = k - 1``) is accepted iff ``u · p_d_k(x_k) <= p_t_k(x_k)`` with
+  ``u = hash_uniform(seed, r, P + k, ACCEPT, 0)``; the scan stops at the first rejection, ``n`` accepted;
+* the one drawn token uses row ``n``: the residual ``max(0, p_t_n - p_d_n)`` (purpose RESIDUAL; ``p_t_n``
+  itself if the residual is all zero through rounding) when ``n < ℓ``, else the bonus ``p_t_ℓ``
+  (purpose BONUS), at position ``P + n + 1``.
+
+One program per request row. The scan is serial (γ ≈ 7 scalar loads per row, each slot's accept key hashed
+once); the final categorical draw streams row ``n`` of ``p_t`` (and ``p_d``) once in vocabulary tiles and runs
+*two* races with the same uniforms, one on the residual and one on ``p_t``, so the rounding fallback needs no
+second pass. ``ℓ`` is read from the device inside the kernel: a padded row has ``ℓ = 0`` and draws a bonus
+from its row 0 (whatever it holds), so nothing on the host needs the lengths.
+
+Unlike the reference, these kernels do not validate values (that would synchronise): a verified draft token
+outside ``[0, V)`` is treated as rejected instead of raising, and non-finite probabilities give undefined
+(but memory-safe) tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from optimized.kernels.sampling import (
+    PURPOSE_ACCEPT,
+    PURPOSE_BONUS,
+    PURPOSE_RESIDUAL,
+    RACE_BLOCK_V,
+    _argmax_update,
+    _exponential_at,
+    _hash_key,
+    _per_row_words,
+    _race_update,
+    _uniform_at,
+    hash_uniform,
+    resolve_backend,
+    sample,
+    split_seed,
+)
+from reference.sampling import Purpose
+from reference.verify import PAD_TOKEN, VerifyResult
+
+__all__ = ["VerifyResult", "greedy_verify", "rejection_sample"]
+
+# Vocabulary tile of the greedy argmax: as RACE_BLOCK_V (1024 fp32 lanes per step, 4 warps), not yet swept.
+ARGMAX_BLOCK_V = 1024
+PAD_TOKEN_K: tl.constexpr = tl.constexpr(PAD_TOKEN)  # reference.verify.PAD_TOKEN inside kernels
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+@triton.jit
+def _store_result(tokens_ptr, num_accepted_ptr, num_emitted_ptr, draft_tokens_ptr, row, gamma, n, last,
+                  BLOCK_G: tl.constexpr):
+    """Write ``[x_1..x_n, last, PAD…]`` [γ+1], ``n`` and ``τ = n + 1`` for one row."""
+    slots = tl.arange(0, BLOCK_G)  # [BLOCK_G] >= γ + 1
+    drafts = tl.load(draft_tokens_ptr + row * gamma + slots, mask=slots < n, other=PAD_TOKEN_K)
+    out = tl.where(slots < n, drafts, tl.where(slots == n, last.to(tl.int64), PAD_TOKEN_K))
+    tl.store(tokens_ptr + row * (gamma + 1) + slots, out, mask=slots < gamma + 1)
+    tl.store(num_accepted_ptr + row, n.to(tl.int64))
+    tl.store(num_emitted_ptr + row, n.to(tl.int64) + 1)
+
+
+def _check_blocks(draft_tokens: Tensor, verify_lens: Tensor) -> tuple[int, int]:
+    """Shapes and dtypes of ``draft_tokens [R, γ]`` and ``verify_lens [R]`` (values are not read: no sync)."""
+    if draft_tokens.ndim != 2 or draft_tokens.dtype != torch.int64:
+        raise ValueError(f"draft_tokens must be int64 [R, γ], got {draft_tokens.dtype} {tuple(draft_tokens.shape)}")
+    R, gamma = draft_tokens.shape
+    if gamma < 1:
+        raise ValueError("draft_tokens must have at least one slot (γ >= 1)")
+    if verify_lens.shape != (R,) or verify_lens.dtype != torch.int64:
+        raise ValueError(f"verify_lens must be int64 [{R}], got {verify_lens.dtype} {tuple(verify_lens.shape)}")
+    return R, gamma
+
+
+def _empty_result(R: int, gamma: int, device: torch.device) -> VerifyResult:
+    return VerifyResult(tokens=torch.full((R, gamma + 1), PAD_TOKEN, dtype=torch.int64, device=device),
+                        num_accepted=torch.zeros(R, dtype=torch.int64, device=device),
+                        num_emitted=torch.ones(R, dtype=torch.int64, device=device))
+
+
+def _assemble_torch(draft_tokens: Tensor, num_accepted: Tensor, last: Tensor) -> VerifyResult:
+    """Torch fallback layout ``[x_1..x_n, last, PAD…]`` per row."""
+    R, gamma = draft_tokens.shape
+    slot = torch.arange(gamma + 1, device=draft_tokens.device)[None, :]  # [1, γ+1]
+    n = num_accepted[:, None]  # [R, 1]
+    drafts = torch.cat([draft_tokens, draft_tokens.new_full((R, 1), PAD_TOKEN)], dim=1)  # [R, γ+1]
+    tokens = torch.where(slot < n, drafts, torch.full_like(drafts, PAD_TOKEN))
+    tokens = torch.where(slot == n, last[:, None], tokens)  # [R, γ+1]
+    return VerifyResult(tokens=tokens, num_accepted=num_accepted, num_emitted=num_accepted + 1)
+
+
+# --------------------------------------------------------------------------- rejection_sample
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+def _rejection_sample_kernel(
+    tokens_ptr,  # [R, γ+1] int64 out: accepted drafts, the drawn token, PAD
+    num_accepted_ptr,  # [R] int64 out: n
+    num_emitted_ptr,  # [R] int64 out: τ = n + 1
+    draft_tokens_ptr,  # [R, γ] int64 drafts x_1..x_γ (contiguous)
+    verify_lens_ptr,  # [R] int64 ℓ in 0..γ (device-side: padded rows have 0)
+    draft_probs_ptr,  # [R, γ, V] p_d (fp32/fp16/bf16), last dim contiguous
+    stride_dr,  # draft_probs stride over R
+    stride_dk,  # draft_probs stride over γ
+    target_probs_ptr,  # [R, γ+1, V] p_t (fp32/fp16/bf16), last dim contiguous
+    stride_tr,  # target_probs stride over R
+    stride_tk,  # target_probs stride over γ+1
+    request_ids_ptr,  # [R] int64 request ids
+    anchor_pos_ptr,  # [R] int64 anchor positions P
+    seed_lo,  # low 32 bits of the seed
+    seed_hi,  # high 32 bits of the seed
+    gamma,  # γ
+    V,  # vocabulary size
+    BLOCK_V: tl.constexpr,  # vocabulary tile of the final draw
+    BLOCK_G: tl.constexpr,  # next power of two >= γ + 1 (output row)
+):
+    row = tl.program_id(0).to(tl.int64)
+    ell = tl.load(verify_lens_ptr + row)
+    rid = tl.load(request_ids_ptr + row)
+    anchor = tl.load(anchor_pos_ptr + row)
+    draft_row = draft_probs_ptr + row * stride_dr
+    target_row = target_probs_ptr + row * stride_tr
+
+    # Serial accept scan: slot j (k = j + 1) is tested only while every earlier slot was accepted.
+    n = ell * 0  # int64 accepted count
+    alive = ell >= 0  # True; a tensor so the loop can carry it
+    for j in range(0, gamma):
+        x = tl.load(draft_tokens_ptr + row * gamma + j)
+        live = alive & (j < ell) & (x >= 0) & (x < V)
+        pd_x = tl.load(draft_row + j * stride_dk + x, mask=live, other=1.0).to(tl.float32)
+        pt_x = tl.load(target_row + j * stride_tk + x, mask=live, other=0.0).to(tl.float32)
+        u = _uniform_at(_hash_key(seed_lo, seed_hi, rid, anchor + j + 1, PURPOSE_ACCEPT), 0)
+        accepted = live & (u * pd_x <= pt_x)
+        n += accepted.to(tl.int64)
+        alive = accepted
+
+    # One categorical draw from row n: residual if a verified slot was rejected, bonus otherwise.
+    rejected = n < ell
+    purpose = tl.where(rejected, PURPOSE_RESIDUAL, PURPOSE_BONUS)
+    key = _hash_key(seed_lo, seed_hi, rid, anchor + n + 1, purpose)
+    pt_ptr = target_row + n * stride_tk
+    pd_ptr = draft_row + tl.minimum(n, gamma - 1) * stride_dk
+    pd_len = tl.where(rejected, V, 0)  # p_d is read only for a residual; as a bound, not a scalar mask
+    res_score = -1.0
+    res_index = 0
+    res_mass = 0.0  # max of the residual: zero means "all zero", the rounding fallback to p_t
+    pt_score = -1.0
+    pt_index = 0
+    for start in range(0, V, BLOCK_V):
+        lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        mask = lanes < V
+        p_t = tl.load(pt_ptr + lanes, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_V]
+        p_d = tl.load(pd_ptr + lanes, mask=lanes < pd_len, other=0.0).to(tl.float32)  # [BLOCK_V]
+        residual = tl.maximum(p_t - p_d, 0.0)  # [BLOCK_V]
+        e = _exponential_at(key, lanes)  # [BLOCK_V] the same uniforms serve both races
+        res_score, res_index = _race_update(res_score, res_index, residual, e, lanes, mask)
+        pt_score, pt_index = _race_update(pt_score, pt_index, p_t, e, lanes, mask)
+        res_mass = tl.maximum(res_mass, tl.max(tl.where(mask, residual, 0.0), axis=0))
+    last = tl.where(rejected & (res_mass > 0.0), res_index, pt_index)
+    _store_result(tokens_ptr, num_accepted_ptr, num_emitted_ptr, draft_tokens_ptr, row, gamma, n, last, BLOCK_G)
+
+
+def _rejection_sample_torch(draft_tokens, verify_lens, draft_probs, target_probs, seed, rid, anchor):
+    """Torch fallback: the same arithmetic, vectorised over rows and slots (no host sync)."""
+    R, gamma = draft_tokens.shape
+    V = target_probs.shape[-1]
+    p_t = target_probs.float()  # [R, γ+1, V]
+    p_d = draft_probs.float()  # [R, γ, V]
+    dev = p_t.device
+    k = torch.arange(1, gamma + 1, device=dev)  # [γ]
+    live = (k[None, :] <= verify_lens[:, None]) & (draft_tokens >= 0) & (draft_tokens < V)  # [R, γ]
+    x = torch.where(live, draft_tokens, torch.zeros_like(draft_tokens))[..., None]  # [R, γ, 1]
+    pd_x = p_d.gather(-1, x).squeeze(-1)  # [R, γ]
+    pt_x = p_t[:, :gamma].gather(-1, x).squeeze(-1)  # [R, γ]
+    positions = anchor[:, None] + k[None, :]  # [R, γ] P + k
+    u = hash_uniform(seed, rid[:, None], positions, int(Purpose.ACCEPT), 0, backend="torch")  # [R, γ]
+    accepted = live & (u * pd_x <= pt_x)  # [R, γ]
+    n = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [R] leading run
+    rejected = n < verify_lens  # [R]
+    rows = torch.arange(R, device=dev)
+    pt_n = p_t[rows, n]  # [R, V]
+    pd_n = p_d[rows, n.clamp(max=gamma - 1)]  # [R, V]
+    residual = (pt_n - pd_n).clamp(min=0)  # [R, V]
+    residual = torch.where((residual.amax(-1) > 0)[:, None], residual, pt_n)  # rounding fallback to p_t
+    dist = torch.where(rejected[:, None], residual, pt_n)  # [R, V]
+    purpose = torch.where(rejected, int(Purpose.RESIDUAL), int(Purpose.BONUS))  # [R]
+    last = sample(dist, seed, rid, anchor + n + 1, purpose, backend="torch")  # [R]
+    return _assemble_torch(draft_tokens, n, last)
+
+
+def rejection_sample(
+    draft_tokens: Tensor,
+    verify_lens: Tensor,
+    draft_probs: Tensor,
+    target_probs: Tensor,
+    seed: int,
+    request_ids: Tensor,
+    anchor_positions: Tensor,
+    backend: str = "auto",
+) -> VerifyResult:
+    """Verify each request's first ``ℓ_r`` drafts; twin of ``reference.verify.rejection_sample``.
+
+    Args:
+        draft_tokens: ``[R, γ]`` int64 drafts ``x_1..x_γ``; slots past ``ℓ_r`` are ignored.
+        verify_lens: ``[R]`` int64 ``ℓ_r`` in 0..γ (device tensor; 0 for padded rows).
+        draft_probs: ``[R, γ, V]`` p_d each draft was sampled from (fp32/fp16/bf16).
+        target_probs: ``[R, γ+1, V]`` p_t rows; row ``i`` is for position ``P + i + 1``.
+        seed: generation seed.
+        request_ids: ``[R]`` request ids.
+        anchor_positions: ``[R]`` absolute anchor positions ``P``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        :class:`reference.verify.VerifyResult` (tokens ``[R, γ+1]``, num_accepted ``[R]``, num_emitted ``[R]``).
+    """
+    R, gamma = _check_blocks(draft_tokens, verify_lens)
+    V = target_probs.shape[-1]
+    if target_probs.shape != (R, gamma + 1, V) or draft_probs.shape != (R, gamma, V) or V == 0:
+        raise ValueError(f"expected draft_probs [R={R}, γ={gamma}, V] and target_probs [R, γ+1, V], got "
+                         f"{tuple(draft_probs.shape)} and {tuple(target_probs.shape)}")
+    if not (draft_probs.dtype.is_floating_point and target_probs.dtype.is_floating_point):
+        raise ValueError(f"probabilities must be float tensors, got {draft_probs.dtype} and {target_probs.dtype}")
+    dev = target_probs.device
+    rid = _per_row_words(request_ids, R, dev, "request_ids")  # [R]
+    anchor = _per_row_words(anchor_positions, R, dev, "anchor_positions")  # [R]
+    lo, hi = split_seed(seed)
+    if resolve_backend(backend, target_probs) == "torch":
+        return _rejection_sample_torch(draft_tokens, verify_lens, draft_probs, target_probs, seed, rid, anchor)
+    out = _empty_result(R, gamma, dev)
+    if R == 0:
+        return out
+    draft_probs = draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous()
+    target_probs = target_probs if target_probs.stride(-1) == 1 else target_probs.contiguous()
+    _rejection_sample_kernel[(R,)](
+        out.tokens, out.num_accepted, out.num_emitted, draft_tokens.contiguous(), verify_lens.contiguous(),
+        draft_probs, draft_probs.stride(0), draft_probs.stride(1),
+        target_probs, target_probs.stride(0), target_probs.stride(1),
+        rid, anchor, lo, hi, gamma, V,
+        BLOCK_V=RACE_BLOCK_V, BLOCK_G=triton.next_power_of_2(gamma + 1),
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- greedy_verify
+
+
+@triton.jit
+def _greedy_verify_kernel(
+    tokens_ptr,  # [R, γ+1] int64 out
+    num_accepted_ptr,  # [R] int64 out
+    num_emitted_ptr,  # [R] int64 out
+    draft_tokens_ptr,  # [R, γ] int64 drafts (contiguous)
+    verify_lens_ptr,  # [R] int64 ℓ in 0..γ
+    logits_ptr,  # [R, γ+1, V] target logits (fp32/fp16/bf16), last dim contiguous
+    stride_lr,  # logits stride over R
+    stride_lk,  # logits stride over γ+1
+    gamma,  # γ
+    V,  # vocabulary size
+    BLOCK_V: tl.constexpr,  # vocabulary tile of the argmax
+    BLOCK_G: tl.constexpr,  # next power of two >= γ + 1
+):
+    row = tl.program_id(0).to(tl.int64)
+    ell = tl.load(verify_lens_ptr + row)
+    n = ell * 0
+    last = n.to(tl.int32)
+    alive = ell >= 0
+    # Row j's argmax is needed only while rows 0..j-1 all matched: row n gives the correction (n < ℓ) or
+    # the bonus (n = ℓ), and later rows are never read (they may hold anything).
+    for j in range(0, gamma + 1):
+        if alive:
+            best = -float("inf")
+            best_index = 0
+            for start in range(0, V, BLOCK_V):
+                lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+                values = tl.load(logits_ptr + row * stride_lr + j * stride_lk + lanes, mask=lanes < V,
+                                 other=-float("inf")).to(tl.float32)  # [BLOCK_V]
+                best, best_index = _argmax_update(best, best_index, values, lanes)
+            x = tl.load(draft_tokens_ptr + row * gamma + j, mask=j < gamma, other=-1)
+            matched = (j < ell) & (x == best_index)
+            last = best_index
+            n += matched.to(tl.int64)
+            alive = matched
+    _store_result(tokens_ptr, num_accepted_ptr, num_emitted_ptr, draft_tokens_ptr, row, gamma, n, last, BLOCK_G)
+
+
+def greedy_verify(
+    draft_tokens: Tensor, verify_lens: Tensor, target_logits: Tensor, backend: str = "auto"
+) -> VerifyResult:
+    """Greedy verification (accept while ``x_k == argmax p_t_k``); twin of ``reference.verify.greedy_verify``.
+
+    Args:
+        draft_tokens: ``[R, γ]`` int64 drafts; slots past ``ℓ_r`` are ignored.
+        verify_lens: ``[R]`` int64 ``ℓ_r`` in 0..γ.
+        target_logits: ``[R, γ+1, V]`` target logits (fp32/fp16/bf16); rows past row ``n`` are never read.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        :class:`reference.verify.VerifyResult`.
+    """
+    R, gamma = _check_blocks(draft_tokens, verify_lens)
+    if target_logits.ndim != 3 or target_logits.shape[:2] != (R, gamma + 1) or target_logits.shape[2] == 0:
+        raise ValueError(f"target_logits must be [R={R}, γ+1={gamma + 1}, V], got {tuple(target_logits.shape)}")
+    if not target_logits.dtype.is_floating_point:
+        raise ValueError(f"target_logits must be a float tensor, got {target_logits.dtype}")
+    dev = target_logits.device
+    if resolve_backend(backend, target_logits) == "torch":
+        target_argmax = target_logits.float().argmax(dim=-1)  # [R, γ+1], lowest index on ties
+        verified = torch.arange(1, gamma + 1, device=dev)[None, :] <= verify_lens[:, None]  # [R, γ]
+        matched = verified & (draft_tokens == target_argmax[:, :gamma])  # [R, γ]
+        n = matched.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [R]
+        return _assemble_torch(draft_tokens, n, target_argmax.gather(1, n[:, None]).squeeze(1))
+    out = _empty_result(R, gamma, dev)
+    if R == 0:
+        return out
+    logits = target_logits if target_logits.stride(-1) == 1 else target_logits.contiguous()
+    _greedy_verify_kernel[(R,)](
+        out.tokens, out.num_accepted, out.num_emitted, draft_tokens.contiguous(), verify_lens.contiguous(),
+        logits, logits.stride(0), logits.stride(1), gamma, logits.shape[2],
+        BLOCK_V=ARGMAX_BLOCK_V, BLOCK_G=triton.next_power_of_2(gamma + 1),
+    )
+    return out

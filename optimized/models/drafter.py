@@ -1,0 +1,187 @@
+"""The drafter's fast parallel backbone over a static per-slot context cache (METHOD §1).
+
+Computes what ``reference.drafter.DSparkDrafter.backbone_cached`` computes, for R requests at once. Names follow
+``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size,
+``x_0`` the anchor, ``U_k`` base logits).
+
+Two stages, both free of host syncs and with static shapes:
+
+* :meth:`OptimizedDrafter.append_context` — target features of newly verified tokens ``[N, m·d]`` →
+  ``H_ctx = RMSNorm(W_c · features)`` → every layer's own k/v projection (+ RoPE at the token's absolute position)
+  → written into the context cache ``[L, S+1, T+γ, Hkv, D]`` at ``(slot, position)``.
+* :meth:`OptimizedDrafter.backbone` — the block ``[x_0, M, …, M]`` at positions ``P..P+γ-1``: each layer writes the
+  block's K/V at ``P..P+γ-1`` of the request's slot (scratch: the context append of accepted tokens overwrites it
+  later) and runs the varlen attention kernel *non-causally* with ``kv_len = P + γ``. Because the cache holds the
+  context at exactly ``0..P-1``, this is METHOD §1's mask: every block token sees the whole context before the
+  anchor and the whole block, nothing else.
+
+The requirement this places on the engine: before ``backbone`` for an anchor at P, the features of positions
+``0..P-1`` of that request have been appended (stale entries at ≥ P are never visible).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from optimized.models.target import (
+    AttentionShape,
+    apply_rope,
+    check_int32,
+    decoder_layer,
+    fuse_linears,
+    layer_weights,
+    rms_norm,
+    rope_cos_sin,
+    write_kv,
+)
+from reference.drafter import DSparkDrafter
+
+
+class OptimizedDrafter:
+    """Batched backbone of a :class:`reference.drafter.DSparkDrafter` with a static context cache.
+
+    Weights are read from the reference module when this is built (fused q/k/v and gate/up are copies: the drafter
+    is small, and its checkpoint code saves the reference module, which must not share storage between keys).
+    Rebuild after loading new drafter weights.
+    """
+
+    def __init__(self, drafter: DSparkDrafter, *, embed_weight: Tensor | None = None,
+                 lm_head_weight: Tensor | None = None, attention_backend: str = "auto") -> None:
+        """Args:
+            drafter: the reference drafter, with its target attached (``attach_target``) unless both weights below
+                are given.
+            embed_weight: ``[V, d]`` the target's input embedding (default: the attached one).
+            lm_head_weight: ``[V, d]`` the target's LM head (default: the attached one).
+            attention_backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``.
+        """
+        cfg = drafter.config
+        self.config = cfg
+        self.gamma = cfg.block_size
+        if embed_weight is None or lm_head_weight is None:
+            # The target's modules are shared with the drafter, never owned by it (reference/drafter.py).
+            embed, lm_head = drafter._target_modules()
+            embed_weight = embed.weight if embed_weight is None else embed_weight
+            lm_head_weight = lm_head.weight if lm_head_weight is None else lm_head_weight
+        self.embed = embed_weight.detach()  # [V, d]
+        self.lm_head = lm_head_weight.detach()  # [V, d]
+        self.shape = AttentionShape(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                                    head_dim=cfg.head_dim, eps=float(cfg.rms_norm_eps), scale=cfg.head_dim ** -0.5)
+        self.context_proj = drafter.context_proj.weight.detach()  # [d, m·d] W_c
+        self.context_norm = drafter.context_norm.weight.detach()  # [d]
+        self.final_norm = drafter.final_norm.weight.detach()  # [d]
+        self.layers = [layer_weights(layer, rebind=False) for layer in drafter.layers]
+        # The context K/V of all layers come from the same H_ctx: one matmul for every layer's k and v.
+        attns = [layer.self_attn for layer in drafter.layers]
+        self.context_kv, self.context_kv_bias = fuse_linears(
+            [lin for a in attns for lin in (a.k_proj, a.v_proj)], rebind=False)  # [L·2·Hkv·D, d]
+        self.mask_token_id = cfg.mask_token_id
+        self.mask_embedding = None if cfg.mask_token_id is not None else drafter.mask_embedding.detach()  # [d]
+        self.dtype = self.context_proj.dtype
+        self.device = self.context_proj.device
+        # The reference's RoPE formula, θ^(-2i/D) in float32, so context keys rotate bit-identically.
+        d = cfg.head_dim
+        self.inv_freq = cfg.rope_theta ** (-torch.arange(0, d, 2, device=self.device, dtype=torch.float32) / d)
+        self.attention_backend = attention_backend
+        self.k_cache: Tensor | None = None
+        self.v_cache: Tensor | None = None
+
+    def allocate_cache(self, max_num_seqs: int, max_seq_len: int) -> None:
+        """Allocate the context caches ``[L, max_num_seqs + 1, max_seq_len + γ, Hkv, D]``.
+
+        ``max_seq_len`` is the target's: a request's context never exceeds it, and the γ extra positions hold the
+        block of an anchor at the last position. The last slot is trash for padding writes. Zero-filled so
+        never-written positions are finite.
+        """
+        if max_num_seqs < 1 or max_seq_len < 1:
+            raise ValueError(f"max_num_seqs and max_seq_len must be ≥ 1, got {max_num_seqs}, {max_seq_len}")
+        s = self.shape
+        size = (len(self.layers), max_num_seqs + 1, max_seq_len + self.gamma, s.num_kv_heads, s.head_dim)
+        self.k_cache = torch.zeros(size, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(size, dtype=self.dtype, device=self.device)
+
+    def _require_cache(self) -> tuple[Tensor, Tensor]:
+        if self.k_cache is None:
+            raise RuntimeError("no context cache: call allocate_cache(max_num_seqs, max_seq_len) first")
+        return self.k_cache, self.v_cache
+
+    @torch.inference_mode()
+    def append_context(self, features: Tensor, positions: Tensor, slot_of_token: Tensor) -> None:
+        """Project target features into every layer's context K/V and write them at their positions.
+
+        Args:
+            features: ``[N, m·d]`` tapped target features (the target's dtype; cast to the drafter's).
+            positions: ``[N]`` absolute positions of those tokens.
+            slot_of_token: ``[N]`` cache slot of each token; -1 (padding) writes to the trash slot.
+        """
+        k_cache, v_cache = self._require_cache()
+        n, md = features.shape[0], self.context_proj.shape[1]
+        if features.dim() != 2 or features.shape[1] != md:
+            raise ValueError(f"features must be [N, m·d] = [N, {md}], got {tuple(features.shape)}")
+        if positions.shape != (n,) or slot_of_token.shape != (n,):
+            raise ValueError(f"positions and slot_of_token must be [N] = [{n}], got {tuple(positions.shape)} and "
+                             f"{tuple(slot_of_token.shape)}")
+        s = self.shape
+        trash = k_cache.shape[1] - 1
+        is_trash = slot_of_token < 0
+        slots = torch.where(is_trash, trash, slot_of_token.long())  # [N]
+        pos = torch.where(is_trash, 0, positions.long())  # [N]
+        h_ctx = rms_norm(F.linear(features.to(self.dtype), self.context_proj), self.context_norm, s.eps)  # [N, d]
+        kv = F.linear(h_ctx, self.context_kv, self.context_kv_bias)  # [N, L·2·Hkv·D]
+        kv = kv.view(n, len(self.layers), 2, s.num_kv_heads, s.head_dim)  # [N, L, 2, Hkv, D]
+        cos, sin = rope_cos_sin(pos, self.inv_freq, 1.0, self.dtype)  # [N, D] each
+        for i, w in enumerate(self.layers):
+            k, v = kv[:, i, 0], kv[:, i, 1]  # [N, Hkv, D] each
+            if w.k_norm is not None:
+                k = rms_norm(k, w.k_norm, s.eps)
+            k = apply_rope(k, cos, sin)
+            write_kv(k_cache[i], v_cache[i], slots, pos, k, v)
+
+    @torch.inference_mode()
+    def backbone(self, anchor_ids: Tensor, anchor_pos: Tensor, slot_ids: Tensor) -> Tensor:
+        """The parallel backbone for R requests: ``[x_0, M, …, M]`` → h ``[R, γ, d]`` (after the final norm).
+
+        Args:
+            anchor_ids: ``[R]`` int64 anchors x_0.
+            anchor_pos: ``[R]`` their absolute positions P; context positions ``0..P-1`` must be appended.
+            slot_ids: ``[R]`` int32 cache slot per request; -1 marks a padded row (it computes a throw-away block in
+                the trash slot, so R can stay a static bucket size).
+        """
+        k_cache, v_cache = self._require_cache()
+        r, g, d = anchor_ids.shape[0], self.gamma, self.embed.shape[1]
+        if anchor_ids.shape != (r,) or anchor_pos.shape != (r,):
+            raise ValueError(f"anchor_ids and anchor_pos must be [R], got {tuple(anchor_ids.shape)} and "
+                             f"{tuple(anchor_pos.shape)}")
+        check_int32(slot_ids=slot_ids)
+        trash = k_cache.shape[1] - 1
+        padded = slot_ids < 0
+        slots = torch.where(padded, trash, slot_ids).to(torch.int32)  # [R]
+        anchor_pos = torch.where(padded, 0, anchor_pos.long())  # [R]
+        offsets = torch.arange(g, device=anchor_pos.device)
+        positions = (anchor_pos[:, None] + offsets).reshape(r * g)  # [R·γ] P..P+γ-1
+        write_slots = slots.long().repeat_interleave(g)  # [R·γ]
+        cu = (torch.arange(r + 1, device=anchor_pos.device) * g).to(torch.int32)  # [R+1]: γ queries each
+        kv_lens = (anchor_pos + g).to(torch.int32)  # [R]: context 0..P-1 plus the block
+        cos, sin = rope_cos_sin(positions, self.inv_freq, 1.0, self.dtype)  # [R·γ, D]
+
+        x = self._block_embeddings(anchor_ids).reshape(r * g, d)  # [R·γ, d]
+        for i, w in enumerate(self.layers):
+            x = decoder_layer(x, w, self.shape, cos, sin, k_cache[i], v_cache[i], write_slots, positions, cu,
+                              kv_lens, slots, causal=False, max_q_len=g, backend=self.attention_backend)
+        return rms_norm(x, self.final_norm, self.shape.eps).view(r, g, d)
+
+    def base_logits(self, h: Tensor) -> Tensor:
+        """U_k = lm_head(h_k) in float32: h ``[R, γ, d]`` → ``[R, γ, V]`` (the target's LM head, shared)."""
+        return F.linear(h.to(self.lm_head.dtype), self.lm_head).float()
+
+    def _block_embeddings(self, anchor_ids: Tensor) -> Tensor:
+        """[x_0, M, …, M] embedded: anchor_ids [R] -> [R, γ, d] in the drafter's dtype."""
+        x0 = F.embedding(anchor_ids, self.embed).to(self.dtype)  # [R, d]
+        if self.mask_embedding is not None:
+            mask = self.mask_embedding.to(self.dtype)  # [d], the learned vector
+        else:
+            mask = self.embed[self.mask_token_id].to(self.dtype)  # [d], a spare vocabulary row
+        masks = mask.expand(x0.shape[0], self.gamma - 1, x0.shape[1])  # [R, γ-1, d]
+        return torch.cat((x0[:, None], masks), dim=1)  # [R, γ, d]
+

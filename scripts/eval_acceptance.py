@@ -1,0 +1,182 @@
+"""Accepted length τ of a drafter on a prompt file: full block verified, batch-1 semantics (METHOD §4, §6).
+
+Names follow ``design/METHOD.md``: ``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length,
+``τ`` tokens emitted by one verification (accepted drafts + 1).
+
+Every prompt is decoded by the reference loop (``reference.generate``) in scheduler mode ``fixed`` with
+``k = γ``: each step verifies the whole block, so τ measures the drafter alone (no scheduler). By the
+random-number contract a request's tokens depend only on its own id, prompt and the seed, never on its
+neighbours, so batching prompts (``--batch-size``) gives exactly the batch-1 result, only faster.
+
+Reported (OUT.json):
+
+* ``mean_accepted_length``: τ pooled over all steps of all prompts, ``Σ (accepted + 1) / steps``
+  (the paper's definition); ``mean_accepted_length_macro`` averages the per-prompt τ instead;
+* ``per_domain``: domain → pooled τ; ``per_domain_detail`` adds counts and per-position acceptance;
+* ``per_position_acceptance``: ``P(slot k accepted | slots 1..k-1 accepted)`` for k = 1..γ (paper Figure 2),
+  with the number of steps that reached slot k in ``per_position_counts``;
+* counts, settings, hardware, command, wall time.
+
+Usage::
+
+    python scripts/eval_acceptance.py --drafter DIR --prompts-file F.jsonl [--temperature T] \\
+        [--max-new-tokens N] [--gamma G] --json OUT.json
+
+Prompt lines are ``{"prompt": str, "domain": str}`` (``"input_ids": [...]`` may replace ``"prompt"`` for a
+target without tokenizer). It runs on a CPU too, slowly: use a handful of prompts there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from reference.checkpoint import load_drafter, read_drafter_config  # noqa: E402
+from reference.config import GenerationConfig, SchedulerConfig  # noqa: E402
+from reference.generate import GenerationResult, generate  # noqa: E402
+from reference.target import DEFAULT_TARGET, Target  # noqa: E402
+from scripts.make_dataset import resolve_device  # noqa: E402
+from scripts.train_drafter import hardware  # noqa: E402
+
+log = logging.getLogger("dspark.eval_acceptance")
+
+
+def read_prompts(path: str | Path, target: Target, chat_template: bool = True,
+                 limit: int | None = None) -> list[tuple[str, list[int]]]:
+    """(domain, token ids) per line of a JSONL prompt file; bad lines fail with their line number."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}:{n}: not valid JSON ({e})") from e
+            if not isinstance(obj, dict):
+                raise SystemExit(f"{path}:{n}: expected a JSON object")
+            domain = str(obj.get("domain", "all"))
+            if isinstance(obj.get("input_ids"), list) and obj["input_ids"]:
+                ids = [int(t) for t in obj["input_ids"]]
+            elif isinstance(obj.get("prompt"), str) and obj["prompt"].strip():
+                ids = target.encode(obj["prompt"], chat_template=chat_template)
+            else:
+                raise SystemExit(f'{path}:{n}: expected a non-empty "prompt" string or "input_ids" list')
+            rows.append((domain, ids))
+            if limit is not None and len(rows) >= limit:
+                break
+    if not rows:
+        raise SystemExit(f"{path}: no prompts")
+    return rows
+
+
+def summarise(results: list[GenerationResult], gamma: int) -> dict:
+    """Pooled τ, per-prompt macro τ and per-position conditional acceptance of a set of results."""
+    steps = [a for r in results for a in r.accepted_lengths]  # accepted drafts per verification step
+    acc = torch.tensor(steps, dtype=torch.long)
+    reached = [int((acc >= k - 1).sum()) for k in range(1, gamma + 1)]  # steps whose slots 1..k-1 were accepted
+    passed = [int((acc >= k).sum()) for k in range(1, gamma + 1)]
+    per_prompt = [r.mean_accepted_length for r in results if r.accepted_lengths]
+    return {
+        "mean_accepted_length": float(acc.float().mean() + 1) if steps else None,
+        "mean_accepted_length_macro": sum(per_prompt) / len(per_prompt) if per_prompt else None,
+        "per_position_acceptance": [p / n if n else None for p, n in zip(passed, reached)],
+        "per_position_counts": reached,
+        "prompts": len(results),
+        "steps": len(steps),
+        "generated_tokens": sum(len(r.token_ids) for r in results),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--drafter", required=True, help="drafter checkpoint directory")
+    p.add_argument("--prompts-file", required=True, help='JSONL, one {"prompt": ..., "domain": ...} per line')
+    p.add_argument("--json", required=True, help="output JSON file")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = lossless sampling (top-p off)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
+    p.add_argument("--gamma", type=int, default=None, help="block size γ (must equal the drafter's)")
+    p.add_argument("--model", default=DEFAULT_TARGET, help="target: 'smollm2-135m-instruct', a .gguf or an HF dir")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--batch-size", type=int, default=32, help="prompts per generate call (results do not depend on it)")
+    p.add_argument("--seed", type=int, default=0, help="generation seed (random-number contract)")
+    p.add_argument("--limit", type=int, default=None, help="use the first N prompts only")
+    p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    if args.batch_size < 1:
+        raise SystemExit(f"--batch-size must be ≥ 1, got {args.batch_size}")
+    device = resolve_device(args.device)
+    cfg = read_drafter_config(args.drafter)
+    gamma = cfg.block_size
+    if args.gamma is not None and args.gamma != gamma:
+        raise SystemExit(f"--gamma {args.gamma} differs from the drafter's trained block size γ = {gamma}")
+    target = Target.load(args.model, layer_ids=cfg.target_layer_ids, device=device,
+                         dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    drafter = load_drafter(args.drafter, target, device=device, dtype=target.dtype)
+    prompts = read_prompts(args.prompts_file, target, chat_template=not args.no_chat_template, limit=args.limit)
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                           chat_template=not args.no_chat_template)
+    sched = SchedulerConfig(mode="fixed", k=gamma)  # full block verified every step: τ of the drafter alone
+    log.info("%d prompts, γ = %d, T = %g, %d new tokens, %s", len(prompts), gamma, args.temperature,
+             args.max_new_tokens, device)
+
+    t0 = time.perf_counter()
+    results: list[GenerationResult] = []
+    for start in tqdm(range(0, len(prompts), args.batch_size), desc="eval", unit="batch"):
+        chunk = prompts[start:start + args.batch_size]
+        results += generate(target, drafter, [ids for _, ids in chunk], gen, sched,
+                            request_ids=list(range(start, start + len(chunk))))
+    wall = time.perf_counter() - t0
+
+    by_domain: dict[str, list[GenerationResult]] = defaultdict(list)
+    for (domain, _), r in zip(prompts, results):
+        by_domain[domain].append(r)
+    overall = summarise(results, gamma)
+    detail = {d: summarise(rs, gamma) for d, rs in sorted(by_domain.items())}
+    report = {
+        "mean_accepted_length": overall["mean_accepted_length"],
+        "mean_accepted_length_macro": overall["mean_accepted_length_macro"],
+        "per_domain": {d: s["mean_accepted_length"] for d, s in detail.items()},
+        "per_position_acceptance": overall["per_position_acceptance"],
+        "per_position_counts": overall["per_position_counts"],
+        "per_domain_detail": detail,
+        "counts": {k: overall[k] for k in ("prompts", "steps", "generated_tokens")},
+        "settings": {"temperature": args.temperature, "top_p": 1.0, "top_k": 0, "max_new_tokens": args.max_new_tokens,
+                     "gamma": gamma, "scheduler": "fixed", "k": gamma, "seed": args.seed,
+                     "chat_template": not args.no_chat_template, "dtype": str(target.dtype).removeprefix("torch.")},
+        "drafter": str(args.drafter),
+        "drafter_config": {"head": cfg.head, "num_layers": cfg.num_layers, "markov_rank": cfg.markov_rank,
+                           "sts_temperatures": cfg.sts_temperatures},
+        "model": args.model,
+        "prompts_file": str(args.prompts_file),
+        "hardware": hardware(device, 1),
+        "wall_s": round(wall, 1),
+        "command": " ".join(["scripts/eval_acceptance.py", *(sys.argv[1:] if argv is None else argv)]),
+    }
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    log.info("τ = %.3f (%s); per position %s; %.1f s -> %s", report["mean_accepted_length"],
+             ", ".join(f"{d} {t:.3f}" for d, t in report["per_domain"].items()),
+             " ".join(f"{p:.2f}" if p is not None else "-" for p in report["per_position_acceptance"]), wall, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,168 @@
+"""Equivalence of ``optimized.kernels.draft_head`` (fused Markov-head sampling) with ``DSparkDrafter.sample_block``.
+
+Tokens are integers: identical (torch.equal). ``p_d`` and the confidence logits are floats:
+
+* fp32 drafter: the kernel only reorders fp32 sums (the W2·e product, the online softmax), a few ulps of
+  O(1) values, so ``p_d`` within 2e-6 absolute and ``z_k`` within 1e-5 absolute.
+* bf16/fp16 *inputs* (target logits, hidden states) are upcast exactly, so the same fp32 tolerances hold.
+* a bf16 drafter: both sides round ``B_k`` and ``z_k`` to bf16, but an fp32 sum in another order can land one
+  bf16 ulp (≤ 2^-7 relative) away, so ``p_d`` within 1e-2 absolute on O(1) logits, and ``z_k`` within two bf16
+  ulps (2^-6 relative): CPU bf16 ``addmm`` may round the product and the bias sum separately, the kernel once.
+
+The Triton cases run through Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set by the CI command)
+and skip without it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from optimized.kernels import draft_head as fast
+from reference.config import DrafterConfig
+from reference.drafter import DSparkDrafter
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(not (DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"),
+                                  reason="the Triton kernel on CPU needs TRITON_INTERPRET=1 (the CI command sets it)")
+BACKENDS = [pytest.param("triton", marks=needs_triton), "torch"]
+PROB_ATOL_FP32 = 2e-6
+CONF_ATOL_FP32 = 1e-5
+
+
+def make_drafter(V: int, gamma: int, rank: int, d: int = 32, head: str = "markov", seed: int = 0,
+                 lm_dtype: torch.dtype = torch.float32) -> DSparkDrafter:
+    """A tiny drafter with a random (non-zero) W2 and an attached random target embedding / LM head."""
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(vocab_size=V, hidden_size=d, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                        intermediate_size=64, target_num_layers=4, block_size=gamma, markov_rank=rank, head=head)
+    drafter = DSparkDrafter(cfg)
+    with torch.no_grad():
+        if drafter.seq_head is not None:
+            drafter.seq_head.w2.weight.normal_(0, 0.5)  # W2 starts at zero; make the Markov bias matter
+        drafter.conf_head.weight.normal_(0, 0.2)
+        drafter.conf_head.bias.fill_(0.3)
+    lm_head = torch.nn.Linear(d, V, bias=False)
+    torch.nn.init.normal_(lm_head.weight, std=0.3)
+    drafter.attach_target(torch.nn.Embedding(V, d), lm_head.to(lm_dtype))
+    return drafter
+
+
+def on_device(drafter: DSparkDrafter) -> DSparkDrafter:
+    """Move the drafter *and* its attached (not owned) target modules to DEVICE, in place."""
+    for module in drafter._target_modules():
+        module.to(DEVICE)
+    return drafter.to(DEVICE)
+
+
+def make_inputs(R: int, gamma: int, V: int, d: int = 32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(R, gamma, d, generator=gen)  # [R, γ, d]
+    anchor_ids = torch.randint(0, V, (R,), generator=gen)
+    anchor_pos = torch.randint(0, 2**31, (R,), generator=gen)
+    temperature = torch.tensor([1.0, 0.0, 0.7, 1.5, 0.0, 0.3])[torch.arange(R) % 6]  # greedy and sampled rows
+    request_ids = torch.randint(0, 2**31, (R,), generator=gen)
+    return h, anchor_ids, anchor_pos, temperature, request_ids
+
+
+def to_device(*ts):
+    return [t.to(DEVICE) for t in ts]
+
+
+def assert_close_fp32(got, want):
+    assert torch.equal(got.tokens.cpu(), want.tokens)
+    torch.testing.assert_close(got.probs.cpu(), want.probs, atol=PROB_ATOL_FP32, rtol=0)
+    torch.testing.assert_close(got.conf_logits.cpu(), want.conf_logits, atol=CONF_ATOL_FP32, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("R,gamma,V,rank", [(1, 1, 97, 8), (5, 4, 97, 5), (3, 7, 130, 16)])
+def test_sample_block_matches_reference(backend, R, gamma, V, rank):
+    drafter = make_drafter(V, gamma, rank, seed=R + gamma)
+    h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(R, gamma, V, seed=V + rank)
+    want = drafter.sample_block(h, anchor_ids, anchor_pos, temperature, 2**33 + 1, request_ids)
+    got = fast.sample_block(on_device(drafter), *to_device(h, anchor_ids, anchor_pos, temperature), 2**33 + 1,
+                            request_ids.to(DEVICE), backend=backend)
+    assert got.probs.dtype == torch.float32 and got.tokens.dtype == torch.int64
+    assert_close_fp32(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(backend, dtype):
+    # A half-precision target: U = lm_head(h) arrives in `dtype`, and so do the hidden states. The reference sees
+    # the same values upcast (its LM head runs in `dtype`; h is chosen exactly representable).
+    R, gamma, V = 4, 3, 97
+    drafter = make_drafter(V, gamma, 8, lm_dtype=dtype)
+    h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(R, gamma, V, seed=1)
+    h = h.to(dtype).float()
+    want = drafter.sample_block(h, anchor_ids, anchor_pos, temperature, 7, request_ids)
+    lm_head = drafter._target_modules()[1]
+    base = lm_head(h.to(dtype))  # [R, γ, V] in dtype
+    head = drafter.seq_head
+    got = fast.sample_draft_block(*to_device(base, h.to(dtype), anchor_ids, anchor_pos, temperature), 7,
+                                  request_ids.to(DEVICE), *to_device(head.w1.weight, head.w2.weight,
+                                                                     drafter.conf_head.weight, drafter.conf_head.bias),
+                                  backend=backend)
+    assert_close_fp32(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_drafter(backend):
+    R, gamma, V = 4, 3, 97
+    drafter = make_drafter(V, gamma, 8, lm_dtype=torch.bfloat16).to(torch.bfloat16)
+    h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(R, gamma, V, seed=2)
+    h = h.to(torch.bfloat16)
+    want = drafter.sample_block(h, anchor_ids, anchor_pos, temperature, 9, request_ids)
+    got = fast.sample_block(on_device(drafter), *to_device(h, anchor_ids, anchor_pos, temperature), 9,
+                            request_ids.to(DEVICE), backend=backend)
+    assert torch.equal(got.tokens.cpu(), want.tokens)
+    torch.testing.assert_close(got.probs.cpu(), want.probs, atol=1e-2, rtol=0)
+    torch.testing.assert_close(got.conf_logits.cpu(), want.conf_logits, atol=0, rtol=2.0**-6)
+
+
+@needs_triton
+def test_full_vocabulary():
+    drafter = make_drafter(49152, 2, 8)
+    h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(2, 2, 49152, seed=3)
+    want = drafter.sample_block(h, anchor_ids, anchor_pos, temperature, 3, request_ids)
+    got = fast.sample_block(on_device(drafter), *to_device(h, anchor_ids, anchor_pos, temperature), 3,
+                            request_ids.to(DEVICE), backend="triton")
+    assert_close_fp32(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_independence(backend):
+    drafter = on_device(make_drafter(97, 4, 8))
+    inputs = to_device(*make_inputs(5, 4, 97, seed=4))
+    batch = fast.sample_block(drafter, *inputs[:4], 1, inputs[4], backend=backend)
+    for i in range(5):
+        one = fast.sample_block(drafter, *[t[i:i + 1] for t in inputs[:4]], 1, inputs[4][i:i + 1], backend=backend)
+        assert torch.equal(one.tokens[0], batch.tokens[i])
+        torch.testing.assert_close(one.probs[0], batch.probs[i], atol=PROB_ATOL_FP32, rtol=0)
+
+
+@pytest.mark.parametrize("head", ["rnn", "none"])
+def test_other_heads_fall_back_to_reference(head):
+    drafter = make_drafter(97, 3, 8, head=head)
+    h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(3, 3, 97, seed=5)
+    want = drafter.sample_block(h, anchor_ids, anchor_pos, temperature, 4, request_ids)
+    got = fast.sample_block(drafter, h, anchor_ids, anchor_pos, temperature, 4, request_ids)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.probs, want.probs)
+
+
+def test_bad_inputs_fail_fast():
+    R, gamma, V, d, r = 2, 3, 11, 4, 5
+    base, h = torch.zeros(R, gamma, V), torch.zeros(R, gamma, d)
+    ids, temp = torch.zeros(R, dtype=torch.int64), torch.ones(R)
+    w1, w2, cw, cb = torch.zeros(V, r), torch.zeros(V, r), torch.zeros(d + r), torch.zeros(1)
+    with pytest.raises(ValueError, match="w1 and w2"):
+        fast.sample_draft_block(base, h, ids, ids, temp, 0, ids, w1, torch.zeros(r, V), cw, cb)
+    with pytest.raises(ValueError, match="conf_w"):
+        fast.sample_draft_block(base, h, ids, ids, temp, 0, ids, w1, w2, torch.zeros(d), cb)
+    with pytest.raises(ValueError, match="temperature"):
+        fast.sample_draft_block(base, h, ids, ids, torch.ones(R + 1), 0, ids, w1, w2, cw, cb)
+    with pytest.raises(ValueError, match="h"):
+        fast.sample_draft_block(base, h[:, :2], ids, ids, temp, 0, ids, w1, w2, cw, cb)

@@ -1,0 +1,189 @@
+"""Equivalence of ``optimized.kernels.verify`` (Triton kernels and torch fallbacks) with ``reference.verify``.
+
+Every field of the :class:`VerifyResult` (tokens, accepted counts, τ) is integer and must be *identical*
+(torch.equal), for fp32/fp16/bf16 inputs, ragged verify lengths including padded rows (ℓ = 0, garbage drafts,
+NaN in the rows that are never read), γ = 1, V not a power of two, and the residual's rounding fallback.
+The Triton cases run through Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set by the CI command)
+and skip without it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from optimized.kernels import verify as fast
+from reference import verify as ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(not (DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"),
+                                  reason="the Triton kernel on CPU needs TRITON_INTERPRET=1 (the CI command sets it)")
+BACKENDS = [pytest.param("triton", marks=needs_triton), "torch"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SHAPES = [(1, 1, 97), (6, 4, 97), (3, 7, 130)]  # (R, γ, V): R = 1, γ = 1, V not a power of two
+
+
+def make_case(R: int, gamma: int, V: int, dtype: torch.dtype, seed: int, agreement: float = 0.7):
+    """Drafts sampled from p_d; p_t mixes p_d with another distribution so roughly ``agreement`` is accepted.
+
+    Row 0 is a padded row (ℓ = 0, drafts -1); rows past ℓ hold NaN, which neither implementation may read.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    p_d = torch.softmax(torch.randn(R, gamma, V, generator=gen) * 3, dim=-1)  # [R, γ, V]
+    other = torch.softmax(torch.randn(R, gamma + 1, V, generator=gen) * 3, dim=-1)  # [R, γ+1, V]
+    p_t = other.clone()
+    p_t[:, :gamma] = agreement * p_d + (1 - agreement) * other[:, :gamma]
+    drafts = torch.multinomial(p_d.reshape(-1, V), 1, generator=gen).reshape(R, gamma)  # [R, γ]
+    lens = torch.randint(0, gamma + 1, (R,), generator=gen)  # [R]
+    lens[-1] = gamma  # at least one fully verified row when R > 1
+    lens[0] = 0
+    drafts[0] = -1
+    slot = torch.arange(gamma + 1)[None, :]  # [1, γ+1]
+    p_t[slot > lens[:, None]] = float("nan")  # rows past ℓ are never read
+    rid = torch.randint(0, 2**31, (R,), generator=gen)
+    anchor = torch.randint(0, 2**20, (R,), generator=gen)
+    to = lambda t: t.to(DEVICE)
+    return to(drafts), to(lens), to(p_d.to(dtype)), to(p_t.to(dtype)), to(rid), to(anchor)
+
+
+def assert_same(got: ref.VerifyResult, want: ref.VerifyResult) -> None:
+    assert torch.equal(got.tokens.cpu(), want.tokens)
+    assert torch.equal(got.num_accepted.cpu(), want.num_accepted)
+    assert torch.equal(got.num_emitted.cpu(), want.num_emitted)
+
+
+def reference_rejection_sample(drafts, lens, p_d, p_t, seed, rid, anchor) -> ref.VerifyResult:
+    return ref.rejection_sample(drafts.cpu(), lens.cpu(), p_d.cpu(), p_t.cpu(), seed, rid.cpu(), anchor.cpu())
+
+
+# --------------------------------------------------------------------------- rejection_sample
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,gamma,V", SHAPES)
+def test_rejection_sample_matches_reference(backend, dtype, R, gamma, V):
+    for seed, agreement in ((R + gamma + V, 0.7), (5, 0.97)):  # mostly rejections, then mostly bonus draws
+        case = make_case(R, gamma, V, dtype, seed, agreement)
+        got = fast.rejection_sample(*case[:4], 2**40 + seed, *case[4:], backend=backend)
+        assert_same(got, reference_rejection_sample(*case[:4], 2**40 + seed, *case[4:]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rejection_sample_all_accepted_and_padded(backend):
+    # p_t = p_d: every verified draft is accepted, so num_accepted = ℓ and the last token is the bonus.
+    drafts, lens, p_d, _, rid, anchor = make_case(5, 3, 97, torch.float32, seed=3)
+    p_t = torch.cat([p_d, p_d[:, :1]], dim=1)  # [R, γ+1, V]
+    got = fast.rejection_sample(drafts, lens, p_d, p_t, 11, rid, anchor, backend=backend)
+    assert torch.equal(got.num_accepted, lens)
+    assert_same(got, reference_rejection_sample(drafts, lens, p_d, p_t, 11, rid, anchor))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rejection_sample_residual_rounding_fallback(backend):
+    # p_t = p_d / 2 (unnormalised): a rejected slot's residual max(0, p_t - p_d) is all zero, so the
+    # recovered token comes from p_t itself, with purpose RESIDUAL.
+    drafts, _, p_d, _, rid, anchor = make_case(8, 2, 97, torch.float32, seed=4)
+    drafts = drafts.clamp(min=0)
+    lens = torch.full((8,), 2, device=DEVICE)
+    p_t = torch.cat([p_d, p_d[:, :1]], dim=1) * 0.5
+    got = fast.rejection_sample(drafts, lens, p_d, p_t, 1, rid, anchor, backend=backend)
+    assert bool((got.num_accepted < 2).any())  # the fallback is exercised
+    assert_same(got, reference_rejection_sample(drafts, lens, p_d, p_t, 1, rid, anchor))
+
+
+@needs_triton
+def test_rejection_sample_full_vocabulary():
+    drafts, lens, p_d, p_t, rid, anchor = make_case(2, 3, 49152, torch.bfloat16, seed=6, agreement=0.5)
+    got = fast.rejection_sample(drafts, lens, p_d, p_t, 2, rid, anchor, backend="triton")
+    assert_same(got, reference_rejection_sample(drafts, lens, p_d, p_t, 2, rid, anchor))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rejection_sample_batch_independence(backend):
+    case = make_case(6, 4, 97, torch.float32, seed=8)
+    drafts, lens, p_d, p_t, rid, anchor = case
+    batch = fast.rejection_sample(*case[:4], 3, *case[4:], backend=backend)
+    for i in range(6):
+        one = fast.rejection_sample(drafts[i:i + 1], lens[i:i + 1], p_d[i:i + 1], p_t[i:i + 1], 3,
+                                    rid[i:i + 1], anchor[i:i + 1], backend=backend)
+        assert torch.equal(one.tokens[0], batch.tokens[i]) and torch.equal(one.num_accepted[0], batch.num_accepted[i])
+
+
+@needs_triton
+def test_rejection_sample_is_lossless():
+    # γ = 1, ℓ = 1, the same (p_d, p_t) for 300 requests: the emitted token must follow p_t (accepted draft or
+    # residual). Chi-square goodness of fit at significance 1e-3.
+    R = 300
+    p_d = torch.tensor([0.5, 0.3, 0.1, 0.1])
+    p_t = torch.tensor([0.2, 0.3, 0.4, 0.1])
+    gen = torch.Generator().manual_seed(0)
+    drafts = torch.multinomial(p_d, R, replacement=True, generator=gen)[:, None]  # [R, 1]
+    out = fast.rejection_sample(drafts.to(DEVICE), torch.ones(R, dtype=torch.int64, device=DEVICE),
+                                p_d.expand(R, 1, 4).contiguous().to(DEVICE),
+                                p_t.expand(R, 2, 4).contiguous().to(DEVICE), 77,
+                                torch.arange(R, device=DEVICE), torch.zeros(R, dtype=torch.int64, device=DEVICE),
+                                backend="triton")
+    counts = torch.bincount(out.tokens[:, 0].cpu(), minlength=4).double()
+    expected = p_t.double() / p_t.double().sum() * R
+    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+# --------------------------------------------------------------------------- greedy_verify
+
+
+def make_greedy_case(R: int, gamma: int, V: int, dtype: torch.dtype, seed: int):
+    """Integer-valued logits in a small range (many exact ties), drafts that mostly follow the argmax."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 4, (R, gamma + 1, V), generator=gen).to(dtype)  # [R, γ+1, V]
+    argmax = logits.float().argmax(dim=-1)  # [R, γ+1] lowest index on ties
+    drafts = argmax[:, :gamma].clone()
+    flip = torch.rand(R, gamma, generator=gen) < 0.25
+    drafts[flip] = (drafts[flip] + 1) % V
+    lens = torch.randint(0, gamma + 1, (R,), generator=gen)
+    lens[0], drafts[0] = 0, -1  # a padded row
+    slot = torch.arange(gamma + 1)[None, :]
+    logits[slot > lens[:, None]] = float("nan")  # rows past ℓ are never read
+    return drafts.to(DEVICE), lens.to(DEVICE), logits.to(DEVICE)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,gamma,V", SHAPES)
+def test_greedy_verify_matches_reference(backend, dtype, R, gamma, V):
+    drafts, lens, logits = make_greedy_case(R, gamma, V, dtype, seed=R * gamma + V)
+    got = fast.greedy_verify(drafts, lens, logits, backend=backend)
+    assert_same(got, ref.greedy_verify(drafts.cpu(), lens.cpu(), logits.cpu()))
+
+
+@needs_triton
+def test_greedy_verify_full_vocabulary():
+    drafts, lens, logits = make_greedy_case(2, 2, 49152, torch.bfloat16, seed=1)
+    got = fast.greedy_verify(drafts, lens, logits, backend="triton")
+    assert_same(got, ref.greedy_verify(drafts.cpu(), lens.cpu(), logits.cpu()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch(backend):
+    drafts = torch.zeros(0, 3, dtype=torch.int64, device=DEVICE)
+    lens = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    out = fast.greedy_verify(drafts, lens, torch.zeros(0, 4, 10, device=DEVICE), backend=backend)
+    assert out.tokens.shape == (0, 4) and out.num_emitted.shape == (0,)
+    p_d, p_t = torch.zeros(0, 3, 10, device=DEVICE), torch.zeros(0, 4, 10, device=DEVICE)
+    out = fast.rejection_sample(drafts, lens, p_d, p_t, 0, lens, lens, backend=backend)
+    assert out.tokens.shape == (0, 4) and out.num_accepted.shape == (0,)
+
+
+def test_bad_inputs_fail_fast():
+    drafts, lens = torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        fast.greedy_verify(drafts.int(), lens, torch.zeros(2, 4, 5))
+    with pytest.raises(ValueError, match="verify_lens"):
+        fast.greedy_verify(drafts, lens[:1], torch.zeros(2, 4, 5))
+    with pytest.raises(ValueError, match="target_logits"):
+        fast.greedy_verify(drafts, lens, torch.zeros(2, 3, 5))
+    with pytest.raises(ValueError, match="target_probs"):
+        fast.rejection_sample(drafts, lens, torch.zeros(2, 3, 5), torch.zeros(2, 3, 5), 0, lens, lens)

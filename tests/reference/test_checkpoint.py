@@ -1,0 +1,237 @@
+"""Tests of reference/checkpoint.py: round trips, sharding, STS temperatures and every corruption failing fast."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from reference.checkpoint import (
+    INDEX_FILE,
+    MAX_SHARD_BYTES,
+    load_drafter,
+    read_drafter_config,
+    save_drafter,
+    update_sts_temperatures,
+)
+from reference.config import DrafterConfig
+from reference.drafter import DSparkDrafter
+
+V, D_MODEL, GAMMA, TAPS = 96, 64, 4, (0, 1, 2)
+
+
+def make_config(head: str = "markov", qk_norm: bool = False, **overrides) -> DrafterConfig:
+    fields = dict(vocab_size=V, hidden_size=D_MODEL, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=128, rms_norm_eps=1e-6, target_num_layers=4, target_layer_ids=TAPS,
+                  block_size=GAMMA, head=head, markov_rank=16, qk_norm=qk_norm)
+    fields.update(overrides)
+    return DrafterConfig(**fields)
+
+
+def make_target() -> tuple[torch.nn.Embedding, torch.nn.Linear]:
+    """A plain embedding and LM head standing in for the target's modules."""
+    torch.manual_seed(100)
+    return torch.nn.Embedding(V, D_MODEL).requires_grad_(False), torch.nn.Linear(D_MODEL, V).requires_grad_(False)
+
+
+def make_drafter(cfg: DrafterConfig) -> DSparkDrafter:
+    """A drafter whose every tensor is random (W2 = 0 and unit norms would hide mistakes in the round trip)."""
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(cfg)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.2)
+    drafter.attach_target(*make_target())
+    return drafter.eval()
+
+
+def make_context(B: int, S: int):
+    features = torch.randn(B, S, len(TAPS) * D_MODEL, generator=torch.Generator().manual_seed(1))  # [B, S, m·d]
+    return features, torch.arange(S).expand(B, S).clone(), torch.ones(B, S, dtype=torch.bool)
+
+
+def fake_target(num_layers: int = 4, hidden_size: int = D_MODEL, vocab_size: int = V, **attrs) -> SimpleNamespace:
+    emb, lm = make_target()
+    return SimpleNamespace(embed_tokens=emb, lm_head=lm, num_layers=num_layers, hidden_size=hidden_size,
+                           vocab_size=vocab_size, **attrs)
+
+
+def outputs(drafter):
+    """h, draft logits and confidence logits on fixed inputs."""
+    features, positions, valid = make_context(B=2, S=9)
+    h = drafter(torch.tensor([[4, 5], [6, 7]]), torch.tensor([[3, 8], [5, 9]]), features, positions, valid)
+    prev = torch.arange(2 * 2 * GAMMA).view(2, 2, GAMMA) % V
+    return (h, *drafter.head_logits(h, prev))
+
+
+@pytest.fixture
+def saved(tmp_path):
+    drafter = make_drafter(make_config("markov", qk_norm=True, target_name="tiny"))
+    directory = save_drafter(drafter, tmp_path / "ckpt", extra={"step": 12})
+    return drafter, directory
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn", "none"])
+def test_round_trip_identical(tmp_path, head):
+    drafter = make_drafter(make_config(head))
+    save_drafter(drafter, tmp_path)
+    loaded = load_drafter(tmp_path, fake_target())
+    assert loaded.config == drafter.config
+    for a, b in zip(outputs(drafter), outputs(loaded), strict=True):
+        assert torch.equal(a, b)  # same weights, same target modules, same math: bit-identical
+
+
+def test_config_json_layout(saved):
+    drafter, directory = saved
+    config = json.loads((directory / "config.json").read_text())
+    assert config["format"] == "dspark-drafter" and config["format_version"] == 1
+    assert config["drafter"] == drafter.config.to_dict()
+    assert config["target"] == {"name": "tiny", "num_layers": 4, "hidden_size": D_MODEL, "vocab_size": V}
+    assert config["dtype"] == "float32" and config["extra"] == {"step": 12}
+    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]
+    assert not any("embed_tokens" in k or "lm_head" in k for k in load_file(directory / "model.safetensors"))
+
+
+def test_sharding(tmp_path):
+    drafter = make_drafter(make_config("rnn"))
+    limit = 60_000  # the drafter holds ~0.3 MB of float32 (largest tensor 48 KiB): this forces several shards
+    save_drafter(drafter, tmp_path, max_shard_bytes=limit)
+    shards = sorted(tmp_path.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 3 and not (tmp_path / "model.safetensors").exists()
+    assert all(p.stat().st_size <= limit for p in shards)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    assert set(index["weight_map"]) == set(drafter.state_dict())
+    assert {p.name for p in shards} == set(index["weight_map"].values())
+    loaded = load_drafter(tmp_path, fake_target())
+    for a, b in zip(outputs(drafter), outputs(loaded), strict=True):
+        assert torch.equal(a, b)
+
+    # Saving again as one file replaces the shards and the index.
+    save_drafter(drafter, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert (tmp_path / "model.safetensors").stat().st_size <= MAX_SHARD_BYTES
+
+    with pytest.raises(ValueError, match="context_proj.weight.*alone exceeds"):
+        save_drafter(drafter, tmp_path / "tiny_shards", max_shard_bytes=4_000)
+
+
+def test_dtypes(tmp_path):
+    drafter = make_drafter(make_config()).to(torch.bfloat16)
+    save_drafter(drafter, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = load_drafter(tmp_path)
+    assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
+    for name, t in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t)
+    as_fp32 = load_drafter(tmp_path, dtype=torch.float32)
+    assert all(p.dtype == torch.float32 for p in as_fp32.parameters())
+
+
+def test_sts_temperatures(saved):
+    _, directory = saved
+    cfg = update_sts_temperatures(directory, "greedy", [1.0, 1.5, 2.0, 2.5])
+    assert cfg.sts_temperatures == {"greedy": [1.0, 1.5, 2.0, 2.5]}
+    update_sts_temperatures(directory, "sampling", [0.5] * GAMMA)
+    assert read_drafter_config(directory).sts_temperatures == {"greedy": [1.0, 1.5, 2.0, 2.5],
+                                                               "sampling": [0.5] * GAMMA}
+    before = (directory / "config.json").read_text()
+    with pytest.raises(ValueError, match="sts_temperatures"):
+        update_sts_temperatures(directory, "greedy", [1.0, 2.0])  # γ = 4 temperatures needed
+    with pytest.raises(ValueError, match="unknown decoding mode"):
+        update_sts_temperatures(directory, "beam", [1.0] * GAMMA)
+    assert (directory / "config.json").read_text() == before  # a rejected update leaves the file alone
+    assert load_drafter(directory).config.sts_temperatures["sampling"] == [0.5] * GAMMA
+
+
+def _edit_config(directory: Path, edit) -> None:
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+
+
+def test_missing_directory_and_config(tmp_path, saved):
+    _, directory = saved
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_drafter(tmp_path / "nowhere")
+    (directory / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        load_drafter(directory)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.update(format="hf-model"), "format is 'hf-model'"),
+    (lambda c: c.update(format_version=2), "format_version 2"),
+    (lambda c: c["drafter"].update(flux_capacitor=1), r"unknown DrafterConfig fields \['flux_capacitor'\]"),
+    (lambda c: c.update(notes="x"), r"unknown top-level keys \['notes'\]"),
+    (lambda c: c.pop("dtype"), "missing key 'dtype'"),
+    (lambda c: c.update(dtype="float7"), "unknown dtype 'float7'"),
+    (lambda c: c["drafter"].update(markov_rank=8), r"tensor '.+' in model.safetensors has shape .+ config implies"),
+])
+def test_corrupt_config(saved, edit, message):
+    _, directory = saved
+    _edit_config(directory, edit)
+    with pytest.raises(ValueError, match=message):
+        load_drafter(directory)
+
+
+def test_missing_and_unexpected_tensors(saved):
+    _, directory = saved
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    save_file({k: v for k, v in tensors.items() if k != "final_norm.weight"}, path)
+    with pytest.raises(ValueError, match=r"missing tensors \['final_norm.weight'\]"):
+        load_drafter(directory)
+    save_file({**tensors, "extra_head.weight": torch.zeros(3)}, path)
+    with pytest.raises(ValueError, match=r"unexpected tensors \['extra_head.weight'\]"):
+        load_drafter(directory)
+    (directory / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor"):
+        load_drafter(directory)
+
+
+def test_missing_shard(tmp_path):
+    save_drafter(make_drafter(make_config()), tmp_path, max_shard_bytes=60_000)
+    victim = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(FileNotFoundError, match=f"shard {victim.name} is listed in .*{INDEX_FILE} but absent"):
+        load_drafter(tmp_path)
+
+
+def test_target_mismatch(saved):
+    _, directory = saved
+    with pytest.raises(ValueError, match="hidden size 64 != target's 32"):
+        load_drafter(directory, fake_target(hidden_size=32))
+    with pytest.raises(ValueError, match="vocab size 96 != target's 100"):
+        load_drafter(directory, fake_target(vocab_size=100))
+    with pytest.raises(ValueError, match=r"layer ids \[0, 1, 2\] out of range for 2 layers"):
+        load_drafter(directory, fake_target(num_layers=2))
+    with pytest.raises(ValueError, match=r"target taps layers \[1\]"):
+        load_drafter(directory, fake_target(layer_ids=(1,)))
+    loaded = load_drafter(directory, fake_target(layer_ids=(0, 1, 2)))
+    assert loaded._target is not None
+
+
+def test_with_real_target_features(tmp_path):
+    """Integration with reference/target.py: its features feed the loaded drafter through the cache."""
+    from tests.conftest import tiny_hf_model
+
+    from reference.target import Target
+
+    target = Target.from_model(tiny_hf_model("qwen3", vocab_size=V), layer_ids=(0, 1, 2))
+    drafter = make_drafter(make_config("markov", qk_norm=True))
+    save_drafter(drafter, tmp_path)
+    loaded = load_drafter(tmp_path, target)
+    ids = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(0))
+    _, features = target.forward(ids, target.new_cache(), 0)  # [8, m·d], an inference-mode tensor
+    loaded.requires_grad_(False)  # serving: inference tensors may not enter an autograd graph
+    cache = loaded.new_context_cache()
+    cache.append(features[:7], torch.arange(7))
+    h = loaded.backbone_cached(int(ids[7]), 7, cache)  # [γ, d]
+    h_fwd = loaded(ids[7].view(1, 1), torch.tensor([[7]]), features[None], torch.arange(8)[None],
+                   torch.ones(1, 8, dtype=torch.bool))[0, 0]
+    torch.testing.assert_close(h, h_fwd, atol=1e-5, rtol=0)  # fp32, different shapes

@@ -1,0 +1,399 @@
+"""The training pipeline end to end on a tiny random target: data → self-distillation → training → STS → τ.
+
+Covers ``scripts/data.py``, ``make_dataset.py``, ``train_drafter.py``, ``calibrate.py`` and ``eval_acceptance.py``
+(METHOD §2, §3). Names follow ``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival,
+``ℓ`` verify length). Everything runs on the CPU with one thread: the tiny matmuls are faster single-threaded,
+and a shared 2-core machine makes multi-threaded BLAS spin.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from reference.target import Target  # noqa: E402
+from scripts import calibrate, data, eval_acceptance, make_dataset, train_drafter  # noqa: E402
+
+GAMMA = 4
+VOCAB = 96
+EOS = 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _tiny_llama():
+    """A random Llama whose outputs are peaked but not degenerate.
+
+    Untied embeddings: with tied ones a random model mostly repeats its input token (h ≈ E[x], logits = E·h).
+    The LM head is scaled so that greedy decoding has clear winners and T = 0.2 sampling is nearly greedy.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=EOS, pad_token_id=EOS)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A tiny target directory, a prompt-ids file and a self-distilled dataset built by make_dataset.main."""
+    root = tmp_path_factory.mktemp("pipeline")
+    _tiny_llama().save_pretrained(root / "target")
+    g = torch.Generator().manual_seed(0)
+    with open(root / "prompts.jsonl", "w") as f:
+        for i in range(40):
+            n = int(torch.randint(3, 12, (1,), generator=g))
+            ids = torch.randint(2, VOCAB, (n,), generator=g).tolist()
+            f.write(json.dumps({"id": f"p{i}", "input_ids": ids}) + "\n")
+    rc = make_dataset.main(["--out", str(root / "data"), "--model", str(root / "target"), "--prompt-ids",
+                            str(root / "prompts.jsonl"), "--max-new-tokens", "24", "--shard-size", "16",
+                            "--batch-size", "8", "--device", "cpu"])
+    assert rc == 0
+    return root
+
+
+def _train_args(root: Path, out: str, *extra: str) -> list[str]:
+    return ["--data", str(root / "data"), "--eval-examples", "8", "--out", str(root / out), "--model",
+            str(root / "target"), "--device", "cpu", "--steps", "8", "--tokens-per-batch", "256",
+            "--anchors-per-seq", "8", "--gamma", str(GAMMA), "--markov-rank", "16", "--log-every", "2",
+            "--eval-every", "4", "--save-every", "4", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(workdir):
+    """A drafter trained for 8 steps in one go."""
+    assert train_drafter.main(_train_args(workdir, "run_a")) == 0
+    return workdir / "run_a"
+
+
+# --------------------------------------------------------------------------- data.py
+
+
+def test_iter_json_array_keeps_complete_records_of_a_truncated_file(tmp_path):
+    records = [{"id": f"c{i}_0", "conversations": [{"from": "human", "value": f"question {i}, {{x}}]"},
+                                                    {"from": "gpt", "value": "answer"}]} for i in range(4)]
+    text = json.dumps(records, indent=2)
+    cut = text[: text.index('"c3_0"') + 10]  # ends inside the 4th record
+    path = tmp_path / "share.json"
+    path.write_text(cut)
+    prompts = data.load_sharegpt(path)
+    assert [p.id for p in prompts] == ["c0_0", "c1_0", "c2_0"]
+    assert prompts[1].prompt == "question 1, {x}]"  # braces and brackets inside strings do not confuse the parser
+    gz = tmp_path / "share.json.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write(text)  # a complete array, gzipped (the GPU staging format)
+    assert len(data.load_sharegpt(gz)) == 4
+    assert len(data.load_sharegpt(gz, limit=2)) == 2
+    with pytest.raises(ValueError, match="not a JSON array"):
+        list(data.iter_json_array('{"id": 1}'))
+
+
+def test_packaged_sharegpt_file_parses_to_its_complete_records():
+    prompts = data.load_sharegpt()
+    assert 17_000 < len(prompts) < 17_671 + 1
+    assert len({p.id for p in prompts}) == len(prompts)
+    train, held = data.split(prompts)
+    assert len(train) + len(held) == len(prompts)
+    assert 0.03 < len(held) / len(prompts) < 0.07  # 3 % hashed + every math-like prompt (~2 %)
+    assert not {p.id for p in train} & {p.id for p in held}
+    assert all(data.is_held_out(p.id) or data.looks_like_math(p.prompt) for p in held)
+
+
+def test_split_is_deterministic_and_keeps_conversation_parts_together():
+    assert data.conversation_key("QWJhYvA_12") == "QWJhYvA"
+    assert data.conversation_key("no_suffix_x") == "no_suffix_x"
+    ids = [f"conv{i}" for i in range(4000)]
+    flags = [data.is_held_out(f"{c}_0") for c in ids]
+    assert flags == [data.is_held_out(f"{c}_5") for c in ids]
+    # 4000 Bernoulli(0.03) draws: mean 120, sd 10.8; ±5 sd.
+    assert 66 < sum(flags) < 174
+
+
+def test_math_like_and_language_filters():
+    assert data.looks_like_math("Solve the equation 3x + 2 = 11 for x.")
+    assert data.looks_like_math("What is the integral of x^2 cos(2x)? Compute it step by step.")
+    assert not data.looks_like_math("Write a poem about the 2020-02-03 parquet file.")
+    assert not data.looks_like_math("```python\nx = 1 + 2\n```  calculate the sum")
+    assert data.is_english("Hello, how are you?")
+    assert not data.is_english("안녕하세요, 어떻게 지내세요?")
+    kept = data.filter_prompts([data.Prompt("a", "Hello there"), data.Prompt("b", "   "),
+                                data.Prompt("c", "你好世界"), data.Prompt("d", "x" * 50)], max_chars=20)
+    assert [p.id for p in kept] == ["a"]
+    with pytest.raises(ValueError, match="count_tokens"):
+        data.filter_prompts([], max_tokens=5)
+
+
+def test_eval_prompts_are_held_out_and_cover_three_domains(tmp_path):
+    written = data.write_eval_prompts(tmp_path / "eval.jsonl", 5)
+    rows = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [r["domain"] for r in rows] == ["chat"] * 5 + ["code"] * 5 + ["math"] * 5
+    assert [r["id"] for r in rows] == [p.id for p in written]
+    for r in rows:
+        if r["domain"] == "code":
+            assert r["id"].startswith("HumanEval/") and "```python" in r["prompt"]
+        else:
+            assert data.is_held_out(r["id"]) or data.looks_like_math(r["prompt"])
+    assert all(data.looks_like_math(r["prompt"]) for r in rows if r["domain"] == "math")
+    assert len(data.load_humaneval()) == 164
+
+
+# --------------------------------------------------------------------------- make_dataset.py
+
+
+def test_batched_left_padded_generation_equals_one_by_one_greedy_decoding():
+    model = _tiny_llama()
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(2, 12, (6,), generator=g).tolist()
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    batched = make_dataset.generate_responses(model, prompts, eos_ids=frozenset({EOS}), pad_id=EOS, max_new_tokens=10,
+                                              temperature=0.0, top_p=1.0, batch_size=6)
+    for p, got in zip(prompts, batched):
+        ids, want = list(p), []
+        for _ in range(10):  # plain greedy decoding without padding or cache
+            with torch.no_grad():
+                nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            want.append(nxt)
+            ids.append(nxt)
+            if nxt == EOS:
+                break
+        assert got == want
+
+
+def test_shards_hold_prompt_plus_response_with_the_response_mask(workdir):
+    manifest = json.loads((workdir / "data" / "manifest.json").read_text())
+    assert manifest["num_shards"] == 3 and manifest["complete"] and manifest["prompts"] == 40
+    assert manifest["settings"]["temperature"] == 0.2 and manifest["settings"]["top_p"] == 0.9
+    prompts = {json.loads(line)["id"]: json.loads(line)["input_ids"]
+               for line in (workdir / "prompts.jsonl").read_text().splitlines()}
+    examples = make_dataset.load_dataset(workdir / "data")
+    assert len(examples) == manifest["examples"] and sum(int(e.loss_mask.sum()) for e in examples) == \
+        manifest["response_tokens"]
+    for e in examples:
+        p = prompts[e.id]
+        assert torch.equal(e.input_ids[: len(p)], torch.tensor(p))
+        assert torch.equal(e.loss_mask, torch.arange(len(e.input_ids)) >= len(p))  # 1 exactly on the response
+        response = e.input_ids[len(p):].tolist()
+        assert len(response) >= 2 and EOS not in response[:-1]  # cut after the first end token, which is kept
+        assert response[-1] == EOS or len(response) == 24
+
+
+def test_make_dataset_resumes_by_skipping_finished_shards(workdir, tmp_path):
+    out = tmp_path / "data"
+    out.mkdir()
+    first = workdir / "data" / "shard-00000.pt"
+    marker = torch.load(first, weights_only=True)
+    marker["ids"] = ["sentinel"] * len(marker["ids"])  # a recognisable, finished shard 0
+    torch.save(marker, out / "shard-00000.pt")
+    args = ["--out", str(out), "--model", str(workdir / "target"), "--prompt-ids", str(workdir / "prompts.jsonl"),
+            "--max-new-tokens", "24", "--shard-size", "16", "--batch-size", "8", "--device", "cpu"]
+    assert make_dataset.main(args) == 0
+    assert torch.load(out / "shard-00000.pt", weights_only=True)["ids"][0] == "sentinel"  # not regenerated
+    for i in (1, 2):  # regenerated with the same per-shard seed: identical to the first run
+        a = torch.load(out / f"shard-{i:05d}.pt", weights_only=True)
+        b = torch.load(workdir / "data" / f"shard-{i:05d}.pt", weights_only=True)
+        assert torch.equal(a["tokens"], b["tokens"]) and a["ids"] == b["ids"]
+
+
+# --------------------------------------------------------------------------- train_drafter.py
+
+
+def test_token_budget_batches_partition_the_data_across_ranks():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 120, (500,), generator=g).tolist()
+    seen = []
+    for rank in range(3):
+        batches = train_drafter.token_budget_batches(lengths, 400, seed=1, epoch=2, rank=rank, world=3)
+        for b in batches:
+            assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 400
+        seen += [i for b in batches for i in b]
+    assert sorted(seen) == list(range(500))  # every example exactly once per epoch
+    again = train_drafter.token_budget_batches(lengths, 400, seed=1, epoch=2, rank=1, world=3)
+    assert again == train_drafter.token_budget_batches(lengths, 400, seed=1, epoch=2, rank=1, world=3)
+    assert again != train_drafter.token_budget_batches(lengths, 400, seed=1, epoch=3, rank=1, world=3)
+
+
+def test_lr_schedule_warms_up_linearly_then_decays_to_zero():
+    total, warmup = 100, 4
+    f = [train_drafter.lr_factor(s, total, warmup) for s in range(total + 1)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert f[4] == 1.0 and abs(f[52] - 0.5) < 1e-12 and f[total] == 0.0
+    assert all(a >= b for a, b in zip(f[4:], f[5:]))
+
+
+def test_pack_blocks_labels_are_the_next_tokens_of_each_anchor(workdir):
+    examples = make_dataset.load_dataset(workdir / "data", limit=6)
+    batch = train_drafter.collate(examples, 1024)
+    blocks = train_drafter.pack_blocks(batch, 5, GAMMA, torch.Generator().manual_seed(0))
+    for b, e in enumerate(examples):
+        S = len(e.input_ids)
+        for j in range(blocks.anchor_pos.shape[1]):
+            p = int(blocks.anchor_pos[b, j])
+            if not blocks.valid[b, j, 0]:
+                continue  # padding block
+            assert e.loss_mask[p] and e.loss_mask[p + 1] and int(blocks.anchor_ids[b, j]) == int(e.input_ids[p])
+            for k in range(1, GAMMA + 1):
+                ok = p + k < S
+                assert bool(blocks.valid[b, j, k - 1]) == (ok and bool(blocks.valid[b, j, :k - 1].all()))
+                if ok:
+                    assert int(blocks.labels[b, j, k - 1]) == int(e.input_ids[p + k])
+                    assert int(blocks.prev_tokens[b, j, k - 1]) == int(e.input_ids[p + k - 1])
+                    assert int(blocks.target_pos[b, j, k - 1]) == p + k - 1
+
+
+def test_training_overfits_a_fixed_batch(workdir):
+    from reference.config import DrafterConfig
+    from reference.drafter import DSparkDrafter
+
+    target = Target.load(str(workdir / "target"))
+    examples = make_dataset.load_dataset(workdir / "data", limit=8)
+    batch = train_drafter.collate(examples, 1024)
+    blocks = train_drafter.pack_blocks(batch, 8, GAMMA, torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target_config(target.config, block_size=GAMMA, markov_rank=16,
+                                           target_layer_ids=target.layer_ids)
+    drafter = DSparkDrafter(cfg)
+    drafter.attach_target(target.embed_tokens, target.lm_head)
+    model = train_drafter.DraftStep(drafter)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
+    losses = []
+    for _ in range(20):
+        out = train_drafter.step_losses(model, target, batch, blocks, (0.1, 0.9, 1.0), 4.0, torch.device("cpu"))
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+        losses.append(out["loss"].item())
+    # Memorising 8 sequences: the loss must fall well below its start (measured: about a third of it).
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+def test_training_writes_a_loadable_checkpoint_and_logs(trained):
+    from reference.checkpoint import load_drafter
+
+    cfg = json.loads((trained / "config.json").read_text())
+    assert cfg["drafter"]["block_size"] == GAMMA and cfg["drafter"]["head"] == "markov"
+    assert cfg["extra"]["training"]["steps_done"] == 8
+    events = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "train"] == [2, 4, 6, 8]
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [4, 8] and len(evals[-1]["accept_proxy"]) == GAMMA
+    assert all(0.0 <= x <= 1.0 for x in evals[-1]["accept_proxy"] + evals[-1]["greedy_match"])
+    readme = (trained / "README.md").read_text()
+    assert "8 of 8 planned" in readme and "Command" in readme and "hardware" in readme
+    target = Target.load(str(trained.parent / "target"))
+    drafter = load_drafter(trained, target)
+    assert drafter.config.markov_rank == 16
+
+
+def test_resumed_training_equals_uninterrupted_training(workdir, trained):
+    assert train_drafter.main(_train_args(workdir, "run_b", "--stop-after", "5")) == 0
+    state = torch.load(workdir / "run_b" / "_state" / "state.pt", weights_only=False)
+    assert state["step"] == 5
+    assert train_drafter.main(_train_args(workdir, "run_b")) == 0
+    a, b = load_file(trained / "model.safetensors"), load_file(workdir / "run_b" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:  # same data order, anchors, optimizer and schedule state: bit-identical on the CPU
+        assert torch.equal(a[k], b[k]), k
+    with pytest.raises(SystemExit, match="--head"):
+        train_drafter.main(_train_args(workdir, "run_b", "--head", "rnn"))
+
+
+# --------------------------------------------------------------------------- calibrate.py
+
+
+def test_greedy_proposal_labels_match_an_independent_target_check(workdir, trained):
+    from reference.checkpoint import load_drafter
+
+    target = Target.load(str(workdir / "target"))
+    drafter = load_drafter(trained, target)
+    examples = make_dataset.load_dataset(workdir / "data", limit=6)
+    props = calibrate.collect_proposals(target, drafter, examples, temperature=0.0, seed=3, anchors_per_seq=4,
+                                        tokens_per_batch=128, progress=False)
+    M = props["num_accepted"].numel()
+    assert M > 10 and props["conf_logits"].shape == (M, GAMMA)
+    for j in range(M):
+        e = examples[int(props["sequence"][j])]
+        p, x = int(props["anchor_pos"][j]), props["draft_tokens"][j]
+        seq = torch.cat([e.input_ids[: p + 1], x])[None]  # true prefix, anchor, drafts
+        with torch.no_grad():
+            greedy = target.model(seq).logits[0, p: p + GAMMA].argmax(-1)  # [γ] target's choice at p+1..p+γ
+        matches = (greedy == x).long().cumprod(0).sum()
+        assert int(props["num_accepted"][j]) == int(matches)
+
+
+def test_calibrate_writes_temperatures_report_and_plot(workdir, trained, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in trained.iterdir():
+        if f.is_file():
+            (ckpt / f.name).write_bytes(f.read_bytes())
+    rc = calibrate.main(["--drafter", str(ckpt), "--data", str(workdir / "data"), "--model", str(workdir / "target"),
+                         "--device", "cpu", "--anchors-per-seq", "6", "--tokens-per-batch", "512"])
+    assert rc == 0
+    temps = json.loads((ckpt / "config.json").read_text())["drafter"]["sts_temperatures"]
+    assert set(temps) == {"greedy", "sampling"}
+    assert all(len(t) == GAMMA and all(x > 0 for x in t) for t in temps.values())
+    report = json.loads((ckpt / "calibration.json").read_text())
+    for mode in ("greedy", "sampling"):
+        r = report["modes"][mode]
+        assert r["temperatures"] == temps[mode]
+        assert r["num_fit"] + r["num_report"] == r["num_proposals"] and r["num_report"] > 0
+        pos = r["ece_fit"]["positions"]
+        assert [p["k"] for p in pos] == list(range(1, GAMMA + 1))
+        # STS minimises ECE slot by slot on the fit data, and T = 1 is in its grid: never worse there.
+        assert all(p["ece_after"] <= p["ece_before"] + 1e-12 for p in pos if p["count"])
+    assert (ckpt / "reliability.png").stat().st_size > 10_000
+
+
+# --------------------------------------------------------------------------- eval_acceptance.py
+
+
+def test_eval_acceptance_reports_tau_per_domain_and_position(workdir, trained, tmp_path):
+    prompts = [json.loads(line)["input_ids"] for line in (workdir / "prompts.jsonl").read_text().splitlines()][:5]
+    pf = tmp_path / "eval.jsonl"
+    lines = [json.dumps({"input_ids": p, "domain": ["chat", "code"][i % 2]}) for i, p in enumerate(prompts)]
+    pf.write_text("\n".join(lines) + "\n")
+    reports = []
+    for bs in ("1", "4"):
+        out = tmp_path / f"tau{bs}.json"
+        assert eval_acceptance.main(["--drafter", str(trained), "--prompts-file", str(pf), "--model",
+                                     str(workdir / "target"), "--device", "cpu", "--temperature", "1.0",
+                                     "--max-new-tokens", "16", "--batch-size", bs, "--json", str(out)]) == 0
+        reports.append(json.loads(out.read_text()))
+    r = reports[0]
+    for key in ("mean_accepted_length", "per_domain", "per_position_acceptance", "counts", "settings", "hardware",
+                "command"):
+        assert key in r
+    assert set(r["per_domain"]) == {"chat", "code"} and r["counts"]["prompts"] == 5
+    assert len(r["per_position_acceptance"]) == GAMMA and r["settings"]["gamma"] == GAMMA
+    assert 1.0 <= r["mean_accepted_length"] <= GAMMA + 1
+    # τ = 1 + Σ_k P(slots 1..k accepted) = 1 + Σ_k Π_{j≤k} P(slot j | slots < j): exact up to float32 rounding.
+    surv, acc = 1.0, 1.0
+    for c in r["per_position_acceptance"]:
+        surv *= c or 0.0
+        acc += surv
+    assert abs(acc - r["mean_accepted_length"]) < 1e-5
+    # The random-number contract: batching never changes a request's output.
+    assert reports[0]["per_domain_detail"] == reports[1]["per_domain_detail"]
+    with pytest.raises(SystemExit, match="block size"):
+        eval_acceptance.main(["--drafter", str(trained), "--prompts-file", str(pf), "--model", str(workdir / "target"),
+                              "--device", "cpu", "--gamma", "3", "--json", str(tmp_path / "x.json")])
