@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from optimized.kernels.allocate import allocate_top_b
-from optimized.kernels.draft_head import sample_draft_block
+from optimized.graphs import GraphRunner, StaticBuffers, bucket_sizes
+from optimized.kernels.draft_head import sample_block
 from optimized.kernels.verify import rejection_sample
 from optimized.models.drafter import OptimizedDrafter
 from optimized.models.target import OptimizedTarget
@@ -86,21 +87,22 @@ class Engine:
         self.reference_target = target
         self.gamma = drafter.config.block_size if drafter is not None else 0
         self.vocab = target.vocab_size
-        slots = config.max_num_seqs + 1  # the last slot is scratch: padded tokens write their K/V there
-        self.scratch_slot = config.max_num_seqs
-        self.target = OptimizedTarget(target, max_num_seqs=slots, max_seq_len=config.max_seq_len,
-                                      device=self.device, dtype=config.dtype)
+        # Static caches: max_num_seqs slots (+ a trash slot the models add for padding writes).
+        self.target = OptimizedTarget(target)
+        self.target.allocate_cache(config.max_num_seqs, config.max_seq_len)
         self.drafter = None
+        self.ref_drafter = drafter
         if drafter is not None and sched.mode != "none":
-            self.drafter = OptimizedDrafter(drafter, max_num_seqs=slots, max_seq_len=config.max_seq_len,
-                                            device=self.device, dtype=config.dtype)
+            self.drafter = OptimizedDrafter(drafter)
+            self.drafter.allocate_cache(config.max_num_seqs, config.max_seq_len)
             self.sts = {mode: torch.tensor(temperatures_for(drafter.config, mode), device=self.device)
                         for mode in ("greedy", "sampling")}
+        self._setup_graphs()
         self.batch = BatchScheduler(sched, config.max_num_seqs, config.max_seq_len, config.prefill_chunk)
         self.policy = Scheduler(sched, gamma=max(self.gamma, 1), cost=cost)
         self.eos = sorted(target.eos_token_ids)
         self.tokenizer = target.tokenizer
-        self._alloc_state(slots)
+        self._alloc_state(config.max_num_seqs)
         self._ids: dict[int, Sequence] = {}
         self.stats = {"steps": 0, "host_schedule_s": 0.0, "step_s": 0.0}
 
@@ -119,6 +121,34 @@ class Engine:
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)  # [S]
         self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)  # [S]
         self.top_k = torch.zeros(slots, dtype=torch.long, device=dev)  # [S]
+
+    def _setup_graphs(self) -> None:
+        """One verify graph per token bucket and one draft graph per request bucket (CUDA only)."""
+        cfg, g = self.config, max(self.gamma, 1)
+        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        max_tokens = cfg.max_num_seqs * (g + 1)
+        self.buffers = StaticBuffers(cfg.max_num_seqs, max_tokens, self.device)
+        self.max_q_len = g + 1
+        b = self.buffers
+
+        def verify_fn(n: int):
+            logits, features = self.target.forward(b.input_ids[:n], b.positions[:n], b.cu, b.kv_lens, b.slot_ids,
+                                                   None, max_q_len=self.max_q_len)
+            if self.drafter is not None:  # the features of every verified token go to the drafter context
+                self.drafter.append_context(features, b.positions[:n], b.token_slot[:n])
+            return (logits,)
+
+        def draft_fn(r: int):
+            h = self.drafter.backbone(b.anchor_ids[:r], b.anchor_pos[:r], b.draft_slots[:r])
+            return (h,)
+
+        self.verify_graphs = GraphRunner("verify", verify_fn, bucket_sizes(max_tokens), use_graphs)
+        self.verify_graphs.capture()
+        self.draft_graphs = None
+        if self.drafter is not None:
+            self.draft_graphs = GraphRunner("draft", draft_fn, bucket_sizes(cfg.max_num_seqs), use_graphs,
+                                            pool=self.verify_graphs.pool)
+            self.draft_graphs.capture()
 
     # ------------------------------------------------------------------------------------------------------
     # Public API
@@ -265,7 +295,7 @@ class Engine:
         rows = torch.tensor([s.slot for s in decoding], dtype=torch.long, device=dev)  # [R] slot of each row
         r = len(decoding)
         lens, n_tokens = self._verify_lengths(decoding, rows, plan)  # [R], host int
-        n_pad = self.target.padded_tokens(n_tokens)
+        n_pad = self.verify_graphs.padded(n_tokens)
         # Token layout, all on the device: request j owns tokens cu[j] .. cu[j+1]-1 = [x_0, x_1..x_ℓ].
         cu = torch.zeros(r + 1, dtype=torch.long, device=dev)
         cu[1:] = torch.cumsum(lens + 1, 0)  # [R+1]
@@ -278,10 +308,10 @@ class Engine:
         tokens = torch.where(offset == 0, self.anchor[slot_of], drafts)
         tokens = torch.where(valid, tokens, torch.zeros_like(tokens))
         positions = torch.where(valid, self.anchor_pos[slot_of] + offset, torch.zeros_like(offset))
-        token_slot = torch.where(valid, slot_of, torch.full_like(slot_of, self.scratch_slot))
+        token_slot = torch.where(valid, slot_of, torch.full_like(slot_of, -1))  # -1: padding → trash slot
         kv_lens = (self.anchor_pos[rows] + lens + 1).to(torch.int32)
-        logits, features = self.target.verify_forward(tokens, positions, cu.to(torch.int32), kv_lens,
-                                                      rows.to(torch.int32), token_slot, n_pad)
+        self.buffers.load_verify(tokens, positions, token_slot, cu.to(torch.int32), kv_lens, rows.to(torch.int32))
+        (logits,) = self.verify_graphs.run(n_pad)  # [N_pad, V]; also appends drafter context (see _setup_graphs)
         # p_t at every verified position, laid out [R, γ+1, V] for the verifier (row R is a dump for padding).
         temps = self.temperature[slot_of]
         probs = logits_to_probs(logits.float(), temps, self.top_p[slot_of], self.top_k[slot_of])  # [N_pad, V]
@@ -304,8 +334,6 @@ class Engine:
         last = emitted.gather(1, (n_emitted - 1)[:, None])[:, 0]
         self.anchor[rows] = last
         self.anchor_pos[rows] += n_emitted
-        if self.drafter is not None:
-            self.drafter.append_context(features[:n_pad], positions, token_slot)
         if plan["mode"] == "oracle":
             lens = torch.clamp(n_emitted, max=g)  # verify exactly the accepted prefix + the rejected slot
         # sync: the one host read per step — emitted tokens drive finishing, streaming and stop strings.
@@ -323,10 +351,13 @@ class Engine:
         """Backbone + fused sequential head for every decoding request; survivals stay on the device."""
         dev = self.device
         rows = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
-        h = self.drafter.backbone(self.anchor[rows], self.anchor_pos[rows], rows.to(torch.int32))  # [R, γ, d]
-        tokens, probs, conf_logits = sample_draft_block(
-            self.drafter.base_logits(h), h, self.anchor[rows], self.anchor_pos[rows], self.temperature[rows],
-            self.config.seed, self.request_id[rows], self.drafter.head)
+        r = len(seqs)
+        r_pad = self.draft_graphs.padded(r)
+        self.buffers.load_draft(self.anchor[rows], self.anchor_pos[rows], rows.to(torch.int32), r_pad)
+        (h,) = self.draft_graphs.run(r_pad)  # [R_pad, γ, d]
+        out = sample_block(self.ref_drafter, h[:r], self.anchor[rows], self.anchor_pos[rows], self.temperature[rows],
+                           self.config.seed, self.request_id[rows])
+        tokens, probs, conf_logits = out.tokens, out.probs, out.conf_logits
         self.draft_tokens[rows] = tokens
         self.draft_probs[rows] = probs
         greedy = (self.temperature[rows] == 0)[:, None]

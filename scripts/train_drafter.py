@@ -197,16 +197,20 @@ def anchor_generator(seed: int, rank: int, step: int) -> torch.Generator:
 class DraftStep(nn.Module):
     """The drafter's training forward (backbone + teacher-forced heads) as one module, so DDP can wrap it."""
 
-    def __init__(self, drafter: DSparkDrafter) -> None:
+    def __init__(self, drafter: DSparkDrafter, with_conf: bool = True) -> None:
         super().__init__()
         self.drafter = drafter
+        # Without a confidence loss the confidence logits are not returned, so that DDP's unused-parameter
+        # search (which starts from forward's outputs) sees the confidence head as unused.
+        self.with_conf = with_conf
 
     def forward(self, blocks: Blocks, features: torch.Tensor, attention_mask: torch.Tensor):
-        """features [B, S, m·d], attention_mask [B, S] -> (draft_logits [B, nb, γ, V], conf_logits [B, nb, γ])."""
+        """features [B, S, m·d], attention_mask [B, S] -> draft_logits [B, nb, γ, V], conf_logits [B, nb, γ] | None."""
         B, S = attention_mask.shape
         ctx_pos = torch.arange(S, device=features.device).expand(B, S)  # [B, S]
         h = self.drafter(blocks.anchor_ids, blocks.anchor_pos, features, ctx_pos, attention_mask)  # [B, nb, γ, d]
-        return self.drafter.head_logits(h, blocks.prev_tokens)
+        draft_logits, conf_logits = self.drafter.head_logits(h, blocks.prev_tokens)
+        return draft_logits, conf_logits if self.with_conf else None
 
 
 def gather_target_logits(logits: torch.Tensor, target_pos: torch.Tensor) -> torch.Tensor:
@@ -233,7 +237,8 @@ def step_losses(model: nn.Module, target: Target, batch: Batch, blocks: Blocks, 
     p_t = gather_target_logits(logits_t, blocks.target_pos).flatten(0, 1) if needs_target else None
     del logits_t
     return dspark_loss(draft_logits.flatten(0, 1), p_t, blocks.labels.flatten(0, 1),
-                       conf_logits.flatten(0, 1) if weights[2] > 0 else None, blocks.valid.flatten(0, 1),
+                       conf_logits.flatten(0, 1) if weights[2] > 0 and conf_logits is not None else None,
+                       blocks.valid.flatten(0, 1),
                        decay=decay, weights=weights)
 
 
@@ -472,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     if (state_dir / STATE_FILE).is_file() and not args.no_resume:
         step, elapsed_before = load_state(state_dir, drafter, opt, sched, args)
         log.info("resumed from %s at step %d (%.1f min already spent)", state_dir, step, elapsed_before / 60)
-    model: nn.Module = DraftStep(drafter)
+    model: nn.Module = DraftStep(drafter, with_conf=args.loss_weights[2] > 0)
     if world > 1:
         # With w_conf = 0 the confidence head is outside the graph; DDP must be told to expect unused parameters.
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,

@@ -1,0 +1,130 @@
+"""All CUDA-graph capture in one place: verify graphs per total-token bucket, draft graphs per request count.
+
+One static buffer set serves every graph. A verify graph runs the target over ``n`` packed tokens (every
+request may carry 1..γ+1 of them, the query-length bound is γ+1) and, when a drafter is present, appends
+the tapped features of those tokens to the drafter's context cache. A draft graph runs the drafter's
+backbone for ``R`` request rows. The row dimension of every graph is ``max_num_seqs``: unused rows are
+padding (zero queries, slot -1), with query offsets filled by the exact total so they stay non-decreasing
+(SERVING-NOTES "Host vs device").
+
+With ``enforce_eager`` (or on CPU) the same functions run without graphs, so both paths execute the same
+code. Prefill never runs here: a prefill or mixed batch must not run in a decode graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("dspark.graphs")
+
+
+def bucket_sizes(max_tokens: int) -> list[int]:
+    """Token buckets: every size up to 8 (batch-1 steps carry 1..γ+1 tokens: no padding there), then
+    multiples of 8 to 256 and of 16 beyond — the padding waste stays under ~6% while the number of graphs
+    (capture time and memory) stays about 50 for 512 tokens."""
+    sizes = list(range(1, min(8, max_tokens) + 1))
+    n = 16
+    while n < max_tokens:
+        sizes.append(n)
+        n += 8 if n < 256 else 16
+    if max_tokens not in sizes:
+        sizes.append(max_tokens)
+    return sorted(set(s for s in sizes if s <= max_tokens))
+
+
+class GraphRunner:
+    """Captures ``fn`` once per bucket size over static input buffers; replays the smallest bucket ≥ n.
+
+    ``fn(n)`` must read its inputs from the runner's static buffers (sliced to ``n`` tokens where they are
+    per token) and return a tuple of tensors. Outputs are views into graph memory, valid until the next
+    replay of any graph sharing the pool; the engine consumes them within the step.
+    """
+
+    def __init__(self, name: str, fn: Callable[[int], tuple[Tensor, ...]], sizes: list[int], enabled: bool,
+                 pool=None) -> None:
+        self.name, self.fn, self.sizes, self.enabled = name, fn, sorted(sizes), enabled
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]] = {}
+        self.pool = pool
+
+    def padded(self, n: int) -> int:
+        """The size that actually runs for n (the bucket, or n itself above the largest bucket)."""
+        for s in self.sizes:
+            if s >= n:
+                return s
+        return n
+
+    def capture(self) -> None:
+        if not self.enabled:
+            return
+        before = torch.cuda.memory_allocated()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: Triton autotuning / compilation must not happen inside capture
+                for s in self.sizes:
+                    self.fn(s)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        for s in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool blocks
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                out = self.fn(s)
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[s] = (g, out)
+        torch.cuda.synchronize()
+        log.info("captured %d %s graphs (%s..%s), %.1f MiB of graph memory", len(self.graphs), self.name,
+                 self.sizes[0], self.sizes[-1], (torch.cuda.memory_allocated() - before) / 2**20)
+
+    def run(self, n_pad: int) -> tuple[Tensor, ...]:
+        """Replay the graph of size ``n_pad`` (inputs already in the static buffers), or run eagerly."""
+        entry = self.graphs.get(n_pad)
+        if entry is None:
+            return self.fn(n_pad)
+        graph, out = entry
+        graph.replay()
+        return out
+
+
+class StaticBuffers:
+    """The one static input set of the verify and draft graphs."""
+
+    def __init__(self, max_rows: int, max_tokens: int, device: torch.device) -> None:
+        i32, i64 = torch.int32, torch.long
+        self.max_rows, self.max_tokens = max_rows, max_tokens
+        self.input_ids = torch.zeros(max_tokens, dtype=i64, device=device)  # [N]
+        self.positions = torch.zeros(max_tokens, dtype=i64, device=device)  # [N]
+        self.token_slot = torch.full((max_tokens,), -1, dtype=i64, device=device)  # [N] drafter append slot
+        self.cu = torch.zeros(max_rows + 1, dtype=i32, device=device)  # [R+1]
+        self.kv_lens = torch.zeros(max_rows, dtype=i32, device=device)  # [R]
+        self.slot_ids = torch.full((max_rows,), -1, dtype=i32, device=device)  # [R]
+        self.anchor_ids = torch.zeros(max_rows, dtype=i64, device=device)  # [R] draft graph inputs
+        self.anchor_pos = torch.zeros(max_rows, dtype=i64, device=device)  # [R]
+        self.draft_slots = torch.full((max_rows,), -1, dtype=i32, device=device)  # [R]
+
+    def load_verify(self, input_ids: Tensor, positions: Tensor, token_slot: Tensor, cu: Tensor, kv_lens: Tensor,
+                    slot_ids: Tensor) -> None:
+        """Copy one step's layout in; rows past R become padding (offsets filled with the exact total)."""
+        n, r = input_ids.shape[0], slot_ids.shape[0]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.token_slot[:n].copy_(token_slot)
+        self.cu[: r + 1].copy_(cu)
+        self.cu[r + 1:].copy_(cu[r].expand(self.max_rows - r))
+        self.kv_lens[:r].copy_(kv_lens)
+        self.kv_lens[r:].zero_()
+        self.slot_ids[:r].copy_(slot_ids)
+        self.slot_ids[r:].fill_(-1)
+
+    def load_draft(self, anchor_ids: Tensor, anchor_pos: Tensor, slots: Tensor, r_pad: int) -> None:
+        r = anchor_ids.shape[0]
+        self.anchor_ids[:r].copy_(anchor_ids)
+        self.anchor_pos[:r].copy_(anchor_pos)
+        self.draft_slots[:r].copy_(slots)
+        self.draft_slots[r:r_pad].fill_(-1)
+        self.anchor_pos[r:r_pad].zero_()
+        self.anchor_ids[r:r_pad].zero_()
