@@ -252,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default=None, help="write the report here (default DRAFTER/calibration.json)")
+    p.add_argument("--dump-proposals", default=None,
+                   help="directory for proposals-<mode>.pt (raw confidence logits + accepted counts)")
     p.add_argument("--plot", default=None, help="reliability diagram PNG (default DRAFTER/reliability.png)")
     p.add_argument("--no-write", action="store_true", help="do not update the checkpoint's config.json")
     return p
@@ -281,6 +283,15 @@ def main(argv: list[str] | None = None) -> int:
                                       anchors_per_seq=args.anchors_per_seq, tokens_per_batch=args.tokens_per_batch)
         res = calibrate_mode(proposals, cfg.block_size, args.fit_fraction, args.seed)
         res["temperature"] = temperature
+        if args.dump_proposals:
+            # Raw proposals (logits + full-block outcomes) for offline studies: the static-threshold sweep
+            # (scripts/threshold_sweep.py) simulates any policy exactly from these, since a verified slot's
+            # outcome does not depend on how many later slots were verified.
+            dump = Path(args.dump_proposals)
+            dump.mkdir(parents=True, exist_ok=True)
+            torch.save({"conf_logits": proposals["conf_logits"], "num_accepted": proposals["num_accepted"],
+                        "temperatures": res["temperatures"], "mode": mode, "temperature": temperature,
+                        "gamma": cfg.block_size}, dump / f"proposals-{mode}.pt")
         results[mode] = res
         before = [p["ece_before"] for p in res["ece_heldout"]["positions"]]
         after = [p["ece_after"] for p in res["ece_heldout"]["positions"]]

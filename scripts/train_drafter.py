@@ -405,7 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anchors-per-seq", type=int, default=32, help="training blocks per sequence")
     p.add_argument("--tokens-per-batch", type=int, default=16384, help="padded tokens B·S_max per rank and step")
     p.add_argument("--max-seq-len", type=int, default=1024, help="longer sequences are truncated")
-    p.add_argument("--steps", type=int, default=2000, help="optimizer steps; sizes the cosine schedule")
+    p.add_argument("--steps", type=int, default=2000,
+                   help="optimizer steps; sizes the cosine schedule (0: schedule over --time-budget-min instead)")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup-frac", type=float, default=0.04)
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -469,8 +470,17 @@ def main(argv: list[str] | None = None) -> int:
     log.info("drafter: %s head, %d layers, γ=%d, rank %d, %s parameters, taps %s", args.head, args.num_layers,
              args.gamma, args.markov_rank, f"{drafter.num_parameters():,}", list(config.target_layer_ids))
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    if args.steps == 0 and args.time_budget_min is None:
+        raise SystemExit("--steps 0 (schedule by time) needs --time-budget-min")
+    # --steps 0: the warm-up + cosine schedule runs over the time budget instead of a step count, so a run of a
+    # fixed wall-clock length (a lent GPU) still decays to 0. `progress` is updated every step from the clock.
+    progress = {"frac": 0.0}
     warmup = max(1, math.ceil(args.warmup_frac * args.steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps, warmup))
+    if args.steps:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps, warmup))
+    else:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(int(progress["frac"] * 10_000), 10_000,
+                                                                           int(args.warmup_frac * 10_000)))
 
     step, elapsed_before = 0, 0.0
     state_dir = out / STATE_DIR
@@ -496,14 +506,17 @@ def main(argv: list[str] | None = None) -> int:
             metrics.flush()
 
     budget_s = None if args.time_budget_min is None else args.time_budget_min * 60
-    stop_at = args.steps if args.stop_after is None else min(args.steps, step + args.stop_after)
+    total = args.steps or 10**9  # --steps 0: the time budget ends training
+    stop_at = total if args.stop_after is None else min(total, step + args.stop_after)
     stop_reason = "steps" if args.stop_after is None else f"--stop-after {args.stop_after}"
     last_eval, last_eval_step = None, -1
-    bar = tqdm(total=args.steps, initial=step, desc="train", unit="step", disable=rank != 0)
+    bar = tqdm(total=args.steps or None, initial=step, desc="train", unit="step", disable=rank != 0)
     t_log, tokens_log = time.perf_counter(), 0
     drafter.train()
     while step < stop_at:
         elapsed = elapsed_before + time.perf_counter() - t_start
+        if budget_s is not None:
+            progress["frac"] = min(1.0, elapsed / budget_s)
         stop = torch.tensor(float(budget_s is not None and elapsed >= budget_s), device=device)
         if world > 1:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops at the same step

@@ -397,3 +397,15 @@ def test_eval_acceptance_reports_tau_per_domain_and_position(workdir, trained, t
     with pytest.raises(SystemExit, match="block size"):
         eval_acceptance.main(["--drafter", str(trained), "--prompts-file", str(pf), "--model", str(workdir / "target"),
                               "--device", "cpu", "--gamma", "3", "--json", str(tmp_path / "x.json")])
+
+
+def test_train_schedule_by_time_budget(workdir):
+    """--steps 0 runs warm-up + cosine over the wall-clock budget and stops when it is spent."""
+    args = _train_args(workdir, "run_time")
+    args[args.index("--steps") + 1] = "0"
+    assert train_drafter.main([*args, "--time-budget-min", "0.05"]) == 0
+    summary = json.loads((workdir / "run_time" / "summary.json").read_text())
+    assert summary["stop_reason"].startswith("time budget") and summary["steps_done"] > 0
+    lrs = [json.loads(x)["lr"] for x in (workdir / "run_time" / "metrics.jsonl").read_text().splitlines()
+           if json.loads(x)["event"] == "train"]
+    assert lrs[-1] < max(lrs)  # decayed along the clock
