@@ -184,6 +184,76 @@ class Engine:
     def sequence(self, request_id: int) -> Sequence:
         return self._ids[request_id]
 
+    def set_cost_table(self, cost: CostTable) -> None:
+        """Install the step-cost table (measured on this engine by ``optimized.cost_model.profile_engine``)."""
+        self.cost = cost
+        self.policy = Scheduler(self.sched_config, gamma=max(self.gamma, 1), cost=cost)
+
+    def set_scheduler(self, sched: SchedulerConfig) -> None:
+        """Switch the verify-length policy between runs, keeping caches and graphs (benchmarks of every mode)."""
+        if self.batch.has_work():
+            raise RuntimeError("cannot switch the scheduler while requests are running")
+        if (sched.mode == "none") != (self.drafter is None):
+            raise ValueError(f"mode {sched.mode!r} on an engine built {'without' if self.drafter is None else 'with'} "
+                             "a drafter: build a separate engine (mode none never drafts, the others need a drafter)")
+        if sched.mode in ("adaptive", "adaptive-sync") and self.cost is None:
+            raise ValueError(f"mode {sched.mode!r} needs a cost table: call set_cost_table first")
+        self.sched_config = sched
+        self.batch.config = sched
+        self.policy = Scheduler(sched, gamma=max(self.gamma, 1), cost=self.cost)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Profiling dummy steps (optimized/cost_model.py): the serving code path and graphs, on placeholder slots
+    # ------------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_verify(self, num_tokens: int, context_len: int) -> None:
+        """One verify stage of ``num_tokens`` tokens for requests whose anchors sit at ``context_len``.
+
+        ``min(num_tokens, max_num_seqs)`` placeholder requests (slots 0..) share the drafts evenly — the top-B
+        allocation of equal survivals — so every query length is 1..γ+1 as in serving. It runs
+        ``_verify_and_commit`` itself: layout, graph replay, p_t, rejection sampling, the token read, the commit.
+        """
+        r = min(num_tokens, self.config.max_num_seqs)
+        if num_tokens < 1 or num_tokens > r * (self.gamma + 1):
+            raise ValueError(f"num_tokens must lie in 1..{self.config.max_num_seqs * (self.gamma + 1)}, "
+                             f"got {num_tokens}")
+        seqs = self._profile_sequences(r, context_len)
+        self.survival[:r] = 1.0  # equal survivals: ties go by (slot, request), which spreads the drafts evenly
+        self._verify_and_commit(seqs, {"mode": "adaptive", "budget": num_tokens - r}, [])
+
+    @torch.inference_mode()
+    def profile_draft(self, num_requests: int, context_len: int) -> None:
+        """One drafter stage (backbone graph + fused head + STS) for ``num_requests`` placeholder requests."""
+        if self.drafter is None:
+            raise RuntimeError("this engine has no drafter (mode none)")
+        if not 1 <= num_requests <= self.config.max_num_seqs:
+            raise ValueError(f"num_requests must lie in 1..{self.config.max_num_seqs}, got {num_requests}")
+        self._draft(self._profile_sequences(num_requests, context_len))
+
+    def _profile_sequences(self, count: int, context_len: int) -> list[Sequence]:
+        """Placeholder decoding requests in slots 0..count-1, anchors at ``context_len`` (reset on every call)."""
+        if self.batch.has_work():
+            raise RuntimeError("profiling overwrites slot state: run it while no request is running")
+        if not 1 <= context_len <= self.config.max_seq_len - 2 * self.gamma - 4:
+            raise ValueError(f"context_len must lie in 1..max_seq_len - 2γ - 4 = "
+                             f"{self.config.max_seq_len - 2 * self.gamma - 4}, got {context_len}")
+        cached = getattr(self, "_profile_seqs", None)
+        if cached is None or len(cached[1]) < count or cached[0] != context_len:
+            prompt = [0] * context_len  # shared by all placeholders, never mutated
+            params = SamplingParams(max_new_tokens=self.config.max_seq_len, ignore_eos=True)
+            seqs = [Sequence(request_id=i, prompt_ids=prompt, params=params, slot=i)
+                    for i in range(self.config.max_num_seqs)]
+            self._profile_seqs = (context_len, seqs)
+        seqs = self._profile_seqs[1][:count]
+        for s in seqs:  # host state back to "one token emitted after the context"
+            s.status, s.output_ids, s.survivals, s.verify_lengths, s.accepted_lengths = Status.DECODE, [0], [], [], []
+        self.request_id[:count] = torch.arange(count, device=self.device)
+        self.temperature[:count], self.top_p[:count], self.top_k[:count] = 0.0, 1.0, 0  # greedy, no filters
+        self.anchor[:count] = 0
+        self.anchor_pos[:count] = context_len
+        return seqs
+
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """One engine step: plan, prefill, verify, commit, draft."""

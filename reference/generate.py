@@ -114,21 +114,23 @@ def prefill(target: Target, drafter: DSparkDrafter | None, req: Request, gen: Ge
     if drafter is not None:
         req.ctx = drafter.new_context_cache()
         req.ctx.append(features, torch.arange(len(req.prompt_ids), device=target.device))
-    p_t = logits_to_probs(logits[-1:], _temps(gen, 1), _top_p(gen, 1), _top_k(gen, 1))  # [1, V]
-    position = torch.tensor([len(req.prompt_ids)])
-    first = sample(p_t, gen.seed, torch.tensor([req.request_id]), position, int(Purpose.BONUS))
+    p_t = logits_to_probs(logits[-1:], *_sampling_params(gen, 1, target.device))  # [1, V]
+    dev = target.device
+    position = torch.tensor([len(req.prompt_ids)], device=dev)
+    first = sample(p_t, gen.seed, torch.tensor([req.request_id], device=dev), position, int(Purpose.BONUS))
     _emit(target, req, [int(first)], gen)
 
 
 def draft(drafter: DSparkDrafter, reqs: list[Request], gen: GenerationConfig):
     """The drafter proposes γ tokens per request; returns the DraftOutput and calibrated survivals [R, γ]."""
     h = torch.stack([drafter.backbone_cached(r.anchor, r.anchor_pos, r.ctx) for r in reqs])  # [R, γ, d]
-    anchors = torch.tensor([r.anchor for r in reqs])  # [R]
-    anchor_pos = torch.tensor([r.anchor_pos for r in reqs])  # [R]
-    ids = torch.tensor([r.request_id for r in reqs])  # [R]
-    out = drafter.sample_block(h, anchors, anchor_pos, _temps(gen, len(reqs)), gen.seed, ids)
+    dev = h.device
+    anchors = torch.tensor([r.anchor for r in reqs], device=dev)  # [R]
+    anchor_pos = torch.tensor([r.anchor_pos for r in reqs], device=dev)  # [R]
+    ids = torch.tensor([r.request_id for r in reqs], device=dev)  # [R]
+    out = drafter.sample_block(h, anchors, anchor_pos, _sampling_params(gen, len(reqs), dev)[0], gen.seed, ids)
     temps = temperatures_for(drafter.config, gen.decode_mode)
-    survival = prefix_survival(apply_sts(out.conf_logits, temps))  # [R, γ]
+    survival = prefix_survival(apply_sts(out.conf_logits.float().cpu(), temps))  # [R, γ], scheduled on the host
     return out, survival
 
 
@@ -136,17 +138,19 @@ def verify(target: Target, reqs: list[Request], drafts, lens: torch.Tensor, gen:
     """Target forward over [x_0, x_1..x_ℓ] per request, then lossless rejection sampling (METHOD §4)."""
     gamma = drafts.tokens.shape[1]
     vocab = target.vocab_size
-    target_probs = torch.zeros(len(reqs), gamma + 1, vocab)  # [R, γ+1, V]; rows past ℓ_r stay unused
+    dev = target.device
+    target_probs = torch.zeros(len(reqs), gamma + 1, vocab, device=dev)  # [R, γ+1, V]; rows past ℓ_r unused
     features = []
     for i, r in enumerate(reqs):
         ell = int(lens[i])
         block = torch.tensor([r.anchor, *drafts.tokens[i, :ell].tolist()], device=target.device)  # [ℓ+1]
         logits, feats = target.forward(block, r.kv, start_pos=r.anchor_pos)  # [ℓ+1, V], [ℓ+1, m*d]
-        target_probs[i, : ell + 1] = logits_to_probs(logits[None], _temps(gen, 1), _top_p(gen, 1), _top_k(gen, 1))[0]
+        target_probs[i, : ell + 1] = logits_to_probs(logits[None], *_sampling_params(gen, 1, dev))[0]
         features.append(feats)
-    ids = torch.tensor([r.request_id for r in reqs])
-    anchor_pos = torch.tensor([r.anchor_pos for r in reqs])
-    result = rejection_sample(drafts.tokens, lens, drafts.probs, target_probs, gen.seed, ids, anchor_pos)
+    ids = torch.tensor([r.request_id for r in reqs], device=dev)
+    anchor_pos = torch.tensor([r.anchor_pos for r in reqs], device=dev)
+    result = rejection_sample(drafts.tokens.to(dev), lens.to(dev), drafts.probs.to(dev), target_probs, gen.seed, ids,
+                              anchor_pos)
     return result, features
 
 
@@ -301,16 +305,11 @@ def _result(target: Target, r: Request) -> GenerationResult:
                             r.verify_lengths, r.accepted_lengths, text)
 
 
-def _temps(gen: GenerationConfig, n: int) -> torch.Tensor:
-    return torch.full((n,), float(gen.temperature))
-
-
-def _top_p(gen: GenerationConfig, n: int) -> torch.Tensor:
-    return torch.full((n,), float(gen.top_p))
-
-
-def _top_k(gen: GenerationConfig, n: int) -> torch.Tensor:
-    return torch.full((n,), int(gen.top_k), dtype=torch.long)
+def _sampling_params(gen: GenerationConfig, n: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-request temperature, top-p and top-k tensors [n] (one config for the whole batch)."""
+    return (torch.full((n,), float(gen.temperature), device=device),
+            torch.full((n,), float(gen.top_p), device=device),
+            torch.full((n,), int(gen.top_k), dtype=torch.long, device=device))
 
 
 def _progress(enabled: bool, total: int):
@@ -327,7 +326,7 @@ def _progress(enabled: bool, total: int):
 def load_or_init_drafter(path: str | None, target: Target, gamma: int | None = None, seed: int = 0) -> DSparkDrafter:
     """Load a drafter checkpoint, or (no checkpoint) build a randomly initialised one — loudly."""
     if path is not None and Path(path).exists():
-        drafter = load_drafter(path, target)
+        drafter = load_drafter(path, target, device=target.device, dtype=target.dtype)
         if gamma is not None and gamma != drafter.config.block_size:
             raise ValueError(f"--gamma {gamma} differs from the drafter's trained block size "
                              f"{drafter.config.block_size}; a drafter drafts the block it was trained for")
@@ -365,8 +364,9 @@ def measure_reference_cost_table(target: Target, drafter: DSparkDrafter, max_req
 
     def draft_fn(r: int) -> None:
         h = torch.stack([drafter.backbone_cached(0, ctx_len, ctx) for _ in range(r)])
-        drafter.sample_block(h, torch.zeros(r, dtype=torch.long), torch.full((r,), ctx_len), torch.zeros(r), 0,
-                             torch.arange(r))
+        dev = target.device
+        drafter.sample_block(h, torch.zeros(r, dtype=torch.long, device=dev), torch.full((r,), ctx_len, device=dev),
+                             torch.zeros(r, device=dev), 0, torch.arange(r, device=dev))
 
     sizes = default_bucket_sizes(max_requests * (gamma + 1))
     return measure_cost_table(verify_fn, draft_fn, sizes, list(range(1, max_requests + 1)), repeats=repeats,

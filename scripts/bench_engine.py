@@ -1,0 +1,525 @@
+"""End-to-end engine benchmark: output tokens/s of every verify policy against transformers' ``generate``.
+
+Issue 4, "Benchmarks on the H200". One run measures, at each batch size, the optimized engine in every requested
+mode (METHOD §5: ``none``, ``fixed`` K, ``dsd``, ``adaptive``, …) and HF ``model.generate`` (greedy, left-padded,
+``min_new_tokens = max_new_tokens``) as the named baseline. Names follow ``design/METHOD.md`` (``p_t`` target,
+``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``τ`` emitted tokens per verify step).
+
+Method, per configuration (engine × mode × batch size):
+
+* one engine per kind (with and without a drafter) sized for the largest batch, built once: its CUDA graphs and
+  caches serve every batch size and mode (``Engine.set_scheduler`` switches the policy between runs), as a
+  server with a fixed ``max_num_seqs`` would;
+* the cost table is profiled once on the drafter engine (``optimized.cost_model.cached_profile``: graph replays,
+  medians, cached under a fingerprint), logged, and written into the JSON with the results;
+* ``--warmup`` untimed runs, then ``--repeats`` timed runs of the whole batch (prefill included, EOS ignored, each
+  request emits exactly ``--max-new-tokens``); the median tokens/s is reported, where tokens/s = generated tokens /
+  wall time of the batch;
+* ``τ`` = tokens emitted by verify steps / verify steps (summed over requests), the host scheduling share =
+  ``engine.stats["host_schedule_s"] / engine.stats["step_s"]``.
+
+The JSON is rewritten after every configuration, so a run cut off by a time limit still leaves its results;
+``--time-budget-s`` stops cleanly before the limit. Plots (one PNG, four panels): tokens/s against batch size per
+mode, speed-up over no speculation, the measured SPS curve (verify ms against tokens, drafter ms against
+requests), and the host scheduling share of a step.
+
+Example (H200)::
+
+    python scripts/bench_engine.py --model /tmp/stage/target.gguf --sharegpt-file /tmp/stage/sharegpt.json.gz \\
+        --out docs/benchmarks/engine-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile, hardware_name  # noqa: E402
+from optimized.engine import Engine, EngineConfig  # noqa: E402
+from optimized.scheduler import SamplingParams  # noqa: E402
+from reference.config import SCHEDULER_MODES, SchedulerConfig  # noqa: E402
+from reference.drafter import DSparkDrafter  # noqa: E402
+from reference.target import Target  # noqa: E402
+
+log = logging.getLogger("dspark.bench_engine")
+
+DEFAULT_MODES = "none,fixed:1,fixed:3,fixed:5,fixed:7,dsd,adaptive"
+DEFAULT_BATCH_SIZES = "1,4,16,64,256"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class BenchConfig:
+    """What one benchmark run measures."""
+
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 256])
+    modes: list[str] = field(default_factory=lambda: DEFAULT_MODES.split(","))  # "none", "fixed:K", "dsd", …
+    max_new_tokens: int = 128  # emitted per request (EOS ignored), the issue's setting
+    warmup: int = 1  # untimed runs per configuration (Triton JIT of prefill shapes, allocator)
+    repeats: int = 3  # timed runs per configuration; the median is reported
+    hf_max_batch: int = 256  # HF generate only up to this batch size (it is slow); 0 = never
+    hf_repeats: int = 1  # HF runs take seconds each and vary little; one timed run after a short warm-up
+    time_budget_s: float | None = None  # start no new configuration after this many seconds (model load included)
+    enforce_eager: bool = False  # engine without CUDA graphs
+    context_len: int = DEFAULT_CONTEXT_LEN  # KV length the cost table is profiled at
+    cost_cache_dir: str | None = None  # default $DSPARK_CACHE/cost or ~/.cache/dspark/cost
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch sizes must be positive integers, got {self.batch_sizes}")
+        if self.max_new_tokens < 1 or self.warmup < 0 or self.repeats < 1 or self.hf_repeats < 1:
+            raise ValueError("need max_new_tokens ≥ 1, warmup ≥ 0, repeats ≥ 1 and hf_repeats ≥ 1")
+        for m in self.modes:
+            parse_mode(m, gamma=None)
+        self.batch_sizes = sorted(set(self.batch_sizes))
+
+
+def parse_mode(spec: str, gamma: int | None) -> tuple[str, int | None]:
+    """``"fixed:3"`` -> ("fixed", 3); ``"adaptive"`` -> ("adaptive", None). Unknown modes and K > γ fail."""
+    mode, _, k = spec.partition(":")
+    if mode not in SCHEDULER_MODES or mode == "oracle":
+        raise ValueError(f"unknown benchmark mode {spec!r}; choose none, fixed:K, dsd, threshold, adaptive-sync, "
+                         "adaptive")
+    if k and mode != "fixed":
+        raise ValueError(f"mode {spec!r}: only fixed takes a K")
+    if not k:
+        return mode, (gamma if mode == "fixed" else None)
+    if not k.isdigit() or int(k) < 1 or (gamma is not None and int(k) > gamma):
+        raise ValueError(f"mode {spec!r}: K must be an integer in 1..γ{'' if gamma is None else f' = {gamma}'}")
+    return mode, int(k)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One timed run of each engine
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict[str, float]:
+    """Decode the whole batch once; wall time, tokens and the per-step statistics."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    engine.stats = {"steps": 0, "host_schedule_s": 0.0, "step_s": 0.0}
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=i)
+    while engine.has_unfinished():
+        engine.step()
+    _sync(engine.device)
+    wall = time.perf_counter() - t0
+    seqs = [engine.sequence(i) for i in range(len(prompts))]
+    tokens = sum(len(s.output_ids) for s in seqs)
+    verify_steps = sum(len(s.accepted_lengths) for s in seqs)
+    emitted = sum(sum(s.accepted_lengths) + len(s.accepted_lengths) for s in seqs)  # accepted drafts + 1 per step
+    verified = sum(sum(s.verify_lengths) for s in seqs)
+    stats = engine.stats
+    return {
+        "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+        "mean_accepted_length": emitted / verify_steps if verify_steps else 0.0,
+        "mean_verify_length": verified / verify_steps if verify_steps else 0.0,
+        "engine_steps": stats["steps"], "step_ms": 1e3 * stats["step_s"] / max(stats["steps"], 1),
+        "host_schedule_ms": 1e3 * stats["host_schedule_s"] / max(stats["steps"], 1),
+        "host_schedule_fraction": stats["host_schedule_s"] / stats["step_s"] if stats["step_s"] else 0.0,
+    }
+
+
+@torch.inference_mode()
+def run_hf(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, device: torch.device) -> dict:
+    """HF ``generate``, greedy, left padding, exactly ``max_new_tokens`` per row (EOS suppressed until then)."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)  # [B, S]
+    mask = torch.zeros(len(prompts), longest, dtype=torch.long)  # [B, S]
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = torch.tensor(p)
+        mask[i, longest - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    tokens = len(prompts) * (out.shape[1] - longest)
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "mean_accepted_length": 1.0}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The benchmark
+# ---------------------------------------------------------------------------------------------------------
+
+
+def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[list[int]], cfg: BenchConfig, *,
+                  out: str | Path, command: str, model_name: str | None = None,
+                  drafter_name: str | None = None, started_at: float | None = None) -> dict[str, Any]:
+    """Measure every configuration and write ``out`` (JSON) and ``out`` with suffix ``.png``; returns the report.
+
+    Args:
+        target: the target (its device and dtype are the engine's).
+        drafter: the DSpark drafter; may be None only if every mode is ``none``.
+        prompts: tokenised prompts (chat template applied); batch size B uses the first B (cycled if fewer).
+        cfg: what to measure.
+        out: JSON path; the plot is written next to it.
+        command: the command line that produced the numbers (recorded).
+        model_name, drafter_name: recorded names (default: the target's name, the drafter's config).
+        started_at: ``time.monotonic()`` the time budget counts from (default: now; ``main`` passes its own
+            start, so model loading counts too).
+    """
+    start = time.monotonic() if started_at is None else started_at
+    out = Path(out)
+    device = torch.device(target.device)
+    gamma = drafter.config.block_size if drafter is not None else 0
+    modes = [(spec, *parse_mode(spec, gamma or None)) for spec in cfg.modes]
+    if drafter is None and any(m != "none" for _, m, _ in modes):
+        raise ValueError("speculative modes need a drafter")
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("need at least one non-empty tokenised prompt")
+    if len(prompts) < max(cfg.batch_sizes):
+        log.warning("%d prompts for batch size %d: prompts are reused", len(prompts), max(cfg.batch_sizes))
+    report: dict[str, Any] = {
+        "hardware": hardware_name(device),
+        "command": command,
+        "model": model_name or target.name,
+        "drafter": drafter_name or ("none" if drafter is None else json.loads(json.dumps(asdict(drafter.config),
+                                                                                          default=str))),
+        "settings": {**asdict(cfg), "dtype": str(target.dtype), "num_prompts": len(prompts), "gamma": gamma,
+                     "greedy": True, "ignore_eos": True},
+        "software": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": _version("transformers"), "triton": _version("triton")},
+        "results": [],
+        "complete": False,
+    }
+
+    def save() -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+
+    # Engines, sized once for the largest batch.
+    max_b = max(cfg.batch_sizes)
+    longest = max(len(p) for p in prompts[:max_b])
+    max_seq_len = max(longest + cfg.max_new_tokens, cfg.context_len) + 2 * gamma + 8
+    econf = dict(max_num_seqs=max_b, max_seq_len=max_seq_len, device=str(device), dtype=target.dtype,
+                 enforce_eager=cfg.enforce_eager, seed=cfg.seed)
+    engines: dict[str, Engine] = {}
+    t_build = time.perf_counter()
+    if any(m == "none" for _, m, _ in modes):
+        engines["none"] = Engine(target, None, EngineConfig(**econf), SchedulerConfig(mode="none"))
+    if any(m != "none" for _, m, _ in modes):
+        spec = Engine(target, drafter, EngineConfig(**econf), SchedulerConfig(mode="fixed", k=gamma))
+        table = cached_profile(spec, cache_dir=cfg.cost_cache_dir, context_len=cfg.context_len)
+        spec.set_cost_table(table)
+        engines["spec"] = spec
+        report["cost_table"] = table.to_dict()
+        log.info("cost table (%s): verify ms %s | draft ms %s", table.hardware, _brief(table.verify_ms),
+                 _brief(table.draft_ms))
+    report["engine_build_s"] = round(time.perf_counter() - t_build, 2)
+    save()
+
+    jobs = [(b, spec_, m, k) for b in cfg.batch_sizes for spec_, m, k in modes]
+    if cfg.hf_max_batch:
+        jobs += [(b, "hf", "none", None) for b in cfg.batch_sizes if b <= cfg.hf_max_batch]
+    jobs.sort(key=lambda j: (j[0], j[1] == "hf"))  # batch by batch; HF last in each (slowest, a baseline)
+    for b, label, mode, k in tqdm(jobs, desc="benchmark", unit="config"):
+        if cfg.time_budget_s is not None and time.monotonic() - start > cfg.time_budget_s:
+            report["stopped_early"] = f"time budget of {cfg.time_budget_s:.0f} s spent before {label} at batch {b}"
+            log.warning("%s; writing what was measured", report["stopped_early"])
+            break
+        batch = [prompts[i % len(prompts)] for i in range(b)]
+        t_cfg = time.perf_counter()
+        if label == "hf":
+            row = _measure_hf(target, batch, cfg, device)
+        else:
+            engine = engines["none" if mode == "none" else "spec"]
+            sched = SchedulerConfig(mode=mode, k=k if k is not None else max(gamma, 1))
+            engine.set_scheduler(sched)
+            row = _measure(lambda e=engine, p=batch: run_engine(e, p, cfg.max_new_tokens), cfg.warmup, cfg.repeats)
+            row = {"engine": "optimized", "mode": mode, "label": label, "k": _k_of(sched, b), **row}
+        row.update({"batch_size": b, "elapsed_s": round(time.perf_counter() - t_cfg, 3)})
+        row["per_request_tokens_per_s"] = row["output_tokens_per_s"] / b
+        report["results"].append(row)
+        log.info("batch %4d %-9s %9.1f tokens/s  τ = %.2f  %s", b, label, row["output_tokens_per_s"],
+                 row["mean_accepted_length"],
+                 f"host {100 * row['host_schedule_fraction']:.1f}% of {row['step_ms']:.2f} ms/step"
+                 if "step_ms" in row else "")
+        report["summary"] = summarize(report["results"])
+        save()
+    else:
+        report["complete"] = True
+    report["summary"] = summarize(report["results"])
+    report["total_s"] = round(time.monotonic() - start, 1)
+    save()
+    try:
+        plot(report, out.with_suffix(".png"))
+    except Exception as e:  # a plot must never cost the measured numbers
+        log.warning("plotting failed: %s", e)
+    log.info("wrote %s (%d configurations)", out, len(report["results"]))
+    return report
+
+
+def _measure(run, warmup: int, repeats: int) -> dict[str, Any]:
+    """Warm-up runs, then timed runs; the median run (by tokens/s) gives every reported statistic."""
+    for _ in range(warmup):
+        run()
+    runs = [run() for _ in range(repeats)]
+    runs.sort(key=lambda r: r["tokens_per_s"])
+    mid = runs[len(runs) // 2]
+    row = {key: v for key, v in mid.items() if key != "tokens_per_s"}
+    row["output_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
+    row["runs_tokens_per_s"] = [round(r["tokens_per_s"], 2) for r in runs]
+    return row
+
+
+def _measure_hf(target: Target, batch: list[list[int]], cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
+    """HF ``generate`` on the same prompts: a short warm-up generate (kernels, allocator), then timed runs."""
+    pad = target.tokenizer.pad_token_id if target.tokenizer is not None else None
+    pad = pad if pad is not None else min(target.eos_token_ids, default=0)
+    if cfg.warmup:
+        run_hf(target.model, batch, min(cfg.max_new_tokens, 8), pad, device)  # a full-length warm-up costs seconds
+    row = _measure(lambda: run_hf(target.model, batch, cfg.max_new_tokens, pad, device), 0, cfg.hf_repeats)
+    return {"engine": "hf", "mode": "none", "label": "hf", "k": 0, **row}
+
+
+def _k_of(sched: SchedulerConfig, batch_size: int) -> int | None:
+    """The verify length a mode uses at this batch size, where it is fixed (fixed K; dsd's table entry)."""
+    if sched.mode == "none":
+        return 0
+    if sched.mode == "fixed":
+        return sched.k
+    if sched.mode == "dsd":
+        keys = [b for b in sorted(sched.dsd_table) if b <= batch_size]
+        return sched.dsd_table[keys[-1]] if keys else sched.dsd_table[min(sched.dsd_table)]
+    return None
+
+
+def summarize(results: list[dict]) -> dict[str, Any]:
+    """Per batch size: the baselines, the best fixed K, adaptive, and the issue's goals as ratios."""
+    by_b: dict[int, dict[str, dict]] = {}
+    for r in results:
+        by_b.setdefault(r["batch_size"], {})[r["label"]] = r
+    out: dict[str, Any] = {}
+    for b, rows in sorted(by_b.items()):
+        tps = {label: r["output_tokens_per_s"] for label, r in rows.items()}
+        fixed = {label: v for label, v in tps.items() if label.startswith("fixed")}
+        s: dict[str, Any] = {"tokens_per_s": {k: round(v, 2) for k, v in tps.items()}}
+        if fixed:
+            best = max(fixed, key=fixed.get)
+            s["best_fixed"] = best
+        none, hf, adaptive = tps.get("none"), tps.get("hf"), tps.get("adaptive")
+        if none and hf:
+            s["none_over_hf"] = round(none / hf, 3)
+        if adaptive and none:
+            s["adaptive_over_none"] = round(adaptive / none, 3)
+        if adaptive and fixed:
+            s["adaptive_over_best_fixed"] = round(adaptive / fixed[s["best_fixed"]], 3)
+        if "none" in rows and "host_schedule_fraction" in rows["none"]:
+            s["host_schedule_fraction_none"] = round(rows["none"]["host_schedule_fraction"], 4)
+        if "adaptive" in rows:
+            s["host_schedule_fraction_adaptive"] = round(rows["adaptive"]["host_schedule_fraction"], 4)
+        out[str(b)] = s
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------------------------
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Four panels: tokens/s, speed-up over no speculation, the SPS curve, host scheduling share."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    labels = list(dict.fromkeys(r["label"] for r in results))
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9.5))
+    ax = axes[0, 0]
+    for label in labels:
+        pts = sorted((r["batch_size"], r["output_tokens_per_s"]) for r in results if r["label"] == label)
+        ax.plot(*zip(*pts), marker="o", label=label, linestyle="--" if label == "hf" else "-")
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="output tokens/s", title="Throughput")
+    _legend(ax)
+    ax = axes[0, 1]
+    none = {r["batch_size"]: r["output_tokens_per_s"] for r in results if r["label"] == "none"}
+    for label in labels:
+        pts = sorted((r["batch_size"], r["output_tokens_per_s"] / none[r["batch_size"]]) for r in results
+                     if r["label"] == label and r["batch_size"] in none)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label, linestyle="--" if label == "hf" else "-")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set(xscale="log", xlabel="batch size", ylabel="× tokens/s of mode none", title="Speed-up over no speculation")
+    _legend(ax)
+    ax = axes[1, 0]
+    table = report.get("cost_table")
+    if table:
+        v = sorted((int(n), ms) for n, ms in table["verify_ms"].items())
+        ax.step(*zip(*v), where="pre", marker=".", label="verify (tokens)")
+        if table["draft_ms"]:
+            d = sorted((int(n), ms) for n, ms in table["draft_ms"].items())
+            ax.step(*zip(*d), where="pre", marker=".", label="drafter (requests)")
+        ax.set(xscale="log", xlabel="tokens / requests", ylabel="ms per stage",
+               title=f"Measured SPS curve (context {table['meta'].get('context_len')} keys)")
+        _legend(ax)
+    ax = axes[1, 1]
+    for label in labels:
+        pts = sorted((r["batch_size"], 100 * r["host_schedule_fraction"]) for r in results
+                     if r["label"] == label and "host_schedule_fraction" in r)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label)
+    ax.axhline(5.0, color="grey", linewidth=0.8, linestyle=":")
+    ax.set(xscale="log", xlabel="batch size", ylabel="% of step time", title="Host scheduling share (goal ≤ 5%)")
+    _legend(ax)
+    batch_sizes = sorted({r["batch_size"] for r in results})
+    for ax in (axes[0, 0], axes[0, 1], axes[1, 1]):  # label the measured batch sizes, not powers of ten
+        ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+        ax.minorticks_off()
+    fig.suptitle(f"{report['model']} on {report['hardware']}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:  # a partial report may leave a panel empty
+        ax.legend(fontsize=8)
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
+def _brief(curve: dict[int, float]) -> str:
+    keys = sorted(curve)
+    if not keys:
+        return "none"
+    pick = sorted({keys[0], keys[len(keys) // 4], keys[len(keys) // 2], keys[-1]})
+    return ", ".join(f"{k}: {curve[k]:.3f}" for k in pick)
+
+
+def default_tag(device: torch.device) -> str:
+    """``h200`` on an H200, the lower-cased GPU name elsewhere, ``cpu`` on the CPU."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    for short in ("h200", "h100", "b300", "b200", "a100"):
+        if short in name:
+            return short
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-")
+
+
+def load_prompts(args: argparse.Namespace, target: Target, needed: int) -> list[list[int]]:
+    """Tokenised prompts (chat template) from --prompts-file, else held-out ShareGPT; too-long ones are dropped."""
+    from scripts import data
+
+    if args.prompts_file:
+        texts = [p.prompt for p in data.read_prompt_file(args.prompts_file)]
+    else:
+        _, held = data.split(data.load_sharegpt(args.sharegpt_file))
+        texts = [p.prompt for p in data.filter_prompts(held, max_chars=4 * args.max_prompt_tokens)]
+    prompts = []
+    for text in texts:
+        ids = target.encode(text, chat_template=True)
+        if 0 < len(ids) <= args.max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) >= needed:
+            break
+    if not prompts:
+        raise SystemExit(f"no prompt fits --max-prompt-tokens {args.max_prompt_tokens}")
+    return prompts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python scripts/bench_engine.py", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="target: name, .gguf or HF directory")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one, else random init)")
+    p.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES)
+    p.add_argument("--modes", default=DEFAULT_MODES, help="comma list: none, fixed:K, dsd, threshold, adaptive-sync, "
+                   "adaptive")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="drop longer prompts (after the template)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompts-file", default=None, help='JSONL, one {"prompt": ...} per line')
+    src.add_argument("--sharegpt-file", default=None, help="ShareGPT .json(.gz) (default: the packaged file)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hf-max-batch", type=int, default=256, help="skip HF generate above this batch size")
+    p.add_argument("--hf-repeats", type=int, default=1)
+    p.add_argument("--time-budget-s", type=float, default=None)
+    p.add_argument("--context-len", type=int, default=DEFAULT_CONTEXT_LEN, help="KV length of the cost profile")
+    p.add_argument("--cost-cache-dir", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", default=None, help="output name engine-<tag>.json (default from the device)")
+    p.add_argument("--out", default=None, help="JSON path (default docs/benchmarks/engine-<tag>.json)")
+    return p
+
+
+def main(argv: list[str] | None = None, *, target: Target | None = None, drafter: DSparkDrafter | None = None,
+         prompt_ids: list[list[int]] | None = None) -> dict[str, Any]:
+    """Command line; tests pass an already-built ``target``/``drafter`` and tokenised ``prompt_ids``."""
+    started_at = time.monotonic()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    cfg = BenchConfig(batch_sizes=[int(b) for b in args.batch_sizes.split(",")], modes=args.modes.split(","),
+                      max_new_tokens=args.max_new_tokens, warmup=args.warmup, repeats=args.repeats,
+                      hf_max_batch=args.hf_max_batch, hf_repeats=args.hf_repeats, time_budget_s=args.time_budget_s,
+                      enforce_eager=args.enforce_eager, context_len=args.context_len,
+                      cost_cache_dir=args.cost_cache_dir, seed=args.seed)
+    dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if target is None:
+        target = Target.load(args.model, device=args.device, dtype=getattr(torch, dtype_name))
+        model_name = args.model if target.name in ("", args.model) else f"{target.name} ({args.model})"
+    else:
+        model_name = target.name
+    drafter_name = None
+    if drafter is None and any(m.partition(":")[0] != "none" for m in cfg.modes):
+        from reference.generate import DEFAULT_DRAFTER, load_or_init_drafter
+
+        path = args.drafter or str(DEFAULT_DRAFTER)
+        drafter = load_or_init_drafter(path, target, None, args.seed)
+        drafter_name = path if Path(path).exists() else f"RANDOM INIT (seed {args.seed}; no checkpoint at {path})"
+    if prompt_ids is None:
+        prompt_ids = load_prompts(args, target, max(cfg.batch_sizes))
+    device = torch.device(target.device)
+    tag = args.tag or default_tag(device)
+    out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"engine-{tag}.json"
+    command = "python scripts/bench_engine.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                                     else sys.argv[1:]))
+    return run_benchmark(target, drafter, prompt_ids, cfg, out=out, command=command, model_name=model_name,
+                         drafter_name=drafter_name, started_at=started_at)
+
+
+if __name__ == "__main__":
+    main()
+    raise SystemExit(0)

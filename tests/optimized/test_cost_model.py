@@ -1,0 +1,153 @@
+"""Start-up profiling of the engine (``optimized/cost_model.py``, METHOD §5 "Cost table") on the CPU.
+
+Checks that a profile through the engine's own serving path yields a valid monotone table over sizes the engine
+really runs, that the fingerprint cache is hit on a second call and missed when a setting changes, and that the
+load-time re-check catches a stale table. Names follow ``design/METHOD.md`` (``ℓ`` verify length, ``SPS``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from optimized import cost_model
+from optimized.cost_model import cached_profile, fingerprint, profile_engine, profile_engine_cost_table, spread_sizes
+from optimized.engine import Engine, EngineConfig
+from optimized.scheduler import SamplingParams
+from reference.config import DrafterConfig, SchedulerConfig
+from reference.cost_model import CostTable
+from reference.drafter import DSparkDrafter
+from reference.target import Target
+from tests.conftest import tiny_hf_model
+
+GAMMA = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls run faster on one thread, and the CI machine is shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = Target.from_model(tiny_hf_model("llama", num_layers=2), name="tiny-llama")
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target_config(target.config, num_layers=1, block_size=GAMMA, markov_rank=8,
+                                           target_layer_ids=target.layer_ids)
+    drafter = DSparkDrafter(cfg).eval()
+    drafter.attach_target(target.embed_tokens, target.lm_head)
+    return target, drafter
+
+
+def _engine(models, max_num_seqs=4, mode="fixed"):
+    target, drafter = models
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_seq_len=64)
+    return Engine(target, drafter if mode != "none" else None, cfg, SchedulerConfig(mode=mode, k=GAMMA))
+
+
+def test_spread_sizes_keeps_ends_and_buckets():
+    sizes = [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40]
+    got = spread_sizes(sizes, 5)
+    assert got[0] == 1 and got[-1] == 40 and len(got) <= 5
+    assert set(got) <= set(sizes)
+    assert spread_sizes(sizes, None) == sizes
+    with pytest.raises(ValueError, match="max_sizes"):
+        spread_sizes(sizes, 1)
+
+
+def test_profile_on_cpu_is_monotone_and_covers_the_buckets(models):
+    engine = _engine(models)
+    table = profile_engine(engine, context_len=16, repeats=2, warmup=1, progress=False)
+    sizes = sorted(table.verify_ms)
+    # The largest bucket is (γ+1)·max_num_seqs = 20 tokens: always measured, and it bounds the graph region.
+    assert sizes[0] == 1 and sizes[-1] == 20 == table.graph_max_tokens
+    assert len(sizes) <= cost_model.EAGER_MAX_SIZES["cpu"]
+    assert set(sizes) <= set(engine.verify_graphs.sizes)
+    assert sorted(table.draft_ms) == [1, 2, 3, 4]
+    for curve in (table.verify_ms, table.draft_ms):
+        values = [curve[k] for k in sorted(curve)]
+        assert all(b >= a for a, b in zip(values, values[1:])), curve
+    # The staircase prices every runnable size, and the table drives the scheduler.
+    for n in range(1, 21):
+        assert table.verify_time(n) > 0
+    assert table.meta["context_len"] == 16 and table.hardware.startswith("CPU")
+    # Profiling left the engine idle and its slots reusable: adaptive mode with the measured table emits the
+    # target's greedy tokens (verification is lossless), exactly as an engine that never profiled or drafted.
+    engine.set_cost_table(table)
+    engine.set_scheduler(SchedulerConfig(mode="adaptive"))
+    plain = _engine(models, mode="none")
+    outputs = []
+    for e in (engine, plain):
+        rids = [e.add_request(p, SamplingParams(max_new_tokens=20, ignore_eos=True)) for p in ([5, 6, 7], [9, 2])]
+        while e.has_unfinished():
+            e.step()
+        outputs.append([e.sequence(r).output_ids for r in rids])
+    assert outputs[0] == outputs[1] and len(outputs[0][0]) == 20
+
+
+def test_profile_engine_without_drafter(models):
+    engine = _engine(models, max_num_seqs=3, mode="none")
+    table = profile_engine(engine, context_len=8, repeats=1, warmup=0, progress=False)
+    # Without drafts a step carries one token per request: sizes past 3 are never profiled (nor run).
+    assert table.draft_ms == {} and sorted(table.verify_ms) == [1, 2, 3]
+
+
+def test_cache_hit_then_invalidated_by_a_setting(models, tmp_path, monkeypatch):
+    calls = []
+    real = cost_model.profile_engine
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cost_model, "profile_engine", counting)
+    engine = _engine(models)
+    first = cached_profile(engine, cache_dir=tmp_path, context_len=16, repeats=1, recheck=False, progress=False)
+    files = list(tmp_path.glob("*.json"))
+    assert len(calls) == 1 and len(files) == 1
+    assert json.loads(files[0].read_text())["meta"]["fingerprint"] == files[0].stem
+    second = cached_profile(engine, cache_dir=tmp_path, context_len=16, repeats=1, recheck=False, progress=False)
+    assert len(calls) == 1, "second call must be a cache hit"
+    assert second.verify_ms == first.verify_ms and second.draft_ms == first.draft_ms  # read back exactly
+    # Another setting (max_num_seqs, context length) is another fingerprint: profiled again, cached separately.
+    cached_profile(_engine(models, max_num_seqs=2), cache_dir=tmp_path, context_len=16, repeats=1, recheck=False,
+                   progress=False)
+    cached_profile(engine, cache_dir=tmp_path, context_len=8, repeats=1, recheck=False, progress=False)
+    assert len(calls) == 3 and len(list(tmp_path.glob("*.json"))) == 3
+    assert fingerprint(engine, 16)[0] != fingerprint(engine, 8)[0]
+
+
+def test_recheck_detects_a_stale_table(models, tmp_path, monkeypatch):
+    engine = _engine(models)
+    table = cached_profile(engine, cache_dir=tmp_path, context_len=16, repeats=1, recheck=False, progress=False)
+    path = next(tmp_path.glob("*.json"))
+    # A table measured on a 100× slower machine: far outside any timing noise, so the re-check must reject it.
+    stale = CostTable({n: v * 100 for n, v in table.verify_ms.items()}, table.draft_ms, table.graph_max_tokens,
+                      table.hardware, table.meta)
+    stale.save(path)
+    calls = []
+    monkeypatch.setattr(cost_model, "profile_engine", lambda *a, **k: calls.append(1) or table)
+    fresh = cached_profile(engine, cache_dir=tmp_path, context_len=16, repeats=1, progress=False)
+    assert calls == [1] and fresh.verify_ms == table.verify_ms
+    assert CostTable.load(path).verify_ms == table.verify_ms  # the stale file was replaced
+
+
+def test_profile_engine_cost_table_entry_point(models, tmp_path):
+    target, drafter = models
+    table = profile_engine_cost_table(target, drafter, max_num_seqs=2, device="cpu", dtype=torch.float32,
+                                      context_len=8, repeats=1, cache_dir=tmp_path)
+    assert max(table.verify_ms) == 2 * (GAMMA + 1) and sorted(table.draft_ms) == [1, 2]
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_profiling_refuses_a_busy_engine(models):
+    engine = _engine(models)
+    engine.add_request([3, 4], None)
+    with pytest.raises(RuntimeError, match="idle"):
+        profile_engine(engine, progress=False)

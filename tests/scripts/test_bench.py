@@ -1,0 +1,146 @@
+"""The benchmark scripts end to end on the CPU: ``scripts/bench_engine.py`` and ``scripts/bench_kernels.py``.
+
+A tiny random target and drafter stand in for SmolLM2 (no download). The engine benchmark must write the issue's
+JSON schema and its plot, emit exactly the requested tokens in every configuration, and stop cleanly on its time
+budget; the kernel benchmark must cover every op, and under the Triton interpreter its two backends must agree.
+Names follow ``design/METHOD.md`` (``τ`` emitted tokens per verify step, ``ℓ`` verify length).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from reference.config import DrafterConfig  # noqa: E402
+from reference.cost_model import CostTable  # noqa: E402
+from reference.drafter import DSparkDrafter  # noqa: E402
+from reference.target import Target  # noqa: E402
+from scripts import bench_engine, bench_kernels  # noqa: E402
+from tests.conftest import tiny_hf_model  # noqa: E402
+
+GAMMA = 4
+PROMPTS = [[5, 6, 7, 8], [9, 2], [3, 3, 4, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = Target.from_model(tiny_hf_model("llama", num_layers=2), name="tiny-llama")
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target_config(target.config, num_layers=1, block_size=GAMMA, markov_rank=8,
+                                           target_layer_ids=target.layer_ids)
+    drafter = DSparkDrafter(cfg).eval()
+    drafter.attach_target(target.embed_tokens, target.lm_head)
+    return target, drafter
+
+
+def _run(models, tmp_path, *extra):
+    target, drafter = models
+    out = tmp_path / "engine-test.json"
+    argv = ["--batch-sizes", "1,2", "--modes", "none,fixed:2,adaptive", "--max-new-tokens", "10", "--warmup", "0",
+            "--repeats", "1", "--context-len", "16", "--cost-cache-dir", str(tmp_path / "cost"), "--out", str(out),
+            *extra]
+    report = bench_engine.main(argv, target=target, drafter=drafter, prompt_ids=PROMPTS)
+    return report, out
+
+
+def test_bench_engine_writes_the_schema_and_plot(models, tmp_path):
+    report, out = _run(models, tmp_path)
+    on_disk = json.loads(out.read_text())
+    assert on_disk == json.loads(json.dumps(report))
+    for key in ("hardware", "command", "model", "drafter", "results"):
+        assert key in on_disk, key
+    assert on_disk["complete"] is True and on_disk["model"] == "tiny-llama"
+    assert "--batch-sizes 1,2" in on_disk["command"]
+    rows = {(r["engine"], r["label"], r["batch_size"]): r for r in on_disk["results"]}
+    expected = {("optimized", m, b) for m in ("none", "fixed:2", "adaptive") for b in (1, 2)} | {
+        ("hf", "hf", b) for b in (1, 2)}
+    assert set(rows) == expected
+    for (engine, label, b), r in rows.items():
+        for key in ("mode", "k", "output_tokens_per_s", "mean_accepted_length"):
+            assert key in r, (label, key)
+        assert r["output_tokens_per_s"] > 0
+        assert r["tokens"] == b * 10, "every request emits exactly --max-new-tokens (EOS ignored)"
+        if engine == "optimized":
+            assert 0.0 <= r["host_schedule_fraction"] < 1.0 and r["engine_steps"] > 0
+    # No speculation: one token per verify step; fixed K = 2 verifies exactly 2 drafts and emits 1..3 per step.
+    assert rows[("optimized", "none", 2)]["mean_accepted_length"] == 1.0
+    assert rows[("optimized", "none", 2)]["k"] == 0
+    fixed = rows[("optimized", "fixed:2", 2)]
+    assert fixed["mean_verify_length"] == 2.0 and fixed["k"] == 2
+    assert 1.0 <= fixed["mean_accepted_length"] <= 3.0
+    # The measured SPS table travels with the results and is a valid, monotone cost table of this engine.
+    table = CostTable.from_dict(on_disk["cost_table"])
+    assert max(table.verify_ms) == 2 * (GAMMA + 1) and sorted(table.draft_ms) == [1, 2]
+    assert on_disk["summary"]["1"]["adaptive_over_none"] > 0
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_bench_engine_time_budget_leaves_partial_results(models, tmp_path):
+    report, out = _run(models, tmp_path, "--time-budget-s", "0", "--hf-max-batch", "0")
+    on_disk = json.loads(out.read_text())
+    assert on_disk["complete"] is False and "time budget" in on_disk["stopped_early"]
+    assert on_disk["results"] == [] and "cost_table" in on_disk
+
+
+def test_parse_mode_rejects_bad_specs():
+    assert bench_engine.parse_mode("fixed:3", 7) == ("fixed", 3)
+    assert bench_engine.parse_mode("fixed", 5) == ("fixed", 5)
+    assert bench_engine.parse_mode("adaptive", 7) == ("adaptive", None)
+    for bad in ("fixed:8", "fixed:x", "dsd:2", "oracle", "fast"):
+        with pytest.raises(ValueError, match="mode"):
+            bench_engine.parse_mode(bad, 7)
+
+
+def test_bench_kernels_all_ops_on_cpu(tmp_path):
+    out = tmp_path / "kernels-test.json"
+    report = bench_kernels.main(["--op", "all", "--repeats", "1", "--iters", "1", "--out", str(out)])
+    on_disk = json.loads(out.read_text())
+    assert on_disk["hardware"] == report["hardware"] and on_disk["roofline_gbps"] == 4800.0
+    assert {r["op"] for r in on_disk["results"]} == set(bench_kernels.OPS)
+    for r in on_disk["results"]:
+        assert r["us"] > 0 and r["bytes"] > 0 and r["gb_per_s"] > 0
+    assert out.with_suffix(".png").is_file()
+
+
+def test_bench_kernels_verify_cases_measure_what_they_name():
+    """accept_all must accept every draft and reject_first none, or the bytes per call would be wrong."""
+    cases = bench_kernels.verify_cases(bench_kernels.Shapes.tiny(), 3, torch.device("cpu"),
+                                       torch.Generator(device="cpu").manual_seed(0))
+    accepted = {c.case: c.call("torch").num_accepted for c in cases}
+    assert torch.equal(accepted["accept_all"], torch.full((3,), 7))
+    assert torch.equal(accepted["reject_first"], torch.zeros(3, dtype=torch.long))
+    assert torch.equal(accepted["greedy"], torch.full((3,), 7))
+
+
+def test_bench_kernels_backends_agree_under_the_interpreter(tmp_path):
+    """TRITON_INTERPRET=1 must be set before triton is imported, hence a subprocess."""
+    out = tmp_path / "kernels-interp.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "scripts/bench_kernels.py", "--op", "all", "--batches", "2", "--repeats", "1",
+                    "--iters", "1", "--out", str(out)], cwd=ROOT, env=env, check=True, capture_output=True)
+    report = json.loads(out.read_text())
+    assert report["triton"] == "interpreter"
+    agreements = [r for r in report["results"] if "agreement" in r]
+    assert {r["op"] for r in agreements} == set(bench_kernels.OPS)
+    for r in agreements:
+        if "equal" in r["agreement"]:
+            assert r["agreement"]["equal"], r
+        else:  # attention in fp32: the online softmax vs SDPA differ by summation order only
+            assert r["agreement"]["max_abs_diff"] < 1e-5, r
