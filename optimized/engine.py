@@ -27,19 +27,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from optimized.kernels.allocate import allocate_top_b
 from optimized.graphs import GraphRunner, StaticBuffers, bucket_sizes
+from optimized.kernels.allocate import allocate_top_b
 from optimized.kernels.draft_head import sample_block
 from optimized.kernels.verify import rejection_sample
 from optimized.models.drafter import OptimizedDrafter
 from optimized.models.target import OptimizedTarget
-from optimized.scheduler import BatchScheduler, SamplingParams, Sequence, Status
+from optimized.scheduler import BatchScheduler, BudgetPlanner, SamplingParams, Sequence, Status
 from reference.calibration import temperatures_for
 from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
-from reference.sampling import Purpose, logits_to_probs, sample
-from reference.scheduler import Scheduler, stale_budget
+from optimized.kernels.sampling import sample
+from reference.sampling import Purpose, logits_to_probs
+from reference.scheduler import Scheduler
 from reference.target import Target
 
 log = logging.getLogger("dspark.engine")
@@ -53,11 +54,14 @@ class EngineConfig:
     max_seq_len: int = 2048  # positions per slot (prompt + output + γ scratch for the drafter block)
     prefill_chunk: int = 8192  # prompt tokens per step over all prefilling requests (chunked prefill)
     enforce_eager: bool = False  # True: no CUDA graphs (the same code path, launched eagerly)
+    kernel_backend: str = "auto"  # "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch"
     seed: int = 0  # root of the random-number contract (reference/sampling.py)
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
+        if self.kernel_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}")
         if self.max_num_seqs < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1:
             raise ValueError("max_num_seqs, max_seq_len and prefill_chunk must be positive")
 
@@ -88,18 +92,19 @@ class Engine:
         self.gamma = drafter.config.block_size if drafter is not None else 0
         self.vocab = target.vocab_size
         # Static caches: max_num_seqs slots (+ a trash slot the models add for padding writes).
-        self.target = OptimizedTarget(target)
+        self.target = OptimizedTarget(target, attention_backend=config.kernel_backend)
         self.target.allocate_cache(config.max_num_seqs, config.max_seq_len)
         self.drafter = None
         self.ref_drafter = drafter
         if drafter is not None and sched.mode != "none":
-            self.drafter = OptimizedDrafter(drafter)
+            self.drafter = OptimizedDrafter(drafter, attention_backend=config.kernel_backend)
             self.drafter.allocate_cache(config.max_num_seqs, config.max_seq_len)
             self.sts = {mode: torch.tensor(temperatures_for(drafter.config, mode), device=self.device)
                         for mode in ("greedy", "sampling")}
         self._setup_graphs()
         self.batch = BatchScheduler(sched, config.max_num_seqs, config.max_seq_len, config.prefill_chunk)
         self.policy = Scheduler(sched, gamma=max(self.gamma, 1), cost=cost)
+        self.planner = BudgetPlanner(cost)
         self.eos = sorted(target.eos_token_ids)
         self.tokenizer = target.tokenizer
         self._alloc_state(config.max_num_seqs)
@@ -188,6 +193,7 @@ class Engine:
         """Install the step-cost table (measured on this engine by ``optimized.cost_model.profile_engine``)."""
         self.cost = cost
         self.policy = Scheduler(self.sched_config, gamma=max(self.gamma, 1), cost=cost)
+        self.planner = BudgetPlanner(cost)
 
     def set_scheduler(self, sched: SchedulerConfig) -> None:
         """Switch the verify-length policy between runs, keeping caches and graphs (benchmarks of every mode)."""
@@ -311,7 +317,8 @@ class Engine:
         done_slots = torch.tensor([s.slot for s in done], dtype=torch.long, device=dev)
         p_t = logits_to_probs(logits, self.temperature[done_slots], self.top_p[done_slots], self.top_k[done_slots])
         positions_first = torch.tensor([len(s.prompt_ids) for s in done], dtype=torch.long, device=dev)
-        first = sample(p_t, self.config.seed, self.request_id[done_slots], positions_first, int(Purpose.BONUS))
+        first = sample(p_t, self.config.seed, self.request_id[done_slots], positions_first, int(Purpose.BONUS),
+                       backend=self.config.kernel_backend)
         logp = torch.log(p_t.gather(1, first[:, None]))[:, 0]
         self.anchor[done_slots] = first
         self.anchor_pos[done_slots] = positions_first
@@ -328,7 +335,7 @@ class Engine:
         plan = {"mode": mode, "budget": None}
         if mode == "adaptive":
             stale = torch.stack([self._stale(s) for s in decoding])  # [R, γ] host copy, NaN rows = too new
-            plan["budget"] = stale_budget(stale, self.cost, num_anchor_tokens=r, num_requests=r)
+            plan["budget"] = self.planner.budget(stale, num_anchor_tokens=r, num_requests=r)
         return plan
 
     def _stale(self, seq: Sequence) -> torch.Tensor:
@@ -383,18 +390,18 @@ class Engine:
         self.buffers.load_verify(tokens, positions, token_slot, cu.to(torch.int32), kv_lens, rows.to(torch.int32))
         (logits,) = self.verify_graphs.run(n_pad)  # [N_pad, V]; also appends drafter context (see _setup_graphs)
         # p_t at every verified position, laid out [R, γ+1, V] for the verifier (row R is a dump for padding).
-        temps = self.temperature[slot_of]
-        probs = logits_to_probs(logits.float(), temps, self.top_p[slot_of], self.top_k[slot_of])  # [N_pad, V]
+        probs = self._target_probs(logits, slot_of, decoding)  # [N_pad, V]
         target_probs = torch.zeros(r + 1, g + 1, self.vocab, device=dev)
         target_probs[torch.where(valid, owner, torch.full_like(owner, r)), offset.clamp(max=g)] = probs
         target_probs = target_probs[:r]
         if g:
             result = rejection_sample(self.draft_tokens[rows], lens, self.draft_probs[rows], target_probs,
-                                      self.config.seed, self.request_id[rows], self.anchor_pos[rows])
+                                      self.config.seed, self.request_id[rows], self.anchor_pos[rows],
+                                      backend=self.config.kernel_backend)
             emitted, n_emitted = result.tokens, result.num_emitted
         else:
             bonus = sample(target_probs[:, 0], self.config.seed, self.request_id[rows], self.anchor_pos[rows] + 1,
-                           int(Purpose.BONUS))
+                           int(Purpose.BONUS), backend=self.config.kernel_backend)
             emitted, n_emitted = bonus[:, None], torch.ones(r, dtype=torch.long, device=dev)
         # log p_t of every emitted token (logprobs are returned with speculation on).
         j = torch.arange(emitted.shape[1], device=dev)
@@ -417,6 +424,23 @@ class Engine:
             lps = logp_host[i, :n].tolist() if logp_host is not None else []
             self._emit(seq, host[i, :n].tolist(), lps, outputs)
 
+    def _target_probs(self, logits: torch.Tensor, slot_of: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """p_t rows at the request's temperature; the reference ``logits_to_probs`` only where filters are on.
+
+        Without top-k/top-p (the host knows from the requests' parameters) this is the same arithmetic as the
+        reference — ``logits / T`` then softmax, one-hot argmax at T = 0 — without its two vocabulary sorts and
+        its validation reads (each a device→host sync).
+        """
+        if any(s.params.top_p < 1.0 or s.params.top_k > 0 for s in seqs):
+            # sync: the reference op validates its inputs on the host; only requests with filters pay for it.
+            return logits_to_probs(logits.float(), self.temperature[slot_of], self.top_p[slot_of], self.top_k[slot_of])
+        x = logits.float()  # [N, V]
+        temp = self.temperature[slot_of][:, None]  # [N, 1]
+        greedy = temp == 0
+        probs = (x / torch.where(greedy, torch.ones_like(temp), temp)).softmax(dim=-1)
+        one_hot = torch.nn.functional.one_hot(x.argmax(dim=-1), x.shape[-1]).to(torch.float32)
+        return torch.where(greedy, one_hot, probs)
+
     def _draft(self, seqs: list[Sequence]) -> None:
         """Backbone + fused sequential head for every decoding request; survivals stay on the device."""
         dev = self.device
@@ -426,7 +450,7 @@ class Engine:
         self.buffers.load_draft(self.anchor[rows], self.anchor_pos[rows], rows.to(torch.int32), r_pad)
         (h,) = self.draft_graphs.run(r_pad)  # [R_pad, γ, d]
         out = sample_block(self.ref_drafter, h[:r], self.anchor[rows], self.anchor_pos[rows], self.temperature[rows],
-                           self.config.seed, self.request_id[rows])
+                           self.config.seed, self.request_id[rows], backend=self.config.kernel_backend)
         tokens, probs, conf_logits = out.tokens, out.probs, out.conf_logits
         self.draft_tokens[rows] = tokens
         self.draft_probs[rows] = probs

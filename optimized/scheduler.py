@@ -142,3 +142,41 @@ class BatchScheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+class BudgetPlanner:
+    """The host half of the ``adaptive`` mode, vectorised: the twin of ``reference.scheduler.stale_budget``.
+
+    The reference walks ``B = 0..R·γ`` in Python and asks the cost table for every step time; at R = 256 that
+    is 1,800 table lookups per step on the host. Here the step-time curve is cached per ``(T_0, R)`` (the
+    table is fixed for the engine's life) and Θ(B) for every B is one float64 cumulative sum. The result is
+    the same integer: τ(B) is accumulated in the same order and precision (float64, sequential cumsum on the
+    host), so ties resolve identically (the smaller B), as ``tests/optimized/test_budget.py`` checks.
+    """
+
+    def __init__(self, cost) -> None:
+        self.cost = cost
+        self._curves: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def _step_times(self, t0: int, r: int, candidates: int) -> torch.Tensor:
+        key = (t0, r, candidates)
+        curve = self._curves.get(key)
+        if curve is None:
+            curve = torch.tensor([self.cost.step_time(t0 + b, r) for b in range(candidates + 1)],
+                                 dtype=torch.float64)  # [R·γ + 1] seconds
+            if len(self._curves) > 4096:  # bounded: (T_0, R) pairs are few in steady state
+                self._curves.clear()
+            self._curves[key] = curve
+        return curve
+
+    def budget(self, a_stale: torch.Tensor, num_anchor_tokens: int, num_requests: int | None = None) -> int:
+        from reference.scheduler import fill_stale_rows
+
+        a = fill_stale_rows(a_stale.float().cpu())  # [R, γ] host copy, NaN rows filled as the reference does
+        r, g = a.shape
+        n_s = r if num_requests is None else num_requests
+        gains = torch.sort(a.flatten(), descending=True, stable=True).values.double()  # [R·γ]
+        tau = torch.cumsum(torch.cat([torch.tensor([float(n_s)], dtype=torch.float64), gains]), 0)  # [R·γ+1]
+        step = self._step_times(num_anchor_tokens, r, r * g)
+        theta = torch.where(step > 0, tau / step.clamp_min(1e-300), torch.zeros_like(tau))
+        return int(torch.argmax(theta))  # first maximum = the smaller budget on ties, as in the reference

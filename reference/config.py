@@ -29,7 +29,8 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> tuple
 
     Layer ``l`` means the residual stream *after* decoder layer ``l`` (0-based), i.e. HF's
     ``hidden_states[l + 1]``. The last layer is never tapped: HF returns it after the final norm.
-    Qwen3-8B (36 layers) gives ``(1, 9, 17, 25, 33)``; SmolLM2-135M (30 layers) gives ``(1, 8, 14, 21, 27)`` (halves round up).
+    Qwen3-8B (36 layers) gives ``(1, 9, 17, 25, 33)``; SmolLM2-135M (30 layers) gives ``(1, 8, 14, 21, 27)``
+    (halves round up).
     """
     if num_target_layers < 4:
         # Tiny test targets: tap every layer but the last, as many as exist.

@@ -154,7 +154,8 @@ def verify(target: Target, reqs: list[Request], drafts, lens: torch.Tensor, gen:
     return result, features
 
 
-def commit(target: Target, req: Request, tokens: list[int], features: torch.Tensor | None, gen: GenerationConfig) -> None:
+def commit(target: Target, req: Request, tokens: list[int], features: torch.Tensor | None,
+           gen: GenerationConfig) -> None:
     """Keep the caches of the accepted positions and append the emitted tokens.
 
     ``tokens`` are the accepted drafts plus the recovered/bonus token. The target KV cache and the drafter

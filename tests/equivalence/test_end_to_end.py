@@ -39,10 +39,14 @@ def _drafter(target: Target, gamma: int = 4, seed: int = 0) -> DSparkDrafter:
     return d
 
 
-def _compare(target, drafter, prompts, gen, mode):
+def _compare(target, drafter, prompts, gen, mode, backend="torch"):
+    """Reference vs engine. The mode matrix runs the engine's torch kernels (the Triton kernels are checked op by
+    op in this folder, and end to end through the interpreter by test_triton_kernels_end_to_end below)."""
     sched = SchedulerConfig(mode=mode, k=3, threshold=0.05, dsd_table={1: 4, 2: 2, 3: 1})
     ref = ref_generate(target, drafter, prompts, gen, sched, _cost())
-    opt = opt_generate(target, drafter, prompts, gen, sched, _cost())
+    cfg = EngineConfig(max_num_seqs=len(prompts), seed=gen.seed, kernel_backend=backend,
+                       device=str(target.device), dtype=target.dtype)
+    opt = opt_generate(target, drafter, prompts, gen, sched, _cost(), engine_config=cfg)
     for a, b in zip(ref, opt):
         assert b.token_ids == a.token_ids, f"{mode}: tokens differ"
         assert b.accepted_lengths == a.accepted_lengths, f"{mode}: accepted lengths differ"
@@ -61,6 +65,21 @@ def test_reference_equals_optimized_every_mode(family, temperature):
                            seed=99, ignore_eos=True)
     for mode in MODES:
         _compare(target, drafter, prompts, gen, mode)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_triton_kernels_end_to_end(temperature):
+    """The same comparison with every engine op on its Triton kernel (through the interpreter on CPU)."""
+    pytest.importorskip("triton")
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    target = Target.from_model(tiny_hf_model("llama", num_layers=2))
+    drafter = _drafter(target, gamma=3)
+    gen = GenerationConfig(max_new_tokens=6, temperature=temperature, seed=4, ignore_eos=True)
+    for mode in ("fixed", "adaptive"):
+        _compare(target, drafter, [[5, 9, 3], [60]], gen, mode, backend="triton")
 
 
 def test_eos_and_max_tokens_match():

@@ -218,9 +218,8 @@ def test_target_mismatch(saved):
 
 def test_with_real_target_features(tmp_path):
     """Integration with reference/target.py: its features feed the loaded drafter through the cache."""
-    from tests.conftest import tiny_hf_model
-
     from reference.target import Target
+    from tests.conftest import tiny_hf_model
 
     target = Target.from_model(tiny_hf_model("qwen3", vocab_size=V), layer_ids=(0, 1, 2))
     drafter = make_drafter(make_config("markov", qk_norm=True))

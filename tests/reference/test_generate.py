@@ -171,6 +171,10 @@ def test_cli_json(tmp_path, capsys, monkeypatch):
 
     class _Tok:  # a character-level stand-in tokenizer for the tiny model
         chat_template = None
+        eos_token_id = None
+
+        def get_vocab(self):
+            return {}
 
         def decode(self, ids, skip_special_tokens=True):
             return " ".join(map(str, ids))

@@ -13,10 +13,10 @@ import time
 
 import pytest
 import torch
-from tests.conftest import tiny_hf_model
 
 from reference.config import default_target_layer_ids
 from reference.target import INSTALL_HINT, Target, build_cache_dir
+from tests.conftest import tiny_hf_model
 
 ATOL = 1e-5  # fp32, see the module docstring
 

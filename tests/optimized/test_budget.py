@@ -1,0 +1,37 @@
+"""The engine's vectorised budget equals the reference's stale budget exactly (same integer, ties included)."""
+
+from __future__ import annotations
+
+import torch
+
+from optimized.scheduler import BudgetPlanner
+from reference.cost_model import CostTable
+from reference.scheduler import stale_budget
+
+
+def _random_survivals(gen: torch.Generator, r: int, g: int, nan_rows: int = 0) -> torch.Tensor:
+    conf = torch.rand(r, g, generator=gen)
+    if torch.rand(1, generator=gen).item() < 0.3:  # heavy ties: quantised confidences
+        conf = (conf * 4).round() / 4
+    a = torch.cumprod(conf, dim=1)
+    a[:nan_rows] = float("nan")
+    return a
+
+
+def test_budget_planner_equals_reference_stale_budget():
+    gen = torch.Generator().manual_seed(0)
+    for i in range(300):
+        r, g = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 8, (1,), generator=gen))
+        sizes = sorted({int(x) for x in torch.randint(1, r * (g + 1) + 8, (6,), generator=gen)} | {r * (g + 1)})
+        ms = torch.cumsum(torch.rand(len(sizes), generator=gen) * 3, 0) + 1.0
+        cost = CostTable(verify_ms=dict(zip(sizes, ms.tolist())), draft_ms={1: 0.5, r: 0.5 + 0.1 * r})
+        a = _random_survivals(gen, r, g, nan_rows=i % 3 if r > 2 else 0)
+        planner = BudgetPlanner(cost)
+        assert planner.budget(a, r) == stale_budget(a, cost, r), i
+        assert planner.budget(a, r) == stale_budget(a, cost, r), "cached curve changed the answer"
+
+
+def test_budget_zero_when_drafts_do_not_pay():
+    cost = CostTable(verify_ms={1: 1.0, 2: 100.0, 16: 200.0}, draft_ms={1: 0.01})
+    a = torch.tensor([[0.1, 0.01]])
+    assert BudgetPlanner(cost).budget(a, 1) == stale_budget(a, cost, 1) == 0
