@@ -93,7 +93,7 @@ def profile_engine(engine, *, context_len: int = DEFAULT_CONTEXT_LEN, repeats: i
     most = engine.verify_graphs.padded(engine.config.max_num_seqs * (engine.gamma + 1))
     token_counts = spread_sizes([s for s in engine.verify_graphs.sizes if s <= most], max_sizes)
     request_counts = [] if engine.drafter is None else spread_sizes(engine.draft_graphs.sizes, max_sizes)
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else None
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else None  # sync: profiling, off the step loop
     t0 = time.perf_counter()
     table = measure_cost_table(
         lambda n: engine.profile_verify(n, context_len), lambda r: engine.profile_draft(r, context_len),
@@ -225,7 +225,7 @@ def cached_profile(engine, *, cache_dir: str | Path | None = None, context_len: 
 def recheck_table(engine, table: CostTable, *, tolerance: float = RECHECK_TOLERANCE, repeats: int = 3) -> bool:
     """Re-time the smallest and the largest verify size; False (and a warning) if either moved by > tolerance."""
     context_len = int(table.meta.get("context_len", DEFAULT_CONTEXT_LEN))
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)  # sync: profiling only
     sizes = sorted(table.verify_ms)
     for n in (sizes[0], sizes[-1]):
         engine.profile_verify(n, context_len)  # warm-up

@@ -30,6 +30,7 @@ import torch
 from optimized.graphs import GraphRunner, StaticBuffers, bucket_sizes
 from optimized.kernels.allocate import allocate_top_b
 from optimized.kernels.draft_head import sample_block
+from optimized.kernels.sampling import sample
 from optimized.kernels.verify import rejection_sample
 from optimized.models.drafter import OptimizedDrafter
 from optimized.models.target import OptimizedTarget
@@ -38,7 +39,6 @@ from reference.calibration import temperatures_for
 from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
-from optimized.kernels.sampling import sample
 from reference.sampling import Purpose, logits_to_probs
 from reference.scheduler import Scheduler
 from reference.target import Target
@@ -323,7 +323,7 @@ class Engine:
         self.anchor[done_slots] = first
         self.anchor_pos[done_slots] = positions_first
         # sync: the first token is streamed and checked for EOS on the host.
-        first_host, logp_host = first.tolist(), logp.tolist()
+        first_host, logp_host = first.tolist(), logp.tolist()  # sync: first tokens (prefill step only)
         for seq, tok_id, lp in zip(done, first_host, logp_host):
             seq.status = Status.DECODE
             self._emit(seq, [tok_id], [lp], outputs)
@@ -363,7 +363,7 @@ class Engine:
             return torch.full((r,), g, dtype=torch.long, device=self.device), r * (g + 1)
         # threshold and adaptive-sync decide from the current survivals, which live on the device.
         # sync: these two policies are synchronous by definition (the paper's Algorithm 1 reads the current a).
-        a_now = self.survival[rows].cpu()
+        a_now = self.survival[rows].cpu()  # sync: synchronous policies only (see above)
         lens = self.policy.lengths(a_now, a_stale=None, num_anchor_tokens=r)
         return lens.to(self.device), r + int(lens.sum())
 
@@ -414,15 +414,15 @@ class Engine:
         if plan["mode"] == "oracle":
             lens = torch.clamp(n_emitted, max=g)  # verify exactly the accepted prefix + the rejected slot
         # sync: the one host read per step — emitted tokens drive finishing, streaming and stop strings.
-        host = torch.cat([emitted, n_emitted[:, None], lens[:, None]], 1).cpu()
-        logp_host = logp.cpu() if any(s.params.logprobs for s in decoding) else None
+        host = torch.cat([emitted, n_emitted[:, None], lens[:, None]], 1).cpu()  # sync: the one read per step
+        logp_host = logp.cpu() if any(s.params.logprobs for s in decoding) else None  # sync: same read, if asked
         del j
         for i, seq in enumerate(decoding):
             n = int(host[i, -2])
             seq.verify_lengths.append(int(host[i, -1]))
             seq.accepted_lengths.append(n - 1)
-            lps = logp_host[i, :n].tolist() if logp_host is not None else []
-            self._emit(seq, host[i, :n].tolist(), lps, outputs)
+            lps = logp_host[i, :n].tolist() if logp_host is not None else []  # sync: host tensor already
+            self._emit(seq, host[i, :n].tolist(), lps, outputs)  # sync: host tensor already
 
     def _target_probs(self, logits: torch.Tensor, slot_of: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """p_t rows at the request's temperature; the reference ``logits_to_probs`` only where filters are on.

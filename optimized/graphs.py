@@ -68,7 +68,7 @@ class GraphRunner:
                 for s in self.sizes:
                     self.fn(s)
         torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # sync: start-up capture, off the step loop
         for s in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool blocks
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
@@ -76,7 +76,7 @@ class GraphRunner:
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[s] = (g, out)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # sync: start-up capture, off the step loop
         log.info("captured %d %s graphs (%s..%s), %.1f MiB of graph memory", len(self.graphs), self.name,
                  self.sizes[0], self.sizes[-1], (torch.cuda.memory_allocated() - before) / 2**20)
 

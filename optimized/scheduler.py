@@ -172,7 +172,8 @@ class BudgetPlanner:
     def budget(self, a_stale: torch.Tensor, num_anchor_tokens: int, num_requests: int | None = None) -> int:
         from reference.scheduler import fill_stale_rows
 
-        a = fill_stale_rows(a_stale.float().cpu())  # [R, γ] host copy, NaN rows filled as the reference does
+        # [R, γ] NaN rows filled exactly as the reference does. The input is the host copy kept by the engine.
+        a = fill_stale_rows(a_stale.float().cpu())  # sync: none in practice, a_stale already lives on the host
         r, g = a.shape
         n_s = r if num_requests is None else num_requests
         gains = torch.sort(a.flatten(), descending=True, stable=True).values.double()  # [R·γ]

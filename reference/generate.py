@@ -411,22 +411,37 @@ def build_parser(prog: str = "python -m reference.generate") -> argparse.Argumen
     return p
 
 
-def read_prompts(args: argparse.Namespace) -> list[str]:
-    """Prompts from --prompt flags or a JSONL file; bad lines fail with their line number."""
-    if args.prompt:
-        return list(args.prompt)
-    prompts = []
-    with open(args.prompts_file, encoding="utf-8") as f:
+def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
+    """(line number, object) for every non-blank line of a JSONL file; a line that is not a JSON object fails
+    with ``path:line`` in the message. Shared by the CLIs and the scripts that read prompt files."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SystemExit(f"{args.prompts_file}:{n}: not valid JSON ({e})") from e
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise SystemExit(f'{args.prompts_file}:{n}: expected an object with a string "prompt"')
-            prompts.append(obj["prompt"])
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object")
+            rows.append((n, obj))
+    return rows
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """Prompts from --prompt flags or a JSONL file; bad lines fail with their line number."""
+    if args.prompt:
+        return list(args.prompt)
+    try:
+        rows = read_jsonl(args.prompts_file)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    prompts = []
+    for n, obj in rows:
+        if not isinstance(obj.get("prompt"), str):
+            raise SystemExit(f'{args.prompts_file}:{n}: expected an object with a string "prompt"')
+        prompts.append(obj["prompt"])
     if not prompts:
         raise SystemExit(f"{args.prompts_file}: no prompts")
     return prompts

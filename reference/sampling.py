@@ -196,6 +196,15 @@ def logits_to_probs(
     greedy = temp == 0  # [R, 1, …, 1]
     x = x / torch.where(greedy, torch.ones_like(temp), temp)
 
+    # Filters that are off for every row cost nothing (two vocabulary sorts otherwise): the result is the same.
+    if top_k is not None and not isinstance(top_k, Tensor) and int(top_k) == 0:
+        top_k = None
+    elif isinstance(top_k, Tensor) and bool((top_k == 0).all()):
+        top_k = None
+    if top_p is not None and not isinstance(top_p, Tensor) and float(top_p) == 1.0:
+        top_p = None
+    elif isinstance(top_p, Tensor) and bool((top_p == 1).all()):
+        top_p = None
     keep = torch.ones_like(x, dtype=torch.bool)  # [R, …, V]
     if top_k is not None:
         k = _per_row(top_k, R, x.ndim, torch.int64, dev, "top_k")
@@ -266,6 +275,10 @@ def sample(
             raise ValueError(f"{name} must have shape [{R}] (one per row of probs), got {tuple(x.shape)}")
         return x.to(p.device)[:, None]  # [R, 1]
 
+    # A one-hot row (greedy, or a distribution left with a single token) wins the race at its only positive
+    # entry whatever the uniforms are, so drawing them would not change the token: skip the hash then.
+    if bool((p.count_nonzero(dim=-1) == 1).all()):
+        return p.argmax(dim=-1)
     lanes = torch.arange(V, device=p.device)[None, :]  # [1, V]
     u = hash_uniform(seed, column(request_ids, "request_ids"), column(positions, "positions"),
                      column(purpose, "purpose"), lanes)  # [R, V] (broadcast)

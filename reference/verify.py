@@ -54,8 +54,11 @@ class VerifyResult:
     num_emitted: Tensor  # [R] int64: τ = num_accepted + 1
 
 
-def _check_blocks(draft_tokens: Tensor, verify_lens: Tensor) -> tuple[int, int]:
-    """Validate ``draft_tokens [R, γ]`` and ``verify_lens [R]``; return ``(R, γ)``."""
+def check_block_shapes(draft_tokens: Tensor, verify_lens: Tensor) -> tuple[int, int]:
+    """Shapes and dtypes of ``draft_tokens [R, γ]`` and ``verify_lens [R]``; returns ``(R, γ)``.
+
+    Reads no values (no host↔device sync), so the optimized twins validate with it too.
+    """
     if draft_tokens.ndim != 2 or draft_tokens.dtype != torch.int64:
         raise ValueError(f"draft_tokens must be int64 [R, γ], got {draft_tokens.dtype} {tuple(draft_tokens.shape)}")
     R, gamma = draft_tokens.shape
@@ -63,6 +66,12 @@ def _check_blocks(draft_tokens: Tensor, verify_lens: Tensor) -> tuple[int, int]:
         raise ValueError("draft_tokens must have at least one slot (γ >= 1)")
     if verify_lens.shape != (R,) or verify_lens.dtype != torch.int64:
         raise ValueError(f"verify_lens must be int64 [{R}], got {verify_lens.dtype} {tuple(verify_lens.shape)}")
+    return R, gamma
+
+
+def _check_blocks(draft_tokens: Tensor, verify_lens: Tensor) -> tuple[int, int]:
+    """:func:`check_block_shapes` plus the range of every ℓ_r (reads values: the reference may sync)."""
+    R, gamma = check_block_shapes(draft_tokens, verify_lens)
     if R and (int(verify_lens.min()) < 0 or int(verify_lens.max()) > gamma):
         raise ValueError(f"verify_lens must lie in [0, γ={gamma}], got {verify_lens.tolist()}")
     return R, gamma

@@ -302,19 +302,14 @@ def write_eval_prompts(path: str | Path, n_per_domain: int, **kwargs) -> list[Pr
 
 def read_prompt_file(path: str | Path) -> list[Prompt]:
     """Read a JSONL prompt file (``{"prompt": str, "domain": str?, "id": str?}`` per line); bad lines fail."""
+    from reference.generate import read_jsonl
+
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
-                raise ValueError(f'{path}:{n}: expected an object with a non-empty string "prompt"')
-            domain = str(obj.get("domain", "chat"))
-            prompts.append(Prompt(id=str(obj.get("id", n)), prompt=obj["prompt"], domain=domain))
+    for n, obj in read_jsonl(path):
+        if not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+            raise ValueError(f'{path}:{n}: expected an object with a non-empty string "prompt"')
+        domain = str(obj.get("domain", "chat"))
+        prompts.append(Prompt(id=str(obj.get("id", n)), prompt=obj["prompt"], domain=domain))
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from reference.checkpoint import load_drafter, read_drafter_config  # noqa: E402
 from reference.config import GenerationConfig, SchedulerConfig  # noqa: E402
-from reference.generate import GenerationResult, generate  # noqa: E402
+from reference.generate import GenerationResult, generate, read_jsonl  # noqa: E402
 from reference.target import DEFAULT_TARGET, Target  # noqa: E402
 from scripts.make_dataset import resolve_device  # noqa: E402
 from scripts.train_drafter import hardware  # noqa: E402
@@ -54,27 +54,22 @@ log = logging.getLogger("dspark.eval_acceptance")
 def read_prompts(path: str | Path, target: Target, chat_template: bool = True,
                  limit: int | None = None) -> list[tuple[str, list[int]]]:
     """(domain, token ids) per line of a JSONL prompt file; bad lines fail with their line number."""
+    try:
+        records = read_jsonl(path)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}:{n}: not valid JSON ({e})") from e
-            if not isinstance(obj, dict):
-                raise SystemExit(f"{path}:{n}: expected a JSON object")
-            domain = str(obj.get("domain", "all"))
-            if isinstance(obj.get("input_ids"), list) and obj["input_ids"]:
-                ids = [int(t) for t in obj["input_ids"]]
-            elif isinstance(obj.get("prompt"), str) and obj["prompt"].strip():
-                ids = target.encode(obj["prompt"], chat_template=chat_template)
-            else:
-                raise SystemExit(f'{path}:{n}: expected a non-empty "prompt" string or "input_ids" list')
-            rows.append((domain, ids))
-            if limit is not None and len(rows) >= limit:
-                break
+    for n, obj in records:
+        domain = str(obj.get("domain", "all"))
+        if isinstance(obj.get("input_ids"), list) and obj["input_ids"]:
+            ids = [int(t) for t in obj["input_ids"]]
+        elif isinstance(obj.get("prompt"), str) and obj["prompt"].strip():
+            ids = target.encode(obj["prompt"], chat_template=chat_template)
+        else:
+            raise SystemExit(f'{path}:{n}: expected a non-empty "prompt" string or "input_ids" list')
+        rows.append((domain, ids))
+        if limit is not None and len(rows) >= limit:
+            break
     if not rows:
         raise SystemExit(f"{path}: no prompts")
     return rows

@@ -200,7 +200,7 @@ def _varlen_attention_torch(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids
     o = torch.zeros_like(q)  # [N, H, D]
     # sync: the per-request loop needs the lengths on the host; this is the CPU path, where host and device are
     # the same memory, and it is never captured in a CUDA graph (the Triton kernel is).
-    cu, kv, slots = cu_seqlens_q.tolist(), kv_lens.tolist(), slot_ids.tolist()
+    cu, kv, slots = cu_seqlens_q.tolist(), kv_lens.tolist(), slot_ids.tolist()  # sync: CPU path only, never graphed
     for r, (kv_len, slot) in enumerate(zip(kv, slots)):
         start, q_len = cu[r], cu[r + 1] - cu[r]
         if q_len == 0:

@@ -46,7 +46,7 @@ from optimized.kernels.sampling import (
     split_seed,
 )
 from reference.sampling import Purpose
-from reference.verify import PAD_TOKEN, VerifyResult
+from reference.verify import PAD_TOKEN, VerifyResult, check_block_shapes
 
 __all__ = ["VerifyResult", "greedy_verify", "rejection_sample"]
 
@@ -68,18 +68,6 @@ def _store_result(tokens_ptr, num_accepted_ptr, num_emitted_ptr, draft_tokens_pt
     tl.store(tokens_ptr + row * (gamma + 1) + slots, out, mask=slots < gamma + 1)
     tl.store(num_accepted_ptr + row, n.to(tl.int64))
     tl.store(num_emitted_ptr + row, n.to(tl.int64) + 1)
-
-
-def _check_blocks(draft_tokens: Tensor, verify_lens: Tensor) -> tuple[int, int]:
-    """Shapes and dtypes of ``draft_tokens [R, γ]`` and ``verify_lens [R]`` (values are not read: no sync)."""
-    if draft_tokens.ndim != 2 or draft_tokens.dtype != torch.int64:
-        raise ValueError(f"draft_tokens must be int64 [R, γ], got {draft_tokens.dtype} {tuple(draft_tokens.shape)}")
-    R, gamma = draft_tokens.shape
-    if gamma < 1:
-        raise ValueError("draft_tokens must have at least one slot (γ >= 1)")
-    if verify_lens.shape != (R,) or verify_lens.dtype != torch.int64:
-        raise ValueError(f"verify_lens must be int64 [{R}], got {verify_lens.dtype} {tuple(verify_lens.shape)}")
-    return R, gamma
 
 
 def _empty_result(R: int, gamma: int, device: torch.device) -> VerifyResult:
@@ -223,7 +211,7 @@ def rejection_sample(
     Returns:
         :class:`reference.verify.VerifyResult` (tokens ``[R, γ+1]``, num_accepted ``[R]``, num_emitted ``[R]``).
     """
-    R, gamma = _check_blocks(draft_tokens, verify_lens)
+    R, gamma = check_block_shapes(draft_tokens, verify_lens)
     V = target_probs.shape[-1]
     if target_probs.shape != (R, gamma + 1, V) or draft_probs.shape != (R, gamma, V) or V == 0:
         raise ValueError(f"expected draft_probs [R={R}, γ={gamma}, V] and target_probs [R, γ+1, V], got "
@@ -307,7 +295,7 @@ def greedy_verify(
     Returns:
         :class:`reference.verify.VerifyResult`.
     """
-    R, gamma = _check_blocks(draft_tokens, verify_lens)
+    R, gamma = check_block_shapes(draft_tokens, verify_lens)
     if target_logits.ndim != 3 or target_logits.shape[:2] != (R, gamma + 1) or target_logits.shape[2] == 0:
         raise ValueError(f"target_logits must be [R={R}, γ+1={gamma + 1}, V], got {tuple(target_logits.shape)}")
     if not target_logits.dtype.is_floating_point:

@@ -104,8 +104,12 @@ def _exact_sequence_probs(target: Target, prompt: list[int], n: int, temperature
 
 @pytest.mark.parametrize("mode", ["fixed", "adaptive-sync", "adaptive"])
 def test_sampling_matches_target_distribution(mode):
-    """Goodness of fit of the last three of five sampled tokens (the ones speculation decides) at α = 0.001."""
-    vocab, n_tokens, n_requests, temperature = 5, 5, 1500, 1.0
+    """Goodness of fit of tokens 3 and 4 (the ones speculation decides) at α = 0.001.
+
+    800 requests over the 25 pairs (pooled to ≥ 5 expected per cell) detect a verifier that draws the
+    correction from p_t instead of the residual (tests/reference/test_verify.py holds the high-power checks).
+    """
+    vocab, n_tokens, n_requests, temperature = 5, 4, 800, 1.0
     model = tiny_hf_model("llama", vocab_size=vocab, num_layers=2, seed=3)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(0.25)  # soften: every continuation has visible mass
@@ -114,7 +118,7 @@ def test_sampling_matches_target_distribution(mode):
     prompt = [2, 3, 4]
     exact_full = _exact_sequence_probs(target, prompt, n_tokens, temperature)
     exact: dict[tuple, float] = {}
-    for seq, pr in exact_full.items():  # marginal of tokens 3..5 (the first two come from prefill + a step with
+    for seq, pr in exact_full.items():  # marginal of tokens 3..4 (the first two come from prefill + a step with
         exact[seq[2:]] = exact.get(seq[2:], 0.0) + pr  # no stale survivals yet in the adaptive mode)
     gen = GenerationConfig(max_new_tokens=n_tokens, temperature=temperature, seed=1234, ignore_eos=True)
     # Verification nearly free next to the fixed cost, so the adaptive modes admit drafts for most requests;
@@ -156,12 +160,19 @@ def test_request_output_independent_of_batch():
 
 @pytest.mark.slow
 def test_smollm2_greedy_identical_across_modes(smollm2_target):
+    """Every mode on the real target with the shipped drafter, on a prompt no test was written for.
+
+    The CPU here streams the 135M weights at a few GB/s, so each verify step costs ~0.4 s: one prompt and
+    eight tokens keep the whole mode matrix near a minute.
+    """
+    from reference.generate import DEFAULT_DRAFTER, load_or_init_drafter
+
     target = smollm2_target
-    drafter = _drafter_for(target, gamma=7)
-    prompts = [target.encode(p) for p in ("Name three prime numbers bigger than 100.", "Qu'est-ce qu'un volcan ?")]
-    gen = GenerationConfig(max_new_tokens=16, temperature=0.0)
+    drafter = load_or_init_drafter(str(DEFAULT_DRAFTER), target)
+    prompts = [target.encode("Qu'est-ce qu'un volcan ? Réponds en une phrase.")]
+    gen = GenerationConfig(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     baseline = generate(target, None, prompts, gen, _sched("none"))
-    for mode in MODES:
+    for mode in MODES[1:]:
         out = generate(target, drafter, prompts, gen, _sched(mode, k=7), _cost())
         assert [o.token_ids for o in out] == [b.token_ids for b in baseline], mode
 
@@ -186,8 +197,12 @@ def test_cli_json(tmp_path, capsys, monkeypatch):
     _cost().save(cost)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hello"}) + "\n" + json.dumps({"prompt": "world!"}) + "\n")
+    from reference.checkpoint import save_drafter
+
+    ckpt = tmp_path / "drafter"
+    save_drafter(_drafter_for(target), ckpt)
     rc = main(["--prompts-file", str(prompts), "--mode", "adaptive", "--cost-table", str(cost), "--json",
-               "--max-new-tokens", "6", "--gamma", "4"])
+               "--max-new-tokens", "6", "--drafter", str(ckpt)])
     assert rc == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert len(lines) == 2
