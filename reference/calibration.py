@@ -166,18 +166,22 @@ def _check_logits_labels(conf_logits: Tensor, labels: Tensor) -> None:
                          "must be a suffix (use prefix_survival_labels; per-slot acceptance labels are wrong here)")
 
 
-def fit_sts(conf_logits: Tensor, labels: Tensor, *, grid: Tensor | None = None, num_bins: int = 20) -> list[float]:
+def fit_sts(conf_logits: Tensor, labels: Tensor, *, grid: Tensor | None = None, num_bins: int = 20,
+            min_count: int = 50) -> list[float]:
     """Fit one temperature per slot, sequentially (METHOD §3).
 
     For ``k = 1..γ``: ``T_k = argmin_{T ∈ grid} ECE(Π_{i<k} σ(z_i/T_i) · σ(z_k/T), y_k)`` over the rows where
     ``y_k`` is not censored, with ``T_1..T_{k-1}`` fixed. Ties go to the smallest T in the grid. A slot with no
-    uncensored row keeps ``T_k = 1`` (and a warning is logged).
+    uncensored row keeps ``T_k = 1`` (and a warning is logged), and so does a slot with fewer than
+    ``min_count`` of them: with a handful of labels (deep slots of a weak drafter) the ECE minimiser runs to an
+    edge of the grid and the temperature means nothing.
 
     Args:
         conf_logits: ``[M, γ]`` raw confidence logits z.
         labels: ``[M, γ]`` prefix-survival labels (:func:`prefix_survival_labels`), NaN = censored.
         grid: ``[G]`` positive candidate temperatures; default :func:`default_temperature_grid`.
         num_bins: ECE bins; METHOD §3 uses 20.
+        min_count: fewest verified proposals a slot needs to be fitted (20 bins, a couple of labels per bin).
 
     Returns:
         ``[T_1, .., T_γ]`` as Python floats.
@@ -192,8 +196,9 @@ def fit_sts(conf_logits: Tensor, labels: Tensor, *, grid: Tensor | None = None, 
     temps: list[float] = []
     for k in range(z.shape[1]):
         rows = ~labels[:, k].isnan()  # [M] uncensored at slot k
-        if not bool(rows.any()):
-            log.warning("STS: slot %d has no verified proposals; keeping T = 1", k + 1)
+        if int(rows.sum()) < max(min_count, 1):
+            log.warning("STS: slot %d has %d verified proposals (< %d); keeping T = 1", k + 1, int(rows.sum()),
+                        max(min_count, 1))
             t_k = 1.0
         else:
             cand = a_prev[rows][None, :] * torch.sigmoid(z[rows, k][None, :] / grid[:, None])  # [G, m]

@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="generation seed (random-number contract)")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts only")
     p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
+    p.add_argument("--engine", choices=["optimized", "reference"], default="optimized",
+                   help="who runs the loop: the batched engine (fast) or the reference loop (one request at a "
+                        "time); both emit the same tokens and accepted lengths (tests/equivalence)")
+    p.add_argument("--enforce-eager", action="store_true", help="optimized engine without CUDA graphs")
     return p
 
 
@@ -135,8 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     results: list[GenerationResult] = []
     for start in tqdm(range(0, len(prompts), args.batch_size), desc="eval", unit="batch"):
         chunk = prompts[start:start + args.batch_size]
-        results += generate(target, drafter, [ids for _, ids in chunk], gen, sched,
-                            request_ids=list(range(start, start + len(chunk))))
+        ids = list(range(start, start + len(chunk)))
+        if args.engine == "reference":
+            results += generate(target, drafter, [p for _, p in chunk], gen, sched, request_ids=ids)
+        else:
+            from optimized.engine import EngineConfig
+            from optimized.generate import generate as engine_generate
+
+            engine_cfg = EngineConfig(max_num_seqs=len(chunk), device=str(target.device), dtype=target.dtype,
+                                      seed=gen.seed, enforce_eager=args.enforce_eager)
+            results += engine_generate(target, drafter, [p for _, p in chunk], gen, sched, request_ids=ids,
+                                       engine_config=engine_cfg)
     wall = time.perf_counter() - t0
 
     by_domain: dict[str, list[GenerationResult]] = defaultdict(list)
@@ -154,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         "counts": {k: overall[k] for k in ("prompts", "steps", "generated_tokens")},
         "settings": {"temperature": args.temperature, "top_p": 1.0, "top_k": 0, "max_new_tokens": args.max_new_tokens,
                      "gamma": gamma, "scheduler": "fixed", "k": gamma, "seed": args.seed,
-                     "chat_template": not args.no_chat_template, "dtype": str(target.dtype).removeprefix("torch.")},
+                     "chat_template": not args.no_chat_template, "dtype": str(target.dtype).removeprefix("torch."),
+                     "engine": args.engine},
         "drafter": str(args.drafter),
         "drafter_config": {"head": cfg.head, "num_layers": cfg.num_layers, "markov_rank": cfg.markov_rank,
                            "sts_temperatures": cfg.sts_temperatures},

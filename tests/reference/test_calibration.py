@@ -239,3 +239,14 @@ def test_temperatures_for(caplog):
     assert caplog.text.count("'sampling'") == 1  # warned once
     with pytest.raises(ValueError, match="decoding mode"):
         temperatures_for(cfg, "beam")
+
+
+def test_slot_with_too_few_verified_proposals_keeps_t1(caplog):
+    """A deep slot reached by a handful of proposals is not fitted: its ECE minimiser would run to a grid edge."""
+    z, y, _ = _synthetic(seed=5, M=800, gamma=3)
+    reached = (~y[:, 2].isnan()).nonzero().flatten()
+    y[reached[10:], 2] = float("nan")  # only 10 proposals verified slot 3
+    with caplog.at_level(logging.WARNING, logger="reference.calibration"):
+        temps = fit_sts(z, y, min_count=50)
+    assert temps[2] == 1.0 and "(< 50)" in caplog.text
+    assert fit_sts(z, y, min_count=50)[:2] == fit_sts(z, y, min_count=5)[:2]  # earlier slots unaffected

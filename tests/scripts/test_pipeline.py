@@ -394,6 +394,15 @@ def test_eval_acceptance_reports_tau_per_domain_and_position(workdir, trained, t
     assert abs(acc - r["mean_accepted_length"]) < 1e-5
     # The random-number contract: batching never changes a request's output.
     assert reports[0]["per_domain_detail"] == reports[1]["per_domain_detail"]
+    # The equivalence contract: the reference loop measures exactly what the (default) optimized engine measures.
+    out = tmp_path / "tau_ref.json"
+    assert eval_acceptance.main(["--drafter", str(trained), "--prompts-file", str(pf), "--model",
+                                 str(workdir / "target"), "--device", "cpu", "--temperature", "1.0",
+                                 "--max-new-tokens", "16", "--batch-size", "4", "--engine", "reference",
+                                 "--json", str(out)]) == 0
+    ref = json.loads(out.read_text())
+    assert ref["settings"]["engine"] == "reference" and r["settings"]["engine"] == "optimized"
+    assert ref["per_domain_detail"] == reports[1]["per_domain_detail"]
     with pytest.raises(SystemExit, match="block size"):
         eval_acceptance.main(["--drafter", str(trained), "--prompts-file", str(pf), "--model", str(workdir / "target"),
                               "--device", "cpu", "--gamma", "3", "--json", str(tmp_path / "x.json")])
