@@ -16,7 +16,7 @@ engine that will serve, the way SERVING-NOTES ("The cost table") asks:
 * **Context length.** Every placeholder request attends over ``context_len`` keys (default 256, a short chat
   turn). Profiling at a long context while serving short requests inflates the fixed part of the cost and
   argues against speculation (SERVING-NOTES).
-* **Median of repeats**, with ``torch.cuda.synchronize`` around each timed call on CUDA (a verify sample ends
+* **Median of repeats**, with a CUDA synchronisation around each timed call on CUDA (a verify sample ends
   with a host read anyway; the drafter's does not).
 * **Every bucket on the GPU with graphs**; eagerly (CPU, ``--enforce-eager``) the step time is dominated by
   launches or host math and is smooth, so a spread subset of the buckets is measured and the staircase of

@@ -7,7 +7,6 @@ mode and cost table, the emitted token ids and per-step accepted lengths equal `
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
@@ -19,14 +18,7 @@ from optimized.scheduler import SamplingParams
 from reference.config import GenerationConfig, SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
-from reference.generate import (
-    DEFAULT_DRAFTER,
-    GenerationResult,
-    build_parser,
-    configs_from_args,
-    load_or_init_drafter,
-    read_prompts,
-)
+from reference.generate import GenerationResult, build_parser, print_results, setup_from_args
 from reference.target import Target
 
 log = logging.getLogger("dspark.optimized.generate")
@@ -68,14 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="engine slots (default: the batch size)")
     args = parser.parse_args(argv)
-    prompts = read_prompts(args)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    target = Target.load(args.model, device=args.device, dtype=dtype)
-    drafter = None
-    if args.mode != "none":
-        drafter = load_or_init_drafter(args.drafter or str(DEFAULT_DRAFTER), target, args.gamma, args.seed)
-    gamma = drafter.config.block_size if drafter is not None else (args.gamma or 7)
-    gen, sched = configs_from_args(args, gamma)
+    target, drafter, gen, sched, prompts = setup_from_args(args, device=args.device, dtype=dtype)
     cost = None
     if sched.mode in ("adaptive", "adaptive-sync"):
         if args.cost_table:
@@ -85,20 +71,11 @@ def main(argv: list[str] | None = None) -> int:
 
             cost = profile_engine_cost_table(target, drafter, max_num_seqs=args.max_num_seqs or len(prompts),
                                              device=args.device, dtype=dtype, enforce_eager=args.enforce_eager)
-    token_prompts = [target.encode(p, chat_template=gen.chat_template) for p in prompts]
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs or len(prompts), device=args.device, dtype=dtype,
                        enforce_eager=args.enforce_eager, seed=gen.seed)
     t0 = time.perf_counter()
-    results = generate(target, drafter, token_prompts, gen, sched, cost, engine_config=cfg)
-    elapsed = time.perf_counter() - t0
-    for r in results:
-        if args.json:
-            print(json.dumps(r.to_json()), flush=True)
-        else:
-            print(f"--- prompt {r.request_id} ({r.finish_reason}, τ = {r.mean_accepted_length:.2f}) ---")
-            print(r.text)
-    n = sum(len(r.token_ids) for r in results)
-    log.info("%d tokens in %.2f s (%.1f tokens/s), mode %s", n, elapsed, n / elapsed, sched.mode)
+    results = generate(target, drafter, prompts, gen, sched, cost, engine_config=cfg)
+    print_results(results, args.json, time.perf_counter() - t0, sched.mode)
     return 0
 
 

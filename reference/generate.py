@@ -458,17 +458,36 @@ def configs_from_args(args: argparse.Namespace, gamma: int) -> tuple[GenerationC
     return gen, sched
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
-    args = build_parser().parse_args(argv)
+def setup_from_args(args: argparse.Namespace, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """The part of both CLIs before the cost table: target, drafter, configs and tokenised prompts."""
     prompts = read_prompts(args)
-    target = Target.load(args.model)
+    target = Target.load(args.model, device=device, dtype=dtype)
     drafter = None
     if args.mode != "none":
         drafter = load_or_init_drafter(args.drafter or str(DEFAULT_DRAFTER), target, args.gamma, args.seed)
     gamma = drafter.config.block_size if drafter is not None else (args.gamma or 7)
     gen, sched = configs_from_args(args, gamma)
+    token_prompts = [target.encode(p, chat_template=gen.chat_template) for p in prompts]
+    return target, drafter, gen, sched, token_prompts
+
+
+def print_results(results: list[GenerationResult], as_json: bool, elapsed: float, mode: str) -> None:
+    """One JSON line per prompt (--json) or readable text; a throughput line on stderr."""
+    for r in results:
+        if as_json:
+            print(json.dumps(r.to_json()), flush=True)
+        else:
+            print(f"--- prompt {r.request_id} ({r.finish_reason}, τ = {r.mean_accepted_length:.2f}) ---")
+            print(r.text)
+    n = sum(len(r.token_ids) for r in results)
+    log.info("%d tokens in %.2f s (%.1f tokens/s), mode %s", n, elapsed, n / max(elapsed, 1e-9), mode)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    target, drafter, gen, sched, prompts = setup_from_args(args)
     cost = None
     if sched.mode in ("adaptive", "adaptive-sync"):
         if args.cost_table:
@@ -476,18 +495,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             log.info("no --cost-table: measuring this machine's SPS curve (pass --cost-table to reuse one)")
             cost = measure_reference_cost_table(target, drafter, max_requests=len(prompts))
-    token_prompts = [target.encode(p, chat_template=gen.chat_template) for p in prompts]
     t0 = time.perf_counter()
-    results = generate(target, drafter, token_prompts, gen, sched, cost, progress=not args.json)
-    elapsed = time.perf_counter() - t0
-    new_tokens = sum(len(r.token_ids) for r in results)
-    for r in results:
-        if args.json:
-            print(json.dumps(r.to_json()), flush=True)
-        else:
-            print(f"--- prompt {r.request_id} ({r.finish_reason}, τ = {r.mean_accepted_length:.2f}) ---")
-            print(r.text)
-    log.info("%d tokens in %.2f s (%.1f tokens/s), mode %s", new_tokens, elapsed, new_tokens / elapsed, sched.mode)
+    results = generate(target, drafter, prompts, gen, sched, cost, progress=not args.json)
+    print_results(results, args.json, time.perf_counter() - t0, sched.mode)
     return 0
 
 
