@@ -1,0 +1,62 @@
+"""Merge ``scripts/eval_acceptance.py`` outputs of several arms and temperatures into one JSON + plot.
+
+    python scripts/report_acceptance.py --eval dspark:0=a.json --eval dspark:1=b.json ... \
+        --out docs/benchmarks/acceptance
+
+Writes OUT.json (per arm and temperature: τ, τ per domain, per-position conditional acceptance, counts,
+hardware, command) and OUT.png (τ per domain, and per-position acceptance: the paper's Figure 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--eval", action="append", required=True, help="ARM:TEMPERATURE=FILE.json")
+    p.add_argument("--out", required=True, help="output prefix")
+    p.add_argument("--note", default="", help="free text recorded in the JSON")
+    args = p.parse_args(argv)
+    runs = {}
+    for item in args.eval:
+        key, _, path = item.partition("=")
+        arm, _, temp = key.partition(":")
+        r = json.loads(Path(path).read_text())
+        runs.setdefault(arm, {})[f"T={temp}"] = {
+            k: r[k] for k in ("mean_accepted_length", "per_domain", "per_position_acceptance", "per_position_counts",
+                              "counts", "settings", "hardware", "command", "wall_s") if k in r}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"note": args.note, "runs": runs}, indent=2) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({t for arm in runs.values() for t in arm})
+    fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        for arm, per_t in runs.items():
+            if t not in per_t:
+                continue
+            acc = [x if x is not None else float("nan") for x in per_t[t]["per_position_acceptance"]]
+            ax.plot(range(1, len(acc) + 1), acc, marker="o",
+                    label=f"{arm} (τ = {per_t[t]['mean_accepted_length']:.3f})")
+        ax.set_title(f"P(slot k accepted | slots < k accepted), {t}")
+        ax.set_xlabel("draft slot k")
+        ax.set_ylim(0, 1)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    for arm, per_t in runs.items():
+        print(arm, {t: round(v["mean_accepted_length"], 3) for t, v in per_t.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
