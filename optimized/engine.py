@@ -389,11 +389,13 @@ class Engine:
         kv_lens = (self.anchor_pos[rows] + lens + 1).to(torch.int32)
         self.buffers.load_verify(tokens, positions, token_slot, cu.to(torch.int32), kv_lens, rows.to(torch.int32))
         (logits,) = self.verify_graphs.run(n_pad)  # [N_pad, V]; also appends drafter context (see _setup_graphs)
-        # p_t at every verified position, laid out [R, γ+1, V] for the verifier (row R is a dump for padding).
+        # p_t at every verified position, laid out [R, γ+1, V] for the verifier by one gather: row j of request r
+        # is packed token cu[r] + j. Rows past ℓ_r repeat row ℓ_r (the verifier never reads them), so nothing
+        # is zero-filled or scattered.
         probs = self._target_probs(logits, slot_of, decoding)  # [N_pad, V]
-        target_probs = torch.zeros(r + 1, g + 1, self.vocab, device=dev)
-        target_probs[torch.where(valid, owner, torch.full_like(owner, r)), offset.clamp(max=g)] = probs
-        target_probs = target_probs[:r]
+        j = torch.arange(g + 1, device=dev)
+        src = cu[:r, None] + torch.minimum(j[None, :], lens[:, None])  # [R, γ+1] packed row of each (r, j)
+        target_probs = probs[src]  # [R, γ+1, V]
         if g:
             result = rejection_sample(self.draft_tokens[rows], lens, self.draft_probs[rows], target_probs,
                                       self.config.seed, self.request_id[rows], self.anchor_pos[rows],
@@ -404,7 +406,6 @@ class Engine:
                            int(Purpose.BONUS), backend=self.config.kernel_backend)
             emitted, n_emitted = bonus[:, None], torch.ones(r, dtype=torch.long, device=dev)
         # log p_t of every emitted token (logprobs are returned with speculation on).
-        j = torch.arange(emitted.shape[1], device=dev)
         safe = emitted.clamp(min=0)
         logp = torch.log(target_probs[:, : emitted.shape[1]].gather(2, safe[..., None])[..., 0].clamp_min(1e-30))
         # The next anchor: the last emitted token, one position past the accepted prefix.
@@ -416,7 +417,6 @@ class Engine:
         # sync: the one host read per step — emitted tokens drive finishing, streaming and stop strings.
         host = torch.cat([emitted, n_emitted[:, None], lens[:, None]], 1).cpu()  # sync: the one read per step
         logp_host = logp.cpu() if any(s.params.logprobs for s in decoding) else None  # sync: same read, if asked
-        del j
         for i, seq in enumerate(decoding):
             n = int(host[i, -2])
             seq.verify_lengths.append(int(host[i, -1]))
