@@ -77,8 +77,10 @@ def _check_blocks(draft_tokens: Tensor, verify_lens: Tensor) -> tuple[int, int]:
     return R, gamma
 
 
-def _assemble(draft_tokens: Tensor, num_accepted: Tensor, last_token: Tensor) -> VerifyResult:
-    """Lay out ``[x_1..x_n, last, -1, …]`` per row from the accepted count ``n`` and the final token."""
+def assemble_result(draft_tokens: Tensor, num_accepted: Tensor, last_token: Tensor) -> VerifyResult:
+    """Lay out ``[x_1..x_n, last, -1, …]`` per row from the accepted count ``n`` and the final token.
+
+    Pure tensor ops, no host sync: the optimized torch fallbacks use it as is."""
     R, gamma = draft_tokens.shape
     slot = torch.arange(gamma + 1, device=draft_tokens.device)[None, :]  # [1, γ+1]
     n = num_accepted[:, None]  # [R, 1]
@@ -161,7 +163,7 @@ def rejection_sample(
     dist = torch.where(rejected[:, None], residual, pt_n)  # [R, V]
     purpose = torch.where(rejected, int(Purpose.RESIDUAL), int(Purpose.BONUS))  # [R]
     last = sample(dist, seed, request_ids, anchor_positions + num_accepted + 1, purpose)  # [R]
-    return _assemble(draft_tokens, num_accepted, last)
+    return assemble_result(draft_tokens, num_accepted, last)
 
 
 def greedy_verify(draft_tokens: Tensor, verify_lens: Tensor, target_logits: Tensor) -> VerifyResult:
@@ -189,4 +191,4 @@ def greedy_verify(draft_tokens: Tensor, verify_lens: Tensor, target_logits: Tens
     accepted = verified & (draft_tokens == target_argmax[:, :gamma])  # [R, γ]
     num_accepted = _accepted_prefix(accepted)  # [R]
     last = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)  # [R] correction or bonus
-    return _assemble(draft_tokens, num_accepted, last)
+    return assemble_result(draft_tokens, num_accepted, last)

@@ -39,3 +39,34 @@ def smollm2_target():
     from reference.target import Target
 
     return Target.load()
+
+
+def tiny_drafter(target, *, gamma: int = 4, seed: int = 0, head: str = "markov", markov_rank: int = 16,
+                 noise: float = 0.0):
+    """A random one-layer DSpark drafter for ``target`` (a reference Target), attached and in eval mode.
+
+    ``noise`` adds N(0, noise²) to every parameter after the standard init: the zero-initialised W2 of the
+    Markov head then carries signal, so drafts and confidences vary across a batch.
+    """
+    from reference.config import DrafterConfig
+    from reference.drafter import DSparkDrafter
+
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.from_target_config(target.config, num_layers=1, block_size=gamma, head=head,
+                                           markov_rank=markov_rank, target_layer_ids=target.layer_ids)
+    drafter = DSparkDrafter(cfg).eval()
+    if noise:
+        with torch.no_grad():
+            for p in drafter.parameters():
+                p.add_(torch.randn_like(p) * noise)
+    drafter.attach_target(target.embed_tokens, target.lm_head)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls run faster on one thread, and the CI machine is shared (use via ``pytestmark``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -46,7 +46,7 @@ from optimized.kernels.sampling import (
     split_seed,
 )
 from reference.sampling import Purpose
-from reference.verify import PAD_TOKEN, VerifyResult, check_block_shapes
+from reference.verify import PAD_TOKEN, VerifyResult, assemble_result, check_block_shapes
 
 __all__ = ["VerifyResult", "greedy_verify", "rejection_sample"]
 
@@ -74,17 +74,6 @@ def _empty_result(R: int, gamma: int, device: torch.device) -> VerifyResult:
     return VerifyResult(tokens=torch.full((R, gamma + 1), PAD_TOKEN, dtype=torch.int64, device=device),
                         num_accepted=torch.zeros(R, dtype=torch.int64, device=device),
                         num_emitted=torch.ones(R, dtype=torch.int64, device=device))
-
-
-def _assemble_torch(draft_tokens: Tensor, num_accepted: Tensor, last: Tensor) -> VerifyResult:
-    """Torch fallback layout ``[x_1..x_n, last, PAD…]`` per row."""
-    R, gamma = draft_tokens.shape
-    slot = torch.arange(gamma + 1, device=draft_tokens.device)[None, :]  # [1, γ+1]
-    n = num_accepted[:, None]  # [R, 1]
-    drafts = torch.cat([draft_tokens, draft_tokens.new_full((R, 1), PAD_TOKEN)], dim=1)  # [R, γ+1]
-    tokens = torch.where(slot < n, drafts, torch.full_like(drafts, PAD_TOKEN))
-    tokens = torch.where(slot == n, last[:, None], tokens)  # [R, γ+1]
-    return VerifyResult(tokens=tokens, num_accepted=num_accepted, num_emitted=num_accepted + 1)
 
 
 # --------------------------------------------------------------------------- rejection_sample
@@ -183,7 +172,7 @@ def _rejection_sample_torch(draft_tokens, verify_lens, draft_probs, target_probs
     dist = torch.where(rejected[:, None], residual, pt_n)  # [R, V]
     purpose = torch.where(rejected, int(Purpose.RESIDUAL), int(Purpose.BONUS))  # [R]
     last = sample(dist, seed, rid, anchor + n + 1, purpose, backend="torch")  # [R]
-    return _assemble_torch(draft_tokens, n, last)
+    return assemble_result(draft_tokens, n, last)
 
 
 def rejection_sample(
@@ -306,7 +295,7 @@ def greedy_verify(
         verified = torch.arange(1, gamma + 1, device=dev)[None, :] <= verify_lens[:, None]  # [R, γ]
         matched = verified & (draft_tokens == target_argmax[:, :gamma])  # [R, γ]
         n = matched.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [R]
-        return _assemble_torch(draft_tokens, n, target_argmax.gather(1, n[:, None]).squeeze(1))
+        return assemble_result(draft_tokens, n, target_argmax.gather(1, n[:, None]).squeeze(1))
     out = _empty_result(R, gamma, dev)
     if R == 0:
         return out

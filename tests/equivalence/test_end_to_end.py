@@ -13,12 +13,12 @@ import torch
 from optimized.engine import Engine, EngineConfig
 from optimized.generate import generate as opt_generate
 from optimized.scheduler import SamplingParams
-from reference.config import DrafterConfig, GenerationConfig, SchedulerConfig
+from reference.config import GenerationConfig, SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
 from reference.generate import generate as ref_generate
 from reference.target import Target
-from tests.conftest import tiny_hf_model
+from tests.conftest import tiny_drafter, tiny_hf_model
 
 MODES = ["none", "fixed", "dsd", "threshold", "adaptive-sync", "adaptive", "oracle"]
 
@@ -28,15 +28,7 @@ def _cost() -> CostTable:
 
 
 def _drafter(target: Target, gamma: int = 4, seed: int = 0) -> DSparkDrafter:
-    torch.manual_seed(seed)
-    cfg = DrafterConfig.from_target_config(target.config, num_layers=1, block_size=gamma, markov_rank=16,
-                                           target_layer_ids=target.layer_ids)
-    d = DSparkDrafter(cfg).eval()
-    with torch.no_grad():
-        for p in d.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    d.attach_target(target.embed_tokens, target.lm_head)
-    return d
+    return tiny_drafter(target, gamma=gamma, seed=seed, noise=0.2)
 
 
 def _compare(target, drafter, prompts, gen, mode, backend="torch"):

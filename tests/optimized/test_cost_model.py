@@ -16,33 +16,21 @@ from optimized import cost_model
 from optimized.cost_model import cached_profile, fingerprint, profile_engine, profile_engine_cost_table, spread_sizes
 from optimized.engine import Engine, EngineConfig
 from optimized.scheduler import SamplingParams
-from reference.config import DrafterConfig, SchedulerConfig
+from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
-from reference.drafter import DSparkDrafter
 from reference.target import Target
-from tests.conftest import tiny_hf_model
+from tests.conftest import tiny_drafter, tiny_hf_model
 
 GAMMA = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls run faster on one thread, and the CI machine is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def models():
     target = Target.from_model(tiny_hf_model("llama", num_layers=2), name="tiny-llama")
-    torch.manual_seed(0)
-    cfg = DrafterConfig.from_target_config(target.config, num_layers=1, block_size=GAMMA, markov_rank=8,
-                                           target_layer_ids=target.layer_ids)
-    drafter = DSparkDrafter(cfg).eval()
-    drafter.attach_target(target.embed_tokens, target.lm_head)
-    return target, drafter
+    return target, tiny_drafter(target, gamma=GAMMA, markov_rank=8)
 
 
 def _engine(models, max_num_seqs=4, mode="fixed"):

@@ -16,12 +16,11 @@ import pytest
 import torch
 from scipy import stats
 
-from reference.config import DrafterConfig, GenerationConfig, SchedulerConfig
+from reference.config import GenerationConfig, SchedulerConfig
 from reference.cost_model import CostTable
-from reference.drafter import DSparkDrafter
 from reference.generate import generate, main
 from reference.target import Target
-from tests.conftest import tiny_hf_model
+from tests.conftest import tiny_drafter, tiny_hf_model
 
 MODES = ["none", "fixed", "dsd", "threshold", "adaptive-sync", "adaptive", "oracle"]
 
@@ -34,15 +33,8 @@ def _cost(per_token_ms: float = 0.2) -> CostTable:
 
 
 def _drafter_for(target: Target, gamma: int = 4, head: str = "markov", seed: int = 0, scale: float = 1.0):
-    torch.manual_seed(seed)
-    cfg = DrafterConfig.from_target_config(target.config, num_layers=1, block_size=gamma, head=head, markov_rank=16,
-                                           target_layer_ids=target.layer_ids)
-    d = DSparkDrafter(cfg).eval()
-    with torch.no_grad():  # random but confident heads, so drafts and confidences vary across the batch
-        for p in d.parameters():
-            p.add_(torch.randn_like(p) * 0.05 * scale)
-    d.attach_target(target.embed_tokens, target.lm_head)
-    return d
+    # Random but confident heads, so drafts and confidences vary across the batch.
+    return tiny_drafter(target, gamma=gamma, head=head, seed=seed, noise=0.05 * scale)
 
 
 def _sched(mode: str, **kw) -> SchedulerConfig:

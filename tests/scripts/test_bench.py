@@ -20,34 +20,22 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from reference.config import DrafterConfig  # noqa: E402
 from reference.cost_model import CostTable  # noqa: E402
-from reference.drafter import DSparkDrafter  # noqa: E402
 from reference.target import Target  # noqa: E402
 from scripts import bench_engine, bench_kernels  # noqa: E402
-from tests.conftest import tiny_hf_model  # noqa: E402
+from tests.conftest import tiny_drafter, tiny_hf_model  # noqa: E402
 
 GAMMA = 4
 PROMPTS = [[5, 6, 7, 8], [9, 2], [3, 3, 4, 10, 11, 12]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def models():
     target = Target.from_model(tiny_hf_model("llama", num_layers=2), name="tiny-llama")
-    torch.manual_seed(0)
-    cfg = DrafterConfig.from_target_config(target.config, num_layers=1, block_size=GAMMA, markov_rank=8,
-                                           target_layer_ids=target.layer_ids)
-    drafter = DSparkDrafter(cfg).eval()
-    drafter.attach_target(target.embed_tokens, target.lm_head)
-    return target, drafter
+    return target, tiny_drafter(target, gamma=GAMMA, markov_rank=8)
 
 
 def _run(models, tmp_path, *extra):
