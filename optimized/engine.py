@@ -84,8 +84,8 @@ class Engine:
                  sched: SchedulerConfig, cost: CostTable | None = None) -> None:
         if sched.mode != "none" and drafter is None:
             raise ValueError(f"mode {sched.mode!r} needs a drafter")
-        if sched.mode in ("adaptive", "adaptive-sync") and cost is None:
-            raise ValueError(f"mode {sched.mode!r} needs a cost table")
+        # An adaptive engine may be built without a cost table so that the table can be profiled on this very
+        # engine (its own graphs and buckets, no second capture); step() refuses to run until it is installed.
         self.config, self.sched_config, self.cost = config, sched, cost
         self.device = torch.device(config.device)
         self.reference_target = target
@@ -103,7 +103,8 @@ class Engine:
                         for mode in ("greedy", "sampling")}
         self._setup_graphs()
         self.batch = BatchScheduler(sched, config.max_num_seqs, config.max_seq_len, config.prefill_chunk)
-        self.policy = Scheduler(sched, gamma=max(self.gamma, 1), cost=cost)
+        needs_table = sched.mode in ("adaptive", "adaptive-sync") and cost is None
+        self.policy = None if needs_table else Scheduler(sched, gamma=max(self.gamma, 1), cost=cost)  # see step()
         self.planner = BudgetPlanner(cost)
         self.eos = sorted(target.eos_token_ids)
         self.tokenizer = target.tokenizer
@@ -263,6 +264,9 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """One engine step: plan, prefill, verify, commit, draft."""
+        if self.sched_config.mode in ("adaptive", "adaptive-sync") and self.cost is None:
+            raise RuntimeError(f"mode {self.sched_config.mode!r} needs a cost table: call set_cost_table (e.g. with "
+                               "optimized.cost_model.cached_profile(engine)) before stepping")
         t0 = time.perf_counter()
         self.batch.admit()
         prefill_plan = self.batch.plan_prefill()

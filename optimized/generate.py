@@ -37,6 +37,13 @@ def generate(target: Target, drafter: DSparkDrafter | None, prompts: list[list[i
     if cfg.max_seq_len < longest + gen.max_new_tokens + 2 * (drafter.config.block_size if drafter else 0) + 2:
         cfg.max_seq_len = longest + gen.max_new_tokens + 2 * (drafter.config.block_size if drafter else 0) + 2
     engine = Engine(target, drafter, cfg, sched, cost)
+    if cost is None and sched.mode in ("adaptive", "adaptive-sync"):
+        # Profile this engine's own graphs (cached under a fingerprint of model, device and settings).
+        from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
+
+        gamma = drafter.config.block_size
+        context = max(1, min(DEFAULT_CONTEXT_LEN, cfg.max_seq_len - 2 * gamma - 8))
+        engine.set_cost_table(cached_profile(engine, context_len=context))
     params = SamplingParams(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
                             top_k=gen.top_k, ignore_eos=gen.ignore_eos)
     for rid, p in zip(ids, prompts):
@@ -62,15 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target, drafter, gen, sched, prompts = setup_from_args(args, device=args.device, dtype=dtype)
-    cost = None
-    if sched.mode in ("adaptive", "adaptive-sync"):
-        if args.cost_table:
-            cost = CostTable.load(args.cost_table)
-        else:
-            from optimized.cost_model import profile_engine_cost_table
-
-            cost = profile_engine_cost_table(target, drafter, max_num_seqs=args.max_num_seqs or len(prompts),
-                                             device=args.device, dtype=dtype, enforce_eager=args.enforce_eager)
+    # Without --cost-table, generate() profiles the serving engine itself (no second engine, no second capture).
+    cost = CostTable.load(args.cost_table) if args.cost_table else None
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs or len(prompts), device=args.device, dtype=dtype,
                        enforce_eager=args.enforce_eager, seed=gen.seed)
     t0 = time.perf_counter()

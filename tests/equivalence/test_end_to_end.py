@@ -161,3 +161,21 @@ def test_smollm2_reference_equals_optimized(smollm2_target):
     _compare(target, drafter, prompts, GenerationConfig(max_new_tokens=8, temperature=0.0, ignore_eos=True), "fixed")
     _compare(target, drafter, prompts, GenerationConfig(max_new_tokens=8, temperature=1.0, seed=3, ignore_eos=True),
              "adaptive")
+
+
+def test_adaptive_without_table_profiles_the_serving_engine(tmp_path, monkeypatch):
+    """No cost table: the engine profiles itself (cached under DSPARK_CACHE) and greedy output stays the target's."""
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    target = Target.from_model(tiny_hf_model("llama", num_layers=2))
+    drafter = _drafter(target)
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    cfg = EngineConfig(max_num_seqs=2, kernel_backend="torch")
+    out = opt_generate(target, drafter, [[5, 6, 7], [8]], gen, SchedulerConfig(mode="adaptive"), None,
+                       engine_config=cfg)
+    base = ref_generate(target, None, [[5, 6, 7], [8]], gen, SchedulerConfig(mode="none"))
+    assert [o.token_ids for o in out] == [b.token_ids for b in base]
+    assert any((tmp_path / "cost").rglob("*.json")), "the profiled table was not cached"
+    engine = Engine(target, drafter, EngineConfig(max_num_seqs=1, max_seq_len=32), SchedulerConfig(mode="adaptive"))
+    engine.add_request([4, 5], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="needs a cost table"):
+        engine.step()
