@@ -133,13 +133,13 @@ class Engine:
         cfg, g = self.config, max(self.gamma, 1)
         use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
         max_tokens = cfg.max_num_seqs * (g + 1)
-        self.buffers = StaticBuffers(cfg.max_num_seqs, max_tokens, self.device)
+        self.buffers = StaticBuffers(cfg.max_num_seqs, max_tokens, self.device, self.target.lm_head.shape[0])
         self.max_q_len = g + 1
         b = self.buffers
 
         def verify_fn(n: int):
             logits, features = self.target.forward(b.input_ids[:n], b.positions[:n], b.cu, b.kv_lens, b.slot_ids,
-                                                   None, max_q_len=self.max_q_len)
+                                                   None, max_q_len=self.max_q_len, logits_out=b.logits[:n])
             if self.drafter is not None:  # the features of every verified token go to the drafter context
                 self.drafter.append_context(features, b.positions[:n], b.token_slot[:n])
             return (logits,)
@@ -442,8 +442,10 @@ class Engine:
         temp = self.temperature[slot_of][:, None]  # [N, 1]
         greedy = temp == 0
         probs = (x / torch.where(greedy, torch.ones_like(temp), temp)).softmax(dim=-1)
-        one_hot = torch.nn.functional.one_hot(x.argmax(dim=-1), x.shape[-1]).to(torch.float32)
-        return torch.where(greedy, one_hot, probs)
+        # Greedy rows become the one-hot of the argmax: zeroed, then +1 at the argmax (adding 0 to the other rows
+        # leaves them bit-identical). No [N, V] int64 one_hot: at N = 2048, V = 49152 that is 0.8 GB per step.
+        probs = torch.where(greedy, torch.zeros((), dtype=probs.dtype, device=probs.device), probs)
+        return probs.scatter_add_(1, x.argmax(dim=-1, keepdim=True), greedy.to(probs.dtype))
 
     def _draft(self, seqs: list[Sequence]) -> None:
         """Backbone + fused sequential head for every decoding request; survivals stay on the device."""
@@ -462,9 +464,10 @@ class Engine:
         temps = torch.where(greedy, self.sts["greedy"], self.sts["sampling"])  # [R, γ]
         survival = torch.cumprod(torch.sigmoid(conf_logits.float() / temps), dim=1)
         self.survival[rows] = survival
-        # The host keeps a copy for the stale budget of later steps. It is read only after the next step's
-        # token sync, so on CUDA this copy overlaps with the next step's work.
-        host = survival.to("cpu", non_blocking=True)
+        # The host keeps a copy for the stale budget of later steps. With staleness ≥ 1 it is read only after the
+        # next step's token sync, so on CUDA this copy overlaps with the next step's work. Staleness 0 reads it at
+        # the very start of the next step, before any sync: that copy must have landed, so it blocks.
+        host = survival.to("cpu", non_blocking=self.sched_config.staleness > 0)  # sync: only with staleness 0
         for i, seq in enumerate(seqs):
             seq.survivals.append(host[i])
 

@@ -7,6 +7,7 @@ mode and cost table, the emitted token ids and per-step accepted lengths equal `
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import time
@@ -56,6 +57,11 @@ def generate(target: Target, drafter: DSparkDrafter | None, prompts: list[list[i
         text = target.decode(s.output_ids) if target.tokenizer is not None else ""
         results.append(GenerationResult(rid, s.prompt_ids, s.output_ids, s.finish_reason or "length",
                                         s.verify_lengths, s.accepted_lengths, text))
+    if engine.device.type == "cuda":
+        # The engine's graph closures refer back to it (a reference cycle): collect it now, so that a caller that
+        # builds one engine per batch (scripts/eval_acceptance.py) never holds several engines' caches at once.
+        del engine
+        gc.collect()
     return results
 
 

@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=int, default=None, help="block size γ (must equal the drafter's)")
     p.add_argument("--model", default=DEFAULT_TARGET, help="target: 'smollm2-135m-instruct', a .gguf or an HF dir")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="target and drafter dtype; auto = bfloat16 on cuda, float32 on cpu")
     p.add_argument("--batch-size", type=int, default=32, help="prompts per generate call (results do not depend on it)")
     p.add_argument("--seed", type=int, default=0, help="generation seed (random-number contract)")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts only")
@@ -125,8 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     gamma = cfg.block_size
     if args.gamma is not None and args.gamma != gamma:
         raise SystemExit(f"--gamma {args.gamma} differs from the drafter's trained block size γ = {gamma}")
-    target = Target.load(args.model, layer_ids=cfg.target_layer_ids, device=device,
-                         dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, args.dtype)
+    target = Target.load(args.model, layer_ids=cfg.target_layer_ids, device=device, dtype=dtype)
     drafter = load_drafter(args.drafter, target, device=device, dtype=target.dtype)
     prompts = read_prompts(args.prompts_file, target, chat_template=not args.no_chat_template, limit=args.limit)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,

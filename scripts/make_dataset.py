@@ -263,6 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=int, default=2048, help="prompts per shard (the unit of resumption)")
     p.add_argument("--seed", type=int, default=0, help="shard i is sampled with torch seed (seed, i)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="start no new shard once the run (model load included) would pass this many seconds, "
+                        "judged by the slowest shard so far; the manifest then says complete: false, and rerunning "
+                        "the command resumes")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="target weights; auto = bfloat16 on CUDA, float32 on CPU")
     return p
@@ -271,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     args = build_parser().parse_args(argv)
+    t_start = time.perf_counter()
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise SystemExit(f"need temperature ≥ 0 and 0 < top_p ≤ 1, got {args.temperature}, {args.top_p}")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -296,11 +301,16 @@ def main(argv: list[str] | None = None) -> int:
                 "eos_token_ids": sorted(eos_ids)}
     num_shards = (len(rows) + args.shard_size - 1) // args.shard_size
     mine = [i for i in range(num_shards) if i % world == rank]
+    slowest = 0.0  # wall time of the slowest shard of this run, for --time-budget-s
     for i in tqdm(mine, desc=f"shards (rank {rank})", unit="shard", disable=rank != 0):
         path = out / f"shard-{i:05d}.pt"
         if path.is_file():
             log.info("%s exists, skipping", path.name)
             continue
+        if args.time_budget_s is not None and time.perf_counter() - t_start + slowest > args.time_budget_s:
+            log.info("time budget of %.0f s reached: stopping before %s (rerun to resume)", args.time_budget_s,
+                     path.name)
+            break
         chunk = rows[i * args.shard_size:(i + 1) * args.shard_size]
         torch.manual_seed(args.seed * 1_000_003 + i)  # a shard's samples depend only on (seed, shard index)
         t0 = time.perf_counter()
@@ -311,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize(device)
         shard = pack_shard([pid for pid, _ in chunk], [p for _, p in chunk], responses)
         shard["wall_s"] = time.perf_counter() - t0
+        slowest = max(slowest, shard["wall_s"])
         shard["num_prompts"] = len(chunk)
         tmp = path.with_suffix(".pt.tmp")
         torch.save(shard, tmp)

@@ -167,6 +167,12 @@ def _varlen_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_id
     # accumulator stays in registers (64 × D fp32).
     block_m = max(16, triton.next_power_of_2(group * max(1, min(max_q_len, 64 // group or 1))))
     block_n, num_warps = _key_tile(head_dim, block_m, max_q_len)
+    num_stages = 3
+    if q.dtype == torch.float32:
+        # fp32 tiles are twice the bytes and the ieee dot runs on FMAs, whose operands are staged in shared
+        # memory: 128-key tiles over 3 stages need ~180 KB of the H200's 227 KB (sm_90 compile, triton 3.9),
+        # so fp32 (the exactness runs, not serving) takes 64-key tiles over 2 stages (≤ 64 KB).
+        block_n, num_stages = 64, 2
     queries_per_tile = block_m // group
     grid = (num_requests, num_kv_heads, triton.cdiv(max(max_q_len, 1), queries_per_tile))
     _varlen_attention_kernel[grid](
@@ -178,7 +184,7 @@ def _varlen_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_id
         scale * math.log2(math.e),
         GROUP=group, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=3,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return o
 

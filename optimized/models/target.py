@@ -289,8 +289,8 @@ class OptimizedTarget:
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, cu_seqlens_q: Tensor, kv_lens: Tensor,
-                slot_ids: Tensor, logits_rows: Tensor | None = None, *, max_q_len: int | None = None
-                ) -> tuple[Tensor, Tensor]:
+                slot_ids: Tensor, logits_rows: Tensor | None = None, *, max_q_len: int | None = None,
+                logits_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Run one packed ragged step: write every token's K/V to its slot, return logits and features.
 
         Args:
@@ -305,6 +305,9 @@ class OptimizedTarget:
                 token); ``None`` = all N rows.
             max_q_len: host upper bound on any request's query count (γ+1 for verify steps; keeps the attention
                 grid static under CUDA graphs); ``None`` = N.
+            logits_out: optional ``[M, V]`` float32 buffer the logits are written into (and returned as). The engine's
+                verify graphs pass one static buffer, so the graphs of all token buckets share their largest output
+                instead of each keeping its own ``[n, V]`` (≈ 25 GiB over the buckets of 2048 tokens at V = 49152).
 
         Returns:
             ``(logits [M, V] float32, features [N, m·d] in the model dtype)``; logits row j is ``p_t`` (before
@@ -331,8 +334,13 @@ class OptimizedTarget:
                 taps[i] = x  # the residual stream after layer i = HF's hidden_states[i + 1]
         features = torch.cat([taps[l] for l in self.layer_ids], dim=-1)  # [N, m·d], in layer_ids order
         rows = x if logits_rows is None else x.index_select(0, logits_rows)  # [M, d]
-        logits = F.linear(rms_norm(rows, self.final_norm, self.shape.eps), self.lm_head).float()  # [M, V]
-        return logits, features
+        logits = F.linear(rms_norm(rows, self.final_norm, self.shape.eps), self.lm_head)  # [M, V] model dtype
+        if logits_out is None:
+            return logits.float(), features
+        if logits_out.shape != logits.shape or logits_out.dtype != torch.float32:
+            raise ValueError(f"logits_out must be float32 {tuple(logits.shape)}, got {logits_out.dtype} "
+                             f"{tuple(logits_out.shape)}")
+        return logits_out.copy_(logits), features  # the same rounding as .float(), into the caller's buffer
 
 
 def token_write_index(positions: Tensor, cu_seqlens_q: Tensor, slot_ids: Tensor, trash: int

@@ -125,6 +125,22 @@ def test_target_fused_weights_share_storage():
     assert opt.layer_ids == target.layer_ids
 
 
+def test_target_logits_out_buffer():
+    """``logits_out`` (the verify graphs' one static output) gets exactly the logits, and is what is returned."""
+    target = tiny_target("llama")
+    opt = OptimizedTarget(target, attention_backend="torch")
+    opt.allocate_cache(max_num_seqs=2, max_seq_len=16)
+    ids, pos = torch.tensor([5, 9, 3, 7]), torch.arange(4)
+    cu, kv, slots = (torch.tensor(v, dtype=torch.int32) for v in ([0, 4, 4], [4, 0], [1, -1]))
+    expected, _ = opt.forward(ids, pos, cu, kv, slots)
+    buffer = torch.full((6, VOCAB), float("nan"))
+    logits, _ = opt.forward(ids, pos, cu, kv, slots, logits_out=buffer[:4])
+    assert logits.data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:4], expected) and buffer[4:].isnan().all()
+    with pytest.raises(ValueError, match="logits_out"):
+        opt.forward(ids, pos, cu, kv, slots, logits_out=buffer[:3])
+
+
 def test_target_bad_input_fails_fast():
     target = tiny_target("llama")
     opt = OptimizedTarget(target)

@@ -209,6 +209,18 @@ def test_make_dataset_resumes_by_skipping_finished_shards(workdir, tmp_path):
         assert torch.equal(a["tokens"], b["tokens"]) and a["ids"] == b["ids"]
 
 
+def test_make_dataset_time_budget_stops_between_shards_and_rerun_completes(workdir, tmp_path):
+    out = tmp_path / "data"
+    args = ["--out", str(out), "--model", str(workdir / "target"), "--prompt-ids", str(workdir / "prompts.jsonl"),
+            "--max-new-tokens", "24", "--shard-size", "16", "--batch-size", "8", "--device", "cpu"]
+    assert make_dataset.main([*args, "--time-budget-s", "0"]) == 0  # the budget is spent by the model load
+    manifest = json.loads((out / make_dataset.MANIFEST).read_text())
+    assert not manifest["complete"] and manifest["shards_present"] == 0 and not list(out.glob("shard-*.pt"))
+    assert make_dataset.main(args) == 0  # no budget: resumes and finishes every shard
+    manifest = json.loads((out / make_dataset.MANIFEST).read_text())
+    assert manifest["complete"] and manifest["shards_present"] == manifest["num_shards"] == 3
+
+
 # --------------------------------------------------------------------------- train_drafter.py
 
 

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Pack what scripts/gpu/session.sh has finished so far (/tmp/res) into $OUT as ≤ 15 MB parts (the device tool brings
+# back at most 8 files of 16 MiB). Safe to call any number of times while the session runs. Unpack here with
+#   cat bundle.tgz.part-* | tar xz
+set -uo pipefail
+OUT=${OUT:?OUT must be set}
+cp /tmp/session.log /tmp/res/session.log 2>/dev/null
+nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader > /tmp/res/gpu-now.txt 2>/dev/null
+tar czf /tmp/bundle.tgz -C /tmp res
+split -b 15000000 /tmp/bundle.tgz "$OUT/bundle.tgz.part-"
+ls -la "$OUT"
+tail -n 25 /tmp/res/timeline.txt 2>/dev/null
