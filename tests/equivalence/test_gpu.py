@@ -1,0 +1,119 @@
+"""End to end on CUDA: ``reference.generate`` equals the engine with CUDA graphs on and its Triton kernels.
+
+Level 3 of the equivalence contract (ARCHITECTURE.md) on the device, issue 4 "On the GPU": the comparison of
+``test_end_to_end.py`` (its ``_compare``: token ids, per-step accepted and verify lengths, finish reasons) with the
+tiny Llama and Qwen3 targets moved to CUDA in float32 with TF32 off, the engine capturing its verify and draft graphs
+(``enforce_eager=False``) and running every op on its Triton kernel; every mode, greedy and seeded sampling. Then the
+graph path against the eager path of the same engine, token for token, and the GPU equivalence script on CUDA.
+The full-size run on the real target is ``scripts/gpu_equivalence.py`` (``docs/benchmarks/gpu-equivalence.json``).
+Names follow ``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
+
+Every test is marked ``gpu`` and skipped where CUDA is not available.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # scripts/ is not a package of the project
+
+from optimized.engine import EngineConfig  # noqa: E402
+from optimized.generate import generate as opt_generate  # noqa: E402
+from reference.checkpoint import read_drafter_config  # noqa: E402
+from reference.config import GenerationConfig, SchedulerConfig  # noqa: E402
+from reference.generate import DEFAULT_DRAFTER, load_or_init_drafter  # noqa: E402
+from reference.target import Target, default_gguf_path  # noqa: E402
+from scripts import gpu_equivalence as ge  # noqa: E402
+from tests.equivalence.test_end_to_end import MODES, _compare, _cost  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+PROMPTS = [[5, 9, 3, 17], [2, 40, 41, 42, 43, 7, 8], [60]]  # as in test_end_to_end.py
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    """float32 means float32: TF32 rounds matmul inputs to 10 mantissa bits, differently in cuBLAS and Triton."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _cuda_models(family: str):
+    """The CPU suite's tiny target (4 layers) and drafter (γ = 4, noise 0.2), built on the CPU and moved to CUDA."""
+    target, drafter, *_ = ge.load_tiny(family, torch.device("cuda"), torch.float32)
+    assert target.device.type == "cuda" and next(drafter.parameters()).device.type == "cuda"
+    return target, drafter
+
+
+def _gen(temperature: float, max_new_tokens: int = 14) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_p=0.95 if temperature else 1.0, seed=99, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cuda_graphs_reference_equals_optimized_every_mode(family, temperature):
+    target, drafter = _cuda_models(family)
+    with ge.count_graph_runs() as runs:
+        for mode in MODES:
+            _compare(target, drafter, PROMPTS, _gen(temperature), mode, backend="triton")
+    # Every verify (≤ 3·(γ+1) = 15 tokens) and draft (≤ 3 requests) fits a captured bucket: nothing ran eagerly.
+    assert runs["verify"]["graph"] > 0 and runs["verify"]["eager"] == 0, runs
+    assert runs["draft"]["graph"] > 0 and runs["draft"]["eager"] == 0, runs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_graphs_equal_eager_token_for_token(temperature):
+    """The same engine settings with and without CUDA graphs: identical tokens and per-step lengths."""
+    target, drafter = _cuda_models("llama")
+    gen = _gen(temperature, max_new_tokens=20)
+    for mode in ("fixed", "threshold", "adaptive"):
+        sched = SchedulerConfig(mode=mode, k=3, threshold=0.05)
+        out, runs = {}, {}
+        for eager in (False, True):
+            cfg = EngineConfig(max_num_seqs=len(PROMPTS), seed=gen.seed, kernel_backend="triton", device="cuda",
+                               dtype=torch.float32, enforce_eager=eager)
+            with ge.count_graph_runs() as counts:
+                out[eager] = opt_generate(target, drafter, PROMPTS, gen, sched, _cost(), engine_config=cfg)
+            runs[eager] = counts
+        assert runs[False]["verify"]["graph"] > 0 and runs[True]["verify"]["graph"] == 0, runs
+        for a, b in zip(out[True], out[False]):
+            assert b.token_ids == a.token_ids, f"{mode}: tokens differ"
+            assert b.accepted_lengths == a.accepted_lengths, f"{mode}: accepted lengths differ"
+            assert b.verify_lengths == a.verify_lengths, f"{mode}: verify lengths differ"
+
+
+def test_gpu_equivalence_script_on_cuda(tmp_path):
+    """The issue's script, tiny models: graphs on, Triton kernels, every request identical, graphs replayed."""
+    out = tmp_path / "gpu-equivalence.json"
+    argv = ["--tiny", "--device", "cuda", "--modes", "none,fixed:2,dsd,adaptive,oracle", "--max-new-tokens", "12",
+            "--json", str(out)]
+    assert ge.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["graphs"] is True and report["kernel_backend"] == "triton" and report["tf32"] is False
+    assert report["complete"] and report["summary"]["counts"]["identical"] == len(report["results"]) == 5 * 2 * 3
+    assert all(c["graph_runs"]["verify"]["graph"] > 0 for c in report["configs"])
+
+
+@pytest.mark.slow
+def test_smollm2_cuda_graphs_equal_reference():
+    """The real target and the shipped drafter on CUDA in float32: greedy fixed-K and sampling with adaptive."""
+    try:
+        default_gguf_path()
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        pytest.skip(f"SmolLM2 is not installed here: {e}")
+    target = Target.load(layer_ids=read_drafter_config(DEFAULT_DRAFTER).target_layer_ids, device="cuda")
+    drafter = load_or_init_drafter(str(DEFAULT_DRAFTER), target)
+    prompts = [target.encode("List two uses of copper."), target.encode("Write a haiku about the sea.")]
+    _compare(target, drafter, prompts, GenerationConfig(max_new_tokens=24, temperature=0.0, ignore_eos=True), "fixed",
+             backend="triton")
+    _compare(target, drafter, prompts, GenerationConfig(max_new_tokens=24, temperature=1.0, seed=3, ignore_eos=True),
+             "adaptive", backend="triton")
