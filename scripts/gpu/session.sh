@@ -17,9 +17,9 @@ export PYTHONPATH=/tmp/stage/site:$PWD
 MODEL=${MODEL:-/tmp/stage/target.gguf}
 SHAREGPT=${SHAREGPT:-/tmp/stage/sharegpt.json.gz}
 GEN_S=${GEN_S:-170}            # self-distillation budget per GPU (model load included)
-TRAIN_S=${TRAIN_S:-330}        # training time of one arm; the step count is fixed from a probe of the Markov arm
+TRAIN_S=${TRAIN_S:-300}        # training time of one arm; the step count is fixed from a probe of the Markov arm
 DEADLINE_S=${DEADLINE_S:-1320} # nothing new starts that could not finish before this (from the start of this script)
-BENCH_S=${BENCH_S:-330}
+BENCH_S=${BENCH_S:-300}
 # Extra arguments appended to each step's command (argparse keeps the last value): a CPU dry run of this script
 # shrinks every step with them, e.g. GEN_EXTRA="--limit 8 --batch-size 4 --shard-size 4 --max-new-tokens 8".
 read -r -a GEN_EXTRA <<< "${GEN_EXTRA:-}"
@@ -118,7 +118,7 @@ lane0() {
     --out $RES/engine-h200.json "${BENCH_EXTRA[@]}" > $RES/logs/bench_engine.log 2>&1
   stamp "bench_engine done (rc $?)"
   on 0 timeout 300 python scripts/gpu_equivalence.py --model "$MODEL" --drafter checkpoints/smollm2-135m-instruct-dspark \
-    --device cuda --limit 6 --max-new-tokens 48 --time-budget-s 220 --json $RES/gpu-equivalence.json "${GE_EXTRA[@]}" > $RES/logs/gpu_equivalence.log 2>&1
+    --device cuda --limit 6 --max-new-tokens 48 --time-budget-s 150 --json $RES/gpu-equivalence.json "${GE_EXTRA[@]}" > $RES/logs/gpu_equivalence.log 2>&1
   stamp "gpu_equivalence done (rc $?)"
   on 0 timeout 240 python -m pytest -q -m gpu tests/ -p no:cacheprovider > $RES/logs/pytest-gpu.log 2>&1
   stamp "pytest -m gpu: $(tail -n 1 $RES/logs/pytest-gpu.log)"
