@@ -20,6 +20,8 @@ GEN_S=${GEN_S:-170}            # self-distillation budget per GPU (model load in
 TRAIN_S=${TRAIN_S:-300}        # training time of one arm; the step count is fixed from a probe of the Markov arm
 DEADLINE_S=${DEADLINE_S:-1320} # nothing new starts that could not finish before this (from the start of this script)
 BENCH_S=${BENCH_S:-300}
+GE_S=${GE_S:-150}              # GPU equivalence run
+HELD_N=${HELD_N:-512}          # held-out sequences (training eval, calibration)
 # Extra arguments appended to each step's command (argparse keeps the last value): a CPU dry run of this script
 # shrinks every step with them, e.g. GEN_EXTRA="--limit 8 --batch-size 4 --shard-size 4 --max-new-tokens 8".
 read -r -a GEN_EXTRA <<< "${GEN_EXTRA:-}"
@@ -56,16 +58,16 @@ stamp "train data: $(python -c "import json;m=json.load(open('/tmp/sd/train/mani
 
 # 2. Held-out set (GPU 1) while the Markov arm is probed for its step time (GPU 0).
 on $G1 python scripts/make_dataset.py --out /tmp/sd/heldout --split heldout --model "$MODEL" --sharegpt-file "$SHAREGPT" \
-  --limit 512 --batch-size 512 --shard-size 256 --max-new-tokens 256 "${GEN_EXTRA[@]}" > $RES/logs/make_heldout.log 2>&1 &
+  --limit "$HELD_N" --batch-size 512 --shard-size 256 --max-new-tokens 256 "${GEN_EXTRA[@]}" > $RES/logs/make_heldout.log 2>&1 &
 HELD=$!
 common=(--data /tmp/sd/train --model "$MODEL" --num-layers 2 --markov-rank 64 --gamma 7 --tokens-per-batch 16384
         --anchors-per-seq 32 --save-dtype bfloat16 --save-every 1000000 --log-every 10 --seed 0)
-on 0 python scripts/train_drafter.py "${common[@]}" --eval-examples 16 --eval-every 1000000 --head markov --steps 40 \
-  "${TRAIN_EXTRA[@]}" --out /tmp/probe > $RES/logs/probe.log 2>&1
+on 0 python scripts/train_drafter.py "${common[@]}" --eval-examples 16 --eval-every 1000000 --head markov --steps 30 \
+  --log-every 5 "${TRAIN_EXTRA[@]}" --out /tmp/probe > $RES/logs/probe.log 2>&1
 STEPS=$(python - <<'EOF'
 import json, os
 rows = [json.loads(l) for l in open("/tmp/probe/metrics.jsonl") if '"train"' in l]
-a, b = rows[0], rows[-1]          # steps 10 and 40: the first 10 steps hold the warm-up of kernels and caches
+a, b = rows[0], rows[-1]          # steps 5 and 30: the first 5 steps hold the warm-up of kernels and caches
 s_per_step = (b["elapsed_s"] - a["elapsed_s"]) / (b["step"] - a["step"])
 print(max(50, int(float(os.environ.get("TRAIN_S", 330)) / s_per_step)))
 EOF
@@ -118,7 +120,7 @@ lane0() {
     --out $RES/engine-h200.json "${BENCH_EXTRA[@]}" > $RES/logs/bench_engine.log 2>&1
   stamp "bench_engine done (rc $?)"
   on 0 timeout 300 python scripts/gpu_equivalence.py --model "$MODEL" --drafter checkpoints/smollm2-135m-instruct-dspark \
-    --device cuda --limit 6 --max-new-tokens 48 --time-budget-s 150 --json $RES/gpu-equivalence.json "${GE_EXTRA[@]}" > $RES/logs/gpu_equivalence.log 2>&1
+    --device cuda --limit 6 --max-new-tokens 48 --time-budget-s "$GE_S" --json $RES/gpu-equivalence.json "${GE_EXTRA[@]}" > $RES/logs/gpu_equivalence.log 2>&1
   stamp "gpu_equivalence done (rc $?)"
   on 0 timeout 240 python -m pytest -q -m gpu tests/ -p no:cacheprovider > $RES/logs/pytest-gpu.log 2>&1
   stamp "pytest -m gpu: $(tail -n 1 $RES/logs/pytest-gpu.log)"
@@ -141,10 +143,42 @@ lane1() {
   stamp "bench_kernels done (rc $?)"
 }
 
+# One GPU: the engine work of issue 4 right after arm 1 (so it is measured with the trained drafter and finishes
+# early), then the other arms while time is left, then every evaluation side by side on the GPU.
+single() {
+  train 0 markov --head markov
+  calibrate 0 markov smollm2-135m-instruct-dspark
+  rm -rf checkpoints/smollm2-135m-instruct-dspark && cp -a $RES/ship/smollm2-135m-instruct-dspark checkpoints/
+  stamp "bench_engine"
+  on 0 timeout $((BENCH_S + 60)) python scripts/bench_engine.py --model "$MODEL" --sharegpt-file "$SHAREGPT" \
+    --drafter checkpoints/smollm2-135m-instruct-dspark --time-budget-s "$BENCH_S" --cost-cache-dir /tmp/costcache \
+    --out $RES/engine-h200.json "${BENCH_EXTRA[@]}" > $RES/logs/bench_engine.log 2>&1
+  stamp "bench_engine done (rc $?)"
+  on 0 timeout $((GE_S + 40)) python scripts/gpu_equivalence.py --model "$MODEL" \
+    --drafter checkpoints/smollm2-135m-instruct-dspark --device cuda --limit 6 --max-new-tokens 48 \
+    --time-budget-s "$GE_S" --json $RES/gpu-equivalence.json "${GE_EXTRA[@]}" > $RES/logs/gpu_equivalence.log 2>&1
+  stamp "gpu_equivalence done (rc $?)"
+  on 0 timeout 100 python -m pytest -q -m gpu tests/ -p no:cacheprovider > $RES/logs/pytest-gpu.log 2>&1
+  stamp "pytest -m gpu: $(tail -n 1 $RES/logs/pytest-gpu.log)"
+  local arms="markov"
+  for arm in parallel dflash rnn; do
+    if [ "$(left)" -lt $((TRAIN_S + 160)) ]; then stamp "skip $arm: $(left) s left before the deadline"; continue; fi
+    case $arm in
+      parallel) train 0 parallel --head none ;;
+      dflash) train 0 dflash --head none --loss-weights 1,0,0 ;;
+      rnn) train 0 rnn --head rnn ;;
+    esac
+    arms="$arms $arm"
+  done
+  [ -d /tmp/runs/parallel ] && calibrate 0 parallel smollm2-135m-instruct-parallel &
+  for arm in $arms; do evaluate 0 $arm & done
+  wait
+}
+
 if [ "$NGPU" -gt 1 ]; then
   lane0 & lane1 & wait
 else
-  lane0; lane1
+  single
 fi
 stamp "DONE"
 touch $RES/DONE
