@@ -126,8 +126,8 @@ TINY_GAMMA = 4
 TINY_THRESHOLD = 0.05
 TINY_DSD_TABLE = {1: 4, 2: 2, 3: 1}
 TINY_MAX_NEW_TOKENS = 14
-# The shipped drafter's first-slot survivals lie around 0.1-0.3 (τ ≈ 1.23, docs/benchmarks/acceptance.json): on three
-# of the small eval prompts (CPU, float32, 24 tokens) 0.1 gives a mix of ℓ = 0, 1 and 2, the CLI's 0.5 almost only 0.
+# The first 152-step drafter's first-slot survivals lay around 0.1-0.3 (τ ≈ 1.23): on three of the small eval prompts
+# (CPU, float32, 24 tokens) 0.1 gave a mix of ℓ = 0, 1 and 2, the CLI's 0.5 almost only 0. Kept for comparability.
 DEFAULT_THRESHOLD = 0.1
 DEFAULT_MAX_NEW_TOKENS = 64
 _TINY_PROB = 1e-30  # floor before a log: survivals and throughputs may be exactly 0
