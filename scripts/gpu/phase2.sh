@@ -1,51 +1,68 @@
 #!/usr/bin/env bash
-# Another training round on the same warm machine as scripts/gpu/session.sh (its data in /tmp/sd): arms 1, 3 and 4
-# side by side on the GPU with STEPS2 steps each (same data, seed and step count), then calibration of arms 1 and 3
-# and τ of all three at T = 0 and T = 1. Results in /tmp/res2 (bring back with PACK=res2 scripts/gpu/pack.sh).
+# Another training round on the same warm machine as scripts/gpu/session.sh (its data in /tmp/sd): several arms side
+# by side on the GPU with STEPS2 steps each (same data, seed and step count), then STS calibration of the arms to
+# ship and τ of every arm at T = 0 and T = 1. Results in $RES (bring back with PACK=res2 scripts/gpu/pack.sh).
 #
 # Side by side is not slower per arm here: on an H200 one arm alone ran at ~4 steps/s and three together at
 # ~2.9 steps/s each (2026-11-29), because a step of this small drafter is bound by launches and host work, not by
-# the GPU. The shipped drafters are STEPS2=1000 (about 6 minutes):
+# the GPU. The shipped drafters are the default ARMS with STEPS2=1000 (about 6 minutes):
 #   cd /tmp/work && STEPS2=1000 setsid nohup bash scripts/gpu/phase2.sh > /tmp/phase2.log 2>&1 &
+#
+# ARMS is a ';'-separated list of NAME=TRAIN_DRAFTER_ARGS (each run gets the common arguments below first, so an
+# arm's own arguments override them). A backbone-depth / Markov-rank sweep, for example:
+#   ARMS="l1=--head markov --num-layers 1;l2=--head markov;l3=--head markov --num-layers 3;\
+#   r32=--head markov --markov-rank 32;r128=--head markov --markov-rank 128" SHIP="" bash scripts/gpu/phase2.sh
+# SHIP lists NAME:CHECKPOINT_NAME pairs to calibrate and copy to $RES/ship (empty: calibrate nothing).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 export PYTHONPATH=/tmp/stage/site:$PWD
 MODEL=${MODEL:-/tmp/stage/target.gguf}
 STEPS2=${STEPS2:-700}
-RES=/tmp/res2
-mkdir -p $RES/logs $RES/ship $RES/runs /tmp/runs2
+DATA=${DATA:-/tmp/sd/train}
+HELDOUT=${HELDOUT:-/tmp/sd/heldout}
+RES=${RES:-/tmp/res2}
+RUNS=${RUNS:-/tmp/runs2}
+ARMS=${ARMS:-"markov=--head markov;parallel=--head none;dflash=--head none --loss-weights 1,0,0"}
+SHIP=${SHIP-"markov:smollm2-135m-instruct-dspark parallel:smollm2-135m-instruct-parallel"}
+read -r -a EVAL_EXTRA <<< "${EVAL_EXTRA:-}"    # appended to eval_acceptance.py (argparse keeps the last value)
+read -r -a TRAIN_EXTRA <<< "${TRAIN_EXTRA:-}"  # appended to every train_drafter.py (e.g. a CPU dry run's sizes)
+read -r -a CAL_EXTRA <<< "${CAL_EXTRA:-}"      # appended to calibrate.py
+mkdir -p $RES/logs $RES/ship $RES/runs $RUNS
 T0=$(date +%s)
 stamp() { echo "$(date +%T) +$(($(date +%s) - T0))s $*" | tee -a $RES/timeline.txt; }
-common=(--data /tmp/sd/train --model "$MODEL" --num-layers 2 --markov-rank 64 --gamma 7 --tokens-per-batch 16384
+common=(--data "$DATA" --model "$MODEL" --num-layers 2 --markov-rank 64 --gamma 7 --tokens-per-batch 16384
         --anchors-per-seq 32 --save-dtype bfloat16 --save-every 1000000 --log-every 10 --seed 0
-        --eval-data /tmp/sd/heldout --eval-examples 128 --eval-every 250 --steps "$STEPS2" --time-budget-min 14)
-stamp "phase 2: arms markov, parallel, dflash side by side, $STEPS2 steps each"
-python scripts/train_drafter.py "${common[@]}" --head markov --out /tmp/runs2/markov > $RES/logs/train-markov.log 2>&1 &
-python scripts/train_drafter.py "${common[@]}" --head none --out /tmp/runs2/parallel > $RES/logs/train-parallel.log 2>&1 &
-python scripts/train_drafter.py "${common[@]}" --head none --loss-weights 1,0,0 --out /tmp/runs2/dflash \
-  > $RES/logs/train-dflash.log 2>&1 &
-wait
-for arm in markov parallel dflash; do
-  mkdir -p $RES/runs/$arm && cp /tmp/runs2/$arm/{summary.json,metrics.jsonl,README.md} $RES/runs/$arm/
-  stamp "trained $arm: $(tail -n 1 $RES/logs/train-$arm.log | cut -c1-150)"
-done
-for arm in markov parallel; do
-  python scripts/calibrate.py --drafter /tmp/runs2/$arm --data /tmp/sd/heldout --model "$MODEL" \
-    --dump-proposals $RES/proposals-$arm > $RES/logs/calibrate-$arm.log 2>&1 &
+        --eval-data "$HELDOUT" --eval-examples 128 --eval-every 250 --steps "$STEPS2" --time-budget-min 14)
+IFS=';' read -r -a specs <<< "$ARMS"
+names=()
+stamp "arms side by side, $STEPS2 steps each: $ARMS"
+for spec in "${specs[@]}"; do
+  name=${spec%%=*}
+  read -r -a own <<< "${spec#*=}"
+  names+=("$name")
+  python scripts/train_drafter.py "${common[@]}" "${own[@]}" "${TRAIN_EXTRA[@]}" --out $RUNS/$name > $RES/logs/train-$name.log 2>&1 &
 done
 wait
-stamp "calibrated: $(grep -h 'held-out ECE' $RES/logs/calibrate-*.log | cut -c1-160 | tr '\n' ' ')"
-for arm in markov parallel dflash; do
+for name in "${names[@]}"; do
+  mkdir -p $RES/runs/$name && cp $RUNS/$name/{summary.json,metrics.jsonl,README.md} $RES/runs/$name/
+  stamp "trained $name: $(tail -n 1 $RES/logs/train-$name.log | cut -c1-150)"
+done
+for pair in $SHIP; do
+  python scripts/calibrate.py --drafter $RUNS/${pair%%:*} --data "$HELDOUT" --model "$MODEL" \
+    --dump-proposals $RES/proposals-${pair%%:*} "${CAL_EXTRA[@]}" > $RES/logs/calibrate-${pair%%:*}.log 2>&1 &
+done
+wait
+[ -n "$SHIP" ] && stamp "calibrated: $(grep -h 'held-out ECE' $RES/logs/calibrate-*.log | cut -c1-160 | tr '\n' ' ')"
+for name in "${names[@]}"; do
   for t in 0 1; do
-    python scripts/eval_acceptance.py --drafter /tmp/runs2/$arm --prompts-file docs/benchmarks/eval_prompts.jsonl \
+    python scripts/eval_acceptance.py --drafter $RUNS/$name --prompts-file docs/benchmarks/eval_prompts.jsonl \
       --model "$MODEL" --temperature $t --max-new-tokens 128 --batch-size 60 \
-      --json $RES/acceptance-$arm-T$t.json > $RES/logs/eval-$arm-T$t.log 2>&1 &
+      --json $RES/acceptance-$name-T$t.json "${EVAL_EXTRA[@]}" > $RES/logs/eval-$name-T$t.log 2>&1 &
   done
 done
 wait
-for arm in markov parallel; do
-  name=smollm2-135m-instruct-$([ $arm = markov ] && echo dspark || echo parallel)
-  mkdir -p $RES/ship/$name && (cd /tmp/runs2/$arm && cp -a $(ls | grep -v '^_state$') $RES/ship/$name/)
+for pair in $SHIP; do
+  mkdir -p $RES/ship/${pair#*:} && (cd $RUNS/${pair%%:*} && cp -a $(ls | grep -v '^_state$') $RES/ship/${pair#*:}/)
 done
 stamp "evaluated: $(for f in $RES/acceptance-*.json; do python -c "import json,sys;print(sys.argv[1].split('/')[-1], json.load(open(sys.argv[1]))['mean_accepted_length'])" $f; done | tr '\n' ' ')"
 stamp "DONE"
