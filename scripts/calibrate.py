@@ -297,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         after = [p["ece_after"] for p in res["ece_heldout"]["positions"]]
         log.info("%s: %d proposals, τ = %.3f, T_k = %s", mode, res["num_proposals"], res["mean_accepted_length"],
                  " ".join(f"{t:.3f}" for t in res["temperatures"]))
-        log.info("%s held-out ECE before %s -> after %s", mode, " ".join(f"{100 * e:.1f}%" for e in before),
-                 " ".join(f"{100 * e:.1f}%" for e in after))
+        floor = [p["ece_floor_median"] for p in res["ece_heldout"]["positions"]]
+        log.info("%s held-out ECE before %s -> after %s (a perfectly calibrated predictor would measure %s)", mode,
+                 *(" ".join("-" if e is None else f"{100 * e:.1f}%" for e in v) for v in (before, after, floor)))
         if not args.no_write:
             update_sts_temperatures(args.drafter, mode, res["temperatures"])
     command = " ".join(["scripts/calibrate.py", *(sys.argv[1:] if argv is None else argv)])

@@ -250,3 +250,30 @@ def test_slot_with_too_few_verified_proposals_keeps_t1(caplog):
         temps = fit_sts(z, y, min_count=50)
     assert temps[2] == 1.0 and "(< 50)" in caplog.text
     assert fit_sts(z, y, min_count=50)[:2] == fit_sts(z, y, min_count=5)[:2]  # earlier slots unaffected
+
+
+def test_ece_noise_floor_matches_simulated_calibrated_data_and_shrinks_with_samples():
+    from reference.calibration import ece_noise_floor
+
+    g = torch.Generator().manual_seed(3)
+    small = torch.rand(500, generator=g)
+    large = torch.rand(20000, generator=g)
+    med_small, p95_small = ece_noise_floor(small, 20, repeats=100, seed=1)
+    med_large, _ = ece_noise_floor(large, 20, repeats=100, seed=1)
+    assert 0 < med_small <= p95_small
+    assert med_large < med_small / 3  # ~1/sqrt(n): 40x the samples, ~6x smaller
+    # An independent draw of calibrated labels lands in the simulated distribution's bulk.
+    y = (torch.rand(500, generator=g) < small).float()
+    assert expected_calibration_error(small, y) < 2 * p95_small
+    # Certain predictions (0 or 1) have no sampling noise at all.
+    assert ece_noise_floor(torch.tensor([0.0, 1.0, 1.0, 0.0]), repeats=10) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="non-empty"):
+        ece_noise_floor(torch.tensor([]))
+
+
+def test_calibration_report_carries_the_noise_floor():
+    z = torch.randn(400, 3)
+    labels = (torch.rand(400, 3) < torch.sigmoid(z)).float().cumprod(-1)  # prefix survival: non-increasing in k
+    report = calibration_report(z, labels, [1.0, 1.0, 1.0])
+    for pos in report["positions"]:
+        assert 0 <= pos["ece_floor_median"] <= pos["ece_floor_p95"] < 0.5
