@@ -1,0 +1,251 @@
+"""Where a decoding step's time goes: one engine configuration under ``torch.profiler``.
+
+``scripts/bench_engine.py`` says *how fast* each policy is; this script says *why*, for one configuration (mode ×
+batch size). On the H200 (2026-11-29) a verify step cost 4.2 ms at one token and a draft stage 2.3 ms at one request
+for a 135M target whose weights an H200 reads in < 0.1 ms (``docs/benchmarks/engine-h200.json``): the time is in
+launches and serial kernels, and this is the tool that splits it.
+
+Method. The engine is built as a server would build it (CUDA graphs unless ``--enforce-eager``), ``--batch-size``
+requests are admitted and prefilled, ``--warmup`` decoding steps run, then:
+
+1. ``--steps`` steps are timed without the profiler (device synchronised around each): the median step time;
+2. the same number of further steps run under ``torch.profiler`` (CPU and, on CUDA, kernel activity), and the
+   report aggregates per step: device kernel time, the number of kernel launches the host issued
+   (``cudaLaunchKernel``-like runtime calls) against graph replays (``cudaGraphLaunch``), and the top operators by
+   self device time and by self host time.
+
+Usage (H200)::
+
+    python scripts/profile_engine.py --model /tmp/stage/target.gguf --mode fixed:3 --batch-size 1 \\
+        --out docs/benchmarks/profile-h200-fixed3-b1.json [--trace trace.json]
+
+Names follow ``design/METHOD.md`` (``ℓ`` verify length, ``τ`` emitted tokens per verify step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile, hardware_name  # noqa: E402
+from optimized.engine import Engine, EngineConfig  # noqa: E402
+from optimized.scheduler import SamplingParams  # noqa: E402
+from reference.config import SchedulerConfig  # noqa: E402
+from reference.drafter import DSparkDrafter  # noqa: E402
+from reference.target import Target  # noqa: E402
+from scripts.bench_engine import load_prompts, parse_mode  # noqa: E402
+
+log = logging.getLogger("dspark.profile_engine")
+
+# Host-side runtime calls that put work on the device: single kernel launches (CUDA runtime/driver names as the
+# profiler reports them) versus whole-graph replays.
+KERNEL_LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+GRAPH_LAUNCH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
+MEMCPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy", "cuMemcpyAsync", "cudaMemsetAsync")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_engine(target: Target, drafter: DSparkDrafter | None, mode: str, k: int | None, batch_size: int,
+                 max_seq_len: int, enforce_eager: bool, context_len: int, cost_cache_dir: str | None,
+                 seed: int) -> Engine:
+    """An engine sized for ``batch_size`` slots in one policy; adaptive policies get a profiled cost table."""
+    gamma = drafter.config.block_size if drafter is not None else 1
+    sched = SchedulerConfig(mode=mode, k=k if k is not None else gamma)
+    cfg = EngineConfig(max_num_seqs=batch_size, max_seq_len=max_seq_len, device=str(target.device),
+                       dtype=target.dtype, enforce_eager=enforce_eager, seed=seed)
+    engine = Engine(target, drafter if mode != "none" else None, cfg, sched)
+    if mode in ("adaptive", "adaptive-sync"):
+        engine.set_cost_table(cached_profile(engine, cache_dir=cost_cache_dir, context_len=context_len))
+    return engine
+
+
+def decoding_steps(engine: Engine, count: int) -> list[float]:
+    """Run ``count`` engine steps, each synchronised; their wall times in ms (fewer if every request finished)."""
+    times = []
+    for _ in range(count):
+        if not engine.has_unfinished():
+            break
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        engine.step()
+        _sync(engine.device)
+        times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def summarize_profile(prof, steps: int, top: int = 15) -> dict[str, Any]:
+    """Per-step aggregates of a ``torch.profiler`` run: launches, graph replays, device time, top operators."""
+    steps = max(steps, 1)
+    rows = []
+    launches = graph_launches = memcpys = 0
+    for e in prof.key_averages():
+        name = e.key
+        if name in KERNEL_LAUNCH_CALLS:
+            launches += e.count
+        elif name in GRAPH_LAUNCH_CALLS:
+            graph_launches += e.count
+        elif name in MEMCPY_CALLS:
+            memcpys += e.count
+        device_us = float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
+        rows.append({"name": name, "calls_per_step": e.count / steps,
+                     "self_host_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                     "self_device_ms_per_step": device_us / 1e3 / steps})
+    # Device kernels: events that ran on the device (their self time is device time).
+    device_ms = sum(r["self_device_ms_per_step"] for r in rows)
+    by_device = sorted((r for r in rows if r["self_device_ms_per_step"] > 0),
+                       key=lambda r: r["self_device_ms_per_step"], reverse=True)[:top]
+    by_host = sorted(rows, key=lambda r: r["self_host_ms_per_step"], reverse=True)[:top]
+    return {
+        "kernel_launches_per_step": launches / steps,
+        "graph_launches_per_step": graph_launches / steps,
+        "memcpy_calls_per_step": memcpys / steps,
+        "device_ms_per_step": device_ms,
+        "top_by_device_time": [_rounded(r) for r in by_device],
+        "top_by_host_time": [_rounded(r) for r in by_host],
+    }
+
+
+def _rounded(row: dict) -> dict:
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
+
+
+def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[list[int]], args: argparse.Namespace,
+                command: str) -> dict[str, Any]:
+    """Build, admit, warm up, time, profile; returns the report (also written to ``args.out`` if given)."""
+    mode, k = parse_mode(args.mode, drafter.config.block_size if drafter is not None else None)
+    if mode != "none" and drafter is None:
+        raise SystemExit(f"mode {args.mode!r} needs a drafter")
+    batch = [prompts[i % len(prompts)] for i in range(args.batch_size)]
+    gamma = drafter.config.block_size if drafter is not None else 0
+    # Enough room for every step this run can take: each step emits at most γ + 1 tokens per request.
+    total_steps = args.warmup + 2 * args.steps
+    max_new = total_steps * (gamma + 1) + 8
+    max_seq_len = max(len(p) for p in batch) + max_new + 2 * gamma + 8
+    engine = build_engine(target, drafter, mode, k, args.batch_size, max(max_seq_len, args.context_len + 2 * gamma + 8),
+                          args.enforce_eager, args.context_len, args.cost_cache_dir, args.seed)
+    params = SamplingParams(max_new_tokens=max_new, temperature=args.temperature, ignore_eos=True)
+    for i, p in enumerate(batch):
+        engine.add_request(p, params, request_id=i)
+    prefill_steps = 0
+    while engine.has_unfinished() and any(not engine.sequence(i).output_ids for i in range(len(batch))):
+        engine.step()  # prefill (chunked) until every request has its first token
+        prefill_steps += 1
+    decoding_steps(engine, args.warmup)
+    timed = decoding_steps(engine, args.steps)
+    device = torch.device(target.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        profiled = decoding_steps(engine, args.steps)
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    seqs = [engine.sequence(i) for i in range(len(batch))]
+    verify_steps = sum(len(s.accepted_lengths) for s in seqs)
+    emitted = sum(sum(s.accepted_lengths) + len(s.accepted_lengths) for s in seqs)
+    report = {
+        "hardware": hardware_name(device),
+        "command": command,
+        "model": target.name,
+        "settings": {"mode": args.mode, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
+                     "temperature": args.temperature, "enforce_eager": args.enforce_eager,
+                     "dtype": str(target.dtype), "prefill_steps": prefill_steps, "gamma": gamma},
+        "step_ms_median": statistics.median(timed) if timed else None,
+        "step_ms_all": [round(t, 3) for t in timed],
+        "profiled_step_ms_median": statistics.median(profiled) if profiled else None,
+        "mean_accepted_length": emitted / verify_steps if verify_steps else None,
+        "host_schedule_fraction": (engine.stats["host_schedule_s"] / engine.stats["step_s"]
+                                   if engine.stats.get("step_s") else None),
+        "profile": summarize_profile(prof, len(profiled), top=args.top),
+    }
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    print_report(report)
+    return report
+
+
+def print_report(report: dict) -> None:
+    p = report["profile"]
+    s = report["settings"]
+    graphs = "cpu" not in report["hardware"].lower() and not s["enforce_eager"]
+    print(f"\n{report['model']} on {report['hardware']}: mode {s['mode']}, batch {s['batch_size']}, "
+          f"{'CUDA graphs where captured' if graphs else 'eager'}")
+    print(f"step {report['step_ms_median']:.3f} ms (median of {len(report['step_ms_all'])}; "
+          f"{report['profiled_step_ms_median']:.3f} ms under the profiler)  τ = {report['mean_accepted_length']}")
+    print(f"per step: {p['kernel_launches_per_step']:.1f} kernel launches, {p['graph_launches_per_step']:.1f} graph "
+          f"replays, {p['memcpy_calls_per_step']:.1f} copies, {p['device_ms_per_step']:.3f} ms of device time")
+    for title, key, col in (("top by device time", "top_by_device_time", "self_device_ms_per_step"),
+                            ("top by host time", "top_by_host_time", "self_host_ms_per_step")):
+        print(f"\n{title} (ms per step, calls per step):")
+        for r in p[key][:10]:
+            print(f"  {r[col]:8.4f}  {r['calls_per_step']:6.1f}  {r['name'][:90]}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="target: name, .gguf or HF directory")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one)")
+    p.add_argument("--mode", default="fixed:3", help="none, fixed:K, dsd, threshold, adaptive-sync or adaptive")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20, help="decoding steps timed, and as many profiled")
+    p.add_argument("--warmup", type=int, default=5, help="decoding steps before timing")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="drop longer prompts (after the template)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompts-file", default=None, help='JSONL, one {"prompt": ...} per line')
+    src.add_argument("--sharegpt-file", default=None, help="ShareGPT .json(.gz) (default: the packaged file)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--context-len", type=int, default=DEFAULT_CONTEXT_LEN, help="KV length of the cost profile")
+    p.add_argument("--cost-cache-dir", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top", type=int, default=15, help="operators listed per table")
+    p.add_argument("--trace", default=None, help="also write a Chrome trace (chrome://tracing, Perfetto) here")
+    p.add_argument("--out", default=None, help="JSON report path")
+    return p
+
+
+def main(argv: list[str] | None = None, *, target: Target | None = None, drafter: DSparkDrafter | None = None,
+         prompt_ids: list[list[int]] | None = None) -> dict[str, Any]:
+    """Command line; tests pass an already-built ``target``/``drafter`` and tokenised ``prompt_ids``."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    if args.batch_size < 1 or args.steps < 1 or args.warmup < 0:
+        raise SystemExit("need --batch-size ≥ 1, --steps ≥ 1 and --warmup ≥ 0")
+    if target is None:
+        dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+        target = Target.load(args.model, device=args.device, dtype=getattr(torch, dtype))
+    if drafter is None and args.mode.partition(":")[0] != "none":
+        from reference.generate import DEFAULT_DRAFTER, load_or_init_drafter
+
+        drafter = load_or_init_drafter(args.drafter or str(DEFAULT_DRAFTER), target, None, args.seed)
+    if prompt_ids is None:
+        prompt_ids = load_prompts(args, target, args.batch_size)
+    command = "python scripts/profile_engine.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                                      else sys.argv[1:]))
+    return run_profile(target, drafter, prompt_ids, args, command)
+
+
+if __name__ == "__main__":
+    main()
+    raise SystemExit(0)

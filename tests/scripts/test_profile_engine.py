@@ -1,0 +1,56 @@
+"""``scripts/profile_engine.py`` on the CPU with a tiny random target: the report's layout and its accounting."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from reference.target import Target  # noqa: E402
+from scripts import profile_engine  # noqa: E402
+from tests.conftest import tiny_drafter, tiny_hf_model  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8], [9, 2], [3, 3, 4, 10, 11, 12]]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = Target.from_model(tiny_hf_model("llama", num_layers=2), name="tiny-llama")
+    return target, tiny_drafter(target, gamma=3, markov_rank=8)
+
+
+@pytest.mark.parametrize("mode", ["none", "fixed:2", "adaptive"])
+def test_profile_report(models, tmp_path, mode):
+    target, drafter = models
+    out = tmp_path / "profile.json"
+    report = profile_engine.main(["--mode", mode, "--batch-size", "2", "--steps", "3", "--warmup", "1",
+                                  "--context-len", "16", "--cost-cache-dir", str(tmp_path / "cost"),
+                                  "--out", str(out), "--trace", str(tmp_path / "trace.json")],
+                                 target=target, drafter=drafter, prompt_ids=PROMPTS)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["settings"]["mode"] == mode and report["model"] == "tiny-llama"
+    assert len(report["step_ms_all"]) == 3 and report["step_ms_median"] > 0
+    prof = report["profile"]
+    assert prof["kernel_launches_per_step"] == 0 and prof["graph_launches_per_step"] == 0  # CPU: no device work
+    host = prof["top_by_host_time"]
+    assert host and all(r["self_host_ms_per_step"] >= 0 and r["calls_per_step"] > 0 for r in host)
+    assert host == sorted(host, key=lambda r: r["self_host_ms_per_step"], reverse=True)
+    assert prof["device_ms_per_step"] == 0 and prof["top_by_device_time"] == []
+    assert (tmp_path / "trace.json").is_file()
+    if mode != "none":
+        assert report["mean_accepted_length"] >= 1.0
+
+
+def test_profile_rejects_bad_arguments(models):
+    target, drafter = models
+    with pytest.raises(SystemExit):
+        profile_engine.main(["--steps", "0"], target=target, drafter=drafter, prompt_ids=PROMPTS)
+    with pytest.raises(ValueError, match="unknown benchmark mode"):
+        profile_engine.main(["--mode", "sometimes"], target=target, drafter=drafter, prompt_ids=PROMPTS)
