@@ -15,7 +15,8 @@ verify         rejection sampling, fp32 ``p_d``/``p_t``: case ``accept_all`` (``
                modes) reads the bonus row of ``p_t``; case ``reject_first`` (draft 1 impossible) reads
                one ``p_t`` and one ``p_d`` row for the residual; ``greedy`` reads the γ+1 logit rows
 allocate       the ``[R, γ]`` survivals once (device sort; its twin is the reference's host op)
-draft_head     the ``[R, γ, V]`` fp32 base logits read and ``p_d`` written once, plus W1/W2 once
+draft_head     the ``[R, γ, V]`` fp32 base logits read and ``p_d`` written once, plus W1/W2 once; rows
+               ``triton`` (one program per request) and ``triton-split`` (vocabulary split over programs)
 =============  =======================================================================================
 
 Shapes are SmolLM2-135M's (H = 9, Hkv = 3, D = 64, V = 49152, d = 576, Markov rank r = 64) with γ = 7 and
@@ -124,6 +125,7 @@ class Case:
     compare: Callable[[Any, Any], Any]  # (triton output, torch output) -> JSON-able agreement measure
     shape: dict[str, Any]
     dtype: str
+    variants: tuple[str, ...] = ()  # further fast backends, timed and compared with torch like "triton"
 
 
 def _equal(a, b) -> bool:
@@ -228,11 +230,13 @@ def draft_head_case(s: Shapes, R: int, device: torch.device, dtype: torch.dtype,
     es = w1.element_size()
 
     def call(backend: str):
-        return sample_draft_block(base, h, anchors, pos, temp, 99, rid, w1, w2, conf_w, conf_b, backend=backend)
+        split = {"triton": False, "triton-split": True}.get(backend)  # each Triton variant forced
+        return sample_draft_block(base, h, anchors, pos, temp, 99, rid, w1, w2, conf_w, conf_b,
+                                  backend="torch" if split is None else "triton", split=split)
 
     return Case("draft_head", "markov_greedy", R, call, 2 * R * g * V * 4 + 2 * V * r * es,
                 lambda a, b: {"equal": _equal(a, b), "conf_max_abs_diff": _max_abs_diff(a.conf_logits, b.conf_logits)},
-                {"R": R, "gamma": g, "V": V, "d": d, "r": r}, str(dtype))
+                {"R": R, "gamma": g, "V": V, "d": d, "r": r}, str(dtype), variants=("triton-split",))
 
 
 def build_cases(op: str, s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Case]:
@@ -275,20 +279,19 @@ def run(ops: list[str], shapes: Shapes, device: torch.device, dtype: torch.dtype
     for op in ops:
         for case in build_cases(op, shapes, device, dtype):
             # The reference twin of `allocate` is a host op: it is the "torch" row of that op.
-            backends = ["triton", "torch"] if use_triton or op == "allocate" else ["torch"]
+            backends = ["triton", *case.variants, "torch"] if use_triton or op == "allocate" else ["torch"]
             times, outputs = {}, {}
             for backend in backends:
                 times[backend] = time_us(lambda b=backend, c=case: c.call(b), device, repeats, iters)
                 outputs[backend] = case.call(backend)
-            agreement = case.compare(outputs["triton"], outputs["torch"]) if len(outputs) == 2 else None
             for backend, us in times.items():
                 gbps = case.bytes / (us * 1e-6) / 1e9
                 row = {"op": case.op, "case": case.case, "backend": _label(op, backend), "R": case.R,
                        "shape": case.shape, "dtype": case.dtype, "us": round(us, 3), "bytes": case.bytes,
                        "gb_per_s": _sig(gbps), "roofline_pct": _sig(100 * gbps / roofline_gbps)}
-                if backend == "triton" and "torch" in times:
+                if backend != "torch" and "torch" in times:
                     row["speedup_vs_torch"] = round(times["torch"] / us, 2)
-                    row["agreement"] = agreement
+                    row["agreement"] = case.compare(outputs[backend], outputs["torch"])
                 report["results"].append(row)
                 log.info("%-10s %-13s R=%4d %-14s %10.1f µs %9.1f GB/s %6.1f%% roofline", case.op, case.case, case.R,
                          row["backend"], us, gbps, row["roofline_pct"])
@@ -329,9 +332,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
             pts = sorted((r["R"], r["us"], r["roofline_pct"]) for r in report["results"]
                          if r["op"] == op and r["case"] == case and r["backend"] == backend)
             xs, ys, pct = zip(*pts)
-            ax.plot(xs, ys, marker="o", linestyle="-" if backend in ("triton", "device") else "--",
-                    label=f"{case} · {backend}")
-            if backend in ("triton", "device"):
+            fast = backend.startswith("triton") or backend == "device"
+            ax.plot(xs, ys, marker="o", linestyle="-" if fast else "--", label=f"{case} · {backend}")
+            if fast:
                 for x, y, p in zip(xs, ys, pct):
                     ax.annotate(f"{p:.0f}%", (x, y), textcoords="offset points", xytext=(0, 5), fontsize=7, ha="center")
         ax.set(xscale="log", yscale="log", xlabel="requests R", ylabel="µs per call", title=op)

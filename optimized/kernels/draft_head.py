@@ -13,13 +13,24 @@ the confidence logit (``c_k = σ(z_k)`` before STS), ``γ`` block size. Per requ
         z_k    = conf_w · [h_k; e] + conf_b                #       never sees x_k (losslessness, METHOD §5)
         prev   = x_k
 
-One program per request runs that loop. Each slot makes two passes over the vocabulary: pass 1 computes the
-tempered logits tile by tile (the ``[BLOCK_V, r]`` slice of W2 times ``e``), keeps an online max/sum for the
-softmax and the greedy argmax, and parks the tempered logits in the ``probs`` output row; pass 2 turns them
-into ``p_d`` in place and runs the race. W2 is read once per slot (the dominant traffic: ``V·r`` weights,
-resident in L2 across the batch). Known limit: one program per request streams all of W2 γ times (1.76 ms at
-R = 64, γ = 7, V = 49152, r = 64 on an H200); splitting the vocabulary over programs needs a cross-program
-reduction per slot (future work, measure first).
+Two variants run that loop, with identical arithmetic per vocabulary lane:
+
+* one program per request (:func:`_sample_draft_block_kernel`, grid ``(R,)``). Each slot makes two passes over
+  the vocabulary: pass 1 computes the tempered logits tile by tile (the ``[BLOCK_V, r]`` slice of W2 times
+  ``e``), keeps an online max/sum for the softmax and the greedy argmax, and parks the tempered logits in the
+  ``probs`` output row; pass 2 turns them into ``p_d`` in place and runs the race. W2 is read once per slot
+  (the dominant traffic: ``V·r`` weights, resident in L2 across the batch). Its limit: one program streams all
+  of W2 γ times, serially (~2 ms at R = 1 and at R = 64, γ = 7, V = 49152, r = 64 on an H200).
+* split vocabulary (grid ``(R, NB)``, ``NB = cdiv(V, BLOCK_V)`` blocks; host loop over the slots, two launches
+  per slot and one at the end, no host syncs: CUDA-graph capturable). Launch A_k: every program reduces the
+  row's race partials of slot k-1 to ``prev = x_{k-1}`` (``x_0`` for k = 1; block 0 also writes ``x_{k-1}``
+  and ``z_k``), computes its block of tempered logits into the ``probs`` row, and writes the block's max, its
+  sum of ``exp(x - max)`` and its greedy argmax. Launch B_k: every program combines the row's A partials in one
+  fixed order (so all blocks of a row see bit-identical max and sum), turns its block into ``p_d`` and writes
+  its race partial. A last launch reduces slot γ's race. Cross-block ties resolve like the serial tiles (a later
+  block wins only with a strictly larger value: the lowest index). The softmax sum is accumulated in another
+  order, so ``p_d`` may differ from the one-program kernel in the last ulp; tokens agree except on such an
+  ulp-level tie of the race.
 
 Precision. Compute is fp32. Where the reference rounds a result to the weight dtype (``nn.Linear`` in
 fp16/bf16 returns that dtype), the kernel rounds the same intermediate (``B_k`` and ``z_k``) the same way, so
@@ -38,6 +49,7 @@ import triton.language as tl
 from torch import Tensor
 
 from optimized.kernels.sampling import (
+    BIG_INDEX,
     PURPOSE_DRAFT,
     _argmax_update,
     _exponential_at,
@@ -61,6 +73,17 @@ W2_TILE_ELEMENTS = 65536
 NUM_WARPS = 16
 MAX_BLOCK_V = 1024  # as RACE_BLOCK_V in sampling.py
 MAX_BLOCK_D = 1024  # hidden-state tile of the confidence dot product (d = 576 for SmolLM2-135M: one tile)
+# Split variant: one W2 tile of BLOCK_V · BLOCK_R ≤ SPLIT_TILE_ELEMENTS products per program, 64 per thread at 8
+# warps (r = 64 -> BLOCK_V = 256, NB = 192 blocks for V = 49152: at R = 1 about 1.5 programs per H200 SM, all of W2
+# in flight at once). Compiled ahead of time for sm_90 (triton 3.9 on a CPU host, bf16 W2, r = 64): the logits kernel
+# takes 102 registers at 8 warps (190 at 4), no spills. Chosen by that reasoning, not yet swept on the H200:
+# measure with scripts/bench_kernels.py --op draft_head.
+SPLIT_TILE_ELEMENTS = 16384
+SPLIT_NUM_WARPS = 8
+# `sample_draft_block(split=None)` takes the split variant on CUDA below this many requests. A heuristic awaiting
+# measurement on the H200 (scripts/bench_kernels.py --op draft_head times both variants): at small R the one-program
+# kernel leaves most SMs idle, while at large R its R programs fill the GPU and the split variant only adds launches.
+SPLIT_MAX_R = 64
 
 
 @triton.jit
@@ -163,6 +186,168 @@ def _sample_draft_block_kernel(
         prev = race_index.to(tl.int64)
 
 
+@triton.jit
+def _race_winner(score_ptr, index_ptr, row, nb, BLOCK_NB: tl.constexpr):
+    """x_k of ``row`` [int64] from its ``nb`` race partials (best score per block, lowest index on ties).
+
+    Blocks cover ascending lanes and each partial holds its block's lowest index among its maxima, so the lowest
+    index among the blocks with the best score is what the serial ``_race_update`` fold returns.
+    """
+    blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
+    valid = blocks < nb
+    scores = tl.load(score_ptr + row * nb + blocks, mask=valid, other=-2.0)  # real partials are >= -1
+    indices = tl.load(index_ptr + row * nb + blocks, mask=valid, other=0)  # [BLOCK_NB] int64
+    best = tl.max(scores, axis=0)
+    return tl.min(tl.where(valid & (scores == best), indices, BIG_INDEX), axis=0).to(tl.int64)
+
+
+@triton.jit(do_not_specialize=["j"])
+def _draft_split_logits_kernel(
+    tokens_ptr,  # [R, γ] int64 out: x_{k-1} (slot j - 1), written by block 0 when j >= 1
+    probs_ptr,  # [R, γ, V] fp32 out: the tempered logits of slot k (scratch; launch B turns them into p_d)
+    conf_ptr,  # [R, γ] fp32 out: z_k, written by block 0
+    base_ptr,  # [R, γ, V] U_k (fp32/fp16/bf16), last dim contiguous
+    stride_br,  # base stride over R
+    stride_bk,  # base stride over γ
+    h_ptr,  # [R, γ, d] backbone output h_k, last dim contiguous
+    stride_hr,  # h stride over R
+    stride_hk,  # h stride over γ
+    anchor_ids_ptr,  # [R] int64 x_0
+    temperature_ptr,  # [R] fp32 T (0 = greedy)
+    w1_ptr,  # [V, r] W1, row-major
+    w2_ptr,  # [V, r] W2 as stored, row-major
+    conf_w_ptr,  # [d + r] confidence weight (h part, then the W1 part)
+    conf_b_ptr,  # [1] confidence bias
+    race_score_ptr,  # [R, NB] fp32 in: slot k-1's race partials (read when j >= 1)
+    race_index_ptr,  # [R, NB] int64 in
+    block_max_ptr,  # [R, NB] fp32 out: max of the block's tempered logits
+    block_sum_ptr,  # [R, NB] fp32 out: sum of exp(x - block max) over the block
+    arg_value_ptr,  # [R, NB] fp32 out: the block's greedy maximum of the (untempered) logits
+    arg_index_ptr,  # [R, NB] int64 out: its lowest index
+    j,  # slot index k - 1
+    gamma,  # γ
+    V,  # vocabulary size
+    d,  # hidden size
+    r,  # Markov rank
+    nb,  # NB, vocabulary blocks per row
+    BLOCK_V: tl.constexpr,  # vocabulary block of one program
+    BLOCK_D: tl.constexpr,  # hidden tile
+    BLOCK_R: tl.constexpr,  # next power of two >= r
+    BLOCK_NB: tl.constexpr,  # next power of two >= NB
+):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    if j == 0:
+        prev = tl.load(anchor_ids_ptr + row)
+    else:
+        prev = _race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB)
+    temp = tl.load(temperature_ptr + row)
+    temp_div = tl.where(temp == 0.0, 1.0, temp)  # the reference divides greedy rows by 1 (then takes the one-hot)
+    ranks = tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    rank_mask = ranks < r
+    e = tl.load(w1_ptr + prev * r + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R] W1[prev]
+
+    if blk == 0:
+        if j > 0:
+            tl.store(tokens_ptr + row * gamma + j - 1, prev)
+        # Confidence z_k = conf_w · [h_k; e] + b, before x_k exists.
+        conf_w_e = tl.load(conf_w_ptr + d + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R]
+        z = tl.sum(e * conf_w_e, axis=0)
+        for ds in range(0, d, BLOCK_D):
+            dims = ds + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+            hk = tl.load(h_ptr + row * stride_hr + j * stride_hk + dims, mask=dims < d, other=0.0).to(tl.float32)
+            cw = tl.load(conf_w_ptr + dims, mask=dims < d, other=0.0).to(tl.float32)
+            z += tl.sum(hk * cw, axis=0)
+        tl.store(conf_ptr + row * gamma + j, _round_to(z + tl.load(conf_b_ptr).to(tl.float32), conf_w_ptr))
+
+    # The block's tempered logits (the one-program kernel's pass 1 on one tile).
+    lanes = blk * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    mask = lanes < V
+    w2 = tl.load(w2_ptr + lanes[:, None] * r + ranks[None, :], mask=mask[:, None] & rank_mask[None, :],
+                 other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R]
+    bias = _round_to(tl.sum(w2 * e[None, :], axis=1), w2_ptr)  # [BLOCK_V] B_k, as Linear returns it
+    u_k = tl.load(base_ptr + row * stride_br + j * stride_bk + lanes, mask=mask, other=0.0).to(tl.float32)
+    logits = tl.where(mask, u_k + bias, -float("inf"))  # [BLOCK_V]
+    best, best_index = _argmax_update(-float("inf"), 0, logits, lanes)
+    x = tl.math.div_rn(logits, temp_div)  # [BLOCK_V]
+    tl.store(probs_ptr + (row * gamma + j) * V + lanes, x, mask=mask)
+    x_max = tl.max(x, axis=0)
+    # An all -inf block keeps a zero sum (shifting by 0 instead: -inf - -inf is NaN).
+    x_sum = tl.sum(tl.exp(x - tl.where(x_max > -float("inf"), x_max, 0.0)), axis=0)
+    part = row * nb + blk
+    tl.store(block_max_ptr + part, x_max)
+    tl.store(block_sum_ptr + part, x_sum)
+    tl.store(arg_value_ptr + part, best)
+    tl.store(arg_index_ptr + part, best_index.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "j"])
+def _draft_split_race_kernel(
+    probs_ptr,  # [R, γ, V] fp32 in: tempered logits of slot k; out: p_d
+    anchor_pos_ptr,  # [R] int64 P
+    temperature_ptr,  # [R] fp32 T (0 = greedy)
+    request_ids_ptr,  # [R] int64 request ids
+    block_max_ptr,  # [R, NB] fp32 in: launch A's partials
+    block_sum_ptr,  # [R, NB] fp32 in
+    arg_value_ptr,  # [R, NB] fp32 in
+    arg_index_ptr,  # [R, NB] int64 in
+    race_score_ptr,  # [R, NB] fp32 out: the block's best p_d / E
+    race_index_ptr,  # [R, NB] int64 out: its lowest index
+    seed_lo,  # low 32 bits of the seed
+    seed_hi,  # high 32 bits of the seed
+    j,  # slot index k - 1
+    gamma,  # γ
+    V,  # vocabulary size
+    nb,  # NB, vocabulary blocks per row
+    BLOCK_V: tl.constexpr,  # vocabulary block of one program
+    BLOCK_NB: tl.constexpr,  # next power of two >= NB
+):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    rid = tl.load(request_ids_ptr + row)
+    anchor = tl.load(anchor_pos_ptr + row)
+    greedy = tl.load(temperature_ptr + row) == 0.0
+
+    # The row's softmax statistics and greedy argmax, combined in one fixed order: identical in every block.
+    blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
+    valid = blocks < nb
+    maxes = tl.load(block_max_ptr + row * nb + blocks, mask=valid, other=-float("inf"))  # [BLOCK_NB]
+    sums = tl.load(block_sum_ptr + row * nb + blocks, mask=valid, other=0.0)  # [BLOCK_NB]
+    run_max = tl.max(maxes, axis=0)
+    run_sum = tl.sum(tl.where(maxes > -float("inf"), sums * tl.exp(maxes - run_max), 0.0), axis=0)
+    values = tl.load(arg_value_ptr + row * nb + blocks, mask=valid, other=-float("inf"))  # [BLOCK_NB]
+    indices = tl.load(arg_index_ptr + row * nb + blocks, mask=valid, other=0)  # [BLOCK_NB] int64
+    best = tl.max(values, axis=0)
+    best_index = tl.min(tl.where(valid & (values == best), indices, BIG_INDEX), axis=0)
+
+    # p_d in place and the block's part of the exponential race for x_k (the one-program kernel's pass 2).
+    lanes = blk * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    mask = lanes < V
+    out_row = probs_ptr + (row * gamma + j) * V
+    x = tl.load(out_row + lanes, mask=mask, other=-float("inf"))  # [BLOCK_V]
+    soft = tl.math.div_rn(tl.exp(x - run_max), run_sum)
+    p = tl.where(greedy, (lanes == best_index).to(tl.float32), soft)  # [BLOCK_V] p_d
+    tl.store(out_row + lanes, p, mask=mask)
+    # Purpose 1 + 16k; the runtime `j` first (the interpreter cannot add a tensor to a constexpr on the left).
+    key = _hash_key(seed_lo, seed_hi, rid, anchor + j + 1, 16 * (j + 1) + PURPOSE_DRAFT)
+    race_score, race_index = _race_update(-1.0, 0, p, _exponential_at(key, lanes), lanes, mask)
+    tl.store(race_score_ptr + row * nb + blk, race_score)
+    tl.store(race_index_ptr + row * nb + blk, race_index.to(tl.int64))
+
+
+@triton.jit
+def _draft_split_last_kernel(
+    tokens_ptr,  # [R, γ] int64 out: x_γ
+    race_score_ptr,  # [R, NB] fp32 in: slot γ's race partials
+    race_index_ptr,  # [R, NB] int64 in
+    gamma,  # γ
+    nb,  # NB, vocabulary blocks per row
+    BLOCK_NB: tl.constexpr,  # next power of two >= NB
+):
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(tokens_ptr + row * gamma + gamma - 1, _race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB))
+
+
 def _sample_draft_block_torch(base_logits, h, anchor_ids, anchor_pos, temperature, seed, rid, w1, w2, conf_w, conf_b):
     """Torch fallback: the same loop with torch ops (the reference's arithmetic, sync-free)."""
     R, gamma, V = base_logits.shape
@@ -199,6 +384,8 @@ def sample_draft_block(
     conf_w: Tensor,
     conf_b: Tensor,
     backend: str = "auto",
+    *,
+    split: bool | None = None,
 ) -> DraftOutput:
     """Sample a Markov-head block and its confidence logits (the loop in the module docstring).
 
@@ -215,6 +402,8 @@ def sample_draft_block(
         conf_w: ``[d + r]`` (or ``[1, d + r]``) ``conf_head.weight``: the ``h_k`` part, then the ``W1`` part.
         conf_b: ``[1]`` (or 0-d) ``conf_head.bias``.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        split: Triton variant: ``True`` the split-vocabulary kernels (grid ``(R, NB)``), ``False`` one program per
+            request, ``None`` split on CUDA when ``R < SPLIT_MAX_R``. Ignored by the torch backend.
 
     Returns:
         :class:`reference.drafter.DraftOutput`: tokens ``[R, γ]`` int64, probs ``[R, γ, V]`` fp32,
@@ -256,18 +445,64 @@ def sample_draft_block(
     base_logits = base_logits if base_logits.stride(-1) == 1 else base_logits.contiguous()
     h = h if h.stride(-1) == 1 else h.contiguous()
     block_r = triton.next_power_of_2(r)
+    block_d = min(MAX_BLOCK_D, triton.next_power_of_2(d))
+    temperature = temperature.float().contiguous()
+    w1, w2, conf_w, conf_b = w1.contiguous(), w2.contiguous(), conf_w.contiguous(), conf_b.to(conf_w.dtype).contiguous()
+    if split is None:  # the interpreter runs programs one by one: there the split variant only adds launches
+        split = base_logits.is_cuda and R < SPLIT_MAX_R
+    if split:
+        _launch_split(out, base_logits, h, anchor_ids, anchor_pos, temperature, rid, w1, w2, conf_w, conf_b,
+                      lo, hi, block_r, block_d)
+        return out
     block_v = max(16, min(MAX_BLOCK_V, W2_TILE_ELEMENTS // block_r, triton.next_power_of_2(V)))
     _sample_draft_block_kernel[(R,)](
         out.tokens, out.probs, out.conf_logits,
         base_logits, base_logits.stride(0), base_logits.stride(1),
         h, h.stride(0), h.stride(1),
-        anchor_ids, anchor_pos, temperature.float().contiguous(), rid,
-        w1.contiguous(), w2.contiguous(), conf_w.contiguous(), conf_b.to(conf_w.dtype).contiguous(),
+        anchor_ids, anchor_pos, temperature, rid,
+        w1, w2, conf_w, conf_b,
         lo, hi, gamma, V, d, r,
-        BLOCK_V=block_v, BLOCK_D=min(MAX_BLOCK_D, triton.next_power_of_2(d)), BLOCK_R=block_r,
+        BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=block_r,
         num_warps=NUM_WARPS,
     )
     return out
+
+
+def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: Tensor, anchor_pos: Tensor,
+                  temperature: Tensor, rid: Tensor, w1: Tensor, w2: Tensor, conf_w: Tensor, conf_b: Tensor,
+                  lo: int, hi: int, block_r: int, block_d: int) -> None:
+    """The split-vocabulary variant into ``out``: 2γ + 1 launches, no host syncs (CUDA-graph capturable).
+
+    Inputs as :func:`sample_draft_block` after its checks (contiguous weights, fp32 ``temperature``). The
+    per-block partials live in ``[R, NB]`` scratch tensors allocated here.
+    """
+    R, gamma, V = base_logits.shape
+    d, r = h.shape[2], w1.shape[1]
+    block_v = max(16, min(MAX_BLOCK_V, SPLIT_TILE_ELEMENTS // block_r, triton.next_power_of_2(V)))
+    nb = triton.cdiv(V, block_v)
+    block_nb = triton.next_power_of_2(nb)
+    dev = base_logits.device
+    block_max, block_sum, arg_value, race_score = torch.empty(4, R, nb, dtype=torch.float32, device=dev)
+    arg_index, race_index = torch.empty(2, R, nb, dtype=torch.int64, device=dev)
+    for j in range(gamma):
+        _draft_split_logits_kernel[(R, nb)](
+            out.tokens, out.probs, out.conf_logits,
+            base_logits, base_logits.stride(0), base_logits.stride(1),
+            h, h.stride(0), h.stride(1),
+            anchor_ids, temperature, w1, w2, conf_w, conf_b,
+            race_score, race_index, block_max, block_sum, arg_value, arg_index,
+            j, gamma, V, d, r, nb,
+            BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_NB=block_nb,
+            num_warps=SPLIT_NUM_WARPS,
+        )
+        _draft_split_race_kernel[(R, nb)](
+            out.probs, anchor_pos, temperature, rid,
+            block_max, block_sum, arg_value, arg_index, race_score, race_index,
+            lo, hi, j, gamma, V, nb,
+            BLOCK_V=block_v, BLOCK_NB=block_nb,
+            num_warps=SPLIT_NUM_WARPS,
+        )
+    _draft_split_last_kernel[(R,)](out.tokens, race_score, race_index, gamma, nb, BLOCK_NB=block_nb, num_warps=1)
 
 
 @torch.no_grad()
@@ -280,6 +515,8 @@ def sample_block(
     seed: int,
     request_ids: Tensor,
     backend: str = "auto",
+    *,
+    split: bool | None = None,
 ) -> DraftOutput:
     """``drafter.sample_block`` with the Markov head fused; the RNN and "none" heads run the reference loop.
 
@@ -287,6 +524,7 @@ def sample_block(
         drafter: a :class:`reference.drafter.DSparkDrafter` with its target attached.
         h, anchor_ids, anchor_pos, temperature, seed, request_ids: as ``DSparkDrafter.sample_block``.
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` for the fused Markov path.
+        split: the Triton variant, as :func:`sample_draft_block` (``None``: by batch size).
     """
     if drafter.config.head != "markov":
         return drafter.sample_block(h, anchor_ids, anchor_pos, temperature, seed, request_ids)
@@ -294,4 +532,4 @@ def sample_block(
     base = drafter._base_logits(h)  # [R, γ, V] fp32: U_k exactly as the reference computes it
     return sample_draft_block(base, h, anchor_ids, anchor_pos, temperature, seed, request_ids,
                               head.w1.weight, head.w2.weight, drafter.conf_head.weight, drafter.conf_head.bias,
-                              backend=backend)
+                              backend=backend, split=split)

@@ -10,7 +10,10 @@ Tokens are integers: identical (torch.equal). ``p_d`` and the confidence logits 
   ulps (2^-6 relative): CPU bf16 ``addmm`` may round the product and the bias sum separately, the kernel once.
 
 The Triton cases run through Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set by the CI command)
-and skip without it.
+and skip without it. Both Triton variants are checked: one program per request (``"triton"``) and the
+split-vocabulary kernels (``"triton-split"``), the latter with a shrunken tile so that even small vocabularies
+span several blocks and end in a partial one (the cross-block reductions are what it adds). Its softmax sum is
+combined in another order, an ulp-level change inside the same fp32 tolerances.
 """
 
 from __future__ import annotations
@@ -27,9 +30,19 @@ from reference.drafter import DSparkDrafter
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not (DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"),
                                   reason="the Triton kernel on CPU needs TRITON_INTERPRET=1 (the CI command sets it)")
-BACKENDS = [pytest.param("triton", marks=needs_triton), "torch"]
+BACKENDS = [pytest.param("triton", marks=needs_triton), pytest.param("triton-split", marks=needs_triton), "torch"]
 PROB_ATOL_FP32 = 2e-6
 CONF_ATOL_FP32 = 1e-5
+SMALL_SPLIT_TILE = 128  # SPLIT_TILE_ELEMENTS in tests: BLOCK_V = 16 lanes for r <= 8, several blocks for V = 97
+
+
+@pytest.fixture
+def variant(backend, monkeypatch):
+    """``backend`` param -> ``dict(backend=..., split=...)`` keywords; the split variant gets small blocks."""
+    if backend == "triton-split":
+        monkeypatch.setattr(fast, "SPLIT_TILE_ELEMENTS", SMALL_SPLIT_TILE)
+        return {"backend": "triton", "split": True}
+    return {"backend": backend, "split": False if backend == "triton" else None}
 
 
 def make_drafter(V: int, gamma: int, rank: int, d: int = 32, head: str = "markov", seed: int = 0,
@@ -79,19 +92,19 @@ def assert_close_fp32(got, want):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("R,gamma,V,rank", [(1, 1, 97, 8), (5, 4, 97, 5), (3, 7, 130, 16)])
-def test_sample_block_matches_reference(backend, R, gamma, V, rank):
+def test_sample_block_matches_reference(backend, variant, R, gamma, V, rank):
     drafter = make_drafter(V, gamma, rank, seed=R + gamma)
     h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(R, gamma, V, seed=V + rank)
     want = drafter.sample_block(h, anchor_ids, anchor_pos, temperature, 2**33 + 1, request_ids)
     got = fast.sample_block(on_device(drafter), *to_device(h, anchor_ids, anchor_pos, temperature), 2**33 + 1,
-                            request_ids.to(DEVICE), backend=backend)
+                            request_ids.to(DEVICE), **variant)
     assert got.probs.dtype == torch.float32 and got.tokens.dtype == torch.int64
     assert_close_fp32(got, want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_inputs(backend, dtype):
+def test_half_precision_inputs(backend, variant, dtype):
     # A half-precision target: U = lm_head(h) arrives in `dtype`, and so do the hidden states. The reference sees
     # the same values upcast (its LM head runs in `dtype`; h is chosen exactly representable).
     R, gamma, V = 4, 3, 97
@@ -105,41 +118,106 @@ def test_half_precision_inputs(backend, dtype):
     got = fast.sample_draft_block(*to_device(base, h.to(dtype), anchor_ids, anchor_pos, temperature), 7,
                                   request_ids.to(DEVICE), *to_device(head.w1.weight, head.w2.weight,
                                                                      drafter.conf_head.weight, drafter.conf_head.bias),
-                                  backend=backend)
+                                  **variant)
     assert_close_fp32(got, want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bf16_drafter(backend):
+def test_bf16_drafter(backend, variant):
     R, gamma, V = 4, 3, 97
     drafter = make_drafter(V, gamma, 8, lm_dtype=torch.bfloat16).to(torch.bfloat16)
     h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(R, gamma, V, seed=2)
     h = h.to(torch.bfloat16)
     want = drafter.sample_block(h, anchor_ids, anchor_pos, temperature, 9, request_ids)
     got = fast.sample_block(on_device(drafter), *to_device(h, anchor_ids, anchor_pos, temperature), 9,
-                            request_ids.to(DEVICE), backend=backend)
+                            request_ids.to(DEVICE), **variant)
     assert torch.equal(got.tokens.cpu(), want.tokens)
     torch.testing.assert_close(got.probs.cpu(), want.probs, atol=1e-2, rtol=0)
     torch.testing.assert_close(got.conf_logits.cpu(), want.conf_logits, atol=0, rtol=2.0**-6)
 
 
 @needs_triton
-def test_full_vocabulary():
+@pytest.mark.parametrize("split", [False, True])
+def test_full_vocabulary(split):
+    # The shipped tiles: V = 49152 is 48 one-program tiles, or NB = 48 split blocks of 1024 lanes at r = 8.
     drafter = make_drafter(49152, 2, 8)
     h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(2, 2, 49152, seed=3)
     want = drafter.sample_block(h, anchor_ids, anchor_pos, temperature, 3, request_ids)
     got = fast.sample_block(on_device(drafter), *to_device(h, anchor_ids, anchor_pos, temperature), 3,
-                            request_ids.to(DEVICE), backend="triton")
+                            request_ids.to(DEVICE), backend="triton", split=split)
     assert_close_fp32(got, want)
 
 
+@needs_triton
+@pytest.mark.parametrize("R,rank,V,tile", [(1, 64, 203, SMALL_SPLIT_TILE), (4, 3, 203, SMALL_SPLIT_TILE),
+                                           (7, 64, 203, SMALL_SPLIT_TILE), (6, 64, 600, None)])
+def test_split_matches_reference(monkeypatch, R, rank, V, tile):
+    # Greedy and sampled rows mixed (R > 1), r from 3 to 64, V not a multiple of BLOCK_V: 13 blocks of 16 lanes
+    # (the last holds 11), or with the shipped tile (None) 3 blocks of 256 lanes at r = 64 (the last holds 88).
+    if tile is not None:
+        monkeypatch.setattr(fast, "SPLIT_TILE_ELEMENTS", tile)
+    gamma = 5
+    drafter = make_drafter(V, gamma, rank, seed=R + rank)
+    h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(R, gamma, V, seed=R * rank)
+    want = drafter.sample_block(h, anchor_ids, anchor_pos, temperature, 2**40 + 3, request_ids)
+    got = fast.sample_block(on_device(drafter), *to_device(h, anchor_ids, anchor_pos, temperature), 2**40 + 3,
+                            request_ids.to(DEVICE), backend="triton", split=True)
+    assert_close_fp32(got, want)
+
+
+@needs_triton
+def test_triton_variants_agree(monkeypatch):
+    # Masked vocabulary (-inf U_k: a whole 16-lane block in row 0, scattered lanes in row 3) and greedy rows whose
+    # maximum is tied across blocks (W2 = 0 keeps U_k's ties): both variants and the torch twin pick the same tokens.
+    monkeypatch.setattr(fast, "SPLIT_TILE_ELEMENTS", SMALL_SPLIT_TILE)
+    R, gamma, V, d, r = 5, 3, 150, 32, 8
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randn(R, gamma, V, generator=gen) * 2  # [R, γ, V]
+    base[0, :, 32:48] = -float("inf")
+    base[3, :, ::7] = -float("inf")
+    base[1, :, [21, 70, 149]] = 50.0  # row 1 is greedy: ties across blocks 1, 4 and 9 go to lane 21
+    base[4, :, [100, 60]] = 50.0  # row 4 is greedy: lane 60
+    h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(R, gamma, V, d=d, seed=12)
+    w1 = torch.randn(V, r, generator=gen)
+    conf_w, conf_b = torch.randn(d + r, generator=gen), torch.tensor([0.1])
+    for w2 in (torch.randn(V, r, generator=gen), torch.zeros(V, r)):
+        args = to_device(base, h, anchor_ids, anchor_pos, temperature)
+        rest = to_device(request_ids, w1, w2, conf_w, conf_b)
+        outs = [fast.sample_draft_block(*args, 5, *rest, backend="triton", split=split) for split in (False, True)]
+        want = fast.sample_draft_block(base, h, anchor_ids, anchor_pos, temperature, 5, request_ids, w1, w2, conf_w,
+                                       conf_b, backend="torch")
+        one, split = outs
+        assert torch.equal(one.tokens, split.tokens)
+        assert_close_fp32(split, want)
+        torch.testing.assert_close(split.probs, one.probs, atol=PROB_ATOL_FP32, rtol=0)
+        torch.testing.assert_close(split.conf_logits, one.conf_logits, atol=CONF_ATOL_FP32, rtol=0)
+        assert (split.probs[0, :, 32:48] == 0).all() and (split.probs[3, :, ::7] == 0).all()
+        if not w2.any():
+            assert (split.tokens[1] == 21).all() and (split.tokens[4] == 60).all()
+
+
+@needs_triton
+def test_auto_variant_follows_batch_size(monkeypatch):
+    launches = []
+    monkeypatch.setattr(fast, "_launch_split", lambda *a: launches.append(a[0].tokens.shape[0]))
+    R, gamma, V, r = 3, 2, 40, 4
+    base, h = torch.zeros(R, gamma, V, device=DEVICE), torch.zeros(R, gamma, 8, device=DEVICE)
+    ids, temp = torch.zeros(R, dtype=torch.int64, device=DEVICE), torch.zeros(R, device=DEVICE)
+    weights = to_device(torch.zeros(V, r), torch.zeros(V, r), torch.zeros(8 + r), torch.zeros(1))
+    for split, max_r in [(None, R + 1), (None, R), (True, 1), (False, 100)]:
+        monkeypatch.setattr(fast, "SPLIT_MAX_R", max_r)
+        fast.sample_draft_block(base, h, ids, ids, temp, 0, ids, *weights, backend="triton", split=split)
+    # Auto splits on CUDA below SPLIT_MAX_R (never in the interpreter, where it only adds launches); True forces it.
+    assert launches == ([R, R] if DEVICE == "cuda" else [R])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_batch_independence(backend):
+def test_batch_independence(backend, variant):
     drafter = on_device(make_drafter(97, 4, 8))
     inputs = to_device(*make_inputs(5, 4, 97, seed=4))
-    batch = fast.sample_block(drafter, *inputs[:4], 1, inputs[4], backend=backend)
+    batch = fast.sample_block(drafter, *inputs[:4], 1, inputs[4], **variant)
     for i in range(5):
-        one = fast.sample_block(drafter, *[t[i:i + 1] for t in inputs[:4]], 1, inputs[4][i:i + 1], backend=backend)
+        one = fast.sample_block(drafter, *[t[i:i + 1] for t in inputs[:4]], 1, inputs[4][i:i + 1], **variant)
         assert torch.equal(one.tokens[0], batch.tokens[i])
         torch.testing.assert_close(one.probs[0], batch.probs[i], atol=PROB_ATOL_FP32, rtol=0)
 
