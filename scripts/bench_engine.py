@@ -455,14 +455,8 @@ def load_prompts(args: argparse.Namespace, target: Target, needed: int) -> list[
     return prompts
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python scripts/bench_engine.py", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct", help="target: name, .gguf or HF directory")
-    p.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one, else random init)")
-    p.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES)
-    p.add_argument("--modes", default=DEFAULT_MODES, help="comma list: none, fixed:K, dsd, threshold, adaptive-sync, "
-                   "adaptive")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+def add_engine_source_args(p: argparse.ArgumentParser) -> None:
+    """Prompts, device, dtype and graphs: the arguments shared with ``scripts/profile_engine.py``."""
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="drop longer prompts (after the template)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts-file", default=None, help='JSONL, one {"prompt": ...} per line')
@@ -471,6 +465,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--enforce-eager", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python scripts/bench_engine.py", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="target: name, .gguf or HF directory")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one, else random init)")
+    p.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES)
+    p.add_argument("--modes", default=DEFAULT_MODES, help="comma list: none, fixed:K, dsd, threshold, adaptive-sync, "
+                   "adaptive")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_engine_source_args(p)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hf-max-batch", type=int, default=256, help="skip HF generate above this batch size")

@@ -45,7 +45,7 @@ from optimized.scheduler import SamplingParams  # noqa: E402
 from reference.config import SchedulerConfig  # noqa: E402
 from reference.drafter import DSparkDrafter  # noqa: E402
 from reference.target import Target  # noqa: E402
-from scripts.bench_engine import load_prompts, parse_mode  # noqa: E402
+from scripts.bench_engine import add_engine_source_args, load_prompts, parse_mode  # noqa: E402
 
 log = logging.getLogger("dspark.profile_engine")
 
@@ -207,14 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="decoding steps timed, and as many profiled")
     p.add_argument("--warmup", type=int, default=5, help="decoding steps before timing")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-prompt-tokens", type=int, default=512, help="drop longer prompts (after the template)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompts-file", default=None, help='JSONL, one {"prompt": ...} per line')
-    src.add_argument("--sharegpt-file", default=None, help="ShareGPT .json(.gz) (default: the packaged file)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--enforce-eager", action="store_true")
+    add_engine_source_args(p)
     p.add_argument("--context-len", type=int, default=DEFAULT_CONTEXT_LEN, help="KV length of the cost profile")
     p.add_argument("--cost-cache-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
