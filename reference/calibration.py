@@ -61,11 +61,11 @@ def _bin_index(probs: Tensor, num_bins: int) -> Tensor:
 
 
 def _ece_batched(probs: Tensor, labels: Tensor, num_bins: int) -> Tensor:
-    """ECE of G candidate probability vectors against one label vector at once.
+    """ECE of G (probability, label) vector pairs at once.
 
     Args:
-        probs: ``[G, M]`` probabilities (one row per candidate temperature).
-        labels: ``[M]`` 0/1 outcomes.
+        probs: ``[G, M]`` probabilities (e.g. one row per candidate temperature).
+        labels: ``[M]`` 0/1 outcomes shared by every row, or ``[G, M]`` one label vector per row.
         num_bins: B.
 
     Returns:
@@ -73,7 +73,7 @@ def _ece_batched(probs: Tensor, labels: Tensor, num_bins: int) -> Tensor:
     """
     G, M = probs.shape
     probs = probs.double()
-    gap = probs - labels.double()[None, :]  # [G, M] per-sample signed miscalibration
+    gap = probs - labels.double().expand(G, M)  # [G, M] per-sample signed miscalibration
     bins = _bin_index(probs, num_bins) + num_bins * torch.arange(G, device=probs.device)[:, None]  # [G, M]
     per_bin = torch.zeros(G * num_bins, dtype=torch.float64, device=probs.device)
     per_bin.index_add_(0, bins.flatten(), gap.flatten())  # [G·B] Σ (p - y) in each bin
@@ -119,11 +119,7 @@ def ece_noise_floor(probs: Tensor, num_bins: int = 20, repeats: int = 200, seed:
     p = probs.detach().double().cpu()
     gen = torch.Generator().manual_seed(seed)
     y = (torch.rand(repeats, p.numel(), generator=gen, dtype=torch.float64) < p[None, :]).double()  # [R, M]
-    gap = p[None, :] - y  # [R, M]
-    bins = _bin_index(p, num_bins)[None, :] + num_bins * torch.arange(repeats)[:, None]  # [R, M]
-    per_bin = torch.zeros(repeats * num_bins, dtype=torch.float64)
-    per_bin.index_add_(0, bins.flatten(), gap.flatten())
-    ece = per_bin.view(repeats, num_bins).abs().sum(dim=1) / p.numel()  # [R]
+    ece = _ece_batched(p.expand(repeats, -1), y, num_bins)  # [R]
     return float(ece.median()), float(ece.quantile(0.95))
 
 
