@@ -41,6 +41,21 @@ def smollm2_target():
     return Target.load()
 
 
+# A standalone drafter config (no target model): vocabulary, width, block size and the tapped layers.
+TINY_V, TINY_D, TINY_GAMMA, TINY_TAPS = 96, 64, 4, (0, 1, 2)
+
+
+def tiny_drafter_config(head: str = "markov", qk_norm: bool = False, **overrides):
+    """A small :class:`reference.config.DrafterConfig` for drafter-only tests; ``overrides`` replace any field."""
+    from reference.config import DrafterConfig
+
+    fields = dict(vocab_size=TINY_V, hidden_size=TINY_D, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=128, rms_norm_eps=1e-6, target_num_layers=4, target_layer_ids=TINY_TAPS,
+                  block_size=TINY_GAMMA, head=head, markov_rank=16, qk_norm=qk_norm)
+    fields.update(overrides)
+    return DrafterConfig(**fields)
+
+
 def tiny_drafter(target, *, gamma: int = 4, seed: int = 0, head: str = "markov", markov_rank: int = 16,
                  noise: float = 0.0):
     """A random one-layer DSpark drafter for ``target`` (a reference Target), attached and in eval mode.

@@ -20,16 +20,12 @@ from reference.checkpoint import (
 )
 from reference.config import DrafterConfig
 from reference.drafter import DSparkDrafter
+from tests.conftest import TINY_D, TINY_GAMMA, TINY_TAPS, TINY_V, tiny_drafter_config
 
-V, D_MODEL, GAMMA, TAPS = 96, 64, 4, (0, 1, 2)
+V, D_MODEL, GAMMA, TAPS = TINY_V, TINY_D, TINY_GAMMA, TINY_TAPS
 
 
-def make_config(head: str = "markov", qk_norm: bool = False, **overrides) -> DrafterConfig:
-    fields = dict(vocab_size=V, hidden_size=D_MODEL, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  intermediate_size=128, rms_norm_eps=1e-6, target_num_layers=4, target_layer_ids=TAPS,
-                  block_size=GAMMA, head=head, markov_rank=16, qk_norm=qk_norm)
-    fields.update(overrides)
-    return DrafterConfig(**fields)
+make_config = tiny_drafter_config
 
 
 def make_target() -> tuple[torch.nn.Embedding, torch.nn.Linear]:
