@@ -21,6 +21,7 @@ TRAIN_S=${TRAIN_S:-300}        # training time of one arm; the step count is fix
 DEADLINE_S=${DEADLINE_S:-1320} # nothing new starts that could not finish before this (from the start of this script)
 BENCH_S=${BENCH_S:-300}
 GE_S=${GE_S:-150}              # GPU equivalence run
+PYTEST_S=${PYTEST_S:-240}      # pytest -m gpu (100 s cut it after 7 tests on 2026-11-29)
 HELD_N=${HELD_N:-512}          # held-out sequences (training eval, calibration)
 # Extra arguments appended to each step's command (argparse keeps the last value): a CPU dry run of this script
 # shrinks every step with them, e.g. GEN_EXTRA="--limit 8 --batch-size 4 --shard-size 4 --max-new-tokens 8".
@@ -108,23 +109,32 @@ calibrate() {  # calibrate GPU ARM SHIPNAME: STS on held-out proposals, then a c
   stamp "calibrated $arm -> ship/$name: $(grep -i 'ece' $RES/logs/calibrate-$arm.log | tail -n 2 | tr '\n' ' ' | cut -c1-200)"
 }
 
-# 3. The arms. GPU 0: Markov (arm 1), then its calibration, τ, the engine benchmark (alone on its GPU) and the GPU
-#    equivalence run. GPU 1: parallel CE+L1 (arm 3), CE-only (arm 4), RNN (arm 2), their τ, the kernel benchmark.
-lane0() {
-  train 0 markov --head markov
-  calibrate 0 markov smollm2-135m-instruct-dspark
+# 3. Arm 1 first: its calibrated checkpoint is the drafter the engine work of issue 4 measures with.
+arm1() {
+  train $1 markov --head markov
+  calibrate $1 markov smollm2-135m-instruct-dspark
   rm -rf checkpoints/smollm2-135m-instruct-dspark && cp -a $RES/ship/smollm2-135m-instruct-dspark checkpoints/
-  evaluate 0 markov
+}
+engine_work() {  # engine_work GPU: the engine benchmark (alone on its GPU), the GPU equivalence run, gpu tests
   stamp "bench_engine"
-  on 0 timeout $((BENCH_S + 60)) python scripts/bench_engine.py --model "$MODEL" --sharegpt-file "$SHAREGPT" \
+  on $1 timeout $((BENCH_S + 60)) python scripts/bench_engine.py --model "$MODEL" --sharegpt-file "$SHAREGPT" \
     --drafter checkpoints/smollm2-135m-instruct-dspark --time-budget-s "$BENCH_S" --cost-cache-dir /tmp/costcache \
     --out $RES/engine-h200.json "${BENCH_EXTRA[@]}" > $RES/logs/bench_engine.log 2>&1
   stamp "bench_engine done (rc $?)"
-  on 0 timeout 300 python scripts/gpu_equivalence.py --model "$MODEL" --drafter checkpoints/smollm2-135m-instruct-dspark \
-    --device cuda --limit 6 --max-new-tokens 48 --time-budget-s "$GE_S" --json $RES/gpu-equivalence.json "${GE_EXTRA[@]}" > $RES/logs/gpu_equivalence.log 2>&1
+  on $1 timeout $((GE_S + 40)) python scripts/gpu_equivalence.py --model "$MODEL" \
+    --drafter checkpoints/smollm2-135m-instruct-dspark --device cuda --limit 6 --max-new-tokens 48 \
+    --time-budget-s "$GE_S" --json $RES/gpu-equivalence.json "${GE_EXTRA[@]}" > $RES/logs/gpu_equivalence.log 2>&1
   stamp "gpu_equivalence done (rc $?)"
-  on 0 timeout 240 python -m pytest -q -m gpu tests/ -p no:cacheprovider > $RES/logs/pytest-gpu.log 2>&1
+  on $1 timeout "$PYTEST_S" python -m pytest -q -m gpu tests/ -p no:cacheprovider > $RES/logs/pytest-gpu.log 2>&1
   stamp "pytest -m gpu: $(tail -n 1 $RES/logs/pytest-gpu.log)"
+}
+
+# Two GPUs. GPU 0: arm 1, its τ, the engine work. GPU 1: parallel CE+L1 (arm 3), CE-only (arm 4), RNN (arm 2) while
+# time is left, their τ, the kernel benchmark.
+lane0() {
+  arm1 0
+  evaluate 0 markov
+  engine_work 0
 }
 lane1() {
   local g=$G1
@@ -144,23 +154,11 @@ lane1() {
   stamp "bench_kernels done (rc $?)"
 }
 
-# One GPU: the engine work of issue 4 right after arm 1 (so it is measured with the trained drafter and finishes
-# early), then the other arms while time is left, then every evaluation side by side on the GPU.
+# One GPU: the engine work right after arm 1 (so it finishes early), then the other arms while time is left, then
+# every evaluation side by side on the GPU.
 single() {
-  train 0 markov --head markov
-  calibrate 0 markov smollm2-135m-instruct-dspark
-  rm -rf checkpoints/smollm2-135m-instruct-dspark && cp -a $RES/ship/smollm2-135m-instruct-dspark checkpoints/
-  stamp "bench_engine"
-  on 0 timeout $((BENCH_S + 60)) python scripts/bench_engine.py --model "$MODEL" --sharegpt-file "$SHAREGPT" \
-    --drafter checkpoints/smollm2-135m-instruct-dspark --time-budget-s "$BENCH_S" --cost-cache-dir /tmp/costcache \
-    --out $RES/engine-h200.json "${BENCH_EXTRA[@]}" > $RES/logs/bench_engine.log 2>&1
-  stamp "bench_engine done (rc $?)"
-  on 0 timeout $((GE_S + 40)) python scripts/gpu_equivalence.py --model "$MODEL" \
-    --drafter checkpoints/smollm2-135m-instruct-dspark --device cuda --limit 6 --max-new-tokens 48 \
-    --time-budget-s "$GE_S" --json $RES/gpu-equivalence.json "${GE_EXTRA[@]}" > $RES/logs/gpu_equivalence.log 2>&1
-  stamp "gpu_equivalence done (rc $?)"
-  on 0 timeout 100 python -m pytest -q -m gpu tests/ -p no:cacheprovider > $RES/logs/pytest-gpu.log 2>&1
-  stamp "pytest -m gpu: $(tail -n 1 $RES/logs/pytest-gpu.log)"
+  arm1 0
+  engine_work 0
   local arms="markov"
   for arm in parallel dflash rnn; do
     if [ "$(left)" -lt $((TRAIN_S + 160)) ]; then stamp "skip $arm: $(left) s left before the deadline"; continue; fi
