@@ -181,6 +181,7 @@ def fingerprint(engine, context_len: int = DEFAULT_CONTEXT_LEN) -> tuple[str, di
         "triton": triton_version, "max_num_seqs": engine.config.max_num_seqs, "gamma": engine.gamma,
         "cuda_graphs": bool(engine.verify_graphs.graphs),
         "attention_backend": getattr(engine.target, "attention_backend", None),
+        "layer_backend": getattr(engine.target, "layer_backend", None),
         "context_len": _fit_context(engine, context_len),
     }
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:24]

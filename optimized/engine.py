@@ -55,6 +55,9 @@ class EngineConfig:
     prefill_chunk: int = 8192  # prompt tokens per step over all prefilling requests (chunked prefill)
     enforce_eager: bool = False  # True: no CUDA graphs (the same code path, launched eagerly)
     kernel_backend: str = "auto"  # "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch"
+    # The element-wise layer ops (RMSNorm, RoPE + KV append, SiLU·up; optimized/kernels/layer_ops.py): None follows
+    # kernel_backend; "torch" keeps the unfused HF-rounding ops on CUDA too (to measure what the fusion buys).
+    layer_backend: str | None = None
     seed: int = 0  # root of the random-number contract (reference/sampling.py)
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
@@ -62,6 +65,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kernel_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}")
+        if self.layer_backend not in (None, "auto", "triton", "torch"):
+            raise ValueError(f"layer_backend must be None, auto, triton or torch, got {self.layer_backend!r}")
         if self.max_num_seqs < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1:
             raise ValueError("max_num_seqs, max_seq_len and prefill_chunk must be positive")
 
@@ -92,12 +97,14 @@ class Engine:
         self.gamma = drafter.config.block_size if drafter is not None else 0
         self.vocab = target.vocab_size
         # Static caches: max_num_seqs slots (+ a trash slot the models add for padding writes).
-        self.target = OptimizedTarget(target, attention_backend=config.kernel_backend)
+        self.target = OptimizedTarget(target, attention_backend=config.kernel_backend,
+                                      layer_backend=config.layer_backend)
         self.target.allocate_cache(config.max_num_seqs, config.max_seq_len)
         self.drafter = None
         self.ref_drafter = drafter
         if drafter is not None and sched.mode != "none":
-            self.drafter = OptimizedDrafter(drafter, attention_backend=config.kernel_backend)
+            self.drafter = OptimizedDrafter(drafter, attention_backend=config.kernel_backend,
+                                            layer_backend=config.layer_backend)
             self.drafter.allocate_cache(config.max_num_seqs, config.max_seq_len)
             self.sts = {mode: torch.tensor(temperatures_for(drafter.config, mode), device=self.device)
                         for mode in ("greedy", "sampling")}

@@ -75,6 +75,7 @@ class BenchConfig:
     hf_repeats: int = 1  # HF runs take seconds each and vary little; one timed run after a short warm-up
     time_budget_s: float | None = None  # start no new configuration after this many seconds (model load included)
     enforce_eager: bool = False  # engine without CUDA graphs
+    layer_backend: str | None = None  # EngineConfig.layer_backend (None: fused Triton layer ops on CUDA)
     context_len: int = DEFAULT_CONTEXT_LEN  # KV length the cost table is profiled at
     cost_cache_dir: str | None = None  # default $DSPARK_CACHE/cost or ~/.cache/dspark/cost
     seed: int = 0
@@ -217,7 +218,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     longest = max(len(p) for p in prompts[:max_b])
     max_seq_len = max(longest + cfg.max_new_tokens, cfg.context_len) + 2 * gamma + 8
     econf = dict(max_num_seqs=max_b, max_seq_len=max_seq_len, device=str(device), dtype=target.dtype,
-                 enforce_eager=cfg.enforce_eager, seed=cfg.seed)
+                 enforce_eager=cfg.enforce_eager, layer_backend=cfg.layer_backend, seed=cfg.seed)
     engines: dict[str, Engine] = {}
     t_build = time.perf_counter()
     if any(m == "none" for _, m, _ in modes):
@@ -465,6 +466,9 @@ def add_engine_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--layer-backend", default=None, choices=["auto", "triton", "torch"],
+                   help="element-wise layer ops (RMSNorm, RoPE+append, SiLU): default the kernel backend (fused Triton "
+                        "on CUDA); torch = the unfused ops, to measure the fusion")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -499,7 +503,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     cfg = BenchConfig(batch_sizes=[int(b) for b in args.batch_sizes.split(",")], modes=args.modes.split(","),
                       max_new_tokens=args.max_new_tokens, warmup=args.warmup, repeats=args.repeats,
                       hf_max_batch=args.hf_max_batch, hf_repeats=args.hf_repeats, time_budget_s=args.time_budget_s,
-                      enforce_eager=args.enforce_eager, context_len=args.context_len,
+                      enforce_eager=args.enforce_eager, layer_backend=args.layer_backend, context_len=args.context_len,
                       cost_cache_dir=args.cost_cache_dir, seed=args.seed)
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if target is None:

@@ -17,6 +17,10 @@ verify         rejection sampling, fp32 ``p_d``/``p_t``: case ``accept_all`` (``
 allocate       the ``[R, γ]`` survivals once (device sort; its twin is the reference's host op)
 draft_head     the ``[R, γ, V]`` fp32 base logits read and ``p_d`` written once, plus W1/W2 once; rows
                ``triton`` (one program per request) and ``triton-split`` (vocabulary split over programs)
+layer_ops      the fused element-wise ops of one decoder layer over the N = R·(γ+1) verify tokens:
+               ``rms_norm`` (x and residual read, sum and output written), ``rope_append`` (q, k, v read,
+               rotated q and k/v cache rows written), ``silu_mul`` ([gate | up] read, the product written);
+               ``torch`` is the unfused HF-rounding chain (7, ~12 and 2 launches)
 =============  =======================================================================================
 
 Shapes are SmolLM2-135M's (H = 9, Hkv = 3, D = 64, V = 49152, d = 576, Markov rank r = 64) with γ = 7 and
@@ -52,13 +56,14 @@ from optimized.cost_model import hardware_name  # noqa: E402
 from optimized.kernels.allocate import allocate_top_b  # noqa: E402
 from optimized.kernels.attention import varlen_attention  # noqa: E402
 from optimized.kernels.draft_head import sample_draft_block  # noqa: E402
+from optimized.kernels.layer_ops import rms_norm, rope_append_kv, rope_cos_sin, silu_mul  # noqa: E402
 from optimized.kernels.sampling import sample  # noqa: E402
 from optimized.kernels.verify import greedy_verify, rejection_sample  # noqa: E402
 from reference import scheduler as ref_scheduler  # noqa: E402
 
 log = logging.getLogger("dspark.bench_kernels")
 
-OPS = ("attention", "sampling", "verify", "allocate", "draft_head")
+OPS = ("attention", "sampling", "verify", "allocate", "draft_head", "layer_ops")
 H200_HBM_GBPS = 4800.0  # NVIDIA H200 SXM datasheet: 4.8 TB/s HBM3e
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,6 +77,7 @@ class Shapes:
     head_dim: int = 64  # D
     vocab: int = 49152  # V
     hidden: int = 576  # d (the confidence head reads h_k)
+    intermediate: int = 1536  # I, the MLP width
     markov_rank: int = 64  # r, DrafterConfig default
     gamma: int = 7  # γ, the paper's block size
     context: int = 512  # keys before the verified block (a ShareGPT prompt plus part of its answer)
@@ -80,7 +86,7 @@ class Shapes:
     @classmethod
     def tiny(cls) -> Shapes:
         """CPU smoke-test sizes: the same structure (GQA groups, γ) in miniature."""
-        return cls(num_heads=4, num_kv_heads=2, head_dim=16, vocab=256, hidden=32, markov_rank=8, gamma=7,
+        return cls(num_heads=4, num_kv_heads=2, head_dim=16, vocab=256, hidden=32, intermediate=48, markov_rank=8, gamma=7,
                    context=24, batches=(1, 4))
 
 
@@ -239,6 +245,35 @@ def draft_head_case(s: Shapes, R: int, device: torch.device, dtype: torch.dtype,
                 {"R": R, "gamma": g, "V": V, "d": d, "r": r}, str(dtype), variants=("triton-split",))
 
 
+def layer_op_cases(s: Shapes, R: int, device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> list[Case]:
+    n, d, inter = R * (s.gamma + 1), s.hidden, s.intermediate
+    H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
+    x = torch.randn(n, d, generator=gen, device=device).to(dtype)  # [N, d]
+    res = torch.randn(n, d, generator=gen, device=device).to(dtype)
+    w = (1 + 0.1 * torch.randn(d, generator=gen, device=device)).to(dtype)
+    qkv = torch.randn(n, (H + 2 * Hkv) * D, generator=gen, device=device).to(dtype)  # the fused projection
+    q, k, v = (t.view(n, -1, D) for t in qkv.split([H * D, Hkv * D, Hkv * D], dim=-1))
+    positions = (s.context + torch.arange(n, device=device) % (s.gamma + 1)).long()  # [N]
+    slots = (torch.arange(n, device=device) // (s.gamma + 1)).long()  # [N] request r → slot r
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, device=device).float() / D))
+    cos, sin = rope_cos_sin(positions, inv_freq, 1.0, dtype)
+    k_cache = torch.zeros(R + 1, s.context + s.gamma + 1, Hkv, D, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    gate_up = torch.randn(n, 2 * inter, generator=gen, device=device).to(dtype)
+    es = x.element_size()
+    diff = lambda a, b: {"max_abs_diff": _max_abs_diff(a, b)}  # noqa: E731
+    shape = {"N": n, "d": d, "H": H, "Hkv": Hkv, "D": D, "I": inter}
+    return [
+        Case("layer_ops", "rms_norm", R, lambda b: rms_norm(x, w, 1e-5, res, backend=b)[0], 4 * n * d * es, diff,
+             shape, str(dtype)),
+        Case("layer_ops", "rope_append", R,
+             lambda b: rope_append_kv(q, k, v, cos, sin, k_cache, v_cache, slots, positions, backend=b),
+             2 * n * (H + 2 * Hkv) * D * es, diff, shape, str(dtype)),
+        Case("layer_ops", "silu_mul", R, lambda b: silu_mul(gate_up, backend=b), 3 * n * inter * es, diff, shape,
+             str(dtype)),
+    ]
+
+
 def build_cases(op: str, s: Shapes, device: torch.device, dtype: torch.dtype) -> list[Case]:
     gen = torch.Generator(device=device).manual_seed(0)  # inputs are drawn on the device: R = 256 is ~1 GB
     cases = []
@@ -253,6 +288,8 @@ def build_cases(op: str, s: Shapes, device: torch.device, dtype: torch.dtype) ->
             cases.append(allocate_case(s, R, device, gen))
         elif op == "draft_head":
             cases.append(draft_head_case(s, R, device, dtype, gen))
+        elif op == "layer_ops":
+            cases += layer_op_cases(s, R, device, dtype, gen)
         else:
             raise ValueError(f"unknown op {op!r}; choose one of {', '.join(OPS)} or all")
     return cases

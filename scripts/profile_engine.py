@@ -63,12 +63,12 @@ def _sync(device: torch.device) -> None:
 
 def build_engine(target: Target, drafter: DSparkDrafter | None, mode: str, k: int | None, batch_size: int,
                  max_seq_len: int, enforce_eager: bool, context_len: int, cost_cache_dir: str | None,
-                 seed: int) -> Engine:
+                 seed: int, layer_backend: str | None = None) -> Engine:
     """An engine sized for ``batch_size`` slots in one policy; adaptive policies get a profiled cost table."""
     gamma = drafter.config.block_size if drafter is not None else 1
     sched = SchedulerConfig(mode=mode, k=k if k is not None else gamma)
     cfg = EngineConfig(max_num_seqs=batch_size, max_seq_len=max_seq_len, device=str(target.device),
-                       dtype=target.dtype, enforce_eager=enforce_eager, seed=seed)
+                       dtype=target.dtype, enforce_eager=enforce_eager, seed=seed, layer_backend=layer_backend)
     engine = Engine(target, drafter if mode != "none" else None, cfg, sched)
     if mode in ("adaptive", "adaptive-sync"):
         engine.set_cost_table(cached_profile(engine, cache_dir=cost_cache_dir, context_len=context_len))
@@ -138,7 +138,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
     max_new = total_steps * (gamma + 1) + 8
     max_seq_len = max(len(p) for p in batch) + max_new + 2 * gamma + 8
     engine = build_engine(target, drafter, mode, k, args.batch_size, max(max_seq_len, args.context_len + 2 * gamma + 8),
-                          args.enforce_eager, args.context_len, args.cost_cache_dir, args.seed)
+                          args.enforce_eager, args.context_len, args.cost_cache_dir, args.seed, args.layer_backend)
     params = SamplingParams(max_new_tokens=max_new, temperature=args.temperature, ignore_eos=True)
     for i, p in enumerate(batch):
         engine.add_request(p, params, request_id=i)
@@ -163,6 +163,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
         "model": target.name,
         "settings": {"mode": args.mode, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
                      "temperature": args.temperature, "enforce_eager": args.enforce_eager,
+                     "layer_backend": args.layer_backend or "default",
                      "dtype": str(target.dtype), "prefill_steps": prefill_steps, "gamma": gamma},
         "step_ms_median": statistics.median(timed) if timed else None,
         "step_ms_all": [round(t, 3) for t in timed],

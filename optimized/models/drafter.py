@@ -25,17 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from optimized.models.target import (
-    AttentionShape,
-    apply_rope,
-    check_int32,
-    decoder_layer,
-    fuse_linears,
-    layer_weights,
-    rms_norm,
-    rope_cos_sin,
-    write_kv,
-)
+from optimized.kernels.layer_ops import rms_norm, rope_append_kv, rope_cos_sin
+from optimized.models.target import AttentionShape, check_int32, decoder_layer, fuse_linears, layer_weights
 from reference.drafter import DSparkDrafter
 
 
@@ -48,13 +39,16 @@ class OptimizedDrafter:
     """
 
     def __init__(self, drafter: DSparkDrafter, *, embed_weight: Tensor | None = None,
-                 lm_head_weight: Tensor | None = None, attention_backend: str = "auto") -> None:
+                 lm_head_weight: Tensor | None = None, attention_backend: str = "auto",
+                 layer_backend: str | None = None) -> None:
         """Args:
             drafter: the reference drafter, with its target attached (``attach_target``) unless both weights below
                 are given.
             embed_weight: ``[V, d]`` the target's input embedding (default: the attached one).
             lm_head_weight: ``[V, d]`` the target's LM head (default: the attached one).
             attention_backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``.
+            layer_backend: the same for the element-wise layer ops (RMSNorm, RoPE + append, SiLU); ``None`` follows
+                ``attention_backend``.
         """
         cfg = drafter.config
         self.config = cfg
@@ -84,6 +78,7 @@ class OptimizedDrafter:
         d = cfg.head_dim
         self.inv_freq = cfg.rope_theta ** (-torch.arange(0, d, 2, device=self.device, dtype=torch.float32) / d)
         self.attention_backend = attention_backend
+        self.layer_backend = attention_backend if layer_backend is None else layer_backend
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
 
@@ -127,16 +122,15 @@ class OptimizedDrafter:
         is_trash = slot_of_token < 0
         slots = torch.where(is_trash, trash, slot_of_token.long())  # [N]
         pos = torch.where(is_trash, 0, positions.long())  # [N]
-        h_ctx = rms_norm(F.linear(features.to(self.dtype), self.context_proj), self.context_norm, s.eps)  # [N, d]
+        ops = self.layer_backend
+        h_ctx, _ = rms_norm(F.linear(features.to(self.dtype), self.context_proj), self.context_norm, s.eps,
+                            backend=ops)  # [N, d]
         kv = F.linear(h_ctx, self.context_kv, self.context_kv_bias)  # [N, L·2·Hkv·D]
         kv = kv.view(n, len(self.layers), 2, s.num_kv_heads, s.head_dim)  # [N, L, 2, Hkv, D]
         cos, sin = rope_cos_sin(pos, self.inv_freq, 1.0, self.dtype)  # [N, D] each
-        for i, w in enumerate(self.layers):
-            k, v = kv[:, i, 0], kv[:, i, 1]  # [N, Hkv, D] each
-            if w.k_norm is not None:
-                k = rms_norm(k, w.k_norm, s.eps)
-            k = apply_rope(k, cos, sin)
-            write_kv(k_cache[i], v_cache[i], slots, pos, k, v)
+        for i, w in enumerate(self.layers):  # k_norm (Qwen3-style drafters), RoPE of k, then k and v to the cache
+            rope_append_kv(None, kv[:, i, 0], kv[:, i, 1], cos, sin, k_cache[i], v_cache[i], slots, pos,
+                           k_norm=w.k_norm, eps=s.eps, backend=ops)
 
     @torch.inference_mode()
     def backbone(self, anchor_ids: Tensor, anchor_pos: Tensor, slot_ids: Tensor) -> Tensor:
@@ -168,8 +162,9 @@ class OptimizedDrafter:
         x = self._block_embeddings(anchor_ids).reshape(r * g, d)  # [R·γ, d]
         for i, w in enumerate(self.layers):
             x = decoder_layer(x, w, self.shape, cos, sin, k_cache[i], v_cache[i], write_slots, positions, cu,
-                              kv_lens, slots, causal=False, max_q_len=g, backend=self.attention_backend)
-        return rms_norm(x, self.final_norm, self.shape.eps).view(r, g, d)
+                              kv_lens, slots, causal=False, max_q_len=g, backend=self.attention_backend,
+                              layer_backend=self.layer_backend)
+        return rms_norm(x, self.final_norm, self.shape.eps, backend=self.layer_backend)[0].view(r, g, d)
 
     def base_logits(self, h: Tensor) -> Tensor:
         """U_k = lm_head(h_k) in float32: h ``[R, γ, d]`` → ``[R, γ, V]`` (the target's LM head, shared)."""

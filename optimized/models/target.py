@@ -21,7 +21,7 @@ Weights are the HF model's own tensors, except that q/k/v and gate/up are fused 
 tensors become the storage of the HF module's parameters too (they are rebound to views), so the fusion costs no
 memory and the HF model keeps working, e.g. as the reference in equivalence tests.
 
-The building blocks (``rms_norm``, ``apply_rope``, ``LayerWeights``, ``decoder_layer``) are shared with the
+The building blocks (``LayerWeights``, ``decoder_layer`` and the layer ops it calls) are shared with the
 drafter (``optimized/models/drafter.py``), whose backbone layers have the target's shape.
 """
 
@@ -34,6 +34,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from optimized.kernels.attention import varlen_attention
+from optimized.kernels.layer_ops import apply_rope, rope_append_kv, rope_cos_sin, silu_mul, write_kv
+from optimized.kernels.layer_ops import rms_norm as fused_rms_norm
+from optimized.kernels.layer_ops import rms_norm_torch as rms_norm
 from reference.config import default_target_layer_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -43,30 +46,10 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Building blocks, written to round exactly like HF Llama/Qwen (so fp16/bf16 outputs agree bit-for-bit in the
-# common cases and fp32 agrees to summation order).
+# Building blocks. The element-wise ops (RMSNorm, RoPE, KV append, SiLU) live in optimized/kernels/layer_ops.py, each
+# as a torch definition that rounds exactly like HF Llama/Qwen (fp16/bf16 outputs agree bit-for-bit in the common
+# cases, fp32 to summation order) and a fused Triton kernel of the same signature.
 # ---------------------------------------------------------------------------------------------------------
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """HF RMSNorm: normalise in float32, cast back, then scale by the gain. x [..., d] -> [..., d]."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def rope_cos_sin(positions: Tensor, inv_freq: Tensor, scaling: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin tables [N, D] for absolute ``positions`` [N], computed in float32 then cast (HF's order)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [N, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE of x [N, heads, D] with tables [N, D] (Llama convention, not interleaved pairs)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)  # [N, heads, D]
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 @dataclass
@@ -133,44 +116,33 @@ def layer_weights(layer: nn.Module, rebind: bool) -> LayerWeights:
     )
 
 
-def project_qkv(h: Tensor, w: LayerWeights, shape: AttentionShape, cos: Tensor, sin: Tensor
-                ) -> tuple[Tensor, Tensor, Tensor]:
-    """Normalised hidden states h [N, d] -> RoPE'd q [N, H, D], k [N, Hkv, D] and v [N, Hkv, D]."""
-    n, H, Hkv, D = h.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim
-    q, k, v = F.linear(h, w.qkv, w.qkv_bias).split([H * D, Hkv * D, Hkv * D], dim=-1)
-    q, k, v = q.view(n, H, D), k.view(n, Hkv, D), v.view(n, Hkv, D)
-    if w.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
-        q, k = rms_norm(q, w.q_norm, shape.eps), rms_norm(k, w.k_norm, shape.eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
-def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
-    """KV append: cache[slots[i], positions[i]] = k[i] (and v). One scatter per tensor, no host sync.
-
-    Advanced indexing bounds-checks both indices (an error on CPU, a device assert on CUDA), so a position past
-    the cache cannot silently spill into the next slot. Duplicate (slot, position) pairs only occur in the trash
-    slot, where any winner is fine.
-    """
-    k_cache.index_put_((slots, positions), k)
-    v_cache.index_put_((slots, positions), v)
+def split_qkv(qkv: Tensor, shape: AttentionShape) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused projection [N, (H + 2·Hkv)·D] as views q [N, H, D], k [N, Hkv, D], v [N, Hkv, D] (no copy)."""
+    n, H, Hkv, D = qkv.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    return q.view(n, H, D), k.view(n, Hkv, D), v.view(n, Hkv, D)
 
 
 def decoder_layer(x: Tensor, w: LayerWeights, shape: AttentionShape, cos: Tensor, sin: Tensor,
                   k_cache: Tensor, v_cache: Tensor, write_slots: Tensor, write_pos: Tensor,
                   cu_seqlens_q: Tensor, kv_lens: Tensor, slot_ids: Tensor, *, causal: bool,
-                  max_q_len: int | None, backend: str) -> Tensor:
+                  max_q_len: int | None, backend: str, layer_backend: str | None = None) -> Tensor:
     """One pre-norm layer over packed tokens: x + attn(norm(x)), then + mlp(norm(·)). x [N, d] -> [N, d].
 
     The new tokens' K/V are written to the cache first, so attention reads every visible key from one place.
+    ``backend`` picks the attention kernel, ``layer_backend`` (default: the same) the element-wise ops; with Triton
+    a layer is ten launches: norm, qkv, RoPE+append, attention, o, add+norm, gate/up, SiLU·up, down, add.
     """
+    ops = backend if layer_backend is None else layer_backend
     n = x.shape[0]
-    q, k, v = project_qkv(rms_norm(x, w.input_norm, shape.eps), w, shape, cos, sin)
-    write_kv(k_cache, v_cache, write_slots, write_pos, k, v)
+    h, _ = fused_rms_norm(x, w.input_norm, shape.eps, backend=ops)
+    q, k, v = split_qkv(F.linear(h, w.qkv, w.qkv_bias), shape)
+    q = rope_append_kv(q, k, v, cos, sin, k_cache, v_cache, write_slots, write_pos, w.q_norm, w.k_norm, shape.eps,
+                       backend=ops)  # [N, H, D]
     o = varlen_attention(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal=causal, scale=shape.scale,
                          max_q_len=max_q_len, backend=backend)  # [N, H, D]
-    x = x + F.linear(o.view(n, -1), w.o_proj)
-    gate, up = F.linear(rms_norm(x, w.post_norm, shape.eps), w.gate_up).chunk(2, dim=-1)  # [N, I] each
-    return x + F.linear(F.silu(gate) * up, w.down)
+    h, x = fused_rms_norm(F.linear(o.view(n, -1), w.o_proj), w.post_norm, shape.eps, residual=x, backend=ops)
+    return x + F.linear(silu_mul(F.linear(h, w.gate_up), backend=ops), w.down)
 
 
 def check_int32(**tensors: Tensor) -> None:
@@ -192,7 +164,8 @@ class OptimizedTarget:
     ``reference.target.Target``, or :meth:`load`), then call :meth:`allocate_cache` once at start-up.
     """
 
-    def __init__(self, model, layer_ids=None, *, attention_backend: str = "auto") -> None:
+    def __init__(self, model, layer_ids=None, *, attention_backend: str = "auto",
+                 layer_backend: str | None = None) -> None:
         """Args:
             model: a ``reference.target.Target`` or its HF ``LlamaForCausalLM``/``Qwen2ForCausalLM``/
                 ``Qwen3ForCausalLM``. The HF q/k/v and gate/up parameters are rebound to views of the fused
@@ -201,6 +174,8 @@ class OptimizedTarget:
                 ``hidden_states[l + 1]``), in the order the drafter expects; default: the Target's, else
                 :func:`reference.config.default_target_layer_ids`.
             attention_backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``.
+            layer_backend: the same choice for the element-wise layer ops (``optimized/kernels/layer_ops.py``);
+                ``None`` follows ``attention_backend``. ``"torch"`` on CUDA runs the unfused HF-rounding ops (A/B).
         """
         self.source = model  # what this was built from (a Target keeps the tokenizer and the eos ids)
         if hasattr(model, "layer_ids") and hasattr(model, "model"):  # a reference.target.Target
@@ -237,6 +212,7 @@ class OptimizedTarget:
         self.hidden_size = int(config.hidden_size)
         self.vocab_size = int(config.vocab_size)
         self.attention_backend = attention_backend
+        self.layer_backend = attention_backend if layer_backend is None else layer_backend
         self.embed = decoder.embed_tokens.weight.detach()  # [V, d]
         self.final_norm = decoder.norm.weight.detach()  # [d]
         self.lm_head = hf_model.get_output_embeddings().weight.detach()  # [V, d] (the embedding when tied)
@@ -249,12 +225,13 @@ class OptimizedTarget:
 
     @classmethod
     def load(cls, name_or_dir: str = "smollm2-135m-instruct", *, layer_ids=None, device="cpu",
-             dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> OptimizedTarget:
+             dtype: torch.dtype = torch.float32, attention_backend: str = "auto",
+             layer_backend: str | None = None) -> OptimizedTarget:
         """Load a target with :meth:`reference.target.Target.load` (default SmolLM2 GGUF, a .gguf or an HF dir)."""
         from reference.target import Target
 
         return cls(Target.load(name_or_dir, layer_ids=layer_ids, device=device, dtype=dtype),
-                   attention_backend=attention_backend)
+                   attention_backend=attention_backend, layer_backend=layer_backend)
 
     @property
     def feature_size(self) -> int:
@@ -329,12 +306,13 @@ class OptimizedTarget:
         for i, w in enumerate(self.layers):
             x = decoder_layer(x, w, self.shape, cos, sin, k_cache[i], v_cache[i], write_slots, write_pos,
                               cu_seqlens_q, kv_lens, attn_slots, causal=True, max_q_len=max_q_len,
-                              backend=self.attention_backend)
+                              backend=self.attention_backend, layer_backend=self.layer_backend)
             if i in self.layer_ids:
                 taps[i] = x  # the residual stream after layer i = HF's hidden_states[i + 1]
         features = torch.cat([taps[l] for l in self.layer_ids], dim=-1)  # [N, m·d], in layer_ids order
         rows = x if logits_rows is None else x.index_select(0, logits_rows)  # [M, d]
-        logits = F.linear(rms_norm(rows, self.final_norm, self.shape.eps), self.lm_head)  # [M, V] model dtype
+        normed, _ = fused_rms_norm(rows, self.final_norm, self.shape.eps, backend=self.layer_backend)
+        logits = F.linear(normed, self.lm_head)  # [M, V] model dtype
         if logits_out is None:
             return logits.float(), features
         if logits_out.shape != logits.shape or logits_out.dtype != torch.float32:

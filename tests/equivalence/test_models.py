@@ -107,8 +107,10 @@ def test_target_matches_reference(family):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="Triton kernel on CPU needs TRITON_INTERPRET=1")
-def test_target_matches_reference_triton_interpreted():
-    target = tiny_target("llama")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: the fused kernel's per-head q/k norm
+def test_target_matches_reference_triton_interpreted(family):
+    """Attention and the fused layer ops (RMSNorm, RoPE + KV append, SiLU·up) as Triton kernels."""
+    target = tiny_target(family)
     opt = OptimizedTarget(target, attention_backend="triton")
     opt.allocate_cache(max_num_seqs=4, max_seq_len=32)
     for logits, feats, ref_logits, ref_feats in run_steps(target, opt):
@@ -179,9 +181,9 @@ def tiny_drafter(target: Target, mask_token_id: int | None, seed: int = 1) -> DS
     return drafter.eval()
 
 
-# (family, mask token, attention backend): the interpreted Triton kernel runs for one family (time).
+# (family, mask token, backend of attention and layer ops): the interpreted Triton kernels run for two families.
 DRAFTER_CASES = [("llama", None, "torch"), ("qwen3", VOCAB - 1, "torch"), ("qwen2", None, "torch")] + [
-    ("llama", None, b) for b in BACKENDS if b == "triton"]
+    (family, mask, b) for b in BACKENDS if b == "triton" for family, mask in (("llama", None), ("qwen3", VOCAB - 1))]
 
 
 @pytest.mark.parametrize("family,mask_token_id,backend", DRAFTER_CASES)
