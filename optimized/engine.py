@@ -151,9 +151,18 @@ class Engine:
                 self.drafter.append_context(features, b.positions[:n], b.token_slot[:n])
             return (logits,)
 
+        # The Markov head's sampling kernels read only device tensors, so the whole drafter stage — backbone, fused
+        # head, STS survivals — is one graph. The RNN and parallel-only heads run the reference loop after it.
+        self.head_in_graph = self.drafter is not None and self.ref_drafter.config.head == "markov"
+
         def draft_fn(r: int):
             h = self.drafter.backbone(b.anchor_ids[:r], b.anchor_pos[:r], b.draft_slots[:r])
-            return (h,)
+            if not self.head_in_graph:
+                return (h,)
+            temperature = b.draft_temperature[:r]
+            out = sample_block(self.ref_drafter, h, b.anchor_ids[:r], b.anchor_pos[:r], temperature,
+                               self.config.seed, b.draft_request_id[:r], backend=self.config.kernel_backend)
+            return out.tokens, out.probs, self._survival(out.conf_logits, temperature)
 
         self.verify_graphs = GraphRunner("verify", verify_fn, bucket_sizes(max_tokens), use_graphs)
         self.verify_graphs.capture()
@@ -161,7 +170,17 @@ class Engine:
         if self.drafter is not None:
             self.draft_graphs = GraphRunner("draft", draft_fn, bucket_sizes(cfg.max_num_seqs), use_graphs,
                                             pool=self.verify_graphs.pool)
-            self.draft_graphs.capture()
+            try:
+                self.draft_graphs.capture()
+            except RuntimeError as err:  # keep serving: the head then runs eagerly after the backbone graph
+                if not self.head_in_graph:
+                    raise
+                log.warning("capturing the draft head failed (%s); the head runs outside the draft graph", err)
+                self.head_in_graph = False
+                torch.cuda.synchronize()  # sync: start-up capture, off the step loop
+                self.draft_graphs = GraphRunner("draft", draft_fn, bucket_sizes(cfg.max_num_seqs), use_graphs,
+                                                pool=self.verify_graphs.pool)
+                self.draft_graphs.capture()
 
     # ------------------------------------------------------------------------------------------------------
     # Public API
@@ -460,16 +479,20 @@ class Engine:
         rows = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
         r = len(seqs)
         r_pad = self.draft_graphs.padded(r)
-        self.buffers.load_draft(self.anchor[rows], self.anchor_pos[rows], rows.to(torch.int32), r_pad)
-        (h,) = self.draft_graphs.run(r_pad)  # [R_pad, γ, d]
-        out = sample_block(self.ref_drafter, h[:r], self.anchor[rows], self.anchor_pos[rows], self.temperature[rows],
-                           self.config.seed, self.request_id[rows], backend=self.config.kernel_backend)
-        tokens, probs, conf_logits = out.tokens, out.probs, out.conf_logits
+        if self.head_in_graph:
+            self.buffers.load_draft(self.anchor[rows], self.anchor_pos[rows], rows.to(torch.int32), r_pad,
+                                    self.temperature[rows], self.request_id[rows])
+            tokens, probs, survival = (t[:r] for t in self.draft_graphs.run(r_pad))  # [R, γ], [R, γ, V], [R, γ]
+        else:
+            self.buffers.load_draft(self.anchor[rows], self.anchor_pos[rows], rows.to(torch.int32), r_pad)
+            (h,) = self.draft_graphs.run(r_pad)  # [R_pad, γ, d]
+            out = sample_block(self.ref_drafter, h[:r], self.anchor[rows], self.anchor_pos[rows],
+                               self.temperature[rows], self.config.seed, self.request_id[rows],
+                               backend=self.config.kernel_backend)
+            tokens, probs = out.tokens, out.probs
+            survival = self._survival(out.conf_logits, self.temperature[rows])
         self.draft_tokens[rows] = tokens
         self.draft_probs[rows] = probs
-        greedy = (self.temperature[rows] == 0)[:, None]
-        temps = torch.where(greedy, self.sts["greedy"], self.sts["sampling"])  # [R, γ]
-        survival = torch.cumprod(torch.sigmoid(conf_logits.float() / temps), dim=1)
         self.survival[rows] = survival
         # The host keeps a copy for the stale budget of later steps. With staleness ≥ 1 it is read only after the
         # next step's token sync, so on CUDA this copy overlaps with the next step's work. Staleness 0 reads it at
@@ -477,6 +500,12 @@ class Engine:
         host = survival.to("cpu", non_blocking=self.sched_config.staleness > 0)  # sync: only with staleness 0
         for i, seq in enumerate(seqs):
             seq.survivals.append(host[i])
+
+    def _survival(self, conf_logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """Calibrated prefix survivals a_k = Π_{j≤k} σ(c_j / T_j) with the STS temperatures of each row's mode."""
+        greedy = (temperature == 0)[:, None]
+        temps = torch.where(greedy, self.sts["greedy"], self.sts["sampling"])  # [R, γ]
+        return torch.cumprod(torch.sigmoid(conf_logits.float() / temps), dim=1)
 
     # ------------------------------------------------------------------------------------------------------
     # Host bookkeeping

@@ -3,7 +3,7 @@
 One static buffer set serves every graph. A verify graph runs the target over ``n`` packed tokens (every
 request may carry 1..γ+1 of them, the query-length bound is γ+1) and, when a drafter is present, appends
 the tapped features of those tokens to the drafter's context cache. A draft graph runs the drafter's
-backbone for ``R`` request rows. The row dimension of every graph is ``max_num_seqs``: unused rows are
+backbone for ``R`` request rows and, for the Markov head, the fused sequential head and the calibrated survivals. The row dimension of every graph is ``max_num_seqs``: unused rows are
 padding (zero queries, slot -1), with query offsets filled by the exact total so they stay non-decreasing
 (SERVING-NOTES "Host vs device").
 
@@ -107,6 +107,8 @@ class StaticBuffers:
         self.anchor_ids = torch.zeros(max_rows, dtype=i64, device=device)  # [R] draft graph inputs
         self.anchor_pos = torch.zeros(max_rows, dtype=i64, device=device)  # [R]
         self.draft_slots = torch.full((max_rows,), -1, dtype=i32, device=device)  # [R]
+        self.draft_temperature = torch.zeros(max_rows, dtype=torch.float32, device=device)  # [R] sampling head inputs
+        self.draft_request_id = torch.zeros(max_rows, dtype=i64, device=device)  # [R]
 
     def load_verify(self, input_ids: Tensor, positions: Tensor, token_slot: Tensor, cu: Tensor, kv_lens: Tensor,
                     slot_ids: Tensor) -> None:
@@ -122,7 +124,9 @@ class StaticBuffers:
         self.slot_ids[:r].copy_(slot_ids)
         self.slot_ids[r:].fill_(-1)
 
-    def load_draft(self, anchor_ids: Tensor, anchor_pos: Tensor, slots: Tensor, r_pad: int) -> None:
+    def load_draft(self, anchor_ids: Tensor, anchor_pos: Tensor, slots: Tensor, r_pad: int,
+                   temperature: Tensor | None = None, request_ids: Tensor | None = None) -> None:
+        """Rows past R become padding: slot -1 (trash), anchor 0 at position 0, greedy, request 0."""
         r = anchor_ids.shape[0]
         self.anchor_ids[:r].copy_(anchor_ids)
         self.anchor_pos[:r].copy_(anchor_pos)
@@ -130,3 +134,8 @@ class StaticBuffers:
         self.draft_slots[r:r_pad].fill_(-1)
         self.anchor_pos[r:r_pad].zero_()
         self.anchor_ids[r:r_pad].zero_()
+        if temperature is not None:  # the sampling head runs inside the draft graph (Markov head)
+            self.draft_temperature[:r].copy_(temperature)
+            self.draft_request_id[:r].copy_(request_ids)
+            self.draft_temperature[r:r_pad].zero_()
+            self.draft_request_id[r:r_pad].zero_()

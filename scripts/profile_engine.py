@@ -164,6 +164,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
         "settings": {"mode": args.mode, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
                      "temperature": args.temperature, "enforce_eager": args.enforce_eager,
                      "layer_backend": args.layer_backend or "default",
+                     "draft_head_in_graph": getattr(engine, "head_in_graph", None),
                      "dtype": str(target.dtype), "prefill_steps": prefill_steps, "gamma": gamma},
         "step_ms_median": statistics.median(timed) if timed else None,
         "step_ms_all": [round(t, 3) for t in timed],

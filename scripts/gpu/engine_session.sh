@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Issue 4 on one lent H200 (≈ 12 min): where a step's time goes, the kernels alone on the GPU, the rest of the GPU
-# equivalence suite, and the engine benchmark with the shipped (1000-step) drafter. Run on a copy of the repo after
-# staging the model (../shared/gpu/README.md), in the background, and collect with scripts/gpu/pack.sh:
+# Issue 4 on one lent H200 (≈ 12 min): where a step's time goes (with and without the fused layer ops), the kernels
+# alone on the GPU, the engine benchmark with the shipped drafter, and the rest of the GPU equivalence suite. Run on a
+# copy of the repo after staging the model (../shared/gpu/README.md), in the background, and collect with
+# scripts/gpu/pack.sh:
 #
 #   cp -a . /tmp/work && cd /tmp/work && setsid nohup bash scripts/gpu/engine_session.sh > /tmp/session.log 2>&1 &
 #
-# Every step writes its JSON/log into /tmp/res as it finishes; a step cut by its timeout keeps what it wrote.
+# PARTS picks what runs: "timed" (profiles, kernels, engine benchmark: they need the GPU to themselves), "checks"
+# (GPU equivalence and the gpu-marked tests: timing-free, they may share the GPU), or both (the default). Every step
+# writes its JSON/log into /tmp/res as it finishes; a step cut by its timeout keeps what it wrote.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH=/tmp/stage/site:$PWD
@@ -18,6 +21,7 @@ read -r -a PROFILE_EXTRA <<< "${PROFILE_EXTRA:-}"  # appended to every profile_e
 read -r -a BENCH_EXTRA <<< "${BENCH_EXTRA:-}"
 read -r -a GE_EXTRA <<< "${GE_EXTRA:-}"
 read -r -a KB_EXTRA <<< "${KB_EXTRA:-}"
+PARTS=${PARTS:-timed checks}
 mkdir -p $RES/logs
 T0=$(date +%s)
 stamp() { echo "$(date +%T) +$(($(date +%s) - T0))s $*" | tee -a $RES/timeline.txt; }
@@ -25,17 +29,22 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,nohea
 python -c "from reference.target import Target; Target.load('$MODEL')" > $RES/logs/cache.log 2>&1
 stamp "model cache ready"
 
-# 1. Where the time goes: batch 1 and 64, no speculation and fixed K = 3 (≈ 1 min).
-for cfg in "none 1" "fixed:3 1" "none 64" "fixed:3 64"; do
+if [[ " $PARTS " == *" timed "* ]]; then
+# 1. Where the time goes: batch 1 and 64, no speculation and fixed K = 3, with the fused layer ops (the default on
+#    CUDA) and, at batch 1, with the unfused torch ops (what the fusion buys) (≈ 2 min).
+for cfg in "none 1 default" "none 1 torch" "fixed:3 1 default" "fixed:3 1 torch" "none 64 default" \
+           "fixed:3 64 default"; do
   set -- $cfg
+  name="${1/:/}-b$2$([ "$3" = torch ] && echo -unfused)"
+  layer=(); [ "$3" = torch ] && layer=(--layer-backend torch)
   timeout 120 python scripts/profile_engine.py --model "$MODEL" --drafter "$DRAFTER" --sharegpt-file "$SHAREGPT" \
-    --mode "$1" --batch-size "$2" --out "$RES/profile-${1/:/}-b$2.json" "${PROFILE_EXTRA[@]}" \
-    > "$RES/logs/profile-${1/:/}-b$2.log" 2>&1
-  stamp "profile $1 batch $2 (rc $?): $(grep -m1 '^step' "$RES/logs/profile-${1/:/}-b$2.log")"
+    --mode "$1" --batch-size "$2" "${layer[@]}" --out "$RES/profile-$name.json" "${PROFILE_EXTRA[@]}" \
+    > "$RES/logs/profile-$name.log" 2>&1
+  stamp "profile $name (rc $?): $(grep -m1 '^step' "$RES/logs/profile-$name.log")"
 done
 
 # 2. The kernels alone on the GPU (the committed kernels-h200.json shared the GPU with four other processes).
-timeout 240 python scripts/bench_kernels.py --op all --out $RES/kernels-h200.json "${KB_EXTRA[@]}" \
+timeout ${KB_S:-180} python scripts/bench_kernels.py --op all --out $RES/kernels-h200.json "${KB_EXTRA[@]}" \
   > $RES/logs/bench_kernels.log 2>&1
 stamp "bench_kernels (rc $?)"
 
@@ -44,7 +53,9 @@ timeout $((BENCH_S + 90)) python scripts/bench_engine.py --model "$MODEL" --shar
   --drafter "$DRAFTER" --time-budget-s "$BENCH_S" --out $RES/engine-h200.json "${BENCH_EXTRA[@]}" \
   > $RES/logs/bench_engine.log 2>&1
 stamp "bench_engine (rc $?)"
+fi
 
+[[ " $PARTS " == *" checks "* ]] || exit 0
 # 4. The modes the 2026-11-29 GPU equivalence run did not reach, then the gpu-marked tests to the end.
 timeout 300 python scripts/gpu_equivalence.py --model "$MODEL" --drafter "$DRAFTER" --device cuda --limit 6 \
   --max-new-tokens 48 --modes dsd,threshold,adaptive-sync,oracle --time-budget-s 240 \
