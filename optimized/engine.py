@@ -30,6 +30,7 @@ import torch
 from optimized.graphs import GraphRunner, StaticBuffers, bucket_sizes
 from optimized.kernels.allocate import allocate_top_b
 from optimized.kernels.draft_head import sample_block
+from optimized.kernels.layout import verify_layout
 from optimized.kernels.sampling import sample
 from optimized.kernels.verify import rejection_sample
 from optimized.models.drafter import OptimizedDrafter
@@ -403,21 +404,13 @@ class Engine:
         r = len(decoding)
         lens, n_tokens = self._verify_lengths(decoding, rows, plan)  # [R], host int
         n_pad = self.verify_graphs.padded(n_tokens)
-        # Token layout, all on the device: request j owns tokens cu[j] .. cu[j+1]-1 = [x_0, x_1..x_ℓ].
-        cu = torch.zeros(r + 1, dtype=torch.long, device=dev)
-        cu[1:] = torch.cumsum(lens + 1, 0)  # [R+1]
-        t = torch.arange(n_pad, device=dev)  # [N_pad]
-        owner = torch.searchsorted(cu[1:], t, right=True).clamp(max=r - 1)  # [N_pad] row of each token
-        offset = t - cu[owner]  # [N_pad] 0 = anchor, k = draft slot k
-        valid = t < cu[r]
-        slot_of = rows[owner]
-        drafts = self.draft_tokens[slot_of, (offset - 1).clamp(min=0, max=max(g - 1, 0))] if g else self.anchor[slot_of]
-        tokens = torch.where(offset == 0, self.anchor[slot_of], drafts)
-        tokens = torch.where(valid, tokens, torch.zeros_like(tokens))
-        positions = torch.where(valid, self.anchor_pos[slot_of] + offset, torch.zeros_like(offset))
-        token_slot = torch.where(valid, slot_of, torch.full_like(slot_of, -1))  # -1: padding → trash slot
-        kv_lens = (self.anchor_pos[rows] + lens + 1).to(torch.int32)
-        self.buffers.load_verify(tokens, positions, token_slot, cu.to(torch.int32), kv_lens, rows.to(torch.int32))
+        # Token layout, on the device, straight into the graphs' static buffers (one launch with Triton): request j
+        # owns tokens cu[j] .. cu[j+1]-1 = [x_0, x_1..x_ℓ] (optimized/kernels/layout.py).
+        b = self.buffers
+        verify_layout(rows, lens, self.anchor, self.anchor_pos, self.draft_tokens, n_pad, b.layout(),
+                      backend=self.config.kernel_backend)
+        cu = b.cu[: r + 1].long()  # [R+1]
+        slot_of = b.token_slot[:n_pad]  # [N_pad] slot of each packed token, -1 for padding
         (logits,) = self.verify_graphs.run(n_pad)  # [N_pad, V]; also appends drafter context (see _setup_graphs)
         # p_t at every verified position, laid out [R, γ+1, V] for the verifier by one gather: row j of request r
         # is packed token cu[r] + j. Rows past ℓ_r repeat row ℓ_r (the verifier never reads them), so nothing

@@ -110,19 +110,10 @@ class StaticBuffers:
         self.draft_temperature = torch.zeros(max_rows, dtype=torch.float32, device=device)  # [R] sampling head inputs
         self.draft_request_id = torch.zeros(max_rows, dtype=i64, device=device)  # [R]
 
-    def load_verify(self, input_ids: Tensor, positions: Tensor, token_slot: Tensor, cu: Tensor, kv_lens: Tensor,
-                    slot_ids: Tensor) -> None:
-        """Copy one step's layout in; rows past R become padding (offsets filled with the exact total)."""
-        n, r = input_ids.shape[0], slot_ids.shape[0]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.token_slot[:n].copy_(token_slot)
-        self.cu[: r + 1].copy_(cu)
-        self.cu[r + 1:].copy_(cu[r].expand(self.max_rows - r))
-        self.kv_lens[:r].copy_(kv_lens)
-        self.kv_lens[r:].zero_()
-        self.slot_ids[:r].copy_(slot_ids)
-        self.slot_ids[r:].fill_(-1)
+    def layout(self) -> dict[str, Tensor]:
+        """The verify inputs by name, for ``optimized.kernels.layout.verify_layout`` to fill in place."""
+        return {"input_ids": self.input_ids, "positions": self.positions, "token_slot": self.token_slot,
+                "cu": self.cu, "kv_lens": self.kv_lens, "slot_ids": self.slot_ids}
 
     def load_draft(self, anchor_ids: Tensor, anchor_pos: Tensor, slots: Tensor, r_pad: int,
                    temperature: Tensor | None = None, request_ids: Tensor | None = None) -> None:

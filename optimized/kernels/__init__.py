@@ -7,6 +7,8 @@
 | ``allocate`` | ``allocate_top_b`` (device torch ops, no kernel) | ``reference/scheduler.py`` | §5 |
 | ``draft_head`` | ``sample_draft_block``, ``sample_block`` | ``DSparkDrafter.sample_block`` | §1 |
 | ``attention`` | ``varlen_attention`` | naive attention | §1, §4 |
+| ``layer_ops`` | ``rms_norm``, ``rope_append_kv``, ``silu_mul`` | their torch definitions (HF's rounding) | §1, §4 |
+| ``layout`` | ``verify_layout`` | ``verify_layout_torch`` | §4 |
 
 Every op takes ``backend="auto" | "triton" | "torch"``; the torch fallback has the same signature. Import the
 ops from their modules: this package imports nothing eagerly, so modules that keep Triton optional (attention)

@@ -1,0 +1,136 @@
+"""The packed token layout of a verify step, built on the device in one launch.
+
+Every decoding request ``r`` (cache slot ``rows[r]``, verify length ``ℓ_r``) contributes ``[x_0, x_1..x_ℓ]``: its
+anchor and its first ``ℓ_r`` drafts, at positions ``P_r .. P_r + ℓ_r``. The target's varlen forward reads (names as
+in ``optimized/models/target.py``)::
+
+    input_ids, positions, token_slot   [N_pad]   token t of request r sits at cu[r] + j (j = 0 anchor, j ≥ 1 draft);
+                                                 tokens past cu[R] are padding: id 0, position 0, slot -1
+    cu                                 [M + 1]   int32 query offsets, cu[r+1] = Σ_{r' ≤ r} (ℓ_r' + 1); rows r ≥ R repeat
+                                                 the total (zero-length padded rows)
+    kv_lens, slot_ids                  [M]       int32 P_r + ℓ_r + 1 and the slot; padded rows 0 and -1
+
+``verify_layout_torch`` spells this out with torch ops (about thirty launches, each a few microseconds of host time
+at batch 1); ``verify_layout`` (Triton) writes the same integers into the caller's buffers from one program: the
+offsets by a prefix sum over at most ``M`` rows, each token's request by counting the offsets at or below it. Both
+read only device tensors (no host sync), so either can precede a CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAS_TRITON = False
+
+
+def verify_layout_torch(rows: Tensor, lens: Tensor, anchor: Tensor, anchor_pos: Tensor, draft_tokens: Tensor,
+                        n_pad: int) -> dict[str, Tensor]:
+    """The layout of ``R = len(rows)`` requests over ``n_pad`` tokens (see the module docstring); R rows only."""
+    dev, r, g = rows.device, rows.shape[0], draft_tokens.shape[1]
+    cu = torch.zeros(r + 1, dtype=torch.long, device=dev)
+    cu[1:] = torch.cumsum(lens + 1, 0)  # [R+1]
+    t = torch.arange(n_pad, device=dev)  # [N_pad]
+    owner = torch.searchsorted(cu[1:], t, right=True).clamp(max=r - 1)  # [N_pad] row of each token
+    offset = t - cu[owner]  # [N_pad] 0 = anchor, k = draft slot k
+    valid = t < cu[r]
+    slot_of = rows[owner]
+    drafts = draft_tokens[slot_of, (offset - 1).clamp(min=0, max=max(g - 1, 0))] if g else anchor[slot_of]
+    tokens = torch.where(offset == 0, anchor[slot_of], drafts)
+    return {
+        "input_ids": torch.where(valid, tokens, torch.zeros_like(tokens)),
+        "positions": torch.where(valid, anchor_pos[slot_of] + offset, torch.zeros_like(offset)),
+        "token_slot": torch.where(valid, slot_of, torch.full_like(slot_of, -1)),  # -1: padding → trash slot
+        "cu": cu.to(torch.int32),
+        "kv_lens": (anchor_pos[rows] + lens + 1).to(torch.int32),
+        "slot_ids": rows.to(torch.int32),
+    }
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _verify_layout_kernel(
+        rows_ptr, lens_ptr, anchor_ptr, anchor_pos_ptr, draft_ptr, stride_draft,  # inputs (int64)
+        ids_ptr, pos_ptr, tslot_ptr, cu_ptr, kv_ptr, slot_ptr,  # outputs: [N_pad] int64 ×3, [M+1], [M], [M] int32
+        num_rows, n_pad, max_rows, gamma,
+        BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    ):
+        r = tl.arange(0, BLOCK_R)
+        live = r < num_rows
+        lens = tl.load(lens_ptr + r, mask=live, other=0)
+        slot = tl.load(rows_ptr + r, mask=live, other=0)
+        q_len = tl.where(live, lens + 1, 0)  # zero-length rows past R keep the offsets flat
+        cu_incl = tl.cumsum(q_len, axis=0)  # [BLOCK_R] cu[r + 1]
+        total = tl.sum(q_len, axis=0)
+        in_buf = r < max_rows
+        tl.store(cu_ptr + r + 1, cu_incl.to(tl.int32), mask=in_buf)
+        tl.store(cu_ptr + r, tl.zeros_like(r), mask=r == 0)
+        apos = tl.load(anchor_pos_ptr + slot, mask=live, other=0)
+        tl.store(kv_ptr + r, tl.where(live, apos + lens + 1, 0).to(tl.int32), mask=in_buf)
+        tl.store(slot_ptr + r, tl.where(live, slot, -1).to(tl.int32), mask=in_buf)
+        for start in range(0, n_pad, BLOCK_T):
+            t = start + tl.arange(0, BLOCK_T)
+            before = (cu_incl[None, :] <= t[:, None]) & live[None, :]  # [T, R] rows that end at or before t
+            owner = tl.minimum(tl.sum(before.to(tl.int32), axis=1), num_rows - 1)  # searchsorted(cu[1:], t, right)
+            is_owner = r[None, :] == owner[:, None]
+            offset = t - tl.sum(tl.where(before, q_len[None, :], 0), axis=1)  # t - cu[owner]
+            t_slot = tl.sum(tl.where(is_owner, slot[None, :], 0), axis=1)
+            valid = t < total
+            anchor = tl.load(anchor_ptr + t_slot, mask=valid, other=0)
+            draft = tl.load(draft_ptr + t_slot * stride_draft + tl.maximum(offset - 1, 0),
+                            mask=valid & (offset > 0) & (offset <= gamma), other=0)
+            t_pos = tl.load(anchor_pos_ptr + t_slot, mask=valid, other=0) + offset
+            in_range = t < n_pad
+            tl.store(ids_ptr + t, tl.where(valid, tl.where(offset == 0, anchor, draft), 0), mask=in_range)
+            tl.store(pos_ptr + t, tl.where(valid, t_pos, 0), mask=in_range)
+            tl.store(tslot_ptr + t, tl.where(valid, t_slot, -1), mask=in_range)
+
+
+def verify_layout(rows: Tensor, lens: Tensor, anchor: Tensor, anchor_pos: Tensor, draft_tokens: Tensor, n_pad: int,
+                  out: dict[str, Tensor], backend: str = "auto") -> None:
+    """Write the layout into ``out`` (the static buffers: ``input_ids``/``positions``/``token_slot`` ``[≥ n_pad]``
+    int64, ``cu`` ``[M + 1]``, ``kv_lens``/``slot_ids`` ``[M]`` int32, M ≥ R); rows R..M-1 become padding.
+
+    Args:
+        rows: ``[R]`` int64 cache slot of each request (R ≥ 1). lens: ``[R]`` int64 verify lengths ℓ.
+        anchor, anchor_pos: ``[S]`` per-slot anchor token and position. draft_tokens: ``[S, γ]`` per-slot drafts.
+        n_pad: tokens to lay out (≥ R + Σℓ; the graph bucket).
+        backend: ``"triton"`` (CUDA, or the interpreter), ``"torch"``, or ``"auto"`` (Triton on CUDA).
+    """
+    r, m = rows.shape[0], out["slot_ids"].shape[0]
+    if r < 1 or r > m or lens.shape != (r,) or out["input_ids"].shape[0] < n_pad:
+        raise ValueError(f"need 1 ≤ R ≤ {m} rows with [R] lengths and ≥ n_pad = {n_pad} token slots, got rows "
+                         f"{tuple(rows.shape)}, lens {tuple(lens.shape)}, {out['input_ids'].shape[0]} token slots")
+    if backend == "auto":
+        backend = "triton" if (rows.is_cuda and HAS_TRITON) else "torch"
+    if backend == "triton" and not (HAS_TRITON and (rows.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+        raise ValueError("backend='triton' needs triton and CUDA tensors (or TRITON_INTERPRET=1)")
+    if backend == "torch":
+        lay = verify_layout_torch(rows, lens, anchor, anchor_pos, draft_tokens, n_pad)
+        for name in ("input_ids", "positions", "token_slot"):
+            out[name][:n_pad].copy_(lay[name])
+        out["cu"][: r + 1].copy_(lay["cu"])
+        out["cu"][r + 1:].copy_(lay["cu"][r].expand(m - r))
+        out["kv_lens"][:r].copy_(lay["kv_lens"])
+        out["kv_lens"][r:].zero_()
+        out["slot_ids"][:r].copy_(lay["slot_ids"])
+        out["slot_ids"][r:].fill_(-1)
+        return
+    if backend != "triton":
+        raise ValueError(f"unknown layout backend {backend!r}; choose 'auto', 'triton' or 'torch'")
+    draft = draft_tokens if draft_tokens.numel() else anchor[:, None]  # γ = 0 (no drafter): never read
+    _verify_layout_kernel[(1,)](
+        rows.contiguous(), lens.contiguous(), anchor, anchor_pos, draft, draft.stride(0),
+        out["input_ids"], out["positions"], out["token_slot"], out["cu"], out["kv_lens"], out["slot_ids"],
+        r, n_pad, m, draft_tokens.shape[1],
+        BLOCK_R=triton.next_power_of_2(m + 1), BLOCK_T=64 if m <= 64 else 16, num_warps=4,
+    )
