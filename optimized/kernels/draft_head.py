@@ -80,10 +80,14 @@ MAX_BLOCK_D = 1024  # hidden-state tile of the confidence dot product (d = 576 f
 # measure with scripts/bench_kernels.py --op draft_head.
 SPLIT_TILE_ELEMENTS = 16384
 SPLIT_NUM_WARPS = 8
-# `sample_draft_block(split=None)` takes the split variant on CUDA below this many requests. A heuristic awaiting
-# measurement on the H200 (scripts/bench_kernels.py --op draft_head times both variants): at small R the one-program
-# kernel leaves most SMs idle, while at large R its R programs fill the GPU and the split variant only adds launches.
-SPLIT_MAX_R = 64
+# `sample_draft_block(split=None)` takes the split variant on CUDA below this many requests. At small R the
+# one-program kernel leaves most SMs idle, while at large R its R programs fill the GPU and the split variant only
+# adds launches. Measured on one H200 (2026-11-29, SmolLM2 shapes, γ = 7): the one-program kernel took 1.9 ms of
+# device time per draft at R = 64 inside the engine's graph (the split kernels 0.064 ms at R = 1), and
+# scripts/bench_kernels.py put the split variant ahead at R = 16 (0.89 vs 1.59 ms) and behind at R = 256 (3.9 vs
+# 2.4 ms, both including ~0.9 ms of eager launch overhead). The crossover lies between 64 and 256: 128 until an
+# in-graph sweep pins it.
+SPLIT_MAX_R = 128
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from optimized.kernels.layer_ops import rms_norm, rope_append_kv, rope_cos_sin
-from optimized.models.target import AttentionShape, check_int32, decoder_layer, fuse_linears, layer_weights
+from optimized.models.target import AttentionShape, check_int32, fuse_linears, layer_weights, run_layers
 from reference.drafter import DSparkDrafter
 
 
@@ -160,10 +160,9 @@ class OptimizedDrafter:
         cos, sin = rope_cos_sin(positions, self.inv_freq, 1.0, self.dtype)  # [R·γ, D]
 
         x = self._block_embeddings(anchor_ids).reshape(r * g, d)  # [R·γ, d]
-        for i, w in enumerate(self.layers):
-            x = decoder_layer(x, w, self.shape, cos, sin, k_cache[i], v_cache[i], write_slots, positions, cu,
-                              kv_lens, slots, causal=False, max_q_len=g, backend=self.attention_backend,
-                              layer_backend=self.layer_backend)
+        x, _ = run_layers(x, self.layers, self.shape, cos, sin, k_cache, v_cache, write_slots, positions, cu, kv_lens,
+                          slots, causal=False, max_q_len=g, backend=self.attention_backend,
+                          layer_backend=self.layer_backend)
         return rms_norm(x, self.final_norm, self.shape.eps, backend=self.layer_backend)[0].view(r, g, d)
 
     def base_logits(self, h: Tensor) -> Tensor:

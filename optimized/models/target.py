@@ -123,26 +123,50 @@ def split_qkv(qkv: Tensor, shape: AttentionShape) -> tuple[Tensor, Tensor, Tenso
     return q.view(n, H, D), k.view(n, Hkv, D), v.view(n, Hkv, D)
 
 
-def decoder_layer(x: Tensor, w: LayerWeights, shape: AttentionShape, cos: Tensor, sin: Tensor,
-                  k_cache: Tensor, v_cache: Tensor, write_slots: Tensor, write_pos: Tensor,
+def decoder_layer(x: Tensor, pending: Tensor | None, w: LayerWeights, shape: AttentionShape, cos: Tensor,
+                  sin: Tensor, k_cache: Tensor, v_cache: Tensor, write_slots: Tensor, write_pos: Tensor,
                   cu_seqlens_q: Tensor, kv_lens: Tensor, slot_ids: Tensor, *, causal: bool,
-                  max_q_len: int | None, backend: str, layer_backend: str | None = None) -> Tensor:
+                  max_q_len: int | None, backend: str, layer_backend: str | None = None) -> tuple[Tensor, Tensor]:
     """One pre-norm layer over packed tokens: x + attn(norm(x)), then + mlp(norm(·)). x [N, d] -> [N, d].
 
-    The new tokens' K/V are written to the cache first, so attention reads every visible key from one place.
-    ``backend`` picks the attention kernel, ``layer_backend`` (default: the same) the element-wise ops; with Triton
-    a layer is ten launches: norm, qkv, RoPE+append, attention, o, add+norm, gate/up, SiLU·up, down, add.
+    The layer's input is ``x + pending`` (``pending`` = the previous layer's MLP output, not yet added, or ``None``),
+    and its output is returned the same way, ``(x', mlp_out)``, so each residual add happens inside the next
+    RMSNorm: :func:`run_layers` adds the last one. The new tokens' K/V are written to the cache first, so attention
+    reads every visible key from one place. ``backend`` picks the attention kernel, ``layer_backend`` (default: the
+    same) the element-wise ops; with Triton a layer is nine launches: add+norm, qkv, RoPE+append, attention, o,
+    add+norm, gate/up, SiLU·up, down.
     """
     ops = backend if layer_backend is None else layer_backend
     n = x.shape[0]
-    h, _ = fused_rms_norm(x, w.input_norm, shape.eps, backend=ops)
+    if pending is None:
+        h, _ = fused_rms_norm(x, w.input_norm, shape.eps, backend=ops)
+    else:  # x + pending = HF's `residual + hidden_states` (a bf16 add is commutative)
+        h, x = fused_rms_norm(pending, w.input_norm, shape.eps, residual=x, backend=ops)
     q, k, v = split_qkv(F.linear(h, w.qkv, w.qkv_bias), shape)
     q = rope_append_kv(q, k, v, cos, sin, k_cache, v_cache, write_slots, write_pos, w.q_norm, w.k_norm, shape.eps,
                        backend=ops)  # [N, H, D]
     o = varlen_attention(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal=causal, scale=shape.scale,
                          max_q_len=max_q_len, backend=backend)  # [N, H, D]
     h, x = fused_rms_norm(F.linear(o.view(n, -1), w.o_proj), w.post_norm, shape.eps, residual=x, backend=ops)
-    return x + F.linear(silu_mul(F.linear(h, w.gate_up), backend=ops), w.down)
+    return x, F.linear(silu_mul(F.linear(h, w.gate_up), backend=ops), w.down)
+
+
+def run_layers(x: Tensor, layers: list[LayerWeights], shape: AttentionShape, cos: Tensor, sin: Tensor,
+               k_cache: Tensor, v_cache: Tensor, write_slots: Tensor, write_pos: Tensor, cu_seqlens_q: Tensor,
+               kv_lens: Tensor, slot_ids: Tensor, *, causal: bool, max_q_len: int | None, backend: str,
+               layer_backend: str | None = None, taps: tuple[int, ...] = ()) -> tuple[Tensor, dict[int, Tensor]]:
+    """Every decoder layer over x [N, d] (caches ``[L, S, T, Hkv, D]``). Returns the residual stream after the last
+    layer and ``{l: stream after layer l}`` for the tapped layers: a tap adds its layer's pending MLP output at once,
+    every other add rides on the next layer's RMSNorm."""
+    pending, tapped = None, {}
+    for i, w in enumerate(layers):
+        x, pending = decoder_layer(x, pending, w, shape, cos, sin, k_cache[i], v_cache[i], write_slots, write_pos,
+                                   cu_seqlens_q, kv_lens, slot_ids, causal=causal, max_q_len=max_q_len,
+                                   backend=backend, layer_backend=layer_backend)
+        if i in taps:
+            x, pending = x + pending, None
+            tapped[i] = x
+    return (x if pending is None else x + pending), tapped
 
 
 def check_int32(**tensors: Tensor) -> None:
@@ -302,13 +326,10 @@ class OptimizedTarget:
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling, self.dtype)  # [N, D] each
 
         x = F.embedding(input_ids, self.embed)  # [N, d]
-        taps: dict[int, Tensor] = {}
-        for i, w in enumerate(self.layers):
-            x = decoder_layer(x, w, self.shape, cos, sin, k_cache[i], v_cache[i], write_slots, write_pos,
-                              cu_seqlens_q, kv_lens, attn_slots, causal=True, max_q_len=max_q_len,
-                              backend=self.attention_backend, layer_backend=self.layer_backend)
-            if i in self.layer_ids:
-                taps[i] = x  # the residual stream after layer i = HF's hidden_states[i + 1]
+        # taps[l] = the residual stream after layer l = HF's hidden_states[l + 1]
+        x, taps = run_layers(x, self.layers, self.shape, cos, sin, k_cache, v_cache, write_slots, write_pos,
+                             cu_seqlens_q, kv_lens, attn_slots, causal=True, max_q_len=max_q_len,
+                             backend=self.attention_backend, layer_backend=self.layer_backend, taps=self.layer_ids)
         features = torch.cat([taps[l] for l in self.layer_ids], dim=-1)  # [N, m·d], in layer_ids order
         rows = x if logits_rows is None else x.index_select(0, logits_rows)  # [M, d]
         normed, _ = fused_rms_norm(rows, self.final_norm, self.shape.eps, backend=self.layer_backend)
