@@ -118,6 +118,7 @@ class Engine:
         self.tokenizer = target.tokenizer
         self._alloc_state(config.max_num_seqs)
         self._ids: dict[int, Sequence] = {}
+        self.drafted = True  # whether the current decoding requests hold drafts (the draft gate may skip a step)
         self.stats = {"steps": 0, "host_schedule_s": 0.0, "step_s": 0.0}
 
     # ------------------------------------------------------------------------------------------------------
@@ -305,10 +306,14 @@ class Engine:
         if decoding:
             self._verify_and_commit(decoding, plan, outputs)
         to_draft = [s for s in decoding + newly_decoding if not s.finished]
-        if to_draft and self.drafter is not None:
+        t2 = time.perf_counter()
+        self.drafted = bool(to_draft) and self.drafter is not None and self._draft_gate(to_draft)
+        t3 = time.perf_counter()
+        if self.drafted:
             self._draft(to_draft)
+            self.stats["draft_steps"] = self.stats.get("draft_steps", 0) + 1
         self.stats["steps"] += 1
-        self.stats["host_schedule_s"] += t1 - t0
+        self.stats["host_schedule_s"] += (t1 - t0) + (t3 - t2)
         self.stats["step_s"] += time.perf_counter() - t0
         return outputs
 
@@ -360,11 +365,27 @@ class Engine:
             self._emit(seq, [tok_id], [lp], outputs)
         return done
 
+    def _draft_gate(self, seqs: list[Sequence]) -> bool:
+        """Whether the next step drafts: ``Scheduler.should_draft`` on each request's latest survivals (host copies
+        that landed with an earlier token read), with the NumPy planner as its fast twin. Counts the plain steps."""
+        if self.sched_config.mode != "adaptive" or not self.sched_config.draft_gate:
+            return True
+        latest = None
+        if any(s.survivals for s in seqs):
+            nan = torch.full((self.gamma,), float("nan"))
+            latest = torch.stack([s.survivals[-1] if s.survivals else nan for s in seqs])  # [R, γ] host
+        drafts = self.policy.should_draft(latest, self.policy.steps_without_draft, num_anchor_tokens=len(seqs),
+                                          pays=self.planner.speculation_pays)
+        self.policy.steps_without_draft = 0 if drafts else self.policy.steps_without_draft + 1
+        return drafts
+
     def _plan_verify(self, decoding: list[Sequence]) -> dict:
         """Host part of scheduling: the verify budget from stale survivals (never waits for the device)."""
         mode, r = self.sched_config.mode, len(decoding)
         plan = {"mode": mode, "budget": None}
-        if mode == "adaptive":
+        if self.drafter is not None and not self.drafted:  # the draft gate closed: ordinary decoding this step
+            plan["mode"] = "none"
+        elif mode == "adaptive":
             stale = torch.stack([self._stale(s) for s in decoding])  # [R, γ] host copy, NaN rows = too new
             plan["budget"] = self.planner.budget(stale, num_anchor_tokens=r, num_requests=r)
         return plan

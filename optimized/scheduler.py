@@ -177,6 +177,18 @@ class BudgetPlanner:
         return curve
 
     def budget(self, a_stale: torch.Tensor, num_anchor_tokens: int, num_requests: int | None = None) -> int:
+        return int(np.argmax(self._theta(a_stale, num_anchor_tokens, num_requests)))  # first max = smaller B on ties
+
+    def speculation_pays(self, a_latest: torch.Tensor, num_anchor_tokens: int, num_requests: int | None = None
+                         ) -> bool:
+        """The twin of ``reference.scheduler.speculation_pays`` (the draft gate): same Θ values, same comparison."""
+        n_s = a_latest.shape[0] if num_requests is None else num_requests
+        plain = self.cost.verify_time(num_anchor_tokens)
+        theta_plain = n_s / plain if plain > 0 else 0.0
+        return bool(self._theta(a_latest, num_anchor_tokens, num_requests).max() >= theta_plain)
+
+    def _theta(self, a_stale: torch.Tensor, num_anchor_tokens: int, num_requests: int | None) -> np.ndarray:
+        """Θ(B) for B = 0..R·γ along the global ranking, as the reference's ``_throughput_curve``."""
         from reference.scheduler import _MONOTONE_TOL, fill_stale_rows
 
         # [R, γ] host copy kept by the engine (no device read happens here).
@@ -199,5 +211,4 @@ class BudgetPlanner:
         tau = np.cumsum(np.concatenate(([float(n_s)], gains)))  # [R·γ+1] sequential, as torch's CPU cumsum
         step = self._step_times(num_anchor_tokens, r, r * g)
         with np.errstate(divide="ignore", invalid="ignore"):
-            theta = np.where(step > 0, tau / np.maximum(step, 1e-300), 0.0)
-        return int(np.argmax(theta))  # first maximum = the smaller budget on ties, as in the reference
+            return np.where(step > 0, tau / np.maximum(step, 1e-300), 0.0)  # [R·γ + 1]

@@ -168,6 +168,11 @@ class SchedulerConfig:
     # The default mirrors the shape of published tables (long drafts at low batch, short at high batch).
     threshold: float = 0.5  # threshold mode: verify slot j while the prefix survival a_j ≥ threshold
     staleness: int = 2  # adaptive mode: the budget uses survivals this many steps old (overlapped host)
+    # adaptive mode, beyond the paper: skip the drafter for a step when even the best budget, judged on each
+    # request's latest survivals, would emit fewer tokens per second than plain decoding (whose step costs the
+    # verify of the anchors alone). The published systems pay the full draft whatever they verify (METHOD §6).
+    draft_gate: bool = True
+    probe_every: int = 16  # with the gate closed, draft again after this many plain steps to refresh survivals
 
     def __post_init__(self) -> None:
         if self.mode not in SCHEDULER_MODES:
@@ -178,6 +183,8 @@ class SchedulerConfig:
             raise ValueError(f"threshold must lie in [0, 1], got {self.threshold}")
         if self.staleness < 0:
             raise ValueError(f"staleness must be ≥ 0, got {self.staleness}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be ≥ 1, got {self.probe_every}")
         self.dsd_table = {int(b): int(v) for b, v in self.dsd_table.items()}
         if not self.dsd_table or any(b < 1 or v < 0 for b, v in self.dsd_table.items()):
             raise ValueError(f"dsd_table needs batch sizes ≥ 1 mapped to K ≥ 0, got {self.dsd_table}")

@@ -243,7 +243,14 @@ def step(target: Target, drafter: DSparkDrafter | None, scheduler: Scheduler, re
     if mode == "none":
         drafts = _empty_draft(len(reqs), target.vocab_size)
         lens = torch.zeros(len(reqs), dtype=torch.long)
+    elif not scheduler.should_draft(_latest_survivals(reqs, scheduler.gamma), scheduler.steps_without_draft,
+                                    num_anchor_tokens=len(reqs)):
+        # The draft gate (adaptive mode): plain decoding is expected to be faster this step, so nobody drafts.
+        scheduler.steps_without_draft += 1
+        drafts = _empty_draft(len(reqs), target.vocab_size)
+        lens = torch.zeros(len(reqs), dtype=torch.long)
     else:
+        scheduler.steps_without_draft = 0
         drafts, survival = draft(drafter, reqs, gen)  # survival [R, γ]
         stale = _stale_survivals(reqs, scheduler.config.staleness, survival.shape[1])
         if mode == "oracle":
@@ -263,6 +270,13 @@ def step(target: Target, drafter: DSparkDrafter | None, scheduler: Scheduler, re
         r.verify_lengths.append(int(lens[i]))
         r.accepted_lengths.append(n - 1)
         commit(target, r, result.tokens[i, :n].tolist(), features[i], gen)
+
+
+def _latest_survivals(reqs: list[Request], gamma: int) -> torch.Tensor | None:
+    """[R, γ] survivals of each request's latest draft (NaN rows for requests without one); None if nobody drafted."""
+    if not any(r.survivals for r in reqs):
+        return None
+    return torch.stack([r.survivals[-1] if r.survivals else torch.full((gamma,), float("nan")) for r in reqs])
 
 
 def _stale_survivals(reqs: list[Request], staleness: int, gamma: int) -> torch.Tensor:

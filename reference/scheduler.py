@@ -29,6 +29,9 @@ becomes (0.85, 0.15)). The policies:
 * :func:`best_budget` is the unconstrained argmax of ``Θ(B)`` over ``B = 0..R·γ``. It sees every survival,
   so applied to the *current* survivals it is anticipating (not lossless). It is safe only on stale ones.
 * The asynchronous production variant (``adaptive``), :meth:`Scheduler.lengths`, is described there.
+* The draft gate (``adaptive``, beyond the paper), :meth:`Scheduler.should_draft`: whether this step drafts at
+  all, decided before any of its drafts exists, from the survivals of earlier drafts. A step that does not
+  draft verifies ``ℓ = 0`` (ordinary decoding), so the gate cannot bias the output either.
 
 Names follow ``design/METHOD.md``: ``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size, ``p_t``
 target and ``p_d`` draft distributions, ``SPS`` steps per second, ``Θ`` emitted tokens per second.
@@ -36,7 +39,7 @@ target and ``p_d`` draft distributions, ``SPS`` steps per second, ``Θ`` emitted
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -167,6 +170,25 @@ def algorithm1(a: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests:
     return allocate_top_b(a, budget)
 
 
+def speculation_pays(a_latest: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests: int | None = None
+                     ) -> bool:
+    """Whether drafting this step is expected to beat plain decoding: ``max_B Θ(B) ≥ R_s / verify_time(T_0)``.
+
+    ``Θ(B)`` is :func:`best_budget`'s curve on ``a_latest`` (NaN rows filled by :func:`fill_stale_rows`); its step
+    time counts the drafter's cost for all R requests, which a step that does not draft saves.
+
+    Args:
+        a_latest: ``[R, γ]`` survivals of each request's latest draft (NaN rows for requests without one).
+        cost: the step-cost table (its ``draft_ms`` must be measured, else drafting looks free).
+        num_anchor_tokens: ``T_0``. num_requests: ``R_s`` (default R).
+    """
+    a = fill_stale_rows(a_latest)
+    n_s = _num_sampling(num_requests, a.shape[0])
+    plain = cost.verify_time(_num_anchor_tokens(num_anchor_tokens, a.shape[0]))
+    theta_plain = n_s / plain if plain > 0 else 0.0
+    return max(_throughput_curve(a, cost, num_anchor_tokens, num_requests)) >= theta_plain
+
+
 def fill_stale_rows(a_stale: Tensor) -> Tensor:
     """Replace NaN rows (requests with no stale survivals) by the mean stale curve of the other requests.
 
@@ -208,6 +230,8 @@ class Scheduler:
     config: SchedulerConfig
     gamma: int
     cost: CostTable | None = None
+    # Loop state of the draft gate: consecutive steps, up to now, that did not draft (the loop updates it).
+    steps_without_draft: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
@@ -295,6 +319,31 @@ class Scheduler:
         else:  # SchedulerConfig validates the mode; this guards against a mode added there but not here
             raise ValueError(f"scheduler mode {mode!r} is not implemented")
         return lens.to(device=device, dtype=torch.long)
+
+    def should_draft(self, a_latest: Tensor | None, steps_without_draft: int, *, num_anchor_tokens: int,
+                     num_requests: int | None = None, pays=None) -> bool:
+        """Whether the next step drafts (the draft gate; always ``True`` outside ``adaptive`` or with the gate off).
+
+        Decided before the step's drafts are sampled, from each request's *latest* survivals (``a_latest``, NaN
+        rows for requests without any): drafting stops while :func:`speculation_pays` says plain decoding is
+        faster, and resumes for one probing step after ``config.probe_every`` plain steps (the survivals go stale
+        while nobody drafts) or when no request has survivals at all (nothing is known yet).
+
+        Args:
+            a_latest: ``[R, γ]`` or ``None`` (no request has drafted yet).
+            steps_without_draft: consecutive steps, up to now, that did not draft.
+            num_anchor_tokens: ``T_0`` of the next step. num_requests: ``R_s`` (default R).
+            pays: ``(a_latest, T_0, R_s) -> bool``, a faster twin of :func:`speculation_pays` (the engine's NumPy
+                planner); default the reference function with this scheduler's cost table.
+        """
+        cfg = self.config
+        if cfg.mode != "adaptive" or not cfg.draft_gate:
+            return True
+        if a_latest is None or bool(torch.isnan(a_latest).all()) or steps_without_draft >= cfg.probe_every:
+            return True
+        if pays is None:
+            return speculation_pays(a_latest, self.cost, num_anchor_tokens, num_requests)
+        return pays(a_latest, num_anchor_tokens, num_requests)
 
     @staticmethod
     def _anchor_tokens(num_anchor_tokens: int | None) -> int:

@@ -91,7 +91,11 @@ class BenchConfig:
 
 
 def parse_mode(spec: str, gamma: int | None) -> tuple[str, int | None]:
-    """``"fixed:3"`` -> ("fixed", 3); ``"adaptive"`` -> ("adaptive", None). Unknown modes and K > γ fail."""
+    """``"fixed:3"`` -> ("fixed", 3); ``"adaptive"`` -> ("adaptive", None); ``"adaptive:nogate"`` -> ("adaptive",
+    None) with the draft gate off (the paper's adaptive mode, which drafts every step). Unknown modes and K > γ
+    fail."""
+    if spec == "adaptive:nogate":
+        return "adaptive", None
     mode, _, k = spec.partition(":")
     if mode not in SCHEDULER_MODES or mode == "oracle":
         raise ValueError(f"unknown benchmark mode {spec!r}; choose none, fixed:K, dsd, threshold, adaptive-sync, "
@@ -140,6 +144,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int) ->
         "engine_steps": stats["steps"], "step_ms": 1e3 * stats["step_s"] / max(stats["steps"], 1),
         "host_schedule_ms": 1e3 * stats["host_schedule_s"] / max(stats["steps"], 1),
         "host_schedule_fraction": stats["host_schedule_s"] / stats["step_s"] if stats["step_s"] else 0.0,
+        # steps that ran the drafter (the adaptive draft gate skips some); 0 for no speculation
+        "draft_step_fraction": stats.get("draft_steps", 0) / max(stats["steps"], 1),
     }
 
 
@@ -249,7 +255,8 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
             row = _measure_hf(target, batch, cfg, device)
         else:
             engine = engines["none" if mode == "none" else "spec"]
-            sched = SchedulerConfig(mode=mode, k=k if k is not None else max(gamma, 1))
+            sched = SchedulerConfig(mode=mode, k=k if k is not None else max(gamma, 1),
+                                    draft_gate=label != "adaptive:nogate")
             engine.set_scheduler(sched)
             row = _measure(lambda e=engine, p=batch: run_engine(e, p, cfg.max_new_tokens), cfg.warmup, cfg.repeats)
             row = {"engine": "optimized", "mode": mode, "label": label, "k": _k_of(sched, b), **row}
@@ -330,6 +337,8 @@ def summarize(results: list[dict]) -> dict[str, Any]:
             s["adaptive_over_none"] = round(adaptive / none, 3)
         if adaptive and fixed:
             s["adaptive_over_best_fixed"] = round(adaptive / fixed[s["best_fixed"]], 3)
+        if tps.get("adaptive:nogate") and none:
+            s["adaptive_nogate_over_none"] = round(tps["adaptive:nogate"] / none, 3)
         if "none" in rows and "host_schedule_fraction" in rows["none"]:
             s["host_schedule_fraction_none"] = round(rows["none"]["host_schedule_fraction"], 4)
         if "adaptive" in rows:

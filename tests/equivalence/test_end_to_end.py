@@ -179,3 +179,29 @@ def test_adaptive_without_table_profiles_the_serving_engine(tmp_path, monkeypatc
     engine.add_request([4, 5], SamplingParams(max_new_tokens=2))
     with pytest.raises(RuntimeError, match="needs a cost table"):
         engine.step()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_gate_skips_drafting_identically(temperature):
+    """Adaptive mode's draft gate: with a drafter that costs far more than it can save, the reference and the engine
+    both stop drafting after the first draft, probe every ``probe_every`` plain steps, and agree step for step."""
+    target = Target.from_model(tiny_hf_model("llama"))
+    drafter = _drafter(target)
+    prompts = [[5, 9, 3, 17], [2, 40, 41, 42, 43, 7, 8], [60]]
+    gen = GenerationConfig(max_new_tokens=16, temperature=temperature, seed=7, ignore_eos=True)
+    cost = CostTable.affine(fixed_ms=5.0, per_token_ms=0.3, draft_fixed_ms=40.0, sizes=list(range(1, 129)))
+    runs = {}
+    for gate in (True, False):
+        sched = SchedulerConfig(mode="adaptive", draft_gate=gate, probe_every=3)
+        ref = ref_generate(target, drafter, prompts, gen, sched, cost)
+        cfg = EngineConfig(max_num_seqs=len(prompts), seed=gen.seed, device="cpu", kernel_backend="torch")
+        opt = opt_generate(target, drafter, prompts, gen, sched, cost, engine_config=cfg)
+        for a, b in zip(ref, opt):
+            assert (b.token_ids, b.accepted_lengths, b.verify_lengths) == (a.token_ids, a.accepted_lengths,
+                                                                          a.verify_lengths), f"gate={gate}"
+        runs[gate] = ref
+    verified = {gate: sum(sum(r.verify_lengths) for r in res) for gate, res in runs.items()}
+    assert verified[True] < verified[False]  # the gate did close: fewer drafts were verified
+    if temperature == 0:  # lossless: greedy output is the target's own, gate or not
+        plain = ref_generate(target, None, prompts, gen, SchedulerConfig(mode="none"))
+        assert [r.token_ids for r in runs[True]] == [r.token_ids for r in plain]

@@ -35,3 +35,22 @@ def test_budget_zero_when_drafts_do_not_pay():
     cost = CostTable(verify_ms={1: 1.0, 2: 100.0, 16: 200.0}, draft_ms={1: 0.01})
     a = torch.tensor([[0.1, 0.01]])
     assert BudgetPlanner(cost).budget(a, 1) == stale_budget(a, cost, 1) == 0
+
+
+def test_planner_gate_equals_reference_speculation_pays():
+    """The draft gate's NumPy twin gives the reference's boolean (same Θ values, same comparison), both ways."""
+    from reference.scheduler import speculation_pays
+
+    gen = torch.Generator().manual_seed(1)
+    seen = set()
+    for i in range(300):
+        r, g = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 8, (1,), generator=gen))
+        sizes = sorted({int(x) for x in torch.randint(1, r * (g + 1) + 8, (6,), generator=gen)} | {r, r * (g + 1)})
+        ms = torch.cumsum(torch.rand(len(sizes), generator=gen) * 3, 0) + 1.0
+        draft = float(torch.rand(1, generator=gen)) * 6
+        cost = CostTable(verify_ms=dict(zip(sizes, ms.tolist())), draft_ms={1: draft, 8: draft + 0.1})
+        a = _random_survivals(gen, r, g, nan_rows=i % 3 if r > 2 else 0)
+        expected = speculation_pays(a, cost, r)
+        assert BudgetPlanner(cost).speculation_pays(a, r) == expected, i
+        seen.add(expected)
+    assert seen == {True, False}  # both answers were exercised

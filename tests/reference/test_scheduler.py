@@ -411,3 +411,28 @@ def test_empty_batch():
     assert best_budget(a, cost, 0) == 0
     assert allocate_top_b(a, 0).shape == (0,)
     assert make("adaptive", gamma=3, cost=cost).lengths(a, a_stale=a, num_anchor_tokens=0).shape == (0,)
+
+
+def test_draft_gate_rule():
+    """should_draft: always outside adaptive or with the gate off; with nothing known; on the probe step; else
+    exactly when the best budget beats plain decoding (speculation_pays)."""
+    from reference.scheduler import speculation_pays
+
+    cheap = CostTable.affine(fixed_ms=5.0, per_token_ms=0.1, draft_fixed_ms=0.5, sizes=list(range(1, 65)))
+    dear = CostTable.affine(fixed_ms=5.0, per_token_ms=0.1, draft_fixed_ms=50.0, sizes=list(range(1, 65)))
+    a = torch.tensor([[0.9, 0.8, 0.7], [0.5, 0.2, 0.1]])
+    assert speculation_pays(a, cheap, 2) and not speculation_pays(a, dear, 2)
+    gated = Scheduler(SchedulerConfig(mode="adaptive", probe_every=4), gamma=3, cost=dear)
+    assert not gated.should_draft(a, 0, num_anchor_tokens=2)
+    assert gated.should_draft(a, 4, num_anchor_tokens=2)  # the probe
+    assert gated.should_draft(None, 0, num_anchor_tokens=2)  # nobody drafted yet
+    assert gated.should_draft(torch.full((2, 3), float("nan")), 0, num_anchor_tokens=2)
+    assert not gated.should_draft(torch.tensor([[0.9, 0.8, 0.7], [float("nan")] * 3]), 0, num_anchor_tokens=2)
+    assert Scheduler(SchedulerConfig(mode="adaptive", draft_gate=False), gamma=3, cost=dear).should_draft(
+        a, 0, num_anchor_tokens=2)
+    assert Scheduler(SchedulerConfig(mode="fixed", k=2), gamma=3, cost=dear).should_draft(a, 0, num_anchor_tokens=2)
+    # Θ(B) counts the draft for every B, so with a perfect drafter and a cheap draft, drafting pays.
+    assert Scheduler(SchedulerConfig(mode="adaptive"), gamma=3, cost=cheap).should_draft(
+        torch.ones(2, 3), 0, num_anchor_tokens=2)
+    with pytest.raises(ValueError, match="probe_every"):
+        SchedulerConfig(probe_every=0)
