@@ -41,7 +41,7 @@ from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
 from reference.sampling import Purpose, logits_to_probs
-from reference.scheduler import Scheduler
+from reference.scheduler import Scheduler, recent_survivals
 from reference.target import Target
 
 log = logging.getLogger("dspark.engine")
@@ -119,6 +119,7 @@ class Engine:
         self._alloc_state(config.max_num_seqs)
         self._ids: dict[int, Sequence] = {}
         self.drafted = True  # whether the current decoding requests hold drafts (the draft gate may skip a step)
+        self._gate_cache = None  # (requests and their draft counts, recent survivals, verdict) of the last gate
         self.stats = {"steps": 0, "host_schedule_s": 0.0, "step_s": 0.0}
 
     # ------------------------------------------------------------------------------------------------------
@@ -223,6 +224,7 @@ class Engine:
         self.cost = cost
         self.policy = Scheduler(self.sched_config, gamma=max(self.gamma, 1), cost=cost)
         self.planner = BudgetPlanner(cost)
+        self._gate_cache = None
 
     def set_scheduler(self, sched: SchedulerConfig) -> None:
         """Switch the verify-length policy between runs, keeping caches and graphs (benchmarks of every mode)."""
@@ -236,6 +238,7 @@ class Engine:
         self.sched_config = sched
         self.batch.config = sched
         self.policy = Scheduler(sched, gamma=max(self.gamma, 1), cost=self.cost)
+        self._gate_cache = None
 
     # ------------------------------------------------------------------------------------------------------
     # Profiling dummy steps (optimized/cost_model.py): the serving code path and graphs, on placeholder slots
@@ -366,16 +369,23 @@ class Engine:
         return done
 
     def _draft_gate(self, seqs: list[Sequence]) -> bool:
-        """Whether the next step drafts: ``Scheduler.should_draft`` on each request's latest survivals (host copies
-        that landed with an earlier token read), with the NumPy planner as its fast twin. Counts the plain steps."""
-        if self.sched_config.mode != "adaptive" or not self.sched_config.draft_gate:
+        """Whether the next step drafts: ``Scheduler.should_draft`` on each request's recent survivals (host copies
+        that landed with an earlier token read), with the NumPy planner as its fast twin. Counts the plain steps.
+
+        While the gate is closed nobody drafts, so the inputs repeat: the verdict is reused for as long as the same
+        requests hold the same drafts (exactly what re-evaluating would return, without its host cost)."""
+        cfg = self.sched_config
+        if cfg.mode != "adaptive" or not cfg.draft_gate:
             return True
-        latest = None
-        if any(s.survivals for s in seqs):
-            nan = torch.full((self.gamma,), float("nan"))
-            latest = torch.stack([s.survivals[-1] if s.survivals else nan for s in seqs])  # [R, γ] host
-        drafts = self.policy.should_draft(latest, self.policy.steps_without_draft, num_anchor_tokens=len(seqs),
-                                          pays=self.planner.speculation_pays)
+        key = (tuple(s.request_id for s in seqs), tuple(len(s.survivals) for s in seqs))
+        cached = self._gate_cache if self._gate_cache is not None and self._gate_cache[0] == key else None
+        if cached is None:
+            recent = recent_survivals([s.survivals for s in seqs], self.gamma, cfg.gate_window)  # [R, γ] host
+            verdict = None if recent is None else self.planner.speculation_pays(recent, len(seqs))
+            cached = self._gate_cache = (key, recent, verdict)
+        _, recent, verdict = cached
+        drafts = self.policy.should_draft(recent, self.policy.steps_without_draft, num_anchor_tokens=len(seqs),
+                                          pays=lambda *_: verdict)
         self.policy.steps_without_draft = 0 if drafts else self.policy.steps_without_draft + 1
         return drafts
 

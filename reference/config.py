@@ -173,6 +173,7 @@ class SchedulerConfig:
     # verify of the anchors alone). The published systems pay the full draft whatever they verify (METHOD §6).
     draft_gate: bool = True
     probe_every: int = 16  # with the gate closed, draft again after this many plain steps to refresh survivals
+    gate_window: int = 4  # the gate judges each request by the mean survivals of its last this-many drafts
 
     def __post_init__(self) -> None:
         if self.mode not in SCHEDULER_MODES:
@@ -183,8 +184,8 @@ class SchedulerConfig:
             raise ValueError(f"threshold must lie in [0, 1], got {self.threshold}")
         if self.staleness < 0:
             raise ValueError(f"staleness must be ≥ 0, got {self.staleness}")
-        if self.probe_every < 1:
-            raise ValueError(f"probe_every must be ≥ 1, got {self.probe_every}")
+        if self.probe_every < 1 or self.gate_window < 1:
+            raise ValueError(f"probe_every and gate_window must be ≥ 1, got {self.probe_every}, {self.gate_window}")
         self.dsd_table = {int(b): int(v) for b, v in self.dsd_table.items()}
         if not self.dsd_table or any(b < 1 or v < 0 for b, v in self.dsd_table.items()):
             raise ValueError(f"dsd_table needs batch sizes ≥ 1 mapped to K ≥ 0, got {self.dsd_table}")

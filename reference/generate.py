@@ -36,7 +36,7 @@ from reference.config import SCHEDULER_MODES, DrafterConfig, GenerationConfig, S
 from reference.cost_model import CostTable, default_bucket_sizes, measure_cost_table
 from reference.drafter import DSparkDrafter
 from reference.sampling import Purpose, logits_to_probs, sample
-from reference.scheduler import Scheduler, prefix_survival
+from reference.scheduler import Scheduler, prefix_survival, recent_survivals
 from reference.target import Target
 from reference.verify import rejection_sample
 
@@ -243,8 +243,9 @@ def step(target: Target, drafter: DSparkDrafter | None, scheduler: Scheduler, re
     if mode == "none":
         drafts = _empty_draft(len(reqs), target.vocab_size)
         lens = torch.zeros(len(reqs), dtype=torch.long)
-    elif not scheduler.should_draft(_latest_survivals(reqs, scheduler.gamma), scheduler.steps_without_draft,
-                                    num_anchor_tokens=len(reqs)):
+    elif not scheduler.should_draft(recent_survivals([r.survivals for r in reqs], scheduler.gamma,
+                                                     scheduler.config.gate_window),
+                                    scheduler.steps_without_draft, num_anchor_tokens=len(reqs)):
         # The draft gate (adaptive mode): plain decoding is expected to be faster this step, so nobody drafts.
         scheduler.steps_without_draft += 1
         drafts = _empty_draft(len(reqs), target.vocab_size)
@@ -270,13 +271,6 @@ def step(target: Target, drafter: DSparkDrafter | None, scheduler: Scheduler, re
         r.verify_lengths.append(int(lens[i]))
         r.accepted_lengths.append(n - 1)
         commit(target, r, result.tokens[i, :n].tolist(), features[i], gen)
-
-
-def _latest_survivals(reqs: list[Request], gamma: int) -> torch.Tensor | None:
-    """[R, γ] survivals of each request's latest draft (NaN rows for requests without one); None if nobody drafted."""
-    if not any(r.survivals for r in reqs):
-        return None
-    return torch.stack([r.survivals[-1] if r.survivals else torch.full((gamma,), float("nan")) for r in reqs])
 
 
 def _stale_survivals(reqs: list[Request], staleness: int, gamma: int) -> torch.Tensor:

@@ -189,6 +189,20 @@ def speculation_pays(a_latest: Tensor, cost: CostTable, num_anchor_tokens: int, 
     return max(_throughput_curve(a, cost, num_anchor_tokens, num_requests)) >= theta_plain
 
 
+def recent_survivals(histories: list[list[Tensor]], gamma: int, window: int) -> Tensor | None:
+    """The draft gate's view of each request: the mean of its last ``window`` drafts' survival rows ``[R, γ]``
+    (a NaN row for a request that has not drafted; ``None`` when none has). One draft's survivals are a noisy
+    forecast of the next one's; the mean of a few is steadier, and still a non-increasing row.
+
+    Args:
+        histories: per request, the survival rows ``[γ]`` of its drafts, oldest first.
+    """
+    if not any(histories):
+        return None
+    nan = torch.full((gamma,), float("nan"))
+    return torch.stack([torch.stack(h[-window:]).mean(dim=0) if h else nan for h in histories])
+
+
 def fill_stale_rows(a_stale: Tensor) -> Tensor:
     """Replace NaN rows (requests with no stale survivals) by the mean stale curve of the other requests.
 
@@ -324,8 +338,8 @@ class Scheduler:
                      num_requests: int | None = None, pays=None) -> bool:
         """Whether the next step drafts (the draft gate; always ``True`` outside ``adaptive`` or with the gate off).
 
-        Decided before the step's drafts are sampled, from each request's *latest* survivals (``a_latest``, NaN
-        rows for requests without any): drafting stops while :func:`speculation_pays` says plain decoding is
+        Decided before the step's drafts are sampled, from each request's recent survivals (``a_latest``, from
+        :func:`recent_survivals`; NaN rows for requests without any): drafting stops while :func:`speculation_pays` says plain decoding is
         faster, and resumes for one probing step after ``config.probe_every`` plain steps (the survivals go stale
         while nobody drafts) or when no request has survivals at all (nothing is known yet).
 
