@@ -381,7 +381,8 @@ class Engine:
         cached = self._gate_cache if self._gate_cache is not None and self._gate_cache[0] == key else None
         if cached is None:
             recent = recent_survivals([s.survivals for s in seqs], self.gamma, cfg.gate_window)  # [R, γ] host
-            verdict = None if recent is None else self.planner.speculation_pays(recent, len(seqs))
+            verdict = None if recent is None else self.planner.speculation_pays(recent, len(seqs), None,
+                                                                                  cfg.gate_margin)
             cached = self._gate_cache = (key, recent, verdict)
         _, recent, verdict = cached
         drafts = self.policy.should_draft(recent, self.policy.steps_without_draft, num_anchor_tokens=len(seqs),

@@ -179,13 +179,13 @@ class BudgetPlanner:
     def budget(self, a_stale: torch.Tensor, num_anchor_tokens: int, num_requests: int | None = None) -> int:
         return int(np.argmax(self._theta(a_stale, num_anchor_tokens, num_requests)))  # first max = smaller B on ties
 
-    def speculation_pays(self, a_latest: torch.Tensor, num_anchor_tokens: int, num_requests: int | None = None
-                         ) -> bool:
+    def speculation_pays(self, a_latest: torch.Tensor, num_anchor_tokens: int, num_requests: int | None = None,
+                         margin: float = 0.0) -> bool:
         """The twin of ``reference.scheduler.speculation_pays`` (the draft gate): same Θ values, same comparison."""
         n_s = a_latest.shape[0] if num_requests is None else num_requests
         plain = self.cost.verify_time(num_anchor_tokens)
         theta_plain = n_s / plain if plain > 0 else 0.0
-        return bool(self._theta(a_latest, num_anchor_tokens, num_requests).max() >= theta_plain)
+        return bool((1.0 + margin) * float(self._theta(a_latest, num_anchor_tokens, num_requests).max()) >= theta_plain)
 
     def _theta(self, a_stale: torch.Tensor, num_anchor_tokens: int, num_requests: int | None) -> np.ndarray:
         """Θ(B) for B = 0..R·γ along the global ranking, as the reference's ``_throughput_curve``."""

@@ -170,9 +170,10 @@ def algorithm1(a: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests:
     return allocate_top_b(a, budget)
 
 
-def speculation_pays(a_latest: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests: int | None = None
-                     ) -> bool:
-    """Whether drafting this step is expected to beat plain decoding: ``max_B Θ(B) ≥ R_s / verify_time(T_0)``.
+def speculation_pays(a_latest: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests: int | None = None,
+                     margin: float = 0.0) -> bool:
+    """Whether drafting is worth it this step: ``(1 + margin) · max_B Θ(B) ≥ R_s / verify_time(T_0)``, i.e. plain
+    decoding is not expected to be more than ``margin`` faster.
 
     ``Θ(B)`` is :func:`best_budget`'s curve on ``a_latest`` (NaN rows filled by :func:`fill_stale_rows`); its step
     time counts the drafter's cost for all R requests, which a step that does not draft saves.
@@ -181,12 +182,13 @@ def speculation_pays(a_latest: Tensor, cost: CostTable, num_anchor_tokens: int, 
         a_latest: ``[R, γ]`` survivals of each request's latest draft (NaN rows for requests without one).
         cost: the step-cost table (its ``draft_ms`` must be measured, else drafting looks free).
         num_anchor_tokens: ``T_0``. num_requests: ``R_s`` (default R).
+        margin: how much faster plain decoding must look before drafting stops (``SchedulerConfig.gate_margin``).
     """
     a = fill_stale_rows(a_latest)
     n_s = _num_sampling(num_requests, a.shape[0])
     plain = cost.verify_time(_num_anchor_tokens(num_anchor_tokens, a.shape[0]))
     theta_plain = n_s / plain if plain > 0 else 0.0
-    return max(_throughput_curve(a, cost, num_anchor_tokens, num_requests)) >= theta_plain
+    return (1.0 + margin) * max(_throughput_curve(a, cost, num_anchor_tokens, num_requests)) >= theta_plain
 
 
 def recent_survivals(histories: list[list[Tensor]], gamma: int, window: int) -> Tensor | None:
@@ -347,8 +349,8 @@ class Scheduler:
             a_latest: ``[R, γ]`` or ``None`` (no request has drafted yet).
             steps_without_draft: consecutive steps, up to now, that did not draft.
             num_anchor_tokens: ``T_0`` of the next step. num_requests: ``R_s`` (default R).
-            pays: ``(a_latest, T_0, R_s) -> bool``, a faster twin of :func:`speculation_pays` (the engine's NumPy
-                planner); default the reference function with this scheduler's cost table.
+            pays: ``(a_latest, T_0, R_s) -> bool``, a faster twin of :func:`speculation_pays` with the same cost table
+                and margin (the engine's NumPy planner); default the reference function.
         """
         cfg = self.config
         if cfg.mode != "adaptive" or not cfg.draft_gate:
@@ -356,7 +358,7 @@ class Scheduler:
         if a_latest is None or bool(torch.isnan(a_latest).all()) or steps_without_draft >= cfg.probe_every:
             return True
         if pays is None:
-            return speculation_pays(a_latest, self.cost, num_anchor_tokens, num_requests)
+            return speculation_pays(a_latest, self.cost, num_anchor_tokens, num_requests, cfg.gate_margin)
         return pays(a_latest, num_anchor_tokens, num_requests)
 
     @staticmethod

@@ -50,7 +50,8 @@ def test_planner_gate_equals_reference_speculation_pays():
         draft = float(torch.rand(1, generator=gen)) * 6
         cost = CostTable(verify_ms=dict(zip(sizes, ms.tolist())), draft_ms={1: draft, 8: draft + 0.1})
         a = _random_survivals(gen, r, g, nan_rows=i % 3 if r > 2 else 0)
-        expected = speculation_pays(a, cost, r)
-        assert BudgetPlanner(cost).speculation_pays(a, r) == expected, i
+        margin = (0.0, 0.15)[i % 2]
+        expected = speculation_pays(a, cost, r, margin=margin)
+        assert BudgetPlanner(cost).speculation_pays(a, r, margin=margin) == expected, i
         seen.add(expected)
     assert seen == {True, False}  # both answers were exercised

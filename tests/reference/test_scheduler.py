@@ -422,7 +422,8 @@ def test_draft_gate_rule():
     dear = CostTable.affine(fixed_ms=5.0, per_token_ms=0.1, draft_fixed_ms=50.0, sizes=list(range(1, 65)))
     a = torch.tensor([[0.9, 0.8, 0.7], [0.5, 0.2, 0.1]])
     assert speculation_pays(a, cheap, 2) and not speculation_pays(a, dear, 2)
-    gated = Scheduler(SchedulerConfig(mode="adaptive", probe_every=4), gamma=3, cost=dear)
+    assert speculation_pays(a, dear, 2, margin=100.0)  # a huge margin keeps drafting
+    gated = Scheduler(SchedulerConfig(mode="adaptive", probe_every=4, gate_margin=0.0), gamma=3, cost=dear)
     assert not gated.should_draft(a, 0, num_anchor_tokens=2)
     assert gated.should_draft(a, 4, num_anchor_tokens=2)  # the probe
     assert gated.should_draft(None, 0, num_anchor_tokens=2)  # nobody drafted yet
