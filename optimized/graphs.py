@@ -3,7 +3,8 @@
 One static buffer set serves every graph. A verify graph runs the target over ``n`` packed tokens (every
 request may carry 1..γ+1 of them, the query-length bound is γ+1) and, when a drafter is present, appends
 the tapped features of those tokens to the drafter's context cache. A draft graph runs the drafter's
-backbone for ``R`` request rows and, for the Markov head, the fused sequential head and the calibrated survivals. The row dimension of every graph is ``max_num_seqs``: unused rows are
+backbone for ``R`` request rows and, for the Markov head, the fused sequential head and the calibrated survivals.
+The row dimension of every graph is ``max_num_seqs``: unused rows are
 padding (zero queries, slot -1), with query offsets filled by the exact total so they stay non-decreasing
 (SERVING-NOTES "Host vs device").
 

@@ -341,9 +341,10 @@ class Scheduler:
         """Whether the next step drafts (the draft gate; always ``True`` outside ``adaptive`` or with the gate off).
 
         Decided before the step's drafts are sampled, from each request's recent survivals (``a_latest``, from
-        :func:`recent_survivals`; NaN rows for requests without any): drafting stops while :func:`speculation_pays` says plain decoding is
-        faster, and resumes for one probing step after ``config.probe_every`` plain steps (the survivals go stale
-        while nobody drafts) or when no request has survivals at all (nothing is known yet).
+        :func:`recent_survivals`; NaN rows for requests without any): drafting stops while
+        :func:`speculation_pays` says plain decoding is faster, and resumes for one probing step after
+        ``config.probe_every`` plain steps (the survivals go stale while nobody drafts) or when no request has
+        survivals at all (nothing is known yet).
 
         Args:
             a_latest: ``[R, γ]`` or ``None`` (no request has drafted yet).

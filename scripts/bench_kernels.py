@@ -86,8 +86,8 @@ class Shapes:
     @classmethod
     def tiny(cls) -> Shapes:
         """CPU smoke-test sizes: the same structure (GQA groups, γ) in miniature."""
-        return cls(num_heads=4, num_kv_heads=2, head_dim=16, vocab=256, hidden=32, intermediate=48, markov_rank=8, gamma=7,
-                   context=24, batches=(1, 4))
+        return cls(num_heads=4, num_kv_heads=2, head_dim=16, vocab=256, hidden=32, intermediate=48, markov_rank=8,
+                   gamma=7, context=24, batches=(1, 4))
 
 
 # ---------------------------------------------------------------------------------------------------------

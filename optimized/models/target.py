@@ -34,9 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from optimized.kernels.attention import varlen_attention
-from optimized.kernels.layer_ops import apply_rope, rope_append_kv, rope_cos_sin, silu_mul, write_kv
 from optimized.kernels.layer_ops import rms_norm as fused_rms_norm
-from optimized.kernels.layer_ops import rms_norm_torch as rms_norm
+from optimized.kernels.layer_ops import rope_append_kv, rope_cos_sin, silu_mul
 from reference.config import default_target_layer_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
