@@ -36,7 +36,7 @@ from optimized.kernels.verify import rejection_sample
 from optimized.models.drafter import OptimizedDrafter
 from optimized.models.target import OptimizedTarget
 from optimized.scheduler import BatchScheduler, BudgetPlanner, SamplingParams, Sequence, Status
-from reference.calibration import temperatures_for
+from reference.calibration import biases_for, temperatures_for
 from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
@@ -109,6 +109,9 @@ class Engine:
             self.drafter.allocate_cache(config.max_num_seqs, config.max_seq_len)
             self.sts = {mode: torch.tensor(temperatures_for(drafter.config, mode), device=self.device)
                         for mode in ("greedy", "sampling")}
+            self.sts_bias = {mode: None if biases_for(drafter.config, mode) is None else
+                             torch.tensor(biases_for(drafter.config, mode), device=self.device)
+                             for mode in ("greedy", "sampling")}
         self._setup_graphs()
         self.batch = BatchScheduler(sched, config.max_num_seqs, config.max_seq_len, config.prefill_chunk)
         needs_table = sched.mode in ("adaptive", "adaptive-sync") and cost is None
@@ -530,10 +533,15 @@ class Engine:
             seq.survivals.append(row)
 
     def _survival(self, conf_logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-        """Calibrated prefix survivals a_k = Π_{j≤k} σ(c_j / T_j) with the STS temperatures of each row's mode."""
+        """Calibrated prefix survivals a_k = Π_{j≤k} σ(c_j / T_j + b_j) with the calibration of each row's mode
+        (the same float32 operations as ``reference.calibration.apply_sts``; modes without biases add none)."""
         greedy = (temperature == 0)[:, None]
-        temps = torch.where(greedy, self.sts["greedy"], self.sts["sampling"])  # [R, γ]
-        return torch.cumprod(torch.sigmoid(conf_logits.float() / temps), dim=1)
+        x = conf_logits.float() / torch.where(greedy, self.sts["greedy"], self.sts["sampling"])  # [R, γ]
+        bg, bs = self.sts_bias["greedy"], self.sts_bias["sampling"]
+        if bg is not None or bs is not None:
+            zero = torch.zeros_like(self.sts["greedy"])
+            x = x + torch.where(greedy, zero if bg is None else bg, zero if bs is None else bs)
+        return torch.cumprod(torch.sigmoid(x), dim=1)
 
     # ------------------------------------------------------------------------------------------------------
     # Host bookkeeping

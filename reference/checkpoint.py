@@ -157,11 +157,16 @@ def read_drafter_config(directory: str | os.PathLike) -> DrafterConfig:
         raise ValueError(f"{path}: 'drafter' section: {e}") from e
 
 
-def update_sts_temperatures(directory: str | os.PathLike, mode: str, temps: list[float]) -> DrafterConfig:
-    """Store the STS temperatures (one per slot) of decoding ``mode`` ("greedy" or "sampling") in place."""
+def update_sts_temperatures(directory: str | os.PathLike, mode: str, temps: list[float],
+                            biases: list[float] | None = None) -> DrafterConfig:
+    """Store the calibration of decoding ``mode`` ("greedy" or "sampling") in place: one temperature per slot and,
+    for ``--method sts-bias``, one bias per slot. ``biases=None`` removes the mode's old biases (they belong to the
+    temperatures they were fitted with)."""
     path, config = _read_config_json(directory)
     drafter = dict(config["drafter"])
     drafter["sts_temperatures"] = {**drafter.get("sts_temperatures", {}), mode: [float(t) for t in temps]}
+    old_biases = {m: b for m, b in drafter.get("sts_biases", {}).items() if m != mode}
+    drafter["sts_biases"] = old_biases if biases is None else {**old_biases, mode: [float(b) for b in biases]}
     cfg = DrafterConfig.from_dict(drafter)  # validates the mode and the γ positive temperatures
     config["drafter"] = cfg.to_dict()
     _write_json(path, config)

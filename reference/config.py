@@ -74,6 +74,9 @@ class DrafterConfig:
     mask_token_id: int | None = None  # spare vocabulary row for the mask token; None -> learned vector
     # SmolLM2's 49152-token vocabulary has no spare row, hence the learned mask embedding default.
     sts_temperatures: dict[str, list[float]] = field(default_factory=dict)
+    # Per-slot biases of the calibration, ĉ_k = σ(z_k / T_k + b_k), per decoding mode; a mode without them has
+    # b = 0 (the paper's STS). Fitted by scripts/calibrate.py --method sts-bias (reference.calibration.fit_sts_bias).
+    sts_biases: dict[str, list[float]] = field(default_factory=dict)
     # STS temperatures per decoding mode ("greedy", "sampling"), one per slot; empty -> uncalibrated.
 
     def __post_init__(self) -> None:
@@ -101,6 +104,11 @@ class DrafterConfig:
                 problems.append(f"sts_temperatures has unknown decoding mode {mode!r}")
             elif len(temps) != self.block_size or any(not (t > 0 and math.isfinite(t)) for t in temps):
                 problems.append(f"sts_temperatures[{mode!r}] must hold {self.block_size} positive numbers")
+        for mode, biases in self.sts_biases.items():
+            if mode not in ("greedy", "sampling"):
+                problems.append(f"sts_biases has unknown decoding mode {mode!r}")
+            elif len(biases) != self.block_size or any(not math.isfinite(b) for b in biases):
+                problems.append(f"sts_biases[{mode!r}] must hold {self.block_size} finite numbers")
         if problems:
             raise ValueError("invalid DrafterConfig: " + "; ".join(problems))
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from reference.calibration import apply_sts, temperatures_for
+from reference.calibration import apply_sts, biases_for, temperatures_for
 from reference.checkpoint import load_drafter
 from reference.config import SCHEDULER_MODES, DrafterConfig, GenerationConfig, SchedulerConfig
 from reference.cost_model import CostTable, default_bucket_sizes, measure_cost_table
@@ -129,8 +129,8 @@ def draft(drafter: DSparkDrafter, reqs: list[Request], gen: GenerationConfig):
     anchor_pos = torch.tensor([r.anchor_pos for r in reqs], device=dev)  # [R]
     ids = torch.tensor([r.request_id for r in reqs], device=dev)  # [R]
     out = drafter.sample_block(h, anchors, anchor_pos, _sampling_params(gen, len(reqs), dev)[0], gen.seed, ids)
-    temps = temperatures_for(drafter.config, gen.decode_mode)
-    survival = prefix_survival(apply_sts(out.conf_logits.float().cpu(), temps))  # [R, γ], scheduled on the host
+    temps, biases = temperatures_for(drafter.config, gen.decode_mode), biases_for(drafter.config, gen.decode_mode)
+    survival = prefix_survival(apply_sts(out.conf_logits.float().cpu(), temps, biases))  # [R, γ], on the host
     return out, survival
 
 

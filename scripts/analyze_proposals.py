@@ -37,9 +37,9 @@ log = logging.getLogger("dspark.analyze_proposals")
 
 
 def threshold_sweep(conf_logits: torch.Tensor, num_accepted: torch.Tensor, temperatures: list[float],
-                    thresholds: list[float]) -> list[dict]:
+                    thresholds: list[float], biases: list[float] | None = None) -> list[dict]:
     """τ and verified tokens per step of the static-threshold policy, simulated from full-block outcomes."""
-    a = prefix_survival(apply_sts(conf_logits.float(), temperatures))  # [M, γ]
+    a = prefix_survival(apply_sts(conf_logits.float(), temperatures, biases))  # [M, γ]
     rows = []
     for theta in thresholds:
         lens = (a >= theta).sum(dim=1)  # [M] ℓ: a is non-increasing, so the count is the prefix length
@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help="write the fitted STS temperatures into --drafter")
     p.add_argument("--fit-fraction", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--method", default="sts-bias", choices=["sts-bias", "sts"],
+                   help="calibration fitted (scripts/calibrate.py --method)")
     p.add_argument("--source", default="", help="free text recorded in the JSON (hardware, command of the dump)")
     p.add_argument("--out", required=True, help="output prefix: writes OUT.json, OUT-reliability.png, OUT-sweep.png")
     args = p.parse_args(argv)
@@ -70,17 +72,17 @@ def main(argv: list[str] | None = None) -> int:
         mode, gamma = rec["mode"], int(rec["gamma"])
         proposals = {"conf_logits": rec["conf_logits"], "num_accepted": rec["num_accepted"],
                      "sequence": torch.arange(rec["num_accepted"].shape[0])}
-        res = calibrate_mode(proposals, gamma, args.fit_fraction, args.seed)
+        res = calibrate_mode(proposals, gamma, args.fit_fraction, args.seed, args.method)
         res["temperature"] = rec["temperature"]
         results[mode] = res
         sweep = threshold_sweep(rec["conf_logits"], rec["num_accepted"], res["temperatures"],
-                                [round(0.05 * i, 2) for i in range(0, 20)])
+                                [round(0.05 * i, 2) for i in range(0, 20)], res["biases"])
         report["modes"][mode] = {**res, "conditional_acceptance": conditional_acceptance(rec["num_accepted"], gamma),
                                  "threshold_sweep": sweep}
         log.info("%s: %d proposals, τ(full block) = %.3f, T = %s", mode, rec["num_accepted"].shape[0],
                  (rec["num_accepted"].float() + 1).mean().item(), " ".join(f"{t:.3f}" for t in res["temperatures"]))
         if args.write:
-            update_sts_temperatures(args.drafter, mode, res["temperatures"])
+            update_sts_temperatures(args.drafter, mode, res["temperatures"], res["biases"])
     if not results:
         raise SystemExit(f"no proposals-*.pt in {args.proposals}")
     out = Path(args.out)

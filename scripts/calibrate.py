@@ -17,9 +17,11 @@ give the same kind of data slowly, one request at a time. Instead, on held-out *
 4. the labels are the realised prefix survivals ``y_k = 1[drafts 1..k accepted]`` (all γ slots verified, so
    no slot is censored).
 
-STS is then fitted per mode (``reference.calibration.fit_sts``) on one part of the held-out sequences and the
-ECE before/after is reported per position on the other part (``--fit-fraction``), so the "after" number is
-not measured on the data it was fitted to. The temperatures go into the checkpoint's ``config.json``
+The calibration is then fitted per mode on one part of the held-out sequences and the ECE before/after is reported
+per position on the other part (``--fit-fraction``), so the "after" number is not measured on the data it was
+fitted to. ``--method sts-bias`` (default) fits a temperature and a bias per slot by log-loss
+(``reference.calibration.fit_sts_bias``); ``--method sts`` is the paper's temperature-only ECE grid search
+(``reference.calibration.fit_sts``). The result goes into the checkpoint's ``config.json``
 (``reference.checkpoint.update_sts_temperatures``); a JSON report and a reliability diagram PNG are written.
 
 Example::
@@ -47,6 +49,7 @@ from reference.calibration import (  # noqa: E402
     apply_sts,
     calibration_report,
     fit_sts,
+    fit_sts_bias,
     prefix_survival,
     prefix_survival_labels,
     reliability_diagram,
@@ -174,26 +177,33 @@ def fit_split(sequence: torch.Tensor, fit_fraction: float, seed: int) -> torch.T
     return torch.isin(sequence, fit_ids)
 
 
-def calibrate_mode(proposals: dict[str, torch.Tensor], gamma: int, fit_fraction: float, seed: int) -> dict:
-    """Fit STS on the fit split; report ECE per position on both splits (JSON-ready)."""
+def calibrate_mode(proposals: dict[str, torch.Tensor], gamma: int, fit_fraction: float, seed: int,
+                   method: str = "sts-bias") -> dict:
+    """Fit the calibration (``method`` "sts-bias" or "sts") on the fit split; report ECE per position on both
+    splits (JSON-ready). ``biases`` is ``None`` for "sts"."""
     z, acc = proposals["conf_logits"], proposals["num_accepted"]
     labels = prefix_survival_labels(acc, torch.full_like(acc, gamma), gamma)  # [M, γ], nothing censored
     fit = fit_split(proposals["sequence"], fit_fraction, seed)
     held = ~fit if bool((~fit).any()) else fit  # with --fit-fraction 1 the report is on the fit data itself
-    temps = fit_sts(z[fit], labels[fit])
+    if method == "sts-bias":
+        temps, biases = fit_sts_bias(z[fit], labels[fit])
+    elif method == "sts":
+        temps, biases = fit_sts(z[fit], labels[fit]), None
+    else:
+        raise ValueError(f"unknown calibration method {method!r}; choose sts-bias or sts")
     return {
-        "temperatures": temps,
+        "method": method, "temperatures": temps, "biases": biases,
         "num_proposals": int(z.shape[0]), "num_fit": int(fit.sum()), "num_report": int(held.sum()),
         "report_on_fit_data": not bool((~fit).any()),
         "mean_accepted_length": float(acc.float().mean() + 1),
         "per_position_acceptance": conditional_acceptance(acc, gamma),
-        "ece_fit": calibration_report(z[fit], labels[fit], temps),
-        "ece_heldout": calibration_report(z[held], labels[held], temps),
+        "ece_fit": calibration_report(z[fit], labels[fit], temps, biases=biases),
+        "ece_heldout": calibration_report(z[held], labels[held], temps, biases=biases),
         "reliability": {
             "before": [reliability_diagram(prefix_survival(torch.sigmoid(z[held].double()))[:, k], labels[held, k])
                        for k in range(gamma)],
-            "after": [reliability_diagram(prefix_survival(apply_sts(z[held].double(), temps))[:, k], labels[held, k])
-                      for k in range(gamma)],
+            "after": [reliability_diagram(prefix_survival(apply_sts(z[held].double(), temps, biases))[:, k],
+                                          labels[held, k]) for k in range(gamma)],
         },
     }
 
@@ -250,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit-fraction", type=float, default=0.5,
                    help="share of sequences used to fit; ECE is reported on the rest (1 = fit and report on all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--method", default="sts-bias", choices=["sts-bias", "sts"],
+                   help="sts-bias: temperature + bias per slot by log-loss; sts: the paper's temperature-only ECE "
+                        "grid search")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default=None, help="write the report here (default DRAFTER/calibration.json)")
     p.add_argument("--dump-proposals", default=None,
@@ -281,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         temperature = args.sampling_temperature if mode == "sampling" else MODES[mode]
         proposals = collect_proposals(target, drafter, examples, temperature=temperature, seed=args.seed,
                                       anchors_per_seq=args.anchors_per_seq, tokens_per_batch=args.tokens_per_batch)
-        res = calibrate_mode(proposals, cfg.block_size, args.fit_fraction, args.seed)
+        res = calibrate_mode(proposals, cfg.block_size, args.fit_fraction, args.seed, args.method)
         res["temperature"] = temperature
         if args.dump_proposals:
             # Raw proposals (logits + full-block outcomes) for offline studies: the static-threshold sweep
@@ -290,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             dump = Path(args.dump_proposals)
             dump.mkdir(parents=True, exist_ok=True)
             torch.save({"conf_logits": proposals["conf_logits"], "num_accepted": proposals["num_accepted"],
-                        "temperatures": res["temperatures"], "mode": mode, "temperature": temperature,
-                        "gamma": cfg.block_size}, dump / f"proposals-{mode}.pt")
+                        "temperatures": res["temperatures"], "biases": res["biases"], "mode": mode,
+                        "temperature": temperature, "gamma": cfg.block_size}, dump / f"proposals-{mode}.pt")
         results[mode] = res
         before = [p["ece_before"] for p in res["ece_heldout"]["positions"]]
         after = [p["ece_after"] for p in res["ece_heldout"]["positions"]]
@@ -301,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s held-out ECE before %s -> after %s (a perfectly calibrated predictor would measure %s)", mode,
                  *(" ".join("-" if e is None else f"{100 * e:.1f}%" for e in v) for v in (before, after, floor)))
         if not args.no_write:
-            update_sts_temperatures(args.drafter, mode, res["temperatures"])
+            update_sts_temperatures(args.drafter, mode, res["temperatures"], res["biases"])
     command = " ".join(["scripts/calibrate.py", *(sys.argv[1:] if argv is None else argv)])
     report = {"drafter": str(args.drafter), "data": str(args.data), "model": args.model,
               "num_sequences": len(examples), "anchors_per_seq": args.anchors_per_seq, "seed": args.seed,

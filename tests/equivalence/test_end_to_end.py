@@ -205,3 +205,21 @@ def test_draft_gate_skips_drafting_identically(temperature):
     if temperature == 0:  # lossless: greedy output is the target's own, gate or not
         plain = ref_generate(target, None, prompts, gen, SchedulerConfig(mode="none"))
         assert [r.token_ids for r in runs[True]] == [r.token_ids for r in plain]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_biased_calibration_matches(temperature):
+    """STS with per-slot biases (scripts/calibrate.py --method sts-bias): the engine's survivals add the same bias
+    in the same float32 order as the reference, so the survival-driven modes stay identical step for step."""
+    import dataclasses
+
+    target = Target.from_model(tiny_hf_model("llama"))
+    drafter = _drafter(target)
+    gamma = drafter.config.block_size
+    drafter.config = dataclasses.replace(
+        drafter.config, sts_temperatures={"greedy": [1.3] * gamma, "sampling": [0.8] * gamma},
+        sts_biases={"greedy": [0.7, -0.3, 0.2, 0.1][:gamma]})  # sampling: temperatures only
+    prompts = [[5, 9, 3, 17], [2, 40, 41, 42, 43, 7, 8], [60]]
+    gen = GenerationConfig(max_new_tokens=12, temperature=temperature, seed=11, ignore_eos=True)
+    for mode in ("threshold", "adaptive-sync", "adaptive"):
+        _compare(target, drafter, prompts, gen, mode)

@@ -225,8 +225,9 @@ def test_default_grid():
 
 
 def _config(**kw):
+    kw = {"block_size": 3, **kw}
     return DrafterConfig(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         intermediate_size=128, target_num_layers=4, block_size=3, **kw)
+                         intermediate_size=128, target_num_layers=4, **kw)
 
 
 def test_temperatures_for(caplog):
@@ -277,3 +278,52 @@ def test_calibration_report_carries_the_noise_floor():
     report = calibration_report(z, labels, [1.0, 1.0, 1.0])
     for pos in report["positions"]:
         assert 0 <= pos["ece_floor_median"] <= pos["ece_floor_p95"] < 0.5
+
+
+# ------------------------------------------------------------------------------------ STS with a bias
+
+
+def test_sts_bias_recovers_scale_and_offset():
+    """z = 3·u − 1.5·3 (over-confident and offset): the log-loss fit finds T ≈ 3 and b ≈ 1.5 at slot 1, and the
+    held-out ECE is far below what temperature alone reaches."""
+    from reference.calibration import fit_sts_bias
+
+    z, y, _ = _synthetic(seed=0)
+    z_off = z - 4.5  # σ(z/3 + 1.5) = σ(u): the true calibration is T = 3, b = 1.5
+    temps, biases = fit_sts_bias(z_off, y)
+    assert len(temps) == len(biases) == 7
+    assert 2.7 < temps[0] < 3.3 and 1.3 < biases[0] < 1.7, (temps, biases)
+    z2, y2, _ = _synthetic(seed=1)
+    biased = calibration_report(z2 - 4.5, y2, temps, biases=biases)
+    assert biased["biases"] == biases
+    assert all(p["ece_after"] < 0.02 for p in biased["positions"]), biased["positions"]
+    temp_only = calibration_report(z2 - 4.5, y2, fit_sts(z_off, y))
+    assert max(p["ece_after"] for p in temp_only["positions"]) > max(p["ece_after"] for p in biased["positions"])
+
+
+def test_sts_bias_preserves_ranking_and_defaults():
+    from reference.calibration import biases_for, fit_sts_bias
+
+    z, y, _ = _synthetic(seed=2, M=3000)
+    temps, biases = fit_sts_bias(z, y)
+    c = apply_sts(z.double(), temps, biases)
+    for k in range(z.shape[1]):
+        assert torch.equal(torch.argsort(c[:, k], stable=True), torch.argsort(z[:, k], stable=True))
+    assert torch.equal(apply_sts(z, temps, None), apply_sts(z, temps))  # no bias = the paper's STS
+    assert torch.equal(apply_sts(z, [1.0] * 7, [0.0] * 7), torch.sigmoid(z))
+    with pytest.raises(ValueError, match="bias"):
+        apply_sts(z, temps, [0.0] * 6)
+    cfg = _config(block_size=7, sts_biases={"greedy": biases})
+    assert biases_for(cfg, "greedy") == biases and biases_for(cfg, "sampling") is None
+    with pytest.raises(ValueError, match="sts_biases"):
+        _config(block_size=7, sts_biases={"greedy": [float("inf")] * 7})
+
+
+def test_sts_bias_slot_with_too_few_proposals_keeps_identity(caplog):
+    from reference.calibration import fit_sts_bias
+
+    z, y, _ = _synthetic(seed=3, M=400)
+    y[:, 3:] = float("nan")  # slots 4..7 never verified
+    with caplog.at_level(logging.WARNING):
+        temps, biases = fit_sts_bias(z, y)
+    assert temps[3:] == [1.0] * 4 and biases[3:] == [0.0] * 4

@@ -230,3 +230,17 @@ def test_with_real_target_features(tmp_path):
     h_fwd = loaded(ids[7].view(1, 1), torch.tensor([[7]]), features[None], torch.arange(8)[None],
                    torch.ones(1, 8, dtype=torch.bool))[0, 0]
     torch.testing.assert_close(h, h_fwd, atol=1e-5, rtol=0)  # fp32, different shapes
+
+
+def test_sts_biases_are_stored_with_their_temperatures_and_dropped_without(saved):
+    _, directory = saved
+    cfg = update_sts_temperatures(directory, "greedy", [1.0] * GAMMA, [0.5, -0.5, 0.25, 0.0])
+    assert cfg.sts_biases == {"greedy": [0.5, -0.5, 0.25, 0.0]}
+    update_sts_temperatures(directory, "sampling", [2.0] * GAMMA, [0.1] * GAMMA)
+    assert read_drafter_config(directory).sts_biases == {"greedy": [0.5, -0.5, 0.25, 0.0], "sampling": [0.1] * GAMMA}
+    # Temperature-only STS for greedy: the old greedy biases were fitted with other temperatures, so they go.
+    cfg = update_sts_temperatures(directory, "greedy", [1.5] * GAMMA)
+    assert cfg.sts_biases == {"sampling": [0.1] * GAMMA}
+    assert load_drafter(directory).config.sts_biases == {"sampling": [0.1] * GAMMA}
+    with pytest.raises(ValueError, match="sts_biases"):
+        update_sts_temperatures(directory, "greedy", [1.0] * GAMMA, [float("nan")] * GAMMA)

@@ -1,0 +1,81 @@
+"""Compare calibration methods on recorded proposals: the paper's STS (temperature per slot, ECE grid search) against
+STS with a per-slot bias (log-loss fit), by held-out ECE per slot averaged over random half splits.
+
+Reads ``proposals-<mode>.pt`` files written by ``scripts/calibrate.py --dump-proposals`` (raw confidence logits and
+full-block outcomes), so it runs on a CPU in seconds; the noise floor (what a perfectly calibrated predictor would
+measure on the same held-out half, ``reference.calibration.ece_noise_floor``) is reported alongside.
+
+    python scripts/compare_calibration.py --proposals docs/benchmarks/data/dspark \\
+        docs/benchmarks/data/markov-620steps --out docs/benchmarks/calibration-methods.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from reference.calibration import calibration_report, fit_sts, fit_sts_bias, prefix_survival_labels  # noqa: E402
+
+log = logging.getLogger("dspark.compare_calibration")
+
+
+def compare(conf_logits: torch.Tensor, num_accepted: torch.Tensor, gamma: int, splits: int) -> dict:
+    """Mean held-out ECE per slot (and its noise floor) of each method over ``splits`` random half splits."""
+    m = conf_logits.shape[0]
+    labels = prefix_survival_labels(num_accepted, torch.full((m,), gamma), gamma)  # all γ verified: no censoring
+    rows: dict[str, list[list[float]]] = {"before": [], "sts": [], "sts-bias": [], "floor_median": [], "floor_p95": []}
+    for s in range(splits):
+        perm = torch.randperm(m, generator=torch.Generator().manual_seed(s))
+        fit, held = perm[: m // 2], perm[m // 2:]
+        sts = calibration_report(conf_logits[held], labels[held], fit_sts(conf_logits[fit], labels[fit]))
+        temps, biases = fit_sts_bias(conf_logits[fit], labels[fit])
+        biased = calibration_report(conf_logits[held], labels[held], temps, biases=biases)
+        rows["before"].append([p["ece_before"] for p in sts["positions"]])
+        rows["sts"].append([p["ece_after"] for p in sts["positions"]])
+        rows["sts-bias"].append([p["ece_after"] for p in biased["positions"]])
+        rows["floor_median"].append([p["ece_floor_median"] for p in biased["positions"]])
+        rows["floor_p95"].append([p["ece_floor_p95"] for p in biased["positions"]])
+    return {key: [round(x, 5) for x in torch.tensor(v).mean(dim=0).tolist()] for key, v in rows.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    p = argparse.ArgumentParser(prog="python scripts/compare_calibration.py", description=__doc__.split("\n")[0])
+    p.add_argument("--proposals", nargs="+", required=True, help="directories holding proposals-<mode>.pt")
+    p.add_argument("--splits", type=int, default=10, help="random half splits averaged")
+    p.add_argument("--out", required=True, help="JSON report path")
+    args = p.parse_args(argv)
+    logging.getLogger("reference.calibration").setLevel(logging.ERROR)  # per-slot "too few" notes, every split
+    args_used = argv if argv is not None else sys.argv[1:]
+    report = {"command": "python scripts/compare_calibration.py " + shlex.join(args_used),
+              "splits": args.splits, "metric": "held-out ECE of the prefix survival per slot (20 bins), mean over "
+              "splits; floor = what a perfectly calibrated predictor would measure on the same half", "sets": {}}
+    for directory in args.proposals:
+        files = sorted(Path(directory).glob("proposals-*.pt"))
+        if not files:
+            raise SystemExit(f"no proposals-*.pt in {directory}")
+        for path in files:
+            rec = torch.load(path)
+            result = compare(rec["conf_logits"], rec["num_accepted"], int(rec["gamma"]), args.splits)
+            result["num_proposals"] = int(rec["conf_logits"].shape[0])
+            report["sets"][f"{Path(directory).name}/{rec['mode']}"] = result
+            log.info("%s %s (%d proposals): STS %s | STS+bias %s | floor p95 %s", Path(directory).name, rec["mode"],
+                     result["num_proposals"], *(" ".join(f"{100 * x:.1f}" for x in result[k])
+                                                for k in ("sts", "sts-bias", "floor_p95")))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    log.info("wrote %s", out)
+    return report
+
+
+if __name__ == "__main__":
+    main()
