@@ -41,7 +41,7 @@ from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
 from reference.sampling import Purpose, logits_to_probs
-from reference.scheduler import Scheduler, recent_survivals
+from reference.scheduler import Scheduler, fold_recent
 from reference.target import Target
 
 log = logging.getLogger("dspark.engine")
@@ -123,6 +123,10 @@ class Engine:
         self._ids: dict[int, Sequence] = {}
         self.drafted = True  # whether the current decoding requests hold drafts (the draft gate may skip a step)
         self._gate_cache = None  # (requests and their draft counts, recent survivals, verdict) of the last gate
+        # The gate's moving average per slot (host), how many of the slot's drafts it holds, and whose they are.
+        self._recent = torch.full((config.max_num_seqs, max(self.gamma, 1)), float("nan"))
+        self._recent_count = [0] * config.max_num_seqs
+        self._recent_owner: list[Sequence | None] = [None] * config.max_num_seqs
         self.stats = {"steps": 0, "host_schedule_s": 0.0, "step_s": 0.0}
 
     # ------------------------------------------------------------------------------------------------------
@@ -383,7 +387,7 @@ class Engine:
         key = (tuple(s.request_id for s in seqs), tuple(len(s.survivals) for s in seqs))
         cached = self._gate_cache if self._gate_cache is not None and self._gate_cache[0] == key else None
         if cached is None:
-            recent = recent_survivals([s.survivals for s in seqs], self.gamma, cfg.gate_window)  # [R, γ] host
+            recent = self._recent_survivals(seqs, cfg.gate_window)  # [R, γ] host, or None
             verdict = None if recent is None else self.planner.speculation_pays(recent, len(seqs), None,
                                                                                   cfg.gate_margin)
             cached = self._gate_cache = (key, recent, verdict)
@@ -392,6 +396,28 @@ class Engine:
                                           pays=lambda *_: verdict)
         self.policy.steps_without_draft = 0 if drafts else self.policy.steps_without_draft + 1
         return drafts
+
+    def _recent_survivals(self, seqs: list[Sequence], window: int) -> torch.Tensor | None:
+        """Each request's moving average of its drafts' survivals (``reference.scheduler.fold_recent``), kept per slot
+        and folded for all requests with a new draft in one operation. The rows folded here were copied to the host
+        by earlier steps' drafts, and this step's token read has synchronised since, so they have landed."""
+        slots = [s.slot for s in seqs]
+        for s in seqs:  # a slot that changed hands starts afresh
+            if self._recent_owner[s.slot] is not s:
+                self._recent_owner[s.slot], self._recent_count[s.slot] = s, 0
+                self._recent[s.slot] = float("nan")
+        while True:  # normally one pass: a request drafts at most once between two gates
+            todo = [s for s in seqs if self._recent_count[s.slot] < len(s.survivals)]
+            if not todo:
+                break
+            rows = torch.tensor([s.slot for s in todo])
+            new = torch.stack([s.survivals[self._recent_count[s.slot]] for s in todo])  # [n, γ]
+            self._recent[rows] = fold_recent(self._recent[rows], new, window)
+            for s in todo:
+                self._recent_count[s.slot] += 1
+        if all(self._recent_count[i] == 0 for i in slots):
+            return None
+        return self._recent[torch.tensor(slots)]  # [R, γ]
 
     def _plan_verify(self, decoding: list[Sequence]) -> dict:
         """Host part of scheduling: the verify budget from stale survivals (never waits for the device)."""

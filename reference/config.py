@@ -181,7 +181,7 @@ class SchedulerConfig:
     # verify of the anchors alone). The published systems pay the full draft whatever they verify (METHOD §6).
     draft_gate: bool = True
     probe_every: int = 16  # with the gate closed, draft again after this many plain steps to refresh survivals
-    gate_window: int = 4  # the gate judges each request by the mean survivals of its last this-many drafts
+    gate_window: int = 4  # the gate judges each request by a moving average of its drafts' survivals, weight 1/this
     # The gate closes only when plain decoding is expected to beat drafting by more than this fraction: near break-
     # even the estimates (survivals, cost table) are too noisy to act on. On the H200 (2026-11-29, margin 0) a gate
     # that closed on small expected gains cost 13% at batch 1, where speculation was 5-10% ahead of plain decoding.

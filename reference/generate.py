@@ -36,7 +36,7 @@ from reference.config import SCHEDULER_MODES, DrafterConfig, GenerationConfig, S
 from reference.cost_model import CostTable, default_bucket_sizes, measure_cost_table
 from reference.drafter import DSparkDrafter
 from reference.sampling import Purpose, logits_to_probs, sample
-from reference.scheduler import Scheduler, prefix_survival, recent_survivals
+from reference.scheduler import Scheduler, fold_recent, prefix_survival
 from reference.target import Target
 from reference.verify import rejection_sample
 
@@ -57,6 +57,7 @@ class Request:
     verify_lengths: list[int] = field(default_factory=list)  # ℓ chosen at each step
     accepted_lengths: list[int] = field(default_factory=list)  # drafts accepted at each step (τ - 1)
     survivals: list[torch.Tensor] = field(default_factory=list)  # [γ] calibrated a_k of each step's draft
+    recent: torch.Tensor | None = None  # [γ] the draft gate's moving average of those (reference.scheduler.fold_recent)
     # Per-request caches (not part of the result).
     kv: Any = None  # the target's KV cache, holding positions 0..anchor_pos-1
     ctx: Any = None  # the drafter's context cache, holding positions 0..anchor_pos-1
@@ -243,9 +244,8 @@ def step(target: Target, drafter: DSparkDrafter | None, scheduler: Scheduler, re
     if mode == "none":
         drafts = _empty_draft(len(reqs), target.vocab_size)
         lens = torch.zeros(len(reqs), dtype=torch.long)
-    elif not scheduler.should_draft(recent_survivals([r.survivals for r in reqs], scheduler.gamma,
-                                                     scheduler.config.gate_window),
-                                    scheduler.steps_without_draft, num_anchor_tokens=len(reqs)):
+    elif not scheduler.should_draft(_recent_survivals(reqs, scheduler.gamma), scheduler.steps_without_draft,
+                                    num_anchor_tokens=len(reqs)):
         # The draft gate (adaptive mode): plain decoding is expected to be faster this step, so nobody drafts.
         scheduler.steps_without_draft += 1
         drafts = _empty_draft(len(reqs), target.vocab_size)
@@ -260,6 +260,8 @@ def step(target: Target, drafter: DSparkDrafter | None, scheduler: Scheduler, re
             lens = scheduler.lengths(survival, a_stale=stale, num_anchor_tokens=len(reqs))
         for r, a in zip(reqs, survival):
             r.survivals.append(a)
+            r.recent = fold_recent(torch.full_like(a, float("nan")) if r.recent is None else r.recent, a,
+                                   scheduler.config.gate_window)
 
     result, features = verify(target, reqs, drafts, lens, gen)
     if mode == "oracle":
@@ -271,6 +273,14 @@ def step(target: Target, drafter: DSparkDrafter | None, scheduler: Scheduler, re
         r.verify_lengths.append(int(lens[i]))
         r.accepted_lengths.append(n - 1)
         commit(target, r, result.tokens[i, :n].tolist(), features[i], gen)
+
+
+def _recent_survivals(reqs: list[Request], gamma: int) -> torch.Tensor | None:
+    """The draft gate's input [R, γ]: each request's moving average (NaN rows for requests that never drafted);
+    None when none has drafted."""
+    if all(r.recent is None for r in reqs):
+        return None
+    return torch.stack([torch.full((gamma,), float("nan")) if r.recent is None else r.recent for r in reqs])
 
 
 def _stale_survivals(reqs: list[Request], staleness: int, gamma: int) -> torch.Tensor:

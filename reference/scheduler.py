@@ -191,18 +191,18 @@ def speculation_pays(a_latest: Tensor, cost: CostTable, num_anchor_tokens: int, 
     return (1.0 + margin) * max(_throughput_curve(a, cost, num_anchor_tokens, num_requests)) >= theta_plain
 
 
-def recent_survivals(histories: list[list[Tensor]], gamma: int, window: int) -> Tensor | None:
-    """The draft gate's view of each request: the mean of its last ``window`` drafts' survival rows ``[R, γ]``
-    (a NaN row for a request that has not drafted; ``None`` when none has). One draft's survivals are a noisy
-    forecast of the next one's; the mean of a few is steadier, and still a non-increasing row.
+def fold_recent(recent: Tensor, a: Tensor, window: int) -> Tensor:
+    """The draft gate's running view of a request after its next draft: ``recent + (a − recent) / window``, an
+    exponential moving average in which each draft's survivals weigh ``1/window`` (``a`` itself where ``recent`` is
+    NaN: the first draft). One draft's survivals are a noisy forecast of the next one's; the average is steadier, and
+    still a non-increasing row. Element-wise, so a batch of rows folds exactly as each row alone (the engine folds
+    all its requests in one operation and gets the reference's floats).
 
     Args:
-        histories: per request, the survival rows ``[γ]`` of its drafts, oldest first.
+        recent: ``[.., γ]`` the running view so far (NaN: none yet). a: ``[.., γ]`` the new draft's survivals.
+        window: ``SchedulerConfig.gate_window``.
     """
-    if not any(histories):
-        return None
-    nan = torch.full((gamma,), float("nan"))
-    return torch.stack([torch.stack(h[-window:]).mean(dim=0) if h else nan for h in histories])
+    return torch.where(torch.isnan(recent), a, recent + (a - recent) / window)
 
 
 def fill_stale_rows(a_stale: Tensor) -> Tensor:
@@ -340,8 +340,8 @@ class Scheduler:
                      num_requests: int | None = None, pays=None) -> bool:
         """Whether the next step drafts (the draft gate; always ``True`` outside ``adaptive`` or with the gate off).
 
-        Decided before the step's drafts are sampled, from each request's recent survivals (``a_latest``, from
-        :func:`recent_survivals`; NaN rows for requests without any): drafting stops while
+        Decided before the step's drafts are sampled, from each request's recent survivals (``a_latest``, the
+        running average of :func:`fold_recent`; NaN rows for requests without any): drafting stops while
         :func:`speculation_pays` says plain decoding is faster, and resumes for one probing step after
         ``config.probe_every`` plain steps (the survivals go stale while nobody drafts) or when no request has
         survivals at all (nothing is known yet).

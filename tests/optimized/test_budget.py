@@ -55,3 +55,39 @@ def test_planner_gate_equals_reference_speculation_pays():
         assert BudgetPlanner(cost).speculation_pays(a, r, margin=margin) == expected, i
         seen.add(expected)
     assert seen == {True, False}  # both answers were exercised
+
+
+def test_engine_gate_average_equals_reference_fold():
+    """The engine folds the gate's moving average for all requests at once, per slot; the floats equal folding each
+    request's rows one by one as the reference does, also when a slot passes to a new request."""
+    from types import SimpleNamespace
+
+    from optimized.engine import Engine
+    from reference.scheduler import fold_recent
+
+    engine = Engine.__new__(Engine)  # only the gate's per-slot state is exercised
+    engine._recent, engine._recent_count, engine._recent_owner = torch.full((3, 4), float("nan")), [0] * 3, [None] * 3
+    gen = torch.Generator().manual_seed(0)
+    row = lambda: torch.cumprod(torch.rand(4, generator=gen), 0)  # noqa: E731
+    seqs = [SimpleNamespace(slot=0, survivals=[]), SimpleNamespace(slot=2, survivals=[row()])]
+
+    def expected(s):
+        if not s.survivals:
+            return torch.full((4,), float("nan"))
+        acc = torch.full((4,), float("nan"))
+        for a in s.survivals:
+            acc = fold_recent(acc, a, 4)
+        return acc
+
+    for step in range(6):
+        if step == 3:
+            seqs[1] = SimpleNamespace(slot=2, survivals=[row()])  # slot 2 changes hands
+        got = engine._recent_survivals(seqs, 4)
+        if all(not s.survivals for s in seqs):
+            assert got is None
+        else:
+            want = torch.stack([expected(s) for s in seqs])
+            assert torch.equal(got.isnan(), want.isnan()), step  # NaN rows: requests that never drafted
+            assert torch.equal(got.nan_to_num(), want.nan_to_num()), step  # every other float bit for bit
+        for s in seqs:
+            s.survivals.append(row())
