@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from optimized.scheduler import BudgetPlanner
@@ -66,7 +67,8 @@ def test_engine_gate_average_equals_reference_fold():
     from reference.scheduler import fold_recent
 
     engine = Engine.__new__(Engine)  # only the gate's per-slot state is exercised
-    engine._recent, engine._recent_count, engine._recent_owner = torch.full((3, 4), float("nan")), [0] * 3, [None] * 3
+    engine._recent = np.full((3, 4), np.nan, dtype=np.float32)
+    engine._recent_count, engine._recent_owner = [0] * 3, [None] * 3
     gen = torch.Generator().manual_seed(0)
     row = lambda: torch.cumprod(torch.rand(4, generator=gen), 0)  # noqa: E731
     seqs = [SimpleNamespace(slot=0, survivals=[]), SimpleNamespace(slot=2, survivals=[row()])]
