@@ -10,7 +10,8 @@ op             compulsory bytes per call
 =============  =======================================================================================
 attention      verify step (γ+1 causal queries per request, ``context`` keys): K and V of every visible
                key once, q read and o written once
-sampling       the ``[R, V]`` fp32 probabilities once (exponential race)
+sampling       the ``[R, V]`` fp32 probabilities once (exponential race); rows ``triton`` (one program per row)
+               and ``triton-split`` (vocabulary chunks over programs, then a reduction)
 verify         rejection sampling, fp32 ``p_d``/``p_t``: case ``accept_all`` (``p_d = p_t``, drafts are the
                modes) reads the bonus row of ``p_t``; case ``reject_first`` (draft 1 impossible) reads
                one ``p_t`` and one ``p_d`` row for the residual; ``greedy`` reads the γ+1 logit rows
@@ -172,10 +173,11 @@ def sampling_case(s: Shapes, R: int, device: torch.device, gen: torch.Generator)
     pos = torch.full((R,), 100, device=device)
 
     def call(backend: str):
-        return sample(probs, 1234, rid, pos, 2, backend=backend)
+        split = {"triton": False, "triton-split": True}.get(backend)  # each Triton variant forced
+        return sample(probs, 1234, rid, pos, 2, backend="torch" if split is None else "triton", split=split)
 
     return Case("sampling", "race", R, call, R * s.vocab * 4, lambda a, b: {"equal": _equal(a, b)},
-                {"R": R, "V": s.vocab}, "float32")
+                {"R": R, "V": s.vocab}, "float32", variants=("triton-split",))
 
 
 def verify_cases(s: Shapes, R: int, device: torch.device, gen: torch.Generator) -> list[Case]:

@@ -69,6 +69,11 @@ PURPOSE_BONUS: tl.constexpr = tl.constexpr(int(Purpose.BONUS))
 # Vocabulary tile of the race: 1024 fp32 lanes keep four warps busy (8 values per thread) and bound the
 # registers a program holds; V = 49152 is 48 tiles. Not yet swept on the H200 (scripts/bench_kernels.py).
 RACE_BLOCK_V = 1024
+# sample(split=None) on CUDA below this many rows splits each row's vocabulary over programs of SAMPLE_SPLIT_CHUNK
+# lanes (48 programs per row at V = 49,152). A heuristic not yet timed on a GPU: at R = 1 the one-program race
+# took 0.089 ms of device time (H200 profile none-b1); from ~R = 132 rows the one-program grid fills the SMs alone.
+SAMPLE_SPLIT_CHUNK = RACE_BLOCK_V
+SAMPLE_SPLIT_MAX_R = 64
 # Elementwise tile of the hash test kernel; it is a test/diagnostic kernel, the size is not tuned.
 HASH_BLOCK = 1024
 
@@ -284,6 +289,45 @@ def _sample_kernel(
     tl.store(tokens_ptr + row, best_index.to(tl.int64))
 
 
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+def _sample_split_kernel(
+    best_score_ptr,  # [R, NB] fp32 out: the race winner's score in each vocabulary chunk
+    best_index_ptr,  # [R, NB] int64 out: its vocabulary index
+    probs_ptr, stride_pr, request_ids_ptr, positions_ptr, purposes_ptr, seed_lo, seed_hi, V,
+    NB,  # chunks per row
+    CHUNK: tl.constexpr,  # vocabulary lanes per program (a multiple of BLOCK_V)
+    BLOCK_V: tl.constexpr,
+):
+    """Grid (R, NB): program (r, b) runs the race over lanes b·CHUNK .. (b+1)·CHUNK-1 of row r, tile by tile in
+    ascending order exactly as :func:`_sample_kernel` does over the whole row."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    key = _hash_key(seed_lo, seed_hi, tl.load(request_ids_ptr + row), tl.load(positions_ptr + row),
+                    tl.load(purposes_ptr + row))
+    best_score = -1.0
+    best_index = 0
+    for start in range(0, CHUNK, BLOCK_V):
+        lanes = chunk * CHUNK + start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        mask = lanes < V
+        p = tl.load(probs_ptr + row * stride_pr + lanes, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_V]
+        best_score, best_index = _race_update(best_score, best_index, p, _exponential_at(key, lanes), lanes, mask)
+    tl.store(best_score_ptr + row * NB + chunk, best_score)
+    tl.store(best_index_ptr + row * NB + chunk, best_index.to(tl.int64))
+
+
+@triton.jit
+def _sample_split_reduce_kernel(tokens_ptr, best_score_ptr, best_index_ptr, NB, BLOCK_NB: tl.constexpr):
+    """One program per row: the chunk winners in ascending chunk order, a later chunk winning only with a strictly
+    larger score — the whole-row race's tie rule (lowest index), so the token equals :func:`_sample_kernel`'s."""
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.arange(0, BLOCK_NB)
+    score = tl.load(best_score_ptr + row * NB + b, mask=b < NB, other=-2.0)  # padding below any real score
+    index = tl.load(best_index_ptr + row * NB + b, mask=b < NB, other=0)
+    top = tl.max(score, axis=0)
+    first = tl.min(tl.where(score == top, b, BLOCK_NB), axis=0)  # the earliest chunk holding the top score
+    tl.store(tokens_ptr + row, tl.sum(tl.where(b == first, index, 0), axis=0))
+
+
 def _per_row_words(x: int | Tensor, R: int, device: torch.device, name: str) -> Tensor:
     """An int or ``[R]`` integer tensor as a contiguous ``[R]`` int64 device tensor (no sync)."""
     t = torch.as_tensor(x, device=device)
@@ -303,6 +347,8 @@ def sample(
     positions: Tensor,
     purpose: int | Tensor,
     backend: str = "auto",
+    *,
+    split: bool | None = None,
 ) -> Tensor:
     """One token per row by the exponential race; twin of ``reference.sampling.sample``.
 
@@ -313,6 +359,10 @@ def sample(
         positions: ``[R]`` absolute positions of the tokens being drawn.
         purpose: int or ``[R]`` purpose words.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        split: Triton variant: ``True`` splits each row's vocabulary over ``SAMPLE_SPLIT_CHUNK``-lane programs and
+            reduces the chunk winners in a second launch; ``False`` one program per row; ``None`` splits on CUDA
+            below ``SAMPLE_SPLIT_MAX_R`` rows (one program walking 49,152 lanes took 0.089 ms of an H200 step at
+            R = 1, profile ``none-b1``, 2026-11-29). Same tokens either way.
 
     Returns:
         ``[R]`` int64 tokens; ties go to the lowest index.
@@ -334,5 +384,16 @@ def sample(
     if R:
         if probs.stride(-1) != 1:
             probs = probs.contiguous()
-        _sample_kernel[(R,)](tokens, probs, probs.stride(0), rid, pos, pur, lo, hi, V, BLOCK_V=RACE_BLOCK_V)
+        if split is None:
+            split = probs.is_cuda and R < SAMPLE_SPLIT_MAX_R
+        if split:
+            nb = triton.cdiv(V, SAMPLE_SPLIT_CHUNK)
+            scores = torch.empty(R, nb, dtype=torch.float32, device=probs.device)  # [R, NB]
+            indices = torch.empty(R, nb, dtype=torch.int64, device=probs.device)  # [R, NB]
+            _sample_split_kernel[(R, nb)](scores, indices, probs, probs.stride(0), rid, pos, pur, lo, hi, V, nb,
+                                          CHUNK=SAMPLE_SPLIT_CHUNK, BLOCK_V=RACE_BLOCK_V)
+            _sample_split_reduce_kernel[(R,)](tokens, scores, indices, nb, BLOCK_NB=triton.next_power_of_2(nb),
+                                              num_warps=1)
+        else:
+            _sample_kernel[(R,)](tokens, probs, probs.stride(0), rid, pos, pur, lo, hi, V, BLOCK_V=RACE_BLOCK_V)
     return tokens

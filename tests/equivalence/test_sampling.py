@@ -130,3 +130,21 @@ def test_bad_inputs_fail_fast():
         fast.sample(probs, 0, torch.zeros(2, dtype=torch.int64), torch.zeros(2), 1)
     with pytest.raises(ValueError, match="backend"):
         fast.sample(probs, 0, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), 1, backend="cuda")
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("R,V", [(1, 1), (2, 97), (3, 2500), (1, 4096)])
+def test_split_race_equals_one_program_race(split, R, V):
+    """The split-vocabulary race (chunk winners, then the earliest chunk among the top scores) draws the same token
+    as the one-program race and the reference; a chunk of zero weights (its winner scores 0) must not win."""
+    gen = torch.Generator().manual_seed(V)
+    probs = _weights(R, V, torch.float32, gen)
+    if V > 1024:
+        probs[:, :1024] = 0.0  # a chunk of zeros: its winner scores 0 and must not win over later chunks
+    rid, pos = torch.arange(R, device=DEVICE) + 7, torch.arange(R, device=DEVICE) + 1000
+    got = fast.sample(probs.to(DEVICE), 13, rid, pos, 2, backend="triton", split=split)
+    want = ref.sample(probs, 13, rid.cpu(), pos.cpu(), 2)
+    assert torch.equal(got.cpu(), want)
+    if V > 1024:
+        assert bool((got >= 1024).all())
