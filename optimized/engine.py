@@ -110,9 +110,9 @@ class Engine:
             self.drafter.allocate_cache(config.max_num_seqs, config.max_seq_len)
             self.sts = {mode: torch.tensor(temperatures_for(drafter.config, mode), device=self.device)
                         for mode in ("greedy", "sampling")}
-            self.sts_bias = {mode: None if biases_for(drafter.config, mode) is None else
-                             torch.tensor(biases_for(drafter.config, mode), device=self.device)
-                             for mode in ("greedy", "sampling")}
+            # b = 0 for a mode calibrated without biases: adding +0.0 leaves every float as the reference has it
+            self.sts_bias = {mode: torch.tensor(biases_for(drafter.config, mode) or [0.0] * self.gamma,
+                                                device=self.device) for mode in ("greedy", "sampling")}
         self._setup_graphs()
         self.batch = BatchScheduler(sched, config.max_num_seqs, config.max_seq_len, config.prefill_chunk)
         needs_table = sched.mode in ("adaptive", "adaptive-sync") and cost is None
@@ -563,13 +563,11 @@ class Engine:
 
     def _survival(self, conf_logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
         """Calibrated prefix survivals a_k = Π_{j≤k} σ(c_j / T_j + b_j) with the calibration of each row's mode
-        (the same float32 operations as ``reference.calibration.apply_sts``; modes without biases add none)."""
+        (the same float32 operations as ``reference.calibration.apply_sts``; a mode without biases adds +0.0, which
+        changes no float: -0.0 becomes +0.0, and σ(±0) is the same)."""
         greedy = (temperature == 0)[:, None]
         x = conf_logits.float() / torch.where(greedy, self.sts["greedy"], self.sts["sampling"])  # [R, γ]
-        bg, bs = self.sts_bias["greedy"], self.sts_bias["sampling"]
-        if bg is not None or bs is not None:
-            zero = torch.zeros_like(self.sts["greedy"])
-            x = x + torch.where(greedy, zero if bg is None else bg, zero if bs is None else bs)
+        x = x + torch.where(greedy, self.sts_bias["greedy"], self.sts_bias["sampling"])
         return torch.cumprod(torch.sigmoid(x), dim=1)
 
     # ------------------------------------------------------------------------------------------------------

@@ -382,6 +382,12 @@ def _warn_uncalibrated(mode: str) -> None:
                 "run scripts/calibrate.py for calibrated prefix survivals", mode)
 
 
+def calibrated_survival(config: DrafterConfig, mode: str, conf_logits: Tensor) -> Tensor:
+    """Prefix survivals ``a_k = Π_{i≤k} σ(z_i / T_i + b_i)`` of raw confidence logits ``[.., γ]`` under the
+    checkpoint's calibration for decoding ``mode`` (what the scheduler reads)."""
+    return prefix_survival(apply_sts(conf_logits, temperatures_for(config, mode), biases_for(config, mode)))
+
+
 def biases_for(config: DrafterConfig, mode: str) -> list[float] | None:
     """The calibration biases of one decoding mode, or ``None`` (the paper's STS: no bias)."""
     if mode not in DECODE_MODES:

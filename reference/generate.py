@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
-from reference.calibration import apply_sts, biases_for, temperatures_for
+from reference.calibration import calibrated_survival
 from reference.checkpoint import load_drafter
 from reference.config import SCHEDULER_MODES, DrafterConfig, GenerationConfig, SchedulerConfig
 from reference.cost_model import CostTable, default_bucket_sizes, measure_cost_table
 from reference.drafter import DSparkDrafter
 from reference.sampling import Purpose, logits_to_probs, sample
-from reference.scheduler import Scheduler, fold_recent, prefix_survival
+from reference.scheduler import Scheduler, fold_recent
 from reference.target import Target
 from reference.verify import rejection_sample
 
@@ -130,8 +130,7 @@ def draft(drafter: DSparkDrafter, reqs: list[Request], gen: GenerationConfig):
     anchor_pos = torch.tensor([r.anchor_pos for r in reqs], device=dev)  # [R]
     ids = torch.tensor([r.request_id for r in reqs], device=dev)  # [R]
     out = drafter.sample_block(h, anchors, anchor_pos, _sampling_params(gen, len(reqs), dev)[0], gen.seed, ids)
-    temps, biases = temperatures_for(drafter.config, gen.decode_mode), biases_for(drafter.config, gen.decode_mode)
-    survival = prefix_survival(apply_sts(out.conf_logits.float().cpu(), temps, biases))  # [R, γ], on the host
+    survival = calibrated_survival(drafter.config, gen.decode_mode, out.conf_logits.float().cpu())  # [R, γ], host
     return out, survival
 
 

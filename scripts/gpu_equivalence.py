@@ -82,7 +82,7 @@ from optimized.engine import EngineConfig  # noqa: E402
 from optimized.generate import generate as opt_generate  # noqa: E402
 from optimized.graphs import GraphRunner  # noqa: E402
 from optimized.kernels.sampling import resolve_backend  # noqa: E402
-from reference.calibration import apply_sts, biases_for, temperatures_for  # noqa: E402
+from reference.calibration import calibrated_survival  # noqa: E402
 from reference.checkpoint import load_drafter, read_drafter_config  # noqa: E402
 from reference.config import SCHEDULER_MODES, GenerationConfig, SchedulerConfig  # noqa: E402
 from reference.cost_model import CostTable  # noqa: E402
@@ -94,7 +94,6 @@ from reference.scheduler import (  # noqa: E402
     Scheduler,
     _throughput_curve,  # the Θ(B) curve the adaptive policies maximise; shared so the margins see their numbers
     fill_stale_rows,
-    prefix_survival,
     rank_candidates,
 )
 from reference.target import DEFAULT_TARGET, Target  # noqa: E402
@@ -343,9 +342,8 @@ class Replayer:
             prev = torch.cat([one(prefix[-1]), out.tokens[0, :-1]])  # [γ] x_0..x_{γ-1}
             draft_logits = self.drafter.head_logits(h[None], prev[None])[0][0]  # [γ, V]
             draft_probs = out.probs[0]  # [γ, V]
-            temps = temperatures_for(self.drafter.config, gen.decode_mode)
-            biases = biases_for(self.drafter.config, gen.decode_mode)
-            survival = prefix_survival(apply_sts(out.conf_logits.float().cpu(), temps, biases))[0].double()  # [γ]
+            survival = calibrated_survival(self.drafter.config, gen.decode_mode,
+                                           out.conf_logits.float().cpu())[0].double()  # [γ]
             drafts = out.tokens[0].tolist()
         block = torch.tensor([prefix[-1], *drafts], dtype=torch.long, device=dev)  # [γ+1]
         logits, _ = self.target.forward(block, kv, start_pos=pos)  # [γ+1, V]

@@ -56,6 +56,7 @@ from optimized.kernels.sampling import (
     _hash_key,
     _per_row_words,
     _race_update,
+    _race_winner,
     resolve_backend,
     sample,
     split_seed,
@@ -188,21 +189,6 @@ def _sample_draft_block_kernel(
             race_score, race_index = _race_update(race_score, race_index, p, _exponential_at(key, lanes), lanes, mask)
         tl.store(tokens_ptr + row * gamma + j, race_index.to(tl.int64))
         prev = race_index.to(tl.int64)
-
-
-@triton.jit
-def _race_winner(score_ptr, index_ptr, row, nb, BLOCK_NB: tl.constexpr):
-    """x_k of ``row`` [int64] from its ``nb`` race partials (best score per block, lowest index on ties).
-
-    Blocks cover ascending lanes and each partial holds its block's lowest index among its maxima, so the lowest
-    index among the blocks with the best score is what the serial ``_race_update`` fold returns.
-    """
-    blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
-    valid = blocks < nb
-    scores = tl.load(score_ptr + row * nb + blocks, mask=valid, other=-2.0)  # real partials are >= -1
-    indices = tl.load(index_ptr + row * nb + blocks, mask=valid, other=0)  # [BLOCK_NB] int64
-    best = tl.max(scores, axis=0)
-    return tl.min(tl.where(valid & (scores == best), indices, BIG_INDEX), axis=0).to(tl.int64)
 
 
 @triton.jit(do_not_specialize=["j"])

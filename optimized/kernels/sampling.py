@@ -161,6 +161,22 @@ def _race_update(best_score, best_index, weight, exponential, lanes, mask):
 
 
 @triton.jit
+def _race_winner(score_ptr, index_ptr, row, nb, BLOCK_NB: tl.constexpr):
+    """The race winner of ``row`` [int64] from its ``nb`` partials (best score per vocabulary block, lowest index on
+    ties), as written by a split race (``_sample_split_kernel``, the draft head's split kernels).
+
+    Blocks cover ascending lanes and each partial holds its block's lowest index among its maxima, so the lowest
+    index among the blocks with the best score is what the serial ``_race_update`` fold returns.
+    """
+    blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
+    valid = blocks < nb
+    scores = tl.load(score_ptr + row * nb + blocks, mask=valid, other=-2.0)  # real partials are >= -1
+    indices = tl.load(index_ptr + row * nb + blocks, mask=valid, other=0)  # [BLOCK_NB] int64
+    best = tl.max(scores, axis=0)
+    return tl.min(tl.where(valid & (scores == best), indices, BIG_INDEX), axis=0).to(tl.int64)
+
+
+@triton.jit
 def _argmax_update(best_value, best_index, values, lanes):
     """Fold one tile of ``values`` [BLOCK_V] (padding = -inf) into a running lowest-index argmax."""
     tile_best = tl.max(values, axis=0)
@@ -317,15 +333,10 @@ def _sample_split_kernel(
 
 @triton.jit
 def _sample_split_reduce_kernel(tokens_ptr, best_score_ptr, best_index_ptr, NB, BLOCK_NB: tl.constexpr):
-    """One program per row: the chunk winners in ascending chunk order, a later chunk winning only with a strictly
-    larger score — the whole-row race's tie rule (lowest index), so the token equals :func:`_sample_kernel`'s."""
+    """One program per row: the token from its chunk winners (:func:`_race_winner`, the whole-row race's tie rule),
+    so it equals :func:`_sample_kernel`'s."""
     row = tl.program_id(0).to(tl.int64)
-    b = tl.arange(0, BLOCK_NB)
-    score = tl.load(best_score_ptr + row * NB + b, mask=b < NB, other=-2.0)  # padding below any real score
-    index = tl.load(best_index_ptr + row * NB + b, mask=b < NB, other=0)
-    top = tl.max(score, axis=0)
-    first = tl.min(tl.where(score == top, b, BLOCK_NB), axis=0)  # the earliest chunk holding the top score
-    tl.store(tokens_ptr + row, tl.sum(tl.where(b == first, index, 0), axis=0))
+    tl.store(tokens_ptr + row, _race_winner(best_score_ptr, best_index_ptr, row, NB, BLOCK_NB))
 
 
 def _per_row_words(x: int | Tensor, R: int, device: torch.device, name: str) -> Tensor:

@@ -327,3 +327,13 @@ def test_sts_bias_slot_with_too_few_proposals_keeps_identity(caplog):
     with caplog.at_level(logging.WARNING):
         temps, biases = fit_sts_bias(z, y)
     assert temps[3:] == [1.0] * 4 and biases[3:] == [0.0] * 4
+
+
+def test_calibrated_survival_reads_the_checkpoint_calibration():
+    from reference.calibration import calibrated_survival
+
+    z = torch.randn(5, 3, generator=torch.Generator().manual_seed(6))
+    cfg = _config(sts_temperatures={"greedy": [1.5, 2.0, 0.5]}, sts_biases={"greedy": [0.1, -0.2, 0.3]})
+    assert torch.equal(calibrated_survival(cfg, "greedy", z),
+                       prefix_survival(apply_sts(z, [1.5, 2.0, 0.5], [0.1, -0.2, 0.3])))
+    assert torch.equal(calibrated_survival(cfg, "sampling", z), prefix_survival(torch.sigmoid(z)))  # uncalibrated
