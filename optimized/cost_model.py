@@ -1,4 +1,4 @@
-"""Start-up profiling of the engine's step costs: the measured SPS curve the adaptive scheduler needs (METHOD §5).
+"""Start-up profiling of the engine's step costs: the measured SPS curve the adaptive scheduler needs (docs/method.md §5).
 
 ``reference/cost_model.py`` defines the table (verify cost keyed by token count, drafter cost keyed by request
 count, forced monotone, a staircase over the captured sizes); this file fills it with times measured on the
@@ -28,7 +28,7 @@ engine that will serve, the way SERVING-NOTES ("The cost table") asks:
   A cached table is re-checked on load: two sizes are re-timed, and a difference above 25 % (load drift, a
   different clock) re-profiles, with a warning.
 
-Names follow ``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length,
+Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length,
 ``SPS`` steps per second).
 """
 

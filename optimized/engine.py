@@ -1,6 +1,6 @@
 """The optimized engine: continuous batching + confidence-scheduled speculative decoding on static caches.
 
-The same method as ``reference/generate.py`` (METHOD §1–§5), batched on the device. One ``step()``::
+The same method as ``reference/generate.py`` (docs/method.md §1–§5), batched on the device. One ``step()``::
 
     plan      admit waiting requests, choose prefill chunks, and the verify budget B from a stale host copy of
               the survivals (no wait on the device)
@@ -16,7 +16,7 @@ Every per-request length, offset and position is derived on the device from devi
 totals only (the number of decoding requests, the budget B). The single host↔device synchronisation per step
 is the read of the emitted tokens (named below); the budget never waits for the device.
 
-Names follow ``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
+Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
 """
 
 from __future__ import annotations

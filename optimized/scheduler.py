@@ -1,6 +1,6 @@
 """Continuous batching for the optimized engine: request state, admission, chunked prefill, finishing.
 
-Implements the host side of METHOD §5 in its production form. The host owns the list of sequences and a
+Implements the host side of docs/method.md §5 in its production form. The host owns the list of sequences and a
 slot (a row of the static KV caches) per running sequence; each step it decides
 
 * which waiting sequences are admitted (a free slot and room in the token budget),
@@ -10,7 +10,7 @@ slot (a row of the static KV caches) per running sequence; each step it decides
   waits for the device). The per-request allocation ℓ_r = top-B of the *current* survivals happens on the
   device (``optimized.kernels.allocate``).
 
-Names follow ``design/METHOD.md`` (``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size).
+Names follow ``docs/method.md`` (``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Sequential Temperature Scaling (STS) of the confidence head, and the calibration metrics (METHOD §3).
+"""Sequential Temperature Scaling (STS) of the confidence head, and the calibration metrics (docs/method.md §3).
 
-Names follow ``design/METHOD.md``: ``p_t`` target, ``p_d`` draft, ``c_k`` the confidence of slot k,
+Names follow ``docs/method.md``: ``p_t`` target, ``p_d`` draft, ``c_k`` the confidence of slot k,
 ``a_k = Π_{i≤k} c_i`` the prefix survival, ``ℓ`` the verify length, γ the block size.
 
-The scheduler (METHOD §5) multiplies confidences and compares the products against step costs, so it needs
+The scheduler (docs/method.md §5) multiplies confidences and compares the products against step costs, so it needs
 calibrated *absolute* values, not just a good ranking. STS fits one temperature per slot on held-out
 proposals: each proposal gives raw confidence logits ``z_1..z_γ`` and prefix-survival labels
 ``y_k = 1[drafts 1..k all accepted]`` for the slots that were verified (``k ≤ ℓ``); unverified slots are
@@ -88,7 +88,7 @@ def expected_calibration_error(probs: Tensor, labels: Tensor, num_bins: int = 20
     Args:
         probs: ``[M]`` predicted probabilities in [0, 1].
         labels: ``[M]`` outcomes in {0, 1}.
-        num_bins: B; METHOD §3 uses 20.
+        num_bins: B; docs/method.md §3 uses 20.
     """
     _check_probs_labels(probs, labels, num_bins)
     return float(_ece_batched(probs[None, :], labels, num_bins)[0])
@@ -197,7 +197,7 @@ def _check_logits_labels(conf_logits: Tensor, labels: Tensor) -> None:
 
 def fit_sts(conf_logits: Tensor, labels: Tensor, *, grid: Tensor | None = None, num_bins: int = 20,
             min_count: int = 50) -> list[float]:
-    """Fit one temperature per slot, sequentially (METHOD §3).
+    """Fit one temperature per slot, sequentially (docs/method.md §3).
 
     For ``k = 1..γ``: ``T_k = argmin_{T ∈ grid} ECE(Π_{i<k} σ(z_i/T_i) · σ(z_k/T), y_k)`` over the rows where
     ``y_k`` is not censored, with ``T_1..T_{k-1}`` fixed. Ties go to the smallest T in the grid. A slot with no
@@ -209,7 +209,7 @@ def fit_sts(conf_logits: Tensor, labels: Tensor, *, grid: Tensor | None = None, 
         conf_logits: ``[M, γ]`` raw confidence logits z.
         labels: ``[M, γ]`` prefix-survival labels (:func:`prefix_survival_labels`), NaN = censored.
         grid: ``[G]`` positive candidate temperatures; default :func:`default_temperature_grid`.
-        num_bins: ECE bins; METHOD §3 uses 20.
+        num_bins: ECE bins; docs/method.md §3 uses 20.
         min_count: fewest verified proposals a slot needs to be fitted (20 bins, a couple of labels per bin).
 
     Returns:
@@ -400,7 +400,7 @@ def temperatures_for(config: DrafterConfig, mode: str) -> list[float]:
     """The STS temperatures of one decoding mode ("greedy" or "sampling"); all ones if uncalibrated.
 
     Greedy labels are argmax matches and sampling labels are rejection-sampling outcomes, so the two modes
-    keep separate sets (METHOD §3).
+    keep separate sets (docs/method.md §3).
     """
     if mode not in DECODE_MODES:
         raise ValueError(f"unknown decoding mode {mode!r}; choose one of {', '.join(DECODE_MODES)}")

@@ -1,8 +1,8 @@
 """Save and load a DSpark drafter directory: ``config.json`` plus sharded safetensors.
 
-The format stores what METHOD §1 says the drafter owns (context projection, backbone layers, sequential and
-confidence heads, the learned mask vector) and the STS temperatures of METHOD §3 (inside the drafter config).
-The target's embedding and LM head are shared and never saved. Names follow METHOD.md (``p_t`` target,
+The format stores what docs/method.md §1 says the drafter owns (context projection, backbone layers, sequential and
+confidence heads, the learned mask vector) and the STS temperatures of docs/method.md §3 (inside the drafter config).
+The target's embedding and LM head are shared and never saved. Names follow docs/method.md (``p_t`` target,
 ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
 
 Layout of a checkpoint directory::

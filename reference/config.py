@@ -2,12 +2,12 @@
 
 Three separate types, never one global bag (house rule 5):
 
-* :class:`DrafterConfig`   – the drafter's architecture and its link to the target (METHOD §1), stored in
-  the checkpoint's ``config.json`` together with the STS temperatures (METHOD §3).
-* :class:`SchedulerConfig` – which verify-length policy runs and its parameters (METHOD §5).
+* :class:`DrafterConfig`   – the drafter's architecture and its link to the target (docs/method.md §1), stored in
+  the checkpoint's ``config.json`` together with the STS temperatures (docs/method.md §3).
+* :class:`SchedulerConfig` – which verify-length policy runs and its parameters (docs/method.md §5).
 * :class:`GenerationConfig` – how one batch of prompts is decoded (sampling, limits, seed).
 
-Names follow ``design/METHOD.md``: ``gamma`` is the block size γ, ``p_t`` the target distribution,
+Names follow ``docs/method.md``: ``gamma`` is the block size γ, ``p_t`` the target distribution,
 ``p_d`` the draft distribution, ``a`` the prefix survival and ``ℓ`` the verify length.
 """
 
@@ -25,7 +25,7 @@ SCHEDULER_MODES: tuple[str, ...] = ("none", "fixed", "dsd", "threshold", "adapti
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> tuple[int, ...]:
-    """The DFlash layer rule (METHOD §1): ``num_taps`` layers spread evenly from layer 1 to layer N-3.
+    """The DFlash layer rule (docs/method.md §1): ``num_taps`` layers spread evenly from layer 1 to layer N-3.
 
     Layer ``l`` means the residual stream *after* decoder layer ``l`` (0-based), i.e. HF's
     ``hidden_states[l + 1]``. The last layer is never tapped: HF returns it after the final norm.
@@ -47,7 +47,7 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> tuple
 class DrafterConfig:
     """Architecture of a DSpark drafter for one target model.
 
-    The backbone layers copy the target's attention/MLP shape (METHOD §1), so the first block of
+    The backbone layers copy the target's attention/MLP shape (docs/method.md §1), so the first block of
     fields is read from the target's HF config by :meth:`from_target_config`.
     """
 
@@ -167,7 +167,7 @@ def _rope_theta(target_config: Any) -> float:
 
 @dataclass
 class SchedulerConfig:
-    """Which verify-length policy chooses ℓ_r each step (METHOD §5), and its parameters."""
+    """Which verify-length policy chooses ℓ_r each step (docs/method.md §5), and its parameters."""
 
     mode: SchedulerMode = "adaptive"  # the paper's method in its production (asynchronous) form
     k: int = 7  # fixed mode: verify length for every request (clipped to γ)
@@ -178,7 +178,7 @@ class SchedulerConfig:
     staleness: int = 2  # adaptive mode: the budget uses survivals this many steps old (overlapped host)
     # adaptive mode, beyond the paper: skip the drafter for a step when even the best budget, judged on each
     # request's latest survivals, would emit fewer tokens per second than plain decoding (whose step costs the
-    # verify of the anchors alone). The published systems pay the full draft whatever they verify (METHOD §6).
+    # verify of the anchors alone). The published systems pay the full draft whatever they verify (docs/method.md §6).
     draft_gate: bool = True
     probe_every: int = 16  # with the gate closed, draft again after this many plain steps to refresh survivals
     gate_window: int = 4  # the gate judges each request by a moving average of its drafts' survivals, weight 1/this

@@ -1,4 +1,4 @@
-"""The cost table: how long one decoding step takes, as a function of its size (METHOD §5, "Cost table").
+"""The cost table: how long one decoding step takes, as a function of its size (docs/method.md §5, "Cost table").
 
 The scheduler maximises ``Θ = τ · SPS(n)``, so it needs ``SPS``: target steps per second when the verify
 forward carries ``n`` tokens, with the drafter's cost for the batch added. Real step times are not smooth.
@@ -18,7 +18,7 @@ keeps those facts explicit:
 
 Times are stored in milliseconds (as measured) and returned in seconds. The dummy forwards are passed in
 as callables by whoever owns the target and the drafter, so this module depends on neither.
-Names follow ``design/METHOD.md`` (``SPS``, ``Θ``, ``ℓ`` verify length).
+Names follow ``docs/method.md`` (``SPS``, ``Θ``, ``ℓ`` verify length).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class CostTable:
             above ``graph_max_tokens``).
         draft_ms: request count ``R`` -> median milliseconds of one drafter step for ``R`` requests. An
             empty table means the drafter's cost is not counted (a target-only model of the step, as in
-            METHOD Appendix A).
+            docs/method.md Appendix A).
         graph_max_tokens: the largest captured graph size, itself a measured size. Sizes above it form a
             separate regime with no padding; ``None`` means every measured size is a graph size.
         hardware: device name the table was measured on ("synthetic ..." for made-up tables).

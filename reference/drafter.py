@@ -1,6 +1,6 @@
 """The DSpark drafter: parallel backbone with target-context KV injection, sequential head, confidence head.
 
-Implements ``design/METHOD.md`` §1. Names follow METHOD.md: ``p_t`` target, ``p_d`` draft, ``a`` prefix
+Implements ``docs/method.md`` §1. Names follow docs/method.md: ``p_t`` target, ``p_d`` draft, ``a`` prefix
 survival, ``ℓ`` verify length, ``γ`` block size, ``x_0`` the anchor, ``U_k`` base logits, ``B_k`` the
 sequential head's bias, ``c_k`` confidence (returned here as its logit ``z_k``; STS calibrates it).
 
@@ -173,7 +173,7 @@ class Layer(nn.Module):
 
 
 class MarkovHead(nn.Module):
-    """B_k = W2(W1[x_{k-1}]): a low-rank bigram bias, the same W1, W2 for every slot (METHOD §1)."""
+    """B_k = W2(W1[x_{k-1}]): a low-rank bigram bias, the same W1, W2 for every slot (docs/method.md §1)."""
 
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
@@ -197,7 +197,7 @@ class MarkovHead(nn.Module):
 
 
 class RNNHead(nn.Module):
-    """Gated recurrent bias (METHOD §1 variant): z_k = [s_{k-1}; W1[x_{k-1}]; h_k] -> (g, c, o),
+    """Gated recurrent bias (docs/method.md §1 variant): z_k = [s_{k-1}; W1[x_{k-1}]; h_k] -> (g, c, o),
     s_k = σ(g)⊙s_{k-1} + (1-σ(g))⊙tanh(c), B_k = W2·tanh(o), s_0 = 0."""
 
     def __init__(self, config: DrafterConfig) -> None:
@@ -266,7 +266,7 @@ def block_attention_mask(anchor_pos: torch.Tensor, ctx_pos: torch.Tensor, ctx_va
 class ContextCache:
     """Per-request projected context K/V of every backbone layer, appended as tokens get verified.
 
-    Only the context is cached (METHOD §1): the block's own K/V change every step and are recomputed.
+    Only the context is cached (docs/method.md §1): the block's own K/V change every step and are recomputed.
     Create one with :meth:`DSparkDrafter.new_context_cache`.
     """
 
@@ -309,7 +309,7 @@ class ContextCache:
 
 
 class DSparkDrafter(nn.Module):
-    """The drafter of METHOD §1. The target's embedding and LM head are attached, never owned."""
+    """The drafter of docs/method.md §1. The target's embedding and LM head are attached, never owned."""
 
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
@@ -484,7 +484,7 @@ class DSparkDrafter(nn.Module):
     @torch.no_grad()
     def sample_block(self, h: torch.Tensor, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor,
                      temperature: torch.Tensor, seed: int, request_ids: torch.Tensor) -> DraftOutput:
-        """Draw x_1..x_γ left to right, the only serial part of drafting (METHOD §1).
+        """Draw x_1..x_γ left to right, the only serial part of drafting (docs/method.md §1).
 
         Args:
             h: backbone output [R, γ, d].

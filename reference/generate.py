@@ -1,4 +1,4 @@
-"""The batched speculative decoding loop: prefill, then draft → schedule → verify → commit (METHOD §1–§5).
+"""The batched speculative decoding loop: prefill, then draft → schedule → verify → commit (docs/method.md §1–§5).
 
 This is the plain synchronous loop of ``design/ARCHITECTURE.md`` ("The data flow of one decoding step"),
 written for reading, not speed: every request keeps its own target KV cache and drafter context cache,
@@ -13,7 +13,7 @@ One step, for the R unfinished requests of a batch::
     commit    keep the target KV and drafter context of the accepted positions; the emitted token is the
               next anchor x_0
 
-Names follow ``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
+Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def draft(drafter: DSparkDrafter, reqs: list[Request], gen: GenerationConfig):
 
 
 def verify(target: Target, reqs: list[Request], drafts, lens: torch.Tensor, gen: GenerationConfig):
-    """Target forward over [x_0, x_1..x_ℓ] per request, then lossless rejection sampling (METHOD §4)."""
+    """Target forward over [x_0, x_1..x_ℓ] per request, then lossless rejection sampling (docs/method.md §4)."""
     gamma = drafts.tokens.shape[1]
     vocab = target.vocab_size
     dev = target.device
@@ -160,7 +160,7 @@ def commit(target: Target, req: Request, tokens: list[int], features: torch.Tens
 
     ``tokens`` are the accepted drafts plus the recovered/bonus token. The target KV cache and the drafter
     context gain positions anchor_pos..anchor_pos+accepted (x_0 and the accepted drafts); the last emitted
-    token becomes the next anchor, whose features do not exist yet (METHOD §1).
+    token becomes the next anchor, whose features do not exist yet (docs/method.md §1).
     """
     start, keep = req.anchor_pos, len(tokens)  # positions start..start+keep-1 are now verified
     target.crop(req.kv, start + keep)
@@ -207,7 +207,7 @@ def generate(
         drafter: the DSpark drafter; may be None only in mode "none".
         prompts: token ids per prompt (chat template already applied).
         gen: sampling, seed and limits.
-        sched: the verify-length policy (METHOD §5).
+        sched: the verify-length policy (docs/method.md §5).
         cost: the SPS table for the adaptive modes.
         request_ids: ids keying the random numbers (default 0..R-1); a request's output depends only on
             its own id, prompt and the seed, never on its neighbours in the batch.

@@ -1,6 +1,6 @@
-"""Training losses of the DSpark drafter, anchor sampling and the training block mask (METHOD §2).
+"""Training losses of the DSpark drafter, anchor sampling and the training block mask (docs/method.md §2).
 
-Names follow ``design/METHOD.md``: ``p_t`` is the target distribution, ``p_d`` the draft distribution,
+Names follow ``docs/method.md``: ``p_t`` is the target distribution, ``p_d`` the draft distribution,
 ``c`` the confidence, ``a`` the prefix survival and ``ℓ`` the verify length; γ is the block size and
 ``x_0`` the anchor.
 
@@ -41,7 +41,7 @@ def position_weights(gamma: int, decay: float = 4.0) -> Tensor:
 
     Args:
         gamma: block size γ.
-        decay: λ. The authors' code uses 4.0 with γ = 7 (the paper text writes λ = γ; METHOD §2 picks 4.0).
+        decay: λ. The authors' code uses 4.0 with γ = 7 (the paper text writes λ = γ; docs/method.md §2 picks 4.0).
 
     Returns:
         ``[γ]`` float32 weights, ``w_1 = 1``, decreasing.
@@ -219,7 +219,7 @@ def _weighted_mean(term: Tensor, w: Tensor, valid: Tensor) -> Tensor:
 def dspark_loss(draft_logits: Tensor, target_logits: Tensor | None, labels: Tensor, conf_logits: Tensor | None,
                 valid: Tensor, *, decay: float = 4.0,
                 weights: tuple[float, float, float] = (0.1, 0.9, 1.0)) -> dict[str, Tensor]:
-    """The DSpark training loss ``w_ce·L_ce + w_l1·L_l1 + w_conf·L_conf`` (METHOD §2), in float32.
+    """The DSpark training loss ``w_ce·L_ce + w_l1·L_l1 + w_conf·L_conf`` (docs/method.md §2), in float32.
 
     Each term is a weighted mean over the valid slots, ``Σ_{n,k valid} w_k·term[n,k] / Σ_{n,k valid} w_k``.
     The confidence target ``c* = Σ_v min(p_d, p_t)`` (at T = 1) is detached: the confidence head learns to

@@ -1,9 +1,9 @@
 """Sampling: temperature / top-k / top-p, and the random-number contract every draw goes through.
 
 This file implements the random-number contract of ``design/ARCHITECTURE.md`` ("Random numbers"), fixed
-bit for bit in ``docs/contracts.md``, and the sampling primitives that the drafter (METHOD §1, slots sampled
-left to right) and the verifier (METHOD §4, accept test, residual and bonus) are built on. Names follow
-``design/METHOD.md``: ``p_t`` target, ``p_d`` draft, ``ℓ`` verify length, ``γ`` block size.
+bit for bit in ``docs/contracts.md``, and the sampling primitives that the drafter (docs/method.md §1, slots sampled
+left to right) and the verifier (docs/method.md §4, accept test, residual and bonus) are built on. Names follow
+``docs/method.md``: ``p_t`` target, ``p_d`` draft, ``ℓ`` verify length, ``γ`` block size.
 
 **Why a hash instead of a generator.** Every uniform is a pure function of
 ``(seed, request_id, position, purpose, lane)``. The order in which requests are batched, padded or
@@ -167,7 +167,7 @@ def logits_to_probs(
     Order (docs/contracts.md): temperature, top-k, top-p, renormalise.
 
     * temperature 0: one-hot at the argmax (lowest index on ties), so greedy rows go through the same
-      verification code exactly (METHOD §4: accept iff ``x_k = argmax p_t``).
+      verification code exactly (docs/method.md §4: accept iff ``x_k = argmax p_t``).
     * top-k: keep the logits ``>=`` the k-th largest (ties at the k-th are all kept); 0 turns it off.
     * top-p: stable descending sort of the top-k distribution, keep the smallest prefix whose mass reaches
       ``top_p`` (the first token always); 1.0 turns it off.

@@ -1,4 +1,4 @@
-"""The prefix scheduler: how many drafts each request verifies this step (METHOD §5).
+"""The prefix scheduler: how many drafts each request verifies this step (docs/method.md §5).
 
 Survivals in, verify lengths out. Request ``r`` drafted ``x_{r,1..γ}`` with calibrated prefix survivals
 ``a_{r,j} = Π_{i≤j} c_{r,i}``, the probability that drafts 1..j are all accepted. Verifying ``ℓ_r`` of them
@@ -16,10 +16,10 @@ request's block. The whole problem is therefore one number, the budget ``B``.
 (this one and ``optimized/``) that see equal survivals still agree on the allocation.
 
 **Losslessness.** Rejection sampling stays exact only if the decision to verify slot ``k`` uses nothing
-that was sampled at or after ``x_k`` (METHOD §5: whether slot ``k`` is verified may depend only on information
+that was sampled at or after ``x_k`` (docs/method.md §5: whether slot ``k`` is verified may depend only on information
 available before ``x_k`` was sampled). ``a_{r,k+1}`` depends on ``x_{r,k}`` (the confidence head reads the
 previous token), so a rule that looks at ``a_{r,k+1}`` to decide slot ``k`` would favour drafts *because*
-their continuation looks good, and the output would drift from ``p_t`` (METHOD Appendix A: (0.7, 0.3)
+their continuation looks good, and the output would drift from ``p_t`` (docs/method.md Appendix A: (0.7, 0.3)
 becomes (0.85, 0.15)). The policies:
 
 * :func:`algorithm1` (paper, synchronous, ``adaptive-sync``): admit candidates in rank order while ``Θ``
@@ -33,7 +33,7 @@ becomes (0.85, 0.15)). The policies:
   all, decided before any of its drafts exists, from the survivals of earlier drafts. A step that does not
   draft verifies ``ℓ = 0`` (ordinary decoding), so the gate cannot bias the output either.
 
-Names follow ``design/METHOD.md``: ``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size, ``p_t``
+Names follow ``docs/method.md``: ``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size, ``p_t``
 target and ``p_d`` draft distributions, ``SPS`` steps per second, ``Θ`` emitted tokens per second.
 """
 
@@ -235,7 +235,7 @@ def stale_budget(a_stale: Tensor, cost: CostTable, num_anchor_tokens: int, num_r
 # ---------------------------------------------------------------------------- the policies
 @dataclass
 class Scheduler:
-    """Chooses every request's verify length ``ℓ_r`` each step, by ``config.mode`` (METHOD §5 and its baselines).
+    """Chooses every request's verify length ``ℓ_r`` each step, by ``config.mode`` (docs/method.md §5 and its baselines).
 
     Attributes:
         config: the policy and its parameters.
@@ -256,7 +256,7 @@ class Scheduler:
             raise ValueError(f"scheduler mode {self.config.mode!r} needs a cost table (cost=None)")
         if self.config.mode == "adaptive" and self.config.staleness < 1:
             raise ValueError("adaptive mode with staleness 0 would take the unconstrained argmax over the current "
-                             "survivals, which is not lossless (METHOD Appendix A); use staleness ≥ 1, or "
+                             "survivals, which is not lossless (docs/method.md Appendix A); use staleness ≥ 1, or "
                              "mode 'adaptive-sync' for a synchronous scheduler")
 
     def lengths(self, a_current: Tensor, *, a_stale: Tensor | None = None, num_anchor_tokens: int | None = None,

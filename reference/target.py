@@ -1,7 +1,7 @@
 """The target model: load it, run it with a KV cache, return logits and the tapped layer features.
 
-This is the model whose distribution ``p_t`` DSpark must reproduce exactly (METHOD §4) and whose
-residual stream feeds the drafter (METHOD §1, "Target context"). Names follow ``design/METHOD.md``:
+This is the model whose distribution ``p_t`` DSpark must reproduce exactly (docs/method.md §4) and whose
+residual stream feeds the drafter (docs/method.md §1, "Target context"). Names follow ``docs/method.md``:
 ``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length.
 
 Two ways of running the target:

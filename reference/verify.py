@@ -1,6 +1,6 @@
 """Lossless verification of a drafted block: speculative rejection sampling over ragged verify lengths.
 
-Implements METHOD §4 (Leviathan et al. 2023, Chen et al. 2023); names follow ``design/METHOD.md``:
+Implements docs/method.md §4 (Leviathan et al. 2023, Chen et al. 2023); names follow ``docs/method.md``:
 ``p_t`` target, ``p_d`` draft, ``ℓ`` verify length, ``γ`` block size, ``τ`` tokens emitted.
 
 Terms, per request ``r`` with anchor ``x_0`` at absolute position ``P`` (docs/contracts.md, "Positions"):
@@ -23,7 +23,7 @@ Terms, per request ``r`` with anchor ``x_0`` at absolute position ``P`` (docs/co
 Accepted drafts keep the target's distribution exactly because the accept/residual pair is the standard
 rejection-sampling identity ``p_d(x)·min(1, p_t/p_d) + P(reject)·residual(x) = p_t(x)``; it holds only if
 ``p_d_k`` is *exactly* the distribution ``x_k`` was drawn from (including top-k/top-p and temperature),
-and if ``ℓ`` was chosen without looking at the drafts it admits (METHOD §5).
+and if ``ℓ`` was chosen without looking at the drafts it admits (docs/method.md §5).
 
 Greedy requests pass one-hot ``p_t`` and ``p_d`` (``logits_to_probs`` at temperature 0): the accept test
 becomes ``x_k == argmax p_t_k`` (``u ∈ (0, 1)``) and the residual is the one-hot of the target argmax,

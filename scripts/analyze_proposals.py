@@ -6,7 +6,7 @@ under full-block verification). Because a verified slot's outcome does not depen
 are verified (the random-number contract keys every draw by position), any verify-length policy can be
 simulated exactly from these records:
 
-* **STS** (METHOD §3): fit on one half of the proposals, ECE before/after per position on the other half,
+* **STS** (docs/method.md §3): fit on one half of the proposals, ECE before/after per position on the other half,
   temperatures written into the drafter's ``config.json`` with ``--write``.
 * **Per-position conditional acceptance** (the paper's Figure 2): P(slot k accepted | slots < k accepted).
 * **Static threshold sweep** (the paper's Figure 5): verify slot j while the calibrated prefix survival

@@ -1,6 +1,6 @@
 """Kernel benchmark: every Triton op of ``optimized/kernels`` against its torch fallback, in µs and % of HBM roofline.
 
-Issue 4 ("kernel timings against the memory-bandwidth roofline"). Names follow ``design/METHOD.md`` (``p_t``
+Issue 4 ("kernel timings against the memory-bandwidth roofline"). Names follow ``docs/method.md`` (``p_t``
 target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size). The decode-time ops are
 memory bound, so each is judged by the bytes it must move at least (its *compulsory* traffic, stated per op
 below) divided by its time, against the H200's 4.8 TB/s of HBM bandwidth:

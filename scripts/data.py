@@ -1,7 +1,7 @@
-"""Prompt sources for self-distillation and evaluation: ShareGPT, HumanEval and math-like prompts (METHOD §2).
+"""Prompt sources for self-distillation and evaluation: ShareGPT, HumanEval and math-like prompts (docs/method.md §2).
 
-The drafter is trained on the target's own answers to a prompt set (self-distillation, METHOD §2); this file
-only supplies the prompts. Names follow ``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix
+The drafter is trained on the target's own answers to a prompt set (self-distillation, docs/method.md §2); this file
+only supplies the prompts. Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix
 survival, ``ℓ`` verify length).
 
 Sources:

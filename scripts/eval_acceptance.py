@@ -1,6 +1,6 @@
-"""Accepted length τ of a drafter on a prompt file: full block verified, batch-1 semantics (METHOD §4, §6).
+"""Accepted length τ of a drafter on a prompt file: full block verified, batch-1 semantics (docs/method.md §4, §6).
 
-Names follow ``design/METHOD.md``: ``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length,
+Names follow ``docs/method.md``: ``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length,
 ``τ`` tokens emitted by one verification (accepted drafts + 1).
 
 Every prompt is decoded by the reference loop (``reference.generate``) in scheduler mode ``fixed`` with

@@ -4,7 +4,7 @@ Issue 4, "On the GPU"; ``design/ARCHITECTURE.md``, "The equivalence contract", l
 mode (``none``, ``fixed`` with K = 3 and K = γ, ``dsd``, ``threshold``, ``adaptive-sync``, ``adaptive``, ``oracle``)
 and every temperature, both loops decode the same prompts with the same target, drafter, seed and cost table, and
 every request is compared: emitted token ids, per-step accepted lengths and per-step verify lengths. Names follow
-``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size).
+``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size).
 
 The same setup on both sides:
 

@@ -19,7 +19,7 @@ Usage (H200)::
     python scripts/profile_engine.py --model /tmp/stage/target.gguf --mode fixed:3 --batch-size 1 \\
         --out docs/benchmarks/profile-h200-fixed3-b1.json [--trace trace.json]
 
-Names follow ``design/METHOD.md`` (``ℓ`` verify length, ``τ`` emitted tokens per verify step).
+Names follow ``docs/method.md`` (``ℓ`` verify length, ``τ`` emitted tokens per verify step).
 """
 
 from __future__ import annotations

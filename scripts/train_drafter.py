@@ -1,6 +1,6 @@
-"""Train a DSpark drafter on self-distilled data (METHOD §2), on one GPU, several (torchrun) or a CPU.
+"""Train a DSpark drafter on self-distilled data (docs/method.md §2), on one GPU, several (torchrun) or a CPU.
 
-Names follow ``design/METHOD.md``: ``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length,
+Names follow ``docs/method.md``: ``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length,
 γ the block size, ``x_0`` the anchor.
 
 One optimisation step, per rank::
@@ -300,7 +300,7 @@ def build_eval_batches(examples: list[Example], args, gamma: int) -> list[tuple[
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine from 1 to 0 at ``total`` (METHOD §2)."""
+    """Linear warm-up over ``warmup`` steps, then cosine from 1 to 0 at ``total`` (docs/method.md §2)."""
     if step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -348,7 +348,7 @@ def write_readme(out: Path, args, summary: dict) -> None:
     lines = [
         f"# DSpark drafter: head={args.head}, {args.num_layers} layers, γ={args.gamma}",
         "",
-        f"Target: `{args.model}`. Trained by `scripts/train_drafter.py` (METHOD §2); load with "
+        f"Target: `{args.model}`. Trained by `scripts/train_drafter.py` (docs/method.md §2); load with "
         "`reference.checkpoint.load_drafter`.",
         "",
         "| | |", "|---|---|",

@@ -1,6 +1,6 @@
 """Triton kernels of the production path, each the fast twin of one ``reference/`` op (house rule 2).
 
-| module | op(s) | reference twin | METHOD |
+| module | op(s) | reference twin | docs/method.md |
 |---|---|---|---|
 | ``sampling`` | ``hash_uniform``, ``sample`` | ``reference/sampling.py`` | random-number contract |
 | ``verify`` | ``rejection_sample``, ``greedy_verify`` | ``reference/verify.py`` | §4 |

@@ -1,8 +1,8 @@
-"""Top-B allocation of verify lengths on the device: the second half of the production scheduler (METHOD §5).
+"""Top-B allocation of verify lengths on the device: the second half of the production scheduler (docs/method.md §5).
 
-Fast twin of ``reference/scheduler.py::allocate_top_b``. Names follow ``design/METHOD.md``: ``a`` prefix
+Fast twin of ``reference/scheduler.py::allocate_top_b``. Names follow ``docs/method.md``: ``a`` prefix
 survival, ``ℓ`` verify length, ``γ`` block size. Given the current survivals ``a [R, γ]`` and a token budget
-``B`` (computed earlier on the host from stale confidences, METHOD §5 "Production variant"), the step verifies
+``B`` (computed earlier on the host from stale confidences, docs/method.md §5 "Production variant"), the step verifies
 the ``B`` best candidates ``(r, j)`` of one global ranking and ``ℓ_r`` counts request ``r``'s winners.
 
 The ranking is (survival descending, slot ascending, request ascending), value-independent on ties

@@ -1,7 +1,7 @@
 """Varlen attention over per-slot KV caches: the attention of every target verify/prefill step and of the drafter.
 
-Implements the attention of METHOD §1 (drafter block: non-causal over context + block) and §4 (target verify of
-``[x_0, x_1..x_ℓ]``: causal). Names follow ``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix
+Implements the attention of docs/method.md §1 (drafter block: non-causal over context + block) and §4 (target verify of
+``[x_0, x_1..x_ℓ]``: causal). Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix
 survival, ``ℓ`` verify length, ``γ`` block size).
 
 The math, per request ``r`` with ``q_len_r = cu_seqlens_q[r+1] - cu_seqlens_q[r]`` queries and ``kv_len_r``

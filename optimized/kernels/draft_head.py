@@ -1,7 +1,7 @@
 """The serial part of drafting, fused: Markov-head sampling of x_1..x_γ together with the confidence head.
 
-Fast twin of ``reference/drafter.py::DSparkDrafter.sample_block`` for the Markov head (METHOD §1). Names
-follow ``design/METHOD.md``: ``U_k`` base logits, ``B_k`` sequential bias, ``p_d`` draft distribution, ``z_k``
+Fast twin of ``reference/drafter.py::DSparkDrafter.sample_block`` for the Markov head (docs/method.md §1). Names
+follow ``docs/method.md``: ``U_k`` base logits, ``B_k`` sequential bias, ``p_d`` draft distribution, ``z_k``
 the confidence logit (``c_k = σ(z_k)`` before STS), ``γ`` block size. Per request, left to right::
 
     prev = x_0
@@ -10,7 +10,7 @@ the confidence logit (``c_k = σ(z_k)`` before STS), ``γ`` block size. Per requ
         logits = U_k + W2 e                                # [V]   B_k = W2 e  (W2: Linear(r -> V), weight [V, r])
         p_d_k  = softmax(logits / T)                       # [V]   one-hot at argmax(logits) when T = 0
         x_k    = argmax_v p_d_k(v) / E_v                   #       exponential race, purpose 1 + 16k, position P + k
-        z_k    = conf_w · [h_k; e] + conf_b                #       never sees x_k (losslessness, METHOD §5)
+        z_k    = conf_w · [h_k; e] + conf_b                #       never sees x_k (losslessness, docs/method.md §5)
         prev   = x_k
 
 Two variants run that loop, with identical arithmetic per vocabulary lane:

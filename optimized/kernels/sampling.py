@@ -1,8 +1,8 @@
 """Triton twins of the random-number contract: the uint32 hash and the exponential-race sampler.
 
 Fast twin of ``reference/sampling.py`` (``hash_uniform``, ``sample``), which implements the random-number
-contract of ``docs/contracts.md``; the drafter's slots (METHOD §1) and the verifier's accept test, residual
-and bonus draws (METHOD §4) are all built on these two primitives. Names follow ``design/METHOD.md``:
+contract of ``docs/contracts.md``; the drafter's slots (docs/method.md §1) and the verifier's accept test, residual
+and bonus draws (docs/method.md §4) are all built on these two primitives. Names follow ``docs/method.md``:
 ``p_t`` target, ``p_d`` draft, ``ℓ`` verify length, ``γ`` block size.
 
 The math, once more, because the kernels below must reproduce it bit for bit::

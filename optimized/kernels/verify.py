@@ -1,7 +1,7 @@
 """Triton twins of lossless verification: speculative rejection sampling and greedy verification.
 
-Fast twin of ``reference/verify.py`` (METHOD §4), equal to it token for token. Names follow
-``design/METHOD.md``: ``p_t`` target, ``p_d`` draft, ``ℓ`` verify length, ``γ`` block size, ``τ`` emitted.
+Fast twin of ``reference/verify.py`` (docs/method.md §4), equal to it token for token. Names follow
+``docs/method.md``: ``p_t`` target, ``p_d`` draft, ``ℓ`` verify length, ``γ`` block size, ``τ`` emitted.
 The terms (accepted, recovered/residual, bonus, emitted) and the positions are defined in the reference's
 module docstring; in short, for request ``r`` with anchor at position ``P``:
 

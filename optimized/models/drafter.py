@@ -1,7 +1,7 @@
-"""The drafter's fast parallel backbone over a static per-slot context cache (METHOD §1).
+"""The drafter's fast parallel backbone over a static per-slot context cache (docs/method.md §1).
 
 Computes what ``reference.drafter.DSparkDrafter.backbone_cached`` computes, for R requests at once. Names follow
-``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size,
+``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size,
 ``x_0`` the anchor, ``U_k`` base logits).
 
 Two stages, both free of host syncs and with static shapes:
@@ -12,7 +12,7 @@ Two stages, both free of host syncs and with static shapes:
 * :meth:`OptimizedDrafter.backbone` — the block ``[x_0, M, …, M]`` at positions ``P..P+γ-1``: each layer writes the
   block's K/V at ``P..P+γ-1`` of the request's slot (scratch: the context append of accepted tokens overwrites it
   later) and runs the varlen attention kernel *non-causally* with ``kv_len = P + γ``. Because the cache holds the
-  context at exactly ``0..P-1``, this is METHOD §1's mask: every block token sees the whole context before the
+  context at exactly ``0..P-1``, this is docs/method.md §1's mask: every block token sees the whole context before the
   anchor and the whole block, nothing else.
 
 The requirement this places on the engine: before ``backbone`` for an anchor at P, the features of positions

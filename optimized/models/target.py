@@ -1,9 +1,9 @@
 """The target's fast forward: Llama-family decoder (Llama/SmolLM2, Qwen2, Qwen3) over per-slot static KV caches.
 
-Computes what ``reference.target.Target.forward`` computes — the next-token logits ``p_t`` (METHOD §4) and the
-tapped residual-stream features the drafter reads (METHOD §1, "Target context") — for a whole ragged batch at
+Computes what ``reference.target.Target.forward`` computes — the next-token logits ``p_t`` (docs/method.md §4) and the
+tapped residual-stream features the drafter reads (docs/method.md §1, "Target context") — for a whole ragged batch at
 once: prefill chunks and verify steps ``[x_0, x_1..x_ℓ]`` of many requests packed into one token list. Names
-follow ``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
+follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
 
 Layout of one step (host constants: N tokens, R request rows; everything per request lives in device tensors)::
 

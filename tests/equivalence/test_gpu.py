@@ -6,7 +6,7 @@ tiny Llama and Qwen3 targets moved to CUDA in float32 with TF32 off, the engine 
 (``enforce_eager=False``) and running every op on its Triton kernel; every mode, greedy and seeded sampling. Then the
 graph path against the eager path of the same engine, token for token, and the GPU equivalence script on CUDA.
 The full-size run on the real target is ``scripts/gpu_equivalence.py`` (``docs/benchmarks/gpu-equivalence.json``).
-Names follow ``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
+Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
 
 Every test is marked ``gpu`` and skipped where CUDA is not available.
 """

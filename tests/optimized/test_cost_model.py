@@ -1,8 +1,8 @@
-"""Start-up profiling of the engine (``optimized/cost_model.py``, METHOD §5 "Cost table") on the CPU.
+"""Start-up profiling of the engine (``optimized/cost_model.py``, docs/method.md §5 "Cost table") on the CPU.
 
 Checks that a profile through the engine's own serving path yields a valid monotone table over sizes the engine
 really runs, that the fingerprint cache is hit on a second call and missed when a setting changes, and that the
-load-time re-check catches a stale table. Names follow ``design/METHOD.md`` (``ℓ`` verify length, ``SPS``).
+load-time re-check catches a stale table. Names follow ``docs/method.md`` (``ℓ`` verify length, ``SPS``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests of reference/drafter.py (METHOD §1): masks, KV injection, cache, heads and block sampling.
+"""Tests of reference/drafter.py (docs/method.md §1): masks, KV injection, cache, heads and block sampling.
 
 Float tolerances are for float32 on CPU: 1e-5 where the same math runs with different shapes (packed vs
 single blocks, cached vs recomputed context), exact equality where only masked-out or unrelated inputs change.
@@ -90,7 +90,7 @@ def test_block_mask_layout():
 
 @pytest.mark.parametrize("head,qk_norm", HEADS)
 def test_confidence_and_draft_never_see_x_k(head, qk_norm):
-    """Perturbing x_j (the prev token of slot j+1) leaves slots 1..j exactly unchanged (METHOD §1, §5)."""
+    """Perturbing x_j (the prev token of slot j+1) leaves slots 1..j exactly unchanged (docs/method.md §1, §5)."""
     drafter = make_drafter(make_config(head, qk_norm))
     g = torch.Generator().manual_seed(3)
     h = torch.randn(2, 3, GAMMA, D_MODEL, generator=g)  # [B, nb, γ, d]

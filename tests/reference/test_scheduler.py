@@ -162,7 +162,7 @@ def test_top_b_matches_a_python_sort_with_many_ties():
         assert [(j, r) for _, j, r in order] == list(zip(slots.tolist(), rows.tolist()))
 
 
-# ---------------------------------------------------------------------------- METHOD Appendix A, exactly
+# ---------------------------------------------------------------------------- docs/method.md Appendix A, exactly
 P_T = (Fraction(7, 10), Fraction(3, 10))  # target distribution at slot 1 over tokens (A, B)
 P_D = (Fraction(1, 2), Fraction(1, 2))  # draft distribution at slot 1
 C2 = (0.9, 0.0)  # c_2 after drafting A, after drafting B

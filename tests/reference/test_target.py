@@ -204,7 +204,7 @@ def test_missing_package_message(monkeypatch, tmp_path):
 def test_smollm2_loads_encodes_and_decodes_like_generate(smollm2_target):
     target = smollm2_target
     assert (target.num_layers, target.hidden_size, target.vocab_size) == (30, 576, 49152)
-    assert target.layer_ids == (1, 8, 14, 21, 27)  # METHOD §1 layer rule for 30 layers
+    assert target.layer_ids == (1, 8, 14, 21, 27)  # docs/method.md §1 layer rule for 30 layers
 
     # The fixture built or read the cache; a second load reads the cache and gives the same weights.
     start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Tests of reference/verify.py (METHOD §4): exact greedy cases, the random-number keys of the accept /
+"""Tests of reference/verify.py (docs/method.md §4): exact greedy cases, the random-number keys of the accept /
 residual / bonus draws, and losslessness — the emitted tokens follow the target's distribution.
 
 Statistical tests use fixed seeds and significance level α = 0.001.

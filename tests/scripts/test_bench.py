@@ -3,7 +3,7 @@
 A tiny random target and drafter stand in for SmolLM2 (no download). The engine benchmark must write the issue's
 JSON schema and its plot, emit exactly the requested tokens in every configuration, and stop cleanly on its time
 budget; the kernel benchmark must cover every op, and under the Triton interpreter its two backends must agree.
-Names follow ``design/METHOD.md`` (``τ`` emitted tokens per verify step, ``ℓ`` verify length).
+Names follow ``docs/method.md`` (``τ`` emitted tokens per verify step, ``ℓ`` verify length).
 """
 
 from __future__ import annotations

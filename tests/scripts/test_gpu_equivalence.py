@@ -4,7 +4,7 @@ On a CPU in float32 the two loops agree exactly, so the analysis never runs in t
 by hand. A reference run is "compared" against a copy of itself edited at one step, and the classification must
 follow the recomputed margins: a token whose logit exactly ties the reference's choice is a near-tie, a token far
 down the distribution or a verify length that no floating-point decision produces is a MISMATCH. The float32
-replay must also reproduce every step of the reference run it explains. Names follow ``design/METHOD.md``
+replay must also reproduce every step of the reference run it explains. Names follow ``docs/method.md``
 (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
 """
 

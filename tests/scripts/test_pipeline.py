@@ -1,7 +1,7 @@
 """The training pipeline end to end on a tiny random target: data → self-distillation → training → STS → τ.
 
 Covers ``scripts/data.py``, ``make_dataset.py``, ``train_drafter.py``, ``calibrate.py`` and ``eval_acceptance.py``
-(METHOD §2, §3). Names follow ``design/METHOD.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival,
+(docs/method.md §2, §3). Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival,
 ``ℓ`` verify length). Everything runs on the CPU with one thread: the tiny matmuls are faster single-threaded,
 and a shared 2-core machine makes multi-threaded BLAS spin.
 """
