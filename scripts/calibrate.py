@@ -1,4 +1,4 @@
-"""Fit Sequential Temperature Scaling per decoding mode on held-out proposals, write it to the checkpoint (docs/method.md §3).
+"""Fit Sequential Temperature Scaling per decoding mode on held-out proposals into the checkpoint (docs/method.md §3).
 
 Names follow ``docs/method.md``: ``p_t`` target, ``p_d`` draft, ``c_k`` confidence, ``a_k = Π_{i≤k} c_i`` prefix
 survival, ``ℓ`` verify length, γ block size, ``x_0`` anchor.
