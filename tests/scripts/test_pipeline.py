@@ -473,3 +473,18 @@ def test_init_from_a_checkpoint_continues_its_schedule(workdir, trained):
     assert sorted(lrs) == [10, 12]  # steps 9-12 only: it started at the checkpoint's step 8
     with pytest.raises(SystemExit, match="disagrees"):
         train_drafter.main([*_train_args(workdir, "run_d"), "--init-from", str(trained), "--num-layers", "3"])
+
+
+def test_bench_training_compares_both_steps(workdir, tmp_path):
+    from scripts import bench_training
+
+    out = tmp_path / "training.json"
+    assert bench_training.main(["--data", str(workdir / "data"), "--model", str(workdir / "target"), "--device", "cpu",
+                                "--tokens-per-batch", "256", "--warmup", "0", "--repeats", "2", "--num-layers", "1",
+                                "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    ref, fast = report["results"]
+    assert (ref["step"], fast["step"]) == ("reference", "fast")
+    # Every eligible anchor against 32 sampled ones per sequence: the fast step supervises more slots per batch.
+    assert fast["slot_predictions_per_step"] >= ref["slot_predictions_per_step"] > 0
+    assert report["speedup"] == pytest.approx(fast["slot_predictions_per_s"] / ref["slot_predictions_per_s"])
