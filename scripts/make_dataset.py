@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         responses = engine_responses(engine, [p for _, p in chunk for _ in temps],
                                      [params[t] for _ in chunk for t in range(len(temps))], rids, eos_ids,
                                      progress=rank == 0)
-        ids = [f"{pid}@T{t:g}" for pid, _ in chunk for t in temps]
+        ids = [f"{pid}@{t}" for pid, _ in chunk for t in range(len(temps))]  # @ index into settings["temperatures"]
         shard = pack_shard(ids, [p for _, p in chunk for _ in temps], responses, target.vocab_size)
         wall = time.perf_counter() - t0
         slowest = max(slowest, wall)

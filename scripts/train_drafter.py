@@ -331,7 +331,6 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     command = " ".join(["python -m scripts.train_drafter", *(sys.argv[1:] if argv is None else argv)])
     out = Path(args.out)
-    t_start = time.perf_counter()
     if args.head != "markov":
         args.markov_factored = False  # only the Markov head has a factored form
 
@@ -419,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     stop_reason = "steps" if args.stop_after is None else f"--stop-after {args.stop_after}"
     last_eval, last_eval_step = None, -1
     bar = tqdm(total=args.steps or None, initial=step, desc="train", unit="step", disable=rank != 0)
+    t_start = time.perf_counter()  # the time budget counts training, not the model and data loading before it
     t_log, slots_log = time.perf_counter(), torch.zeros((), device=device)
     slots_total, t_train = 0, 0.0
     drafter.train()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Reproduces the shipped SmolLM2 drafter and its published numbers on one H200 (~22 min):
-#   1. self-distillation data with the engine: every ShareGPT training prompt answered greedily and at T = 1
+#   1. self-distillation data with the engine: every ShareGPT training prompt answered greedily, twice at T = 1 and
+#      at T = 0.6
 #      (GEN_S seconds; rerunning resumes), and the held-out split for evaluation and calibration;
 #   2. docs/benchmarks/training-h200.json: the fast training step against the reference step, same batches;
 #   3. training on every response position with the fused loss, schedule over TRAIN_MIN minutes;
@@ -13,7 +14,10 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 MODEL=${MODEL:-/tmp/stage/target.gguf}
 SHAREGPT=${SHAREGPT:-/tmp/stage/sharegpt.json.gz}
-GEN_S=${GEN_S:-270}
+GEN_S=${GEN_S:-300}
+# Greedy, twice T = 1 (two samples per prompt: different request ids) and T = 0.6: ~4 responses per prompt to reach
+# ~15-20 M response tokens from the ~12k English ShareGPT training prompts.
+TEMPS=${TEMPS:-0,1,1,0.6}
 TRAIN_MIN=${TRAIN_MIN:-9}
 RES=${RES:-/tmp/res}
 DATA=${DATA:-/tmp/sd}
@@ -30,9 +34,9 @@ stamp() { echo "$(date +%T) +$(($(date +%s) - T0))s $*" | tee -a "$RES/timeline.
 run() { local name=$1; shift; stamp "start $name"; "$@" > "$RES/logs/$name.log" 2>&1; stamp "end $name rc=$?"; }
 
 run data-train python -m scripts.make_dataset --out "$DATA/train" --model "$MODEL" --sharegpt-file "$SHAREGPT" \
-  --temperatures 0,1 --batch-size 512 --shard-size 2048 --max-new-tokens 384 --time-budget-s "$GEN_S" "${GEN_EXTRA[@]}"
+  --temperatures "$TEMPS" --batch-size 512 --shard-size 1024 --max-new-tokens 512 --time-budget-s "$GEN_S" "${GEN_EXTRA[@]}"
 run data-heldout python -m scripts.make_dataset --out "$DATA/heldout" --split heldout --model "$MODEL" \
-  --sharegpt-file "$SHAREGPT" --temperatures 0,1 --batch-size 512 --shard-size 1024 --max-new-tokens 384 \
+  --sharegpt-file "$SHAREGPT" --temperatures 0,1 --batch-size 512 --shard-size 1024 --max-new-tokens 512 \
   "${GEN_EXTRA[@]}"
 cp "$DATA/train/manifest.json" "$RES/data-train-manifest.json"; cp "$DATA/heldout/manifest.json" "$RES/data-heldout-manifest.json"
 run bench-training python -m scripts.bench_training --data "$DATA/train" --model "$MODEL" \

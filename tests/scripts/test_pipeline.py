@@ -190,7 +190,7 @@ def test_shards_hold_prompt_plus_response_with_the_response_mask(workdir):
     examples = dataset.load_dataset(workdir / "data")
     assert len(examples) == manifest["examples"] and sum(int(e.loss_mask.sum()) for e in examples) == \
         manifest["response_tokens"]
-    assert {e.id.rsplit("@", 1)[1] for e in examples} == {"T0", "T1"}  # one response per temperature
+    assert {e.id.rsplit("@", 1)[1] for e in examples} == {"0", "1"}  # one response per temperature
     greedy = {}
     for e in examples:
         pid, temp = e.id.rsplit("@", 1)
@@ -200,7 +200,7 @@ def test_shards_hold_prompt_plus_response_with_the_response_mask(workdir):
         response = e.input_ids[len(p):].tolist()
         assert len(response) >= 2 and EOS not in response[:-1]  # cut after the first end token, which is kept
         assert response[-1] == EOS or len(response) == 24
-        if temp == "T0":
+        if temp == "0":  # settings["temperatures"][0] = 0: greedy
             greedy[pid] = response
     assert len(greedy) > 20
     tensors, _ = _shard(workdir / "data" / dataset.shard_name(0))
