@@ -221,7 +221,7 @@ class _HeadLoss(torch.autograd.Function):
 
 def fused_head_loss(drafter: DSparkDrafter, h: Tensor, targets: BlockTargets, target_logits: Tensor, *,
                     weights: LossWeights | tuple = PAPER_WEIGHTS, decay: float = 4.0,
-                    chunk_elements: int | None = None) -> HeadLoss:
+                    chunk_elements: int | None = None, denominator: Tensor | None = None) -> HeadLoss:
     """The DSpark loss of a dense batch (every position an anchor), the LM head fused into it.
 
     Equals ``dspark_loss(*drafter.head_logits(h, targets.prev_tokens), p_t, ...)`` over the valid slots of
@@ -237,6 +237,9 @@ def fused_head_loss(drafter: DSparkDrafter, h: Tensor, targets: BlockTargets, ta
         weights: :class:`reference.losses.LossWeights` or a 3/4-tuple.
         decay: λ of the position weights.
         chunk_elements: elements of one ``[rows, V]`` temporary (default: by device).
+        denominator: ``Σ w_k`` over the valid slots that the means divide by; default this batch's
+            (:func:`weight_sum`). Data-parallel training passes the sum over every rank's batch, so that the
+            ranks' summed gradients are exactly the gradient of one process on the whole global batch.
 
     Returns:
         :class:`HeadLoss`.
@@ -255,7 +258,7 @@ def fused_head_loss(drafter: DSparkDrafter, h: Tensor, targets: BlockTargets, ta
     valid = targets.valid  # [B, S, γ]
     wk = position_weights(gamma, decay).to(h.device)  # [γ]
     wv = torch.where(valid, wk, 0.0)  # [B, S, γ]
-    denom = wv.sum().clamp_min(1e-12)  # Σ w_k over valid slots (no sync: stays a tensor)
+    denom = (wv.sum() if denominator is None else denominator).clamp_min(1e-12)  # Σ w_k, a tensor (no sync)
 
     index, exists = _row_order(B, S, gamma, h.device)  # [M] each
 
@@ -289,16 +292,24 @@ def fused_head_loss(drafter: DSparkDrafter, h: Tensor, targets: BlockTargets, ta
     return HeadLoss(loss=loss, terms=terms, c_star=c_star, slot_stats=stats)
 
 
+def weight_sum(targets: BlockTargets, decay: float = 4.0) -> Tensor:
+    """``Σ w_k`` over the valid slots of a batch: the denominator of every loss term's weighted mean."""
+    gamma = targets.valid.shape[-1]
+    return torch.where(targets.valid, position_weights(gamma, decay).to(targets.valid.device), 0.0).sum()
+
+
 def dense_step_loss(drafter: DSparkDrafter, input_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor,
                     features: Tensor, target_logits: Tensor, *, weights: LossWeights | tuple = PAPER_WEIGHTS,
-                    decay: float = 4.0, chunk_elements: int | None = None) -> HeadLoss:
+                    decay: float = 4.0, chunk_elements: int | None = None,
+                    denominator: Tensor | None = None) -> HeadLoss:
     """One dense training step's loss: targets, backbone and fused head loss of a right-padded batch.
 
     Args:
         input_ids, loss_mask, attention_mask: ``[B, S]`` (int64, bool, bool).
         features: ``[B, S, m·d]`` and target_logits ``[B, S, V]`` from one target forward of the batch.
+        denominator: see :func:`fused_head_loss`.
     """
     targets = dense_block_targets(input_ids, loss_mask & attention_mask, drafter.config.block_size)
     h = dense_backbone(drafter, input_ids, features, attention_mask)  # [B, S, γ, d]
     return fused_head_loss(drafter, h, targets, target_logits, weights=weights, decay=decay,
-                           chunk_elements=chunk_elements)
+                           chunk_elements=chunk_elements, denominator=denominator)

@@ -54,11 +54,11 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from optimized.training import STAT_NAMES, dense_step_loss
+from optimized.training import STAT_NAMES, dense_step_loss, weight_sum
 from reference.checkpoint import load_drafter, save_drafter
 from reference.config import DrafterConfig
 from reference.drafter import DSparkDrafter
-from reference.losses import LossWeights
+from reference.losses import LossWeights, dense_block_targets
 from reference.target import DEFAULT_TARGET, Target
 from scripts.dataset import TokenData, batch_stream, load_dataset, token_budget_batches
 from scripts.runtime import hardware, resolve_device
@@ -402,7 +402,10 @@ def main(argv: list[str] | None = None) -> int:
 
     eval_batches = token_budget_batches(eval_data.lengths, args.tokens_per_batch, args.seed, epoch=0) \
         if rank == 0 else []
-    stream = batch_stream(data.lengths, args.tokens_per_batch, args.seed, rank, world, skip=step)
+    # Global batches of world · --tokens-per-batch padded tokens, drawn identically on every rank from (seed, epoch);
+    # rank r takes every world-th sequence of each. The data seen at a step is then the same whatever the number of
+    # processes, so a run resumes on another GPU count, and N ranks at B tokens train like one process at N·B.
+    stream = batch_stream(data.lengths, args.tokens_per_batch * world, args.seed, 0, 1, skip=step)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None
@@ -442,24 +445,30 @@ def main(argv: list[str] | None = None) -> int:
             group["lr"] = args.lr * schedule(step, frac)
         weights = loss_weights_at(args.loss_weights, progress, args.l1_ramp, args.l1_weight)
         epoch, idx = next(stream)
-        b = data.batch(idx)
+        b = data.batch(idx[rank::world] or idx[:1])  # a rank left without a sequence repeats one, weighted 0 below
         t0 = time.perf_counter()
+        denominator = None
+        if world > 1:
+            # Every loss term is a mean over the global batch: divide by the Σ w_k of all ranks' slots, then sum
+            # the ranks' gradients. (A rank holding only a repeated sequence contributes no slot.)
+            denominator = weight_sum(dense_block_targets(b.input_ids, b.loss_mask & b.attention_mask, args.gamma),
+                                     args.decay) * float(len(idx[rank::world]) > 0)
+            dist.all_reduce(denominator)  # no host sync: the sum stays on the device
         logits_t, features = target.forward_batch(b.input_ids, b.attention_mask.long(), float_logits=False)
         with autocast(device):
             out_loss = dense_step_loss(drafter, b.input_ids, b.loss_mask, b.attention_mask, features, logits_t,
-                                       weights=weights, decay=args.decay)
+                                       weights=weights, decay=args.decay, denominator=denominator)
         del logits_t, features
         opt.zero_grad(set_to_none=True)
         out_loss.loss.backward()
         if world > 1:
-            # Data parallel: average the gradients of the ranks' batches, as DDP would. The loss is a function, not
-            # a module's forward, so the reduction is written out: one flat buffer, one all-reduce per step.
-            grads = [p_.grad for p_ in drafter.parameters() if p_.grad is not None]
+            # Data parallel: sum the ranks' gradients (each already divided by the global Σ w_k). The loss is a
+            # function, not a module's forward, so the reduction is written out: one flat buffer, one all-reduce.
+            grads = [p_.grad if p_.grad is not None else torch.zeros_like(p_) for p_ in drafter.parameters()]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat)  # a sum (gloo has no AVG), averaged below
-            flat /= world
-            for g, new in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(new)
+            dist.all_reduce(flat)
+            for p_, new in zip(drafter.parameters(), torch._utils._unflatten_dense_tensors(flat, grads)):
+                p_.grad = new.view_as(p_)
         grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.clip)
         opt.step()
         step += 1
@@ -470,10 +479,13 @@ def main(argv: list[str] | None = None) -> int:
             now = time.perf_counter()
             n_slots = float(slots_log) * world  # sync: logging only, every --log-every steps
             slots_total += int(n_slots)
+            losses = torch.stack([out_loss.loss.detach(), *out_loss.terms.values()])
+            if world > 1:
+                dist.all_reduce(losses)  # each rank holds its share of the global means: their sum is the loss
             rec = {"event": "train", "step": step, "epoch": epoch, "lr": opt.param_groups[0]["lr"],
                    "grad_norm": float(grad_norm), "slot_predictions_per_s": n_slots / (now - t_log),
-                   "elapsed_s": elapsed_before + now - t_start, "loss": float(out_loss.loss.detach()),
-                   **{k: float(v) for k, v in out_loss.terms.items()}, "weights": list(weights)}
+                   "elapsed_s": elapsed_before + now - t_start,
+                   **dict(zip(["loss", *out_loss.terms], losses.tolist())), "weights": list(weights)}
             stats = dict(zip(STAT_NAMES, out_loss.slot_stats.cpu().unbind(1)))
             rec["acc"] = float(stats["label_hit"].sum() / stats["count"].sum().clamp_min(1))
             t_log, slots_log = now, torch.zeros((), device=device)
