@@ -199,8 +199,8 @@ def speculators_state_dict(drafter: DSparkDrafter, dtype: torch.dtype) -> dict[s
 
 
 def export_speculators(drafter_dir: str | os.PathLike, out_dir: str | os.PathLike, *, model: str = DEFAULT_TARGET,
-                       target: Target | None = None, verifier: str | None = None,
-                       dtype: torch.dtype | None = None) -> Path:
+                       target: Target | None = None, verifier: str | None = None, dtype: torch.dtype | None = None,
+                       target_dtype: torch.dtype = torch.float32) -> Path:
     """Write the drafter in ``drafter_dir`` as a speculators DSpark checkpoint into ``out_dir``.
 
     Args:
@@ -210,6 +210,7 @@ def export_speculators(drafter_dir: str | os.PathLike, out_dir: str | os.PathLik
         target: an already loaded target (its embedding materialises factored Markov tables; its shapes are checked).
         verifier: the verifier recorded in the config; default: the HF directory the target was loaded from.
         dtype: tensor dtype of the export; default: the drafter checkpoint's.
+        target_dtype: dtype ``model`` is loaded in (the whole target is loaded, on the CPU).
 
     Returns:
         ``out_dir`` as a Path.
@@ -220,7 +221,7 @@ def export_speculators(drafter_dir: str | os.PathLike, out_dir: str | os.PathLik
         stored = json.loads((Path(drafter_dir) / CONFIG_FILE).read_text())["dtype"]
         dtype = DTYPES.get(stored, torch.float32)
     if target is None:
-        target = Target.load(model, layer_ids=cfg.target_layer_ids)
+        target = Target.load(model, layer_ids=cfg.target_layer_ids, dtype=target_dtype)
     # float32: the factored tables are materialised once, then rounded to ``dtype``.
     drafter = load_drafter(drafter_dir, target, dtype=torch.float32)
     tensors = speculators_state_dict(drafter, dtype)
@@ -230,7 +231,7 @@ def export_speculators(drafter_dir: str | os.PathLike, out_dir: str | os.PathLik
     config = speculators_config(
         cfg, verifier_name_or_path=verifier or str(target.config.name_or_path or target.name),
         verifier_architectures=list(getattr(target.config, "architectures", None) or []),
-        max_position_embeddings=getattr(target.config, "max_position_embeddings", 8192))
+        max_position_embeddings=target.config.max_position_embeddings)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -250,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verifier name or path recorded in the config (e.g. an HF hub id); default: the local HF "
                         "directory the target was loaded from")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="tensor dtype; default: the drafter's")
+    p.add_argument("--target-dtype", choices=sorted(DTYPES), default="float32",
+                   help="dtype the target is loaded in on the CPU (bfloat16 halves the memory of a large target)")
     return p
 
 
@@ -258,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         export_speculators(args.drafter, args.out, model=args.model, verifier=args.verifier,
-                           dtype=DTYPES[args.dtype] if args.dtype else None)
+                           dtype=DTYPES[args.dtype] if args.dtype else None, target_dtype=DTYPES[args.target_dtype])
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
