@@ -148,9 +148,10 @@ def test_export_matches_speculators_model(smollm2_target, tmp_path, head, factor
 
     ours = load_drafter(tmp_path / "ours", target)
     positions = torch.arange(S)[None]
-    our_h = ours(input_ids[:, anchors], anchors[None], features, positions, torch.ones(1, S, dtype=torch.bool))
     prev = input_ids[0, anchors[:, None] + torch.arange(gamma)][None]  # [1, nb, γ]: x_0, then the true tokens
-    our_logits, our_conf = ours.head_logits(our_h, prev)
+    with torch.no_grad():
+        our_h = ours(input_ids[:, anchors], anchors[None], features, positions, torch.ones(1, S, dtype=torch.bool))
+        our_logits, our_conf = ours.head_logits(our_h, prev)
     torch.testing.assert_close(logits, our_logits[0], rtol=0, atol=LOGIT_ATOL)
     torch.testing.assert_close(conf, our_conf[0], rtol=0, atol=CONF_ATOL)
     if head != "none":  # the sequential head matters: it moves the argmax somewhere
