@@ -488,3 +488,48 @@ def test_bench_training_compares_both_steps(workdir, tmp_path):
     # Every eligible anchor against 32 sampled ones per sequence: the fast step supervises more slots per batch.
     assert fast["slot_predictions_per_step"] >= ref["slot_predictions_per_step"] > 0
     assert report["speedup"] == pytest.approx(fast["slot_predictions_per_s"] / ref["slot_predictions_per_s"])
+
+
+def test_torchrun_two_ranks_train_like_one_process_on_the_global_batch(workdir):
+    """Data parallel on the CPU (gloo): 2 ranks × T tokens per step reach the weights of 1 process × 2T tokens."""
+    import os
+    import subprocess
+    import sys
+
+    def args(out: str, tokens: int) -> list[str]:
+        a = _train_args(workdir, out, "--eval-every", "100", "--save-every", "100", "--no-resume")
+        a[a.index("--steps") + 1] = "4"
+        a[a.index("--tokens-per-batch") + 1] = str(tokens)
+        return a
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           "29517", "-m", "scripts.train_drafter", *args("ddp_2", 256)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert train_drafter.main(args("ddp_1", 512)) == 0
+    # The float32 master weights (the shipped checkpoint is bf16, whose rounding would hide or magnify differences).
+    two, one = (load_file(workdir / run / "_state" / "drafter.safetensors") for run in ("ddp_2", "ddp_1"))
+    # Same sequences at every step, the loss divided by the same global Σ w_k: only the summation order differs,
+    # which moves gradients by ~1e-7 relative; AdamW's normalisation can magnify that for gradients near zero, up
+    # to ~3e-6 here after 4 steps, while one step moves a weight by up to lr ≈ 1e-4 (wrong batches or per-rank
+    # means would differ by that much).
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], atol=1e-5, rtol=0, msg=k)
+    summary = json.loads((workdir / "ddp_2" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps_done"] == 4
+
+
+def test_make_dataset_on_two_ranks_writes_the_shards_of_one(workdir, tmp_path, monkeypatch):
+    """Sharded over processes (RANK / WORLD_SIZE as torchrun sets them), the data is the same as on one."""
+    out = tmp_path / "data"
+    args = ["--out", str(out), "--model", str(workdir / "target"), "--prompt-ids", str(workdir / "prompts.jsonl"),
+            "--max-new-tokens", "24", "--shard-size", "16", "--batch-size", "8", "--device", "cpu"]
+    for rank in (1, 0):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert make_dataset.main(args) == 0
+    for i in range(3):
+        (a, ida), (b, idb) = _shard(out / dataset.shard_name(i)), _shard(workdir / "data" / dataset.shard_name(i))
+        assert ida == idb and torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    assert json.loads((out / make_dataset.MANIFEST).read_text())["complete"]
