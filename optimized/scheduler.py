@@ -188,8 +188,8 @@ class BudgetPlanner:
         return bool((1.0 + margin) * float(self._theta(a_latest, num_anchor_tokens, num_requests).max()) >= theta_plain)
 
     def _theta(self, a_stale: torch.Tensor, num_anchor_tokens: int, num_requests: int | None) -> np.ndarray:
-        """Θ(B) for B = 0..R·γ along the global ranking, as the reference's ``_throughput_curve``."""
-        from reference.scheduler import _MONOTONE_TOL, fill_stale_rows
+        """Θ(B) for B = 0..R·γ along the global ranking, as the reference's ``throughput_curve``."""
+        from reference.scheduler import MONOTONE_TOL, fill_stale_rows
 
         # [R, γ] host copy kept by the engine (no device read happens here).
         a = a_stale.detach().to("cpu", torch.float32)  # sync: none in practice, a_stale already lives on the host
@@ -202,7 +202,7 @@ class BudgetPlanner:
             a64 = arr.astype(np.float64)
             if not ((a64 >= 0) & (a64 <= 1)).all():
                 raise ValueError("a_stale must lie in [0, 1] (NaN is not allowed)")
-            if a64.shape[1] > 1 and (np.diff(a64, axis=1) > _MONOTONE_TOL).any():
+            if a64.shape[1] > 1 and (np.diff(a64, axis=1) > MONOTONE_TOL).any():
                 raise ValueError("a_stale must be non-increasing along the slot axis (prefix survivals); "
                                  "pass confidences through prefix_survival first")
         r, g = arr.shape
