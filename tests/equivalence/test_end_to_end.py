@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimized.engine import Engine, EngineConfig
+from optimized.engine import Engine, EngineConfig, SamplingParams
 from optimized.generate import generate as opt_generate
-from optimized.scheduler import SamplingParams
 from reference.config import GenerationConfig, SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
