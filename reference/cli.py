@@ -120,6 +120,32 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def read_domain_prompts(path: str | Path, target: Target, chat_template: bool = True,
+                        limit: int | None = None) -> list[tuple[str, list[int]]]:
+    """(domain, token ids) per line of a JSONL prompt file of ``{"prompt": ..., "domain": ...}`` (or
+    ``{"input_ids": [...]}``) objects, the evaluation and equivalence scripts' format; bad lines fail with their
+    line number. ``domain`` defaults to ``"all"``; ``limit`` keeps the first prompts only."""
+    try:
+        records = read_jsonl(path)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    rows = []
+    for n, obj in records:
+        domain = str(obj.get("domain", "all"))
+        if isinstance(obj.get("input_ids"), list) and obj["input_ids"]:
+            ids = [int(t) for t in obj["input_ids"]]
+        elif isinstance(obj.get("prompt"), str) and obj["prompt"].strip():
+            ids = target.encode(obj["prompt"], chat_template=chat_template)
+        else:
+            raise SystemExit(f'{path}:{n}: expected a non-empty "prompt" string or "input_ids" list')
+        rows.append((domain, ids))
+        if limit is not None and len(rows) >= limit:
+            break
+    if not rows:
+        raise SystemExit(f"{path}: no prompts")
+    return rows
+
+
 def configs_from_args(args: argparse.Namespace, gamma: int) -> tuple[GenerationConfig, SchedulerConfig]:
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                            top_k=args.top_k, seed=args.seed, chat_template=not args.no_chat_template,

@@ -18,7 +18,7 @@ from optimized.engine import Engine, EngineConfig, SamplingParams
 from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
 from reference.target import Target
-from tests.conftest import tiny_drafter, tiny_hf_model
+from reference.testing import tiny_drafter, tiny_hf_model
 
 GAMMA = 4
 

@@ -10,7 +10,7 @@ from optimized.engine import Engine, EngineConfig, SamplingParams, StepStats
 from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
 from reference.target import Target
-from tests.conftest import tiny_drafter, tiny_hf_model
+from reference.testing import tiny_drafter, tiny_hf_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[5, 9, 3, 17], [2, 40, 41, 42, 43, 7, 8], [60]]

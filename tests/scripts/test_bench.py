@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 from reference.cost_model import CostTable  # noqa: E402
 from reference.target import Target  # noqa: E402
+from reference.testing import tiny_drafter, tiny_hf_model  # noqa: E402
 from scripts import bench_engine, bench_kernels  # noqa: E402
-from tests.conftest import tiny_drafter, tiny_hf_model  # noqa: E402
 
 GAMMA = 4
 PROMPTS = [[5, 6, 7, 8], [9, 2], [3, 3, 4, 10, 11, 12]]

@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from reference.target import Target  # noqa: E402
+from reference.testing import tiny_drafter, tiny_hf_model  # noqa: E402
 from scripts import profile_engine  # noqa: E402
-from tests.conftest import tiny_drafter, tiny_hf_model  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [9, 2], [3, 3, 4, 10, 11, 12]]
 
