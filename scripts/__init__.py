@@ -2,5 +2,5 @@
 
 Run a command line as a module, ``python -m scripts.bench_engine --help``, or as a file, ``python
 scripts/bench_engine.py --help`` (both need the project installed, ``pip install -e .``). Modules without a
-``main`` (``equivalence``, ``engine_setup``) are libraries that several command lines share.
+``main`` (``equivalence``, ``benchmarking``) are libraries that several command lines share.
 """
