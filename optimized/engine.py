@@ -123,6 +123,13 @@ class Engine:
     def sequence(self, request_id: int) -> Sequence:
         return self._ids[request_id]
 
+    def release(self, request_id: int) -> None:
+        """Forget a finished request's ``Sequence`` (a long-running server must not keep every request it served)."""
+        seq = self._ids.get(request_id)
+        if seq is not None and not seq.finished:
+            raise ValueError(f"request {request_id} is still running: abort it first")
+        self._ids.pop(request_id, None)
+
     def set_cost_table(self, cost: CostTable) -> None:
         """Install the step-cost table (e.g. ``optimized.cost_model.cached_profile(engine.runner)``)."""
         self.scheduler.set_cost_table(cost)
@@ -139,12 +146,15 @@ class Engine:
             raise ValueError(f"mode '{sched.mode}' needs a cost table: call set_cost_table first")
         self.scheduler.set_config(sched)
 
-    def warmup(self) -> None:
+    def warmup(self) -> float:
         """Compile and warm every kernel a step can run (graphs were captured at construction), so that the first
-        request is as fast as the tenth. Leaves no state behind: requests decode exactly as without it."""
+        request is as fast as the tenth; returns the seconds it took. Leaves no state behind: requests decode
+        exactly as without it."""
         if self.has_unfinished():
             raise RuntimeError("warm up an idle engine: the placeholder requests overwrite slot state")
+        t0 = time.perf_counter()
         self.runner.warmup()
+        return time.perf_counter() - t0
 
     def last_step_stats(self) -> StepStats | None:
         """What the last :meth:`step` did (None before the first). Assembled from host copies the step already made:

@@ -48,7 +48,7 @@ def _run(engine: Engine, temperature: float, max_new_tokens: int = 12) -> tuple[
 def test_warmup_leaves_results_unchanged(models, mode, temperature):
     cold = _engine(models, mode, _cost())
     warm = _engine(models, mode, _cost())
-    warm.warmup()
+    assert warm.warmup() > 0
     assert warm.runner.idle and not warm.has_unfinished()
     assert warm.last_step_stats() is None and warm.stats["steps"] == 0  # dummy steps are not engine steps
     assert _run(warm, temperature)[0] == _run(cold, temperature)[0]
@@ -108,3 +108,20 @@ def test_fixed_mode_reports_the_verified_survivals(models):
     for st in stats[1:]:
         assert st.budget is None and st.verified == [3] * st.num_decoding
         assert [len(a) for a in st.predicted_survival] == [3] * st.num_decoding
+
+
+def test_release_forgets_finished_requests_only(models):
+    engine = _engine(models, "fixed", k=2)
+    done = engine.add_request([4, 5], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    running = engine.add_request([6, 7], SamplingParams(max_new_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.sequence(done).finished and not engine.sequence(running).finished
+    engine.release(done)
+    with pytest.raises(KeyError):
+        engine.sequence(done)
+    with pytest.raises(ValueError, match="still running"):
+        engine.release(running)
+    assert engine.abort(running)
+    engine.release(running)
+    assert not engine.has_unfinished()
