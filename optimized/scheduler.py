@@ -160,8 +160,9 @@ class DraftGate:
         return self.config.mode.has_draft_gate and self.config.draft_gate
 
     def reset(self, config: SchedulerConfig, planner: BudgetPlanner) -> None:
-        """A new policy or cost table: forget the cached verdict (the per-slot averages stay valid)."""
-        self.config, self.planner, self._cache = config, planner, None
+        """A new policy or cost table: forget the cached verdict and the plain-step count, as a new reference
+        ``Scheduler`` would (the per-slot averages stay valid: they depend on the drafts only)."""
+        self.config, self.planner, self._cache, self.steps_without_draft = config, planner, None, 0
 
     def decide(self, seqs: list[Sequence]) -> bool:
         """Whether ``seqs`` (the next step's decoding requests) draft; counts the plain steps."""
