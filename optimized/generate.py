@@ -1,8 +1,8 @@
 """``python -m optimized.generate``: the reference CLI, flag for flag and output for output, on the engine.
 
-Adds ``--device cpu|cuda``, ``--enforce-eager`` and ``--max-num-seqs``. With the same model, drafter, seed,
-mode and cost table, the emitted token ids and per-step accepted lengths equal ``reference.generate``'s
-(the equivalence contract, tested in ``tests/equivalence/test_end_to_end.py``).
+Adds ``--device cpu|cuda``, ``--enforce-eager`` and ``--max-num-seqs`` to the flags of :mod:`reference.cli`. With the
+same model, drafter, seed, mode and cost table, the emitted token ids and per-step accepted lengths equal
+``reference.generate``'s (the equivalence contract, tested in ``tests/equivalence/test_end_to_end.py``).
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import time
 
 import torch
 
-from optimized.engine import Engine, EngineConfig
-from optimized.scheduler import SamplingParams
+from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
+from optimized.engine import Engine, EngineConfig, SamplingParams
+from reference.cli import LOG_FORMAT, build_parser, print_results, setup_from_args
 from reference.config import GenerationConfig, SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
-from reference.generate import GenerationResult, build_parser, print_results, setup_from_args
+from reference.generate import GenerationResult
 from reference.target import Target
 
 log = logging.getLogger("dspark.optimized.generate")
@@ -27,26 +28,27 @@ log = logging.getLogger("dspark.optimized.generate")
 
 def generate(target: Target, drafter: DSparkDrafter | None, prompts: list[list[int]], gen: GenerationConfig,
              sched: SchedulerConfig, cost: CostTable | None = None, request_ids: list[int] | None = None,
-             engine_config: EngineConfig | None = None) -> list[GenerationResult]:
-    """The engine twin of ``reference.generate.generate``: same arguments, same results."""
+             engine_config: EngineConfig | None = None, warmup: bool = False) -> list[GenerationResult]:
+    """The engine twin of ``reference.generate.generate``: same arguments, same results.
+
+    ``warmup`` runs :meth:`Engine.warmup` before the first request (the CLI does; the results are the same).
+    """
     ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
     cfg = engine_config or EngineConfig(max_num_seqs=max(len(prompts), 1), device=str(target.device),
                                         dtype=target.dtype, seed=gen.seed)
     if cfg.seed != gen.seed:
         raise ValueError("engine_config.seed must equal the generation seed")
     longest = max(len(p) for p in prompts) if prompts else 0
-    if cfg.max_seq_len < longest + gen.max_new_tokens + 2 * (drafter.config.block_size if drafter else 0) + 2:
-        cfg.max_seq_len = longest + gen.max_new_tokens + 2 * (drafter.config.block_size if drafter else 0) + 2
+    scratch = 2 * (drafter.config.block_size if drafter is not None and sched.mode.drafts else 0)
+    cfg.max_seq_len = max(cfg.max_seq_len, longest + gen.max_new_tokens + scratch + 2)
     engine = Engine(target, drafter, cfg, sched, cost)
-    if cost is None and sched.mode in ("adaptive", "adaptive-sync"):
+    if cost is None and sched.mode.needs_cost_table:
         # Profile this engine's own graphs (cached under a fingerprint of model, device and settings).
-        from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
-
-        gamma = drafter.config.block_size
-        context = max(1, min(DEFAULT_CONTEXT_LEN, cfg.max_seq_len - 2 * gamma - 8))
-        engine.set_cost_table(cached_profile(engine, context_len=context))
-    params = SamplingParams(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
-                            top_k=gen.top_k, ignore_eos=gen.ignore_eos)
+        context = max(1, min(DEFAULT_CONTEXT_LEN, cfg.max_seq_len - 2 * engine.gamma - 8))
+        engine.set_cost_table(cached_profile(engine.runner, context_len=context))
+    if warmup:
+        engine.warmup()
+    params = SamplingParams.from_generation(gen)
     for rid, p in zip(ids, prompts):
         engine.add_request(list(p), params, request_id=rid)
     while engine.has_unfinished():
@@ -58,7 +60,7 @@ def generate(target: Target, drafter: DSparkDrafter | None, prompts: list[list[i
         results.append(GenerationResult(rid, s.prompt_ids, s.output_ids, s.finish_reason or "length",
                                         s.verify_lengths, s.accepted_lengths, text))
     if engine.device.type == "cuda":
-        # The engine's graph closures refer back to it (a reference cycle): collect it now, so that a caller that
+        # The runner's graph closures refer back to it (a reference cycle): collect it now, so that a caller that
         # builds one engine per batch (scripts/eval_acceptance.py) never holds several engines' caches at once.
         del engine
         gc.collect()
@@ -66,8 +68,8 @@ def generate(target: Target, drafter: DSparkDrafter | None, prompts: list[list[i
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    """``python -m optimized.generate`` (the flags of :func:`reference.cli.build_parser` and three of the engine)."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     parser = build_parser(prog="python -m optimized.generate")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs or len(prompts), device=args.device, dtype=dtype,
                        enforce_eager=args.enforce_eager, seed=gen.seed)
     t0 = time.perf_counter()
-    results = generate(target, drafter, prompts, gen, sched, cost, engine_config=cfg)
+    results = generate(target, drafter, prompts, gen, sched, cost, engine_config=cfg, warmup=True)
     print_results(results, args.json, time.perf_counter() - t0, sched.mode)
     return 0
 

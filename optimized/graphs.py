@@ -6,7 +6,7 @@ the tapped features of those tokens to the drafter's context cache. A draft grap
 backbone for ``R`` request rows and, for the Markov head, the fused sequential head and the calibrated survivals.
 The row dimension of every graph is ``max_num_seqs``: unused rows are
 padding (zero queries, slot -1), with query offsets filled by the exact total so they stay non-decreasing
-(SERVING-NOTES "Host vs device").
+(the attention kernel reads its row bounds from them).
 
 With ``enforce_eager`` (or on CPU) the same functions run without graphs, so both paths execute the same
 code. Prefill never runs here: a prefill or mixed batch must not run in a decode graph.

@@ -1,100 +1,263 @@
-"""Continuous batching for the optimized engine: request state, admission, chunked prefill, finishing.
+"""All host planning of the engine: admission, chunked prefill, the verify budget, the draft gate, finishing.
 
 Implements the host side of docs/method.md §5 in its production form. The host owns the list of sequences and a
-slot (a row of the static KV caches) per running sequence; each step it decides
+slot (a row of the static KV caches) per running sequence. Before each step's device work, :meth:`Scheduler.schedule`
+decides, in a typed :class:`StepPlan`,
 
-* which waiting sequences are admitted (a free slot and room in the token budget),
+* which waiting sequences are admitted (a free slot, first come first served),
 * how many prompt tokens each prefilling sequence runs this step (chunked prefill),
-* the verify **budget** B of the decoding sequences, from a *stale* host copy of their calibrated prefix
-  survivals (``reference.scheduler.best_budget``; the copy is ``staleness`` drafts old, so computing B never
-  waits for the device). The per-request allocation ℓ_r = top-B of the *current* survivals happens on the
-  device (``optimized.kernels.allocate``).
+* how the decoding sequences verify: the budget B of ``adaptive`` from a *stale* host copy of their calibrated
+  prefix survivals (:class:`BudgetPlanner`, the copy is ``staleness`` drafts old, so computing B never waits for the
+  device; the per-request allocation ℓ_r = top-B of the *current* survivals happens on the device), or the
+  lengths the host knows on its own (``none``, ``fixed``, ``dsd``, ``oracle``). The two synchronous policies
+  (``threshold``, ``adaptive-sync``) get their lengths after the engine reads the current survivals
+  (:meth:`Scheduler.synchronous_lengths`).
 
-Names follow ``docs/method.md`` (``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size).
+After the device work it commits the emitted tokens (EOS, length limit, stop strings; :meth:`Scheduler.postprocess`)
+and decides whether the next step drafts at all (:class:`DraftGate`). Nothing here touches a device tensor.
+
+Names follow ``docs/method.md`` (``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size, ``Θ`` throughput).
 """
 
 from __future__ import annotations
 
-import enum
-import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from reference.config import SchedulerConfig
+from optimized.sequence import Sequence, Status, StepOutput
+from reference.config import SchedulerConfig, SchedulingMode
+from reference.cost_model import CostTable
+from reference.scheduler import MONOTONE_TOL, draft_forced, fill_stale_rows
+from reference.scheduler import Scheduler as Policy
 
 
-class Status(enum.Enum):
-    WAITING = "waiting"  # not admitted yet (no slot)
-    PREFILL = "prefill"  # admitted, prompt not fully in the cache yet
-    DECODE = "decode"  # has an anchor and a draft; takes part in speculative steps
-    FINISHED = "finished"
+class PrefillChunk(NamedTuple):
+    """Prompt positions ``start .. start + length - 1`` of ``seq``, run this step."""
+
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def completes(self) -> bool:
+        """The chunk ends the prompt: the sequence samples its first token and starts decoding."""
+        return self.start + self.length == len(self.seq.prompt_ids)
 
 
 @dataclass
-class SamplingParams:
-    """Per-request decoding parameters (the server fills these from the request body)."""
+class StepPlan:
+    """What one step runs, decided on the host before any device work.
 
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: tuple[str, ...] = ()  # stop strings (checked on the decoded text; the stop string is cut off)
-    ignore_eos: bool = False
-    logprobs: bool = False  # return the target log-probability of every emitted token
+    The verify lengths are given in one of two forms: ``budget`` (``adaptive``: B drafts over all requests, allocated
+    on the device as the top-B of the current survivals) or ``lengths`` (ℓ per decoding request, known to the host).
+    """
 
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
-        if not (self.temperature >= 0 and self.temperature == self.temperature and self.temperature < float("inf")):
-            raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be ≥ 0, got {self.top_k}")
-
-
-@dataclass
-class Sequence:
-    """One request as the engine sees it."""
-
-    request_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    status: Status = Status.WAITING
-    slot: int = -1
-    num_prefilled: int = 0  # prompt tokens already in the KV cache
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    verify_lengths: list[int] = field(default_factory=list)
-    accepted_lengths: list[int] = field(default_factory=list)
-    survivals: list[torch.Tensor] = field(default_factory=list)  # host copies [γ], one per draft
-    text_offset: int = 0  # for stop strings: decoded characters already checked
+    prefill: list[PrefillChunk]  # prompt chunks, in admission order
+    decoding: list[Sequence]  # the requests that verify this step, in admission order
+    mode: SchedulingMode  # the policy this step: NONE while nobody holds drafts (no drafter, or the gate closed)
+    budget: int | None = None  # adaptive: B, from the stale survivals
+    lengths: list[int] | None = None  # [R] ℓ per decoding request (none, fixed, dsd, oracle; synchronous modes later)
 
     @property
-    def anchor_pos(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids) - 1
+    def num_verify_tokens(self) -> int:
+        """N = R + Σ ℓ, the unpadded tokens of the verify forward (the top-B allocation always spends all of B)."""
+        drafts = self.budget if self.budget is not None else sum(self.lengths or ())
+        return len(self.decoding) + drafts
+
+
+class BudgetPlanner:
+    """The host half of the ``adaptive`` mode, vectorised: the twin of ``reference.scheduler.stale_budget``.
+
+    The reference walks ``B = 0..R·γ`` in Python and asks the cost table for every step time; at R = 256 that
+    is 1,800 table lookups per step on the host. Here the step-time curve is cached per ``(T_0, R)`` (the
+    table is fixed for the engine's life) and Θ(B) for every B is one float64 cumulative sum. The result is
+    the same integer: τ(B) is accumulated in the same order and precision (float64, sequential cumsum on the
+    host), so ties resolve identically (the smaller B), as ``tests/optimized/test_budget.py`` checks.
+
+    This runs on the host every step, so it is written in NumPy on the CPU copy of the survivals: about a
+    microsecond per NumPy call against several for each small torch op. On the project's 2-core CPU
+    (2026-11-29, 300 calls of ``budget(torch.stack(rows), R, R)`` after a warm-up) a plan took 130 / 140 /
+    220 µs at R = 1 / 16 / 256 with torch ops and 31 / 35 / 96 µs in NumPy. Rows with NaN (requests too new to
+    have stale survivals) take the reference's own fill, in torch, so the filled values are bit-identical.
+    """
+
+    def __init__(self, cost: CostTable | None) -> None:
+        self.cost = cost
+        self._curves: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def _step_times(self, t0: int, r: int, candidates: int) -> np.ndarray:
+        key = (t0, r, candidates)
+        curve = self._curves.get(key)
+        if curve is None:
+            curve = np.array([self.cost.step_time(t0 + b, r) for b in range(candidates + 1)],
+                             dtype=np.float64)  # [R·γ + 1] seconds
+            if len(self._curves) > 4096:  # bounded: (T_0, R) pairs are few in steady state
+                self._curves.clear()
+            self._curves[key] = curve
+        return curve
+
+    def budget(self, a_stale: torch.Tensor, num_anchor_tokens: int, num_requests: int | None = None) -> int:
+        """The twin of ``reference.scheduler.stale_budget``: the argmax of Θ(B), the smaller B on ties."""
+        return int(np.argmax(self._theta(a_stale, num_anchor_tokens, num_requests)))  # first max = smaller B on ties
+
+    def speculation_pays(self, a_latest: torch.Tensor, num_anchor_tokens: int, num_requests: int | None = None,
+                         margin: float = 0.0) -> bool:
+        """The twin of ``reference.scheduler.speculation_pays`` (the draft gate): same Θ values, same comparison."""
+        n_s = a_latest.shape[0] if num_requests is None else num_requests
+        plain = self.cost.verify_time(num_anchor_tokens)
+        theta_plain = n_s / plain if plain > 0 else 0.0
+        return bool((1.0 + margin) * float(self._theta(a_latest, num_anchor_tokens, num_requests).max()) >= theta_plain)
+
+    def _theta(self, a_stale: torch.Tensor, num_anchor_tokens: int, num_requests: int | None) -> np.ndarray:
+        """Θ(B) for B = 0..R·γ along the global ranking, as ``reference.scheduler.throughput_curve``."""
+        # [R, γ] host copy kept by the scheduler (no device read happens here).
+        a = a_stale.detach().to("cpu", torch.float32)  # sync: none in practice, a_stale already lives on the host
+        if a.dim() != 2 or a.shape[0] == 0 or a.shape[1] == 0:
+            raise ValueError(f"a_stale must be a non-empty [R, γ] matrix, got {tuple(a.shape)}")
+        arr = a.numpy()
+        if np.isnan(arr).any():
+            arr = fill_stale_rows(a).numpy()  # the reference's fill (and its checks), bit for bit
+        else:  # the reference's checks of fill_stale_rows, in float64 as it does them
+            a64 = arr.astype(np.float64)
+            if not ((a64 >= 0) & (a64 <= 1)).all():
+                raise ValueError("a_stale must lie in [0, 1] (NaN is not allowed)")
+            if a64.shape[1] > 1 and (np.diff(a64, axis=1) > MONOTONE_TOL).any():
+                raise ValueError("a_stale must be non-increasing along the slot axis (prefix survivals); "
+                                 "pass confidences through prefix_survival first")
+        r, g = arr.shape
+        n_s = r if num_requests is None else num_requests
+        gains = np.sort(arr.ravel())[::-1].astype(np.float64)  # [R·γ] descending (equal values: order immaterial)
+        tau = np.cumsum(np.concatenate(([float(n_s)], gains)))  # [R·γ+1] sequential, as torch's CPU cumsum
+        step = self._step_times(num_anchor_tokens, r, r * g)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(step > 0, tau / np.maximum(step, 1e-300), 0.0)  # [R·γ + 1]
+
+
+class DraftGate:
+    """Whether the next step drafts (``adaptive`` mode's draft gate): the reference's ``Scheduler.should_draft`` —
+    :func:`reference.scheduler.draft_forced`, then ``speculation_pays`` through the NumPy :class:`BudgetPlanner` —
+    on each request's moving average of its drafts' survivals.
+
+    While the gate is closed nobody drafts, so the inputs repeat: the verdict is reused for as long as the same
+    requests hold the same drafts (exactly what re-evaluating would return, without its host cost).
+    """
+
+    def __init__(self, config: SchedulerConfig, gamma: int, max_num_seqs: int, planner: BudgetPlanner) -> None:
+        self.config, self.gamma, self.planner = config, gamma, planner
+        self.steps_without_draft = 0  # consecutive steps, up to now, that did not draft
+        self._cache = None  # (requests and their draft counts, recent survivals, verdict) of the last evaluation
+        # The moving average per slot, how many of the slot's drafts it holds, and whose drafts they are.
+        self._recent = np.full((max_num_seqs, gamma), np.nan, dtype=np.float32)  # [S, γ]
+        self._count = [0] * max_num_seqs
+        self._owner: list[Sequence | None] = [None] * max_num_seqs
 
     @property
-    def finished(self) -> bool:
-        return self.status is Status.FINISHED
+    def active(self) -> bool:
+        return self.config.mode.has_draft_gate and self.config.draft_gate
+
+    def reset(self, config: SchedulerConfig, planner: BudgetPlanner) -> None:
+        """A new policy or cost table: forget the cached verdict and the plain-step count, as a new reference
+        ``Scheduler`` would (the per-slot averages stay valid: they depend on the drafts only)."""
+        self.config, self.planner, self._cache, self.steps_without_draft = config, planner, None, 0
+
+    def decide(self, seqs: list[Sequence]) -> bool:
+        """Whether ``seqs`` (the next step's decoding requests) draft; counts the plain steps."""
+        cfg = self.config
+        if not self.active:
+            return True
+        key = (tuple(s.request_id for s in seqs), tuple(len(s.survivals) for s in seqs))
+        cached = self._cache if self._cache is not None and self._cache[0] == key else None
+        if cached is None:
+            recent = self.recent_survivals(seqs)  # [R, γ] host, or None
+            verdict = None if recent is None else self.planner.speculation_pays(recent, len(seqs), None,
+                                                                                  cfg.gate_margin)
+            cached = self._cache = (key, recent, verdict)
+        _, recent, verdict = cached
+        drafts = draft_forced(cfg, recent, self.steps_without_draft) or verdict
+        self.steps_without_draft = 0 if drafts else self.steps_without_draft + 1
+        return drafts
+
+    def recent_survivals(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """Each request's moving average of its drafts' survivals (``reference.scheduler.fold_recent``), kept per slot
+        and folded for all requests with a new draft at once. NumPy float32: the same IEEE operations as the
+        reference's torch ones, at a microsecond each instead of several. The rows folded here were copied to the
+        host by earlier steps' drafts, and this step's token read has synchronised since, so they have landed."""
+        window = self.config.gate_window
+        for s in seqs:  # a slot that changed hands starts afresh
+            if self._owner[s.slot] is not s:
+                self._owner[s.slot], self._count[s.slot] = s, 0
+                self._recent[s.slot] = np.nan
+        while True:  # normally one pass: a request drafts at most once between two gates
+            todo = [s for s in seqs if self._count[s.slot] < len(s.survivals)]
+            if not todo:
+                break
+            rows = [s.slot for s in todo]
+            new = torch.stack([s.survivals[self._count[s.slot]] for s in todo]).numpy()  # [n, γ] float32
+            old = self._recent[rows]
+            self._recent[rows] = np.where(np.isnan(old), new, old + (new - old) / np.float32(window))
+            for s in todo:
+                self._count[s.slot] += 1
+        slots = [s.slot for s in seqs]
+        if all(self._count[i] == 0 for i in slots):
+            return None
+        return torch.from_numpy(self._recent[slots])  # [R, γ]
 
 
-class BatchScheduler:
-    """Admission and prefill planning over a fixed number of slots (the engine's ``max_num_seqs``)."""
+class Scheduler:
+    """Admission, chunked prefill, verify planning, finishing and the draft gate over ``max_num_seqs`` slots.
 
-    def __init__(self, config: SchedulerConfig, max_num_seqs: int, max_seq_len: int, prefill_chunk: int) -> None:
-        self.config = config
-        self.max_num_seqs = max_num_seqs
-        self.max_seq_len = max_seq_len
+    Args:
+        config: the verify-length policy (``Engine.set_scheduler`` may replace it between runs).
+        gamma: the drafter's block size γ (0 without a drafter).
+        max_num_seqs, max_seq_len, prefill_chunk: the engine's sizes (``EngineConfig``).
+        cost: the step-cost table (modes whose ``needs_cost_table`` is set cannot plan without it).
+        eos_token_ids: tokens that finish a request (unless it ignores EOS).
+        tokenizer: decodes outputs for stop strings (None: stop strings are not checked).
+    """
+
+    def __init__(self, config: SchedulerConfig, *, gamma: int, max_num_seqs: int, max_seq_len: int,
+                 prefill_chunk: int, cost: CostTable | None = None, eos_token_ids=(), tokenizer=None) -> None:
+        self.gamma, self.max_num_seqs, self.max_seq_len = gamma, max_num_seqs, max_seq_len
         self.prefill_chunk = prefill_chunk  # prompt tokens per step over all prefilling sequences
+        self.eos = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admitted, in slot order of admission
+        self.running: list[Sequence] = []  # admitted, in order of admission
         self.free_slots = list(range(max_num_seqs))[::-1]
-        self._ids = itertools.count()
+        self.drafted = True  # whether the current decoding requests hold drafts (the draft gate may skip a step)
+        self.config, self.cost = config, cost
+        self.planner = BudgetPlanner(cost)
+        self.policy = self._policy()
+        self.gate = DraftGate(config, gamma, max_num_seqs, self.planner)
+
+    # ------------------------------------------------------------------------------------------------ configuration
+
+    def _policy(self) -> Policy | None:
+        """The reference policy for the host-side rules; None while a mode that needs a cost table has none."""
+        if self.config.mode.needs_cost_table and self.cost is None:
+            return None
+        return Policy(self.config, gamma=self.gamma, cost=self.cost)
+
+    @property
+    def ready(self) -> bool:
+        """Whether steps can be planned (a mode that needs a cost table has one)."""
+        return self.policy is not None
+
+    def set_cost_table(self, cost: CostTable) -> None:
+        self.cost, self.planner = cost, BudgetPlanner(cost)
+        self.policy = self._policy()
+        self.gate.reset(self.config, self.planner)
+
+    def set_config(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.policy = self._policy()
+        self.gate.reset(config, self.planner)
+
+    # ------------------------------------------------------------------------------------------------ requests
 
     def add(self, seq: Sequence) -> None:
         if len(seq.prompt_ids) + 1 > self.max_seq_len:
@@ -119,96 +282,113 @@ class BatchScheduler:
             self.running.remove(seq)
             self.free_slots.append(seq.slot)
 
-    def admit(self) -> None:
-        """Give free slots to waiting sequences, first come first served."""
-        while self.waiting and self.free_slots:
-            seq = self.waiting.popleft()
-            seq.slot = self.free_slots.pop()
-            seq.status = Status.PREFILL
-            self.running.append(seq)
-
-    def plan_prefill(self) -> list[tuple[Sequence, int]]:
-        """(sequence, number of prompt tokens to run) for this step, within the chunk budget."""
-        budget, plan = self.prefill_chunk, []
-        for seq in self.running:
-            if seq.status is not Status.PREFILL or budget <= 0:
-                continue
-            n = min(len(seq.prompt_ids) - seq.num_prefilled, budget)
-            plan.append((seq, n))
-            budget -= n
-        return plan
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
 
     def decoding(self) -> list[Sequence]:
         return [s for s in self.running if s.status is Status.DECODE]
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+    # ------------------------------------------------------------------------------------------------ planning
 
+    def schedule(self) -> StepPlan:
+        """Admit, choose the prompt chunks, and plan the verify of the decoding requests (never waits for a device)."""
+        while self.waiting and self.free_slots:  # first come, first served
+            seq = self.waiting.popleft()
+            seq.slot, seq.status = self.free_slots.pop(), Status.PREFILL
+            self.running.append(seq)
+        chunks, room, decoding = [], self.prefill_chunk, []
+        for seq in self.running:
+            if seq.status is Status.DECODE:
+                decoding.append(seq)
+            elif seq.status is Status.PREFILL and room > 0:
+                n = min(len(seq.prompt_ids) - seq.num_prefilled, room)
+                chunks.append(PrefillChunk(seq, seq.num_prefilled, n))
+                seq.num_prefilled += n
+                room -= n
+        return self._plan_verify(chunks, decoding)
 
-class BudgetPlanner:
-    """The host half of the ``adaptive`` mode, vectorised: the twin of ``reference.scheduler.stale_budget``.
+    def _plan_verify(self, chunks: list[PrefillChunk], decoding: list[Sequence]) -> StepPlan:
+        r, mode = len(decoding), self.config.mode
+        if not decoding:
+            return StepPlan(chunks, decoding, mode)
+        if not (mode.drafts and self.drafted):  # no drafter, or the draft gate closed: ordinary decoding
+            return StepPlan(chunks, decoding, SchedulingMode.NONE, lengths=[0] * r)
+        if mode is SchedulingMode.ADAPTIVE:
+            stale = torch.stack([self._stale(s) for s in decoding])  # [R, γ] host copy, NaN rows = too new
+            return StepPlan(chunks, decoding, mode, budget=self.planner.budget(stale, num_anchor_tokens=r,
+                                                                               num_requests=r))
+        if mode in (SchedulingMode.FIXED, SchedulingMode.DSD):
+            return StepPlan(chunks, decoding, mode, lengths=[self.policy.uniform_length(r)] * r)
+        if mode is SchedulingMode.ORACLE:  # verify everything; the recorded length is cut to the outcome later
+            return StepPlan(chunks, decoding, mode, lengths=[self.gamma] * r)
+        return StepPlan(chunks, decoding, mode)  # synchronous: lengths after the current survivals are read
 
-    The reference walks ``B = 0..R·γ`` in Python and asks the cost table for every step time; at R = 256 that
-    is 1,800 table lookups per step on the host. Here the step-time curve is cached per ``(T_0, R)`` (the
-    table is fixed for the engine's life) and Θ(B) for every B is one float64 cumulative sum. The result is
-    the same integer: τ(B) is accumulated in the same order and precision (float64, sequential cumsum on the
-    host), so ties resolve identically (the smaller B), as ``tests/optimized/test_budget.py`` checks.
+    def synchronous_lengths(self, plan: StepPlan, a_current: torch.Tensor) -> None:
+        """ℓ of a synchronous policy (``threshold``, ``adaptive-sync``) from this step's survivals ``[R, γ]`` (host)."""
+        r = len(plan.decoding)
+        plan.lengths = self.policy.lengths(a_current, a_stale=None, num_anchor_tokens=r).tolist()
 
-    This runs on the host every step, so it is written in NumPy on the CPU copy of the survivals: about a
-    microsecond per NumPy call against several for each small torch op. On the project's 2-core CPU
-    (2026-11-29, 300 calls of ``budget(torch.stack(rows), R, R)`` after a warm-up) a plan took 130 / 140 /
-    220 µs at R = 1 / 16 / 256 with torch ops and 31 / 35 / 96 µs in NumPy. Rows with NaN (requests too new to
-    have stale survivals) take the reference's own fill, in torch, so the filled values are bit-identical.
-    """
+    def _stale(self, seq: Sequence) -> torch.Tensor:
+        """The survivals ``staleness`` drafts before the current one (NaN when the request is too new)."""
+        k = self.config.staleness
+        # seq.survivals[-1] is the current draft; the reference appends it after reading the stale row.
+        if k == 0:
+            return seq.survivals[-1]
+        if len(seq.survivals) >= k + 1:
+            return seq.survivals[-(k + 1)]
+        return torch.full((self.gamma,), float("nan"))
 
-    def __init__(self, cost) -> None:
-        self.cost = cost
-        self._curves: dict[tuple[int, int, int], np.ndarray] = {}
+    # ------------------------------------------------------------------------------------------------ after the device
 
-    def _step_times(self, t0: int, r: int, candidates: int) -> np.ndarray:
-        key = (t0, r, candidates)
-        curve = self._curves.get(key)
-        if curve is None:
-            curve = np.array([self.cost.step_time(t0 + b, r) for b in range(candidates + 1)],
-                             dtype=np.float64)  # [R·γ + 1] seconds
-            if len(self._curves) > 4096:  # bounded: (T_0, R) pairs are few in steady state
-                self._curves.clear()
-            self._curves[key] = curve
-        return curve
+    def postprocess(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list[float]] | None,
+                    verified: list[int] | None = None) -> list[StepOutput]:
+        """Commit each sequence's emitted tokens (and, for a verify step, its ℓ and accepted count)."""
+        outputs = []
+        for i, seq in enumerate(seqs):
+            if verified is None:  # the first token after the prompt: the sequence starts decoding
+                seq.status = Status.DECODE
+            else:
+                seq.verify_lengths.append(verified[i])
+                seq.accepted_lengths.append(len(tokens[i]) - 1)
+            outputs.append(self._emit(seq, tokens[i], logprobs[i] if logprobs is not None else []))
+        return outputs
 
-    def budget(self, a_stale: torch.Tensor, num_anchor_tokens: int, num_requests: int | None = None) -> int:
-        return int(np.argmax(self._theta(a_stale, num_anchor_tokens, num_requests)))  # first max = smaller B on ties
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> StepOutput:
+        """Append emitted tokens; stop at EOS (later tokens dropped), the length limit or a stop string."""
+        new, new_lp = [], []
+        for i, tok in enumerate(tokens):
+            seq.output_ids.append(tok)
+            new.append(tok)
+            if logprobs:
+                seq.logprobs.append(logprobs[i])
+                new_lp.append(logprobs[i])
+            reason = None
+            if not seq.params.ignore_eos and tok in self.eos:
+                reason = "stop"
+            elif len(seq.output_ids) >= seq.params.max_new_tokens:
+                reason = "length"
+            elif seq.anchor_pos + self.gamma + 2 >= self.max_seq_len:
+                reason = "length"  # the next block would not fit the slot
+            if reason is None and seq.params.stop and self.tokenizer is not None and self._hit_stop(seq):
+                reason = "stop"
+            if reason is not None:
+                self.finish(seq, reason)
+                break
+        return StepOutput(seq.request_id, new, seq.finished, seq.finish_reason, new_lp)
 
-    def speculation_pays(self, a_latest: torch.Tensor, num_anchor_tokens: int, num_requests: int | None = None,
-                         margin: float = 0.0) -> bool:
-        """The twin of ``reference.scheduler.speculation_pays`` (the draft gate): same Θ values, same comparison."""
-        n_s = a_latest.shape[0] if num_requests is None else num_requests
-        plain = self.cost.verify_time(num_anchor_tokens)
-        theta_plain = n_s / plain if plain > 0 else 0.0
-        return bool((1.0 + margin) * float(self._theta(a_latest, num_anchor_tokens, num_requests).max()) >= theta_plain)
+    def _hit_stop(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        return any(s in text for s in seq.params.stop)
 
-    def _theta(self, a_stale: torch.Tensor, num_anchor_tokens: int, num_requests: int | None) -> np.ndarray:
-        """Θ(B) for B = 0..R·γ along the global ranking, as the reference's ``_throughput_curve``."""
-        from reference.scheduler import _MONOTONE_TOL, fill_stale_rows
+    def drafters(self) -> list[Sequence]:
+        """The requests that draft at the end of this step for the next one: every decoding request, or nobody when
+        the draft gate closes (or there is no drafter)."""
+        seqs = self.decoding() if self.config.mode.drafts else []
+        self.drafted = bool(seqs) and self.gate.decide(seqs)
+        return seqs if self.drafted else []
 
-        # [R, γ] host copy kept by the engine (no device read happens here).
-        a = a_stale.detach().to("cpu", torch.float32)  # sync: none in practice, a_stale already lives on the host
-        if a.dim() != 2 or a.shape[0] == 0 or a.shape[1] == 0:
-            raise ValueError(f"a_stale must be a non-empty [R, γ] matrix, got {tuple(a.shape)}")
-        arr = a.numpy()
-        if np.isnan(arr).any():
-            arr = fill_stale_rows(a).numpy()  # the reference's fill (and its checks), bit for bit
-        else:  # the reference's checks of fill_stale_rows, in float64 as it does them
-            a64 = arr.astype(np.float64)
-            if not ((a64 >= 0) & (a64 <= 1)).all():
-                raise ValueError("a_stale must lie in [0, 1] (NaN is not allowed)")
-            if a64.shape[1] > 1 and (np.diff(a64, axis=1) > _MONOTONE_TOL).any():
-                raise ValueError("a_stale must be non-increasing along the slot axis (prefix survivals); "
-                                 "pass confidences through prefix_survival first")
-        r, g = arr.shape
-        n_s = r if num_requests is None else num_requests
-        gains = np.sort(arr.ravel())[::-1].astype(np.float64)  # [R·γ] descending (equal values: order immaterial)
-        tau = np.cumsum(np.concatenate(([float(n_s)], gains)))  # [R·γ+1] sequential, as torch's CPU cumsum
-        step = self._step_times(num_anchor_tokens, r, r * g)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(step > 0, tau / np.maximum(step, 1e-300), 0.0)  # [R·γ + 1]
+    @staticmethod
+    def record_drafts(seqs: list[Sequence], survivals: torch.Tensor) -> None:
+        """Keep each request's host copy ``[γ]`` of its new draft's survivals (for the stale budget and the gate)."""
+        for seq, row in zip(seqs, survivals.unbind(0)):  # one call for R row views
+            seq.survivals.append(row)

@@ -1,6 +1,6 @@
 """Configuration dataclasses shared by every part of DSpark.
 
-Three separate types, never one global bag (house rule 5):
+Three separate types, never one global bag:
 
 * :class:`DrafterConfig`   – the drafter's architecture and its link to the target (docs/method.md §1), stored in
   the checkpoint's ``config.json`` together with the STS temperatures (docs/method.md §3).
@@ -14,14 +14,81 @@ Names follow ``docs/method.md``: ``gamma`` is the block size γ, ``p_t`` the tar
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 HeadType = Literal["markov", "rnn", "none"]
 DecodeMode = Literal["greedy", "sampling"]
-SchedulerMode = Literal["none", "fixed", "dsd", "threshold", "adaptive-sync", "adaptive", "oracle"]
-SCHEDULER_MODES: tuple[str, ...] = ("none", "fixed", "dsd", "threshold", "adaptive-sync", "adaptive", "oracle")
+
+
+class SchedulingMode(str, enum.Enum):
+    """Which verify-length policy runs (docs/method.md §5 and its baselines).
+
+    A ``str`` enum: it is built from and compares equal to the CLI and config-file spellings (``"adaptive"``,
+    ``"adaptive-sync"``, ...), and ``json.dumps`` writes those strings, so configs and reports keep their format.
+    What each mode implies is a property here, never a list of strings at the call site.
+    """
+
+    NONE = "none"  # ordinary decoding: no drafter, ℓ = 0
+    FIXED = "fixed"  # ℓ = min(k, γ) for every request
+    DSD = "dsd"  # ℓ from a batch-size table (vLLM's num_speculative_tokens_per_batch_size)
+    THRESHOLD = "threshold"  # the longest prefix with survival ≥ threshold
+    ADAPTIVE_SYNC = "adaptive-sync"  # the paper's Algorithm 1 on the current survivals
+    ADAPTIVE = "adaptive"  # the production variant: budget from stale survivals, top-B of the current ones
+    ORACLE = "oracle"  # simulation: verify exactly the accepted prefix and the rejected slot
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def drafts(self) -> bool:
+        """The drafter runs (every mode but ``none``)."""
+        return self is not SchedulingMode.NONE
+
+    @property
+    def needs_cost_table(self) -> bool:
+        """The policy maximises Θ = τ · SPS and so needs the step-cost table."""
+        return self in (SchedulingMode.ADAPTIVE, SchedulingMode.ADAPTIVE_SYNC)
+
+    @property
+    def synchronous(self) -> bool:
+        """ℓ is decided on the host from the *current* survivals: the host waits for this step's draft."""
+        return self in (SchedulingMode.THRESHOLD, SchedulingMode.ADAPTIVE_SYNC)
+
+    @property
+    def reads_survivals(self) -> bool:
+        """ℓ depends on the drafter's calibrated survivals."""
+        return self in (SchedulingMode.THRESHOLD, SchedulingMode.ADAPTIVE_SYNC, SchedulingMode.ADAPTIVE)
+
+    @property
+    def batch_coupled(self) -> bool:
+        """A request's ℓ depends on the other requests of its batch."""
+        return self in (SchedulingMode.DSD, SchedulingMode.ADAPTIVE_SYNC, SchedulingMode.ADAPTIVE)
+
+    @property
+    def has_draft_gate(self) -> bool:
+        """The draft gate may skip the drafter for a step (``SchedulerConfig.draft_gate``)."""
+        return self is SchedulingMode.ADAPTIVE
+
+
+SCHEDULER_MODES: tuple[str, ...] = tuple(m.value for m in SchedulingMode)  # the CLI spellings, in order
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+    """The one validation of sampling parameters (``GenerationConfig`` and the engine's ``SamplingParams``)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number ≥ 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be ≥ 0, got {top_k}")
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> tuple[int, ...]:
@@ -177,7 +244,7 @@ def _rope_theta(target_config: Any) -> float:
 class SchedulerConfig:
     """Which verify-length policy chooses ℓ_r each step (docs/method.md §5), and its parameters."""
 
-    mode: SchedulerMode = "adaptive"  # the paper's method in its production (asynchronous) form
+    mode: SchedulingMode = SchedulingMode.ADAPTIVE  # the paper's method in its production (asynchronous) form
     k: int = 7  # fixed mode: verify length for every request (clipped to γ)
     dsd_table: dict[int, int] = field(default_factory=lambda: {1: 7, 4: 5, 16: 3, 64: 2, 256: 1})
     # dsd mode (vLLM #32374 num_speculative_tokens_per_batch_size): K for the largest key ≤ batch size.
@@ -198,6 +265,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.mode not in SCHEDULER_MODES:
             raise ValueError(f"unknown scheduler mode {self.mode!r}; choose one of {', '.join(SCHEDULER_MODES)}")
+        self.mode = SchedulingMode(self.mode)  # a string from a CLI or a JSON file becomes the enum
         if self.k < 0:
             raise ValueError(f"k must be ≥ 0, got {self.k}")
         if not 0.0 <= self.threshold <= 1.0:
@@ -226,14 +294,7 @@ class GenerationConfig:
     ignore_eos: bool = False  # benchmarks: keep decoding past EOS to a fixed length
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be ≥ 0, got {self.top_k}")
+        check_sampling(self.max_new_tokens, self.temperature, self.top_p, self.top_k)
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be a non-negative 64-bit integer, got {self.seed}")
 

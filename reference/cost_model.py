@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 _FORMAT = "dspark-cost-table/1"  # written into every saved table; load refuses other formats
@@ -237,7 +239,7 @@ def default_bucket_sizes(max_tokens: int) -> list[int]:
     most 7 tokens where a token is a large share of the step (small batches) and at most 15 where it is
     not; multiples of 8/16 match tensor-core tile sizes, so a padded size costs little more than the
     unpadded one would. This is the shape of vLLM's default capture list. ``max_tokens`` is appended so the
-    largest bucket covers exactly ``(γ+1) × max_num_seqs`` (SERVING-NOTES, "CUDA graphs").
+    largest bucket covers exactly ``(γ+1) × max_num_seqs``, the most tokens one verify step carries.
     """
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -293,6 +295,15 @@ def measure_cost_table(verify_fn: Callable[[int], None], draft_fn: Callable[[int
         (verify if kind == "verify" else draft)[size] = median_ms(fn, size)
     meta = {"repeats": repeats, "warmup": warmup}
     return CostTable(verify, draft, graph_max_tokens, hardware, meta).monotone()
+
+
+def hardware_name(device: torch.device | str) -> str:
+    """The device as every measured number records it: GPU name and compute capability, or the CPU and its threads."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
 # ---------------------------------------------------------------------- helpers

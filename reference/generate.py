@@ -1,9 +1,9 @@
 """The batched speculative decoding loop: prefill, then draft → schedule → verify → commit (docs/method.md §1–§5).
 
-This is the plain synchronous loop of ``design/ARCHITECTURE.md`` ("The data flow of one decoding step"),
-written for reading, not speed: every request keeps its own target KV cache and drafter context cache,
-and the loop touches them one request at a time. ``optimized/`` runs the same method batched on the
-device and must emit exactly the same tokens (the equivalence contract).
+This is the plain synchronous loop, written for reading, not speed: every request keeps its own target KV cache
+and drafter context cache, and the loop touches them one request at a time. ``optimized/`` runs the same method
+batched on the device and must emit exactly the same tokens (the equivalence contract). The command line
+(``python -m reference.generate``) is :mod:`reference.cli`; only :func:`main` is here.
 
 One step, for the R unfinished requests of a batch::
 
@@ -18,22 +18,25 @@ Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix sur
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from reference.calibration import calibrated_survival
-from reference.checkpoint import load_drafter
-from reference.config import SCHEDULER_MODES, DrafterConfig, GenerationConfig, SchedulerConfig
-from reference.cost_model import CostTable, default_bucket_sizes, measure_cost_table
+from reference.cli import (
+    LOG_FORMAT,
+    build_parser,
+    print_results,
+    read_jsonl,  # noqa: F401  (the data scripts still import it from here)
+    setup_from_args,
+)
+from reference.config import GenerationConfig, SchedulerConfig, SchedulingMode
+from reference.cost_model import CostTable, default_bucket_sizes, hardware_name, measure_cost_table
 from reference.drafter import DSparkDrafter
 from reference.sampling import Purpose, logits_to_probs, sample
 from reference.scheduler import Scheduler, fold_recent
@@ -41,9 +44,6 @@ from reference.target import Target
 from reference.verify import rejection_sample
 
 log = logging.getLogger("dspark.generate")
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-dspark"
 
 
 @dataclass
@@ -212,21 +212,22 @@ def generate(
         request_ids: ids keying the random numbers (default 0..R-1); a request's output depends only on
             its own id, prompt and the seed, never on its neighbours in the batch.
     """
-    if sched.mode != "none" and drafter is None:
-        raise ValueError(f"mode {sched.mode!r} needs a drafter")
-    if sched.mode in ("adaptive", "adaptive-sync") and cost is None:
-        raise ValueError(f"mode {sched.mode!r} needs a cost table (see reference.cost_model)")
+    mode = sched.mode
+    if mode.drafts and drafter is None:
+        raise ValueError(f"mode '{mode}' needs a drafter")
+    if mode.needs_cost_table and cost is None:
+        raise ValueError(f"mode '{mode}' needs a cost table (see reference.cost_model)")
     ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
     if len(ids) != len(prompts) or len(set(ids)) != len(ids):
         raise ValueError("request_ids must be unique, one per prompt")
-    gamma = drafter.config.block_size if drafter is not None else 0
-    scheduler = Scheduler(sched, gamma=max(gamma, 1), cost=cost)  # γ is unused in mode "none"
+    gamma = drafter.config.block_size if mode.drafts else 0
+    scheduler = Scheduler(sched, gamma=gamma, cost=cost)
 
     reqs = [Request(request_id=i, prompt_ids=list(p)) for i, p in zip(ids, prompts)]
     for r in reqs:
         if not r.prompt_ids:
             raise ValueError(f"request {r.request_id}: empty prompt")
-        prefill(target, drafter if sched.mode != "none" else None, r, gen)
+        prefill(target, drafter if mode.drafts else None, r, gen)
 
     bar = _progress(progress, sum(gen.max_new_tokens for _ in reqs))
     while active := [r for r in reqs if not r.finished]:
@@ -240,7 +241,7 @@ def step(target: Target, drafter: DSparkDrafter | None, scheduler: Scheduler, re
          gen: GenerationConfig) -> None:
     """One speculative step for the active requests: draft, schedule, verify, commit."""
     mode = scheduler.config.mode
-    if mode == "none":
+    if not mode.drafts:
         drafts = _empty_draft(len(reqs), target.vocab_size)
         lens = torch.zeros(len(reqs), dtype=torch.long)
     elif not scheduler.should_draft(_recent_survivals(reqs, scheduler.gamma), scheduler.steps_without_draft,
@@ -253,7 +254,7 @@ def step(target: Target, drafter: DSparkDrafter | None, scheduler: Scheduler, re
         scheduler.steps_without_draft = 0
         drafts, survival = draft(drafter, reqs, gen)  # survival [R, γ]
         stale = _stale_survivals(reqs, scheduler.config.staleness, survival.shape[1])
-        if mode == "oracle":
+        if mode is SchedulingMode.ORACLE:
             lens = torch.full((len(reqs),), drafts.tokens.shape[1], dtype=torch.long)  # verify all, count less
         else:
             lens = scheduler.lengths(survival, a_stale=stale, num_anchor_tokens=len(reqs))
@@ -263,7 +264,7 @@ def step(target: Target, drafter: DSparkDrafter | None, scheduler: Scheduler, re
                                    scheduler.config.gate_window)
 
     result, features = verify(target, reqs, drafts, lens, gen)
-    if mode == "oracle":
+    if mode is SchedulingMode.ORACLE:
         # The oracle verifies exactly the accepted prefix + the rejected slot (so the emitted token is the same
         # recovered token); it is simulated by verifying everything and recording the shorter length.
         lens = torch.clamp(result.num_accepted + 1, max=drafts.tokens.shape[1])
@@ -307,7 +308,8 @@ def max_positions(target: Target) -> int:
 
 
 def _empty_draft(num_requests: int, vocab: int):
-    """Mode "none": a one-slot placeholder block that is never verified (ℓ = 0 for every request)."""
+    """No draft (mode ``none``, or the draft gate closed): a one-slot placeholder block that is never verified (ℓ = 0
+    for every request)."""
     from reference.drafter import DraftOutput
 
     return DraftOutput(
@@ -337,38 +339,15 @@ def _progress(enabled: bool, total: int):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Building the pieces: drafter, cost table
+# The loop's own cost table (the CLI measures it when no --cost-table is given)
 # ----------------------------------------------------------------------------------------------------------
-
-
-def load_or_init_drafter(path: str | None, target: Target, gamma: int | None = None, seed: int = 0) -> DSparkDrafter:
-    """Load a drafter checkpoint, or (no checkpoint) build a randomly initialised one — loudly."""
-    if path is not None and Path(path).exists():
-        drafter = load_drafter(path, target, device=target.device, dtype=target.dtype)
-        if gamma is not None and gamma != drafter.config.block_size:
-            raise ValueError(f"--gamma {gamma} differs from the drafter's trained block size "
-                             f"{drafter.config.block_size}; a drafter drafts the block it was trained for")
-        return drafter
-    if path is not None and path != str(DEFAULT_DRAFTER):
-        raise FileNotFoundError(f"drafter checkpoint {path} does not exist")
-    banner = "!" * 100
-    log.warning("\n%s\nNO TRAINED DRAFTER at %s: using a RANDOMLY INITIALISED drafter (seed %d).\n"
-                "Output is still exactly the target's (verification is lossless), but acceptance will be near "
-                "zero and there is no speed-up. Train one with scripts/train_drafter.py.\n%s",
-                banner, path or DEFAULT_DRAFTER, seed, banner)
-    torch.manual_seed(seed)
-    config = DrafterConfig.from_target_config(target.config, block_size=gamma or 7, target_name=target.name,
-                                              target_layer_ids=target.layer_ids)
-    drafter = DSparkDrafter(config).to(device=target.device, dtype=target.dtype).eval()
-    drafter.attach_target(target.embed_tokens, target.lm_head)
-    return drafter
 
 
 def measure_reference_cost_table(target: Target, drafter: DSparkDrafter, max_requests: int,
                                  repeats: int = 3) -> CostTable:
     """Time dummy verify forwards and drafter steps of this loop (the reference's own SPS curve)."""
     gamma = drafter.config.block_size
-    ctx_len = 64  # a short, realistic context: long profiling contexts inflate the fixed cost (SERVING-NOTES)
+    ctx_len = 64  # a short, realistic context: long profiling contexts inflate the fixed cost
     dummy = torch.zeros(ctx_len, dtype=torch.long, device=target.device)
 
     def verify_fn(n: int) -> None:
@@ -388,125 +367,16 @@ def measure_reference_cost_table(target: Target, drafter: DSparkDrafter, max_req
 
     sizes = default_bucket_sizes(max_requests * (gamma + 1))
     return measure_cost_table(verify_fn, draft_fn, sizes, list(range(1, max_requests + 1)), repeats=repeats,
-                              warmup=1, hardware=_hardware(target.device), progress=True)
-
-
-def _hardware(device: Any) -> str:
-    import platform
-
-    if str(device).startswith("cuda"):
-        return torch.cuda.get_device_name(device)
-    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------------------
-
-
-def build_parser(prog: str = "python -m reference.generate") -> argparse.ArgumentParser:
-    """The CLI shared (flag for flag) with ``optimized.generate``."""
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    src.add_argument("--prompts-file", help='JSONL file, one {"prompt": ...} per line')
-    p.add_argument("--model", default=DEFAULT_MODEL, help="target: 'smollm2-135m-instruct' or a local HF directory")
-    p.add_argument("--drafter", default=None, help=f"drafter checkpoint directory (default {DEFAULT_DRAFTER})")
-    p.add_argument("--mode", default="adaptive", choices=[m for m in SCHEDULER_MODES])
-    p.add_argument("--k", type=int, default=None, help="verify length in mode fixed (default γ)")
-    p.add_argument("--gamma", type=int, default=None, help="block size γ (must match the drafter)")
-    p.add_argument("--threshold", type=float, default=0.5, help="prefix-survival threshold in mode threshold")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--cost-table", default=None, help="SPS table JSON (measured at start-up if absent)")
-    p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
-    p.add_argument("--ignore-eos", action="store_true", help="decode to --max-new-tokens (benchmarks)")
-    p.add_argument("--json", action="store_true", help="print one JSON object per prompt per line")
-    return p
-
-
-def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
-    """(line number, object) for every non-blank line of a JSONL file; a line that is not a JSON object fails
-    with ``path:line`` in the message. Shared by the CLIs and the scripts that read prompt files."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object")
-            rows.append((n, obj))
-    return rows
-
-
-def read_prompts(args: argparse.Namespace) -> list[str]:
-    """Prompts from --prompt flags or a JSONL file; bad lines fail with their line number."""
-    if args.prompt:
-        return list(args.prompt)
-    try:
-        rows = read_jsonl(args.prompts_file)
-    except ValueError as e:
-        raise SystemExit(str(e)) from e
-    prompts = []
-    for n, obj in rows:
-        if not isinstance(obj.get("prompt"), str):
-            raise SystemExit(f'{args.prompts_file}:{n}: expected an object with a string "prompt"')
-        prompts.append(obj["prompt"])
-    if not prompts:
-        raise SystemExit(f"{args.prompts_file}: no prompts")
-    return prompts
-
-
-def configs_from_args(args: argparse.Namespace, gamma: int) -> tuple[GenerationConfig, SchedulerConfig]:
-    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                           top_k=args.top_k, seed=args.seed, chat_template=not args.no_chat_template,
-                           ignore_eos=args.ignore_eos)
-    k = gamma if args.k is None else args.k
-    if k > gamma:
-        raise SystemExit(f"--k {k} exceeds the block size γ = {gamma}")
-    sched = SchedulerConfig(mode=args.mode, k=k, threshold=args.threshold)
-    return gen, sched
-
-
-def setup_from_args(args: argparse.Namespace, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """The part of both CLIs before the cost table: target, drafter, configs and tokenised prompts."""
-    prompts = read_prompts(args)
-    target = Target.load(args.model, device=device, dtype=dtype)
-    drafter = None
-    if args.mode != "none":
-        drafter = load_or_init_drafter(args.drafter or str(DEFAULT_DRAFTER), target, args.gamma, args.seed)
-    gamma = drafter.config.block_size if drafter is not None else (args.gamma or 7)
-    gen, sched = configs_from_args(args, gamma)
-    token_prompts = [target.encode(p, chat_template=gen.chat_template) for p in prompts]
-    return target, drafter, gen, sched, token_prompts
-
-
-def print_results(results: list[GenerationResult], as_json: bool, elapsed: float, mode: str) -> None:
-    """One JSON line per prompt (--json) or readable text; a throughput line on stderr."""
-    for r in results:
-        if as_json:
-            print(json.dumps(r.to_json()), flush=True)
-        else:
-            print(f"--- prompt {r.request_id} ({r.finish_reason}, τ = {r.mean_accepted_length:.2f}) ---")
-            print(r.text)
-    n = sum(len(r.token_ids) for r in results)
-    log.info("%d tokens in %.2f s (%.1f tokens/s), mode %s", n, elapsed, n / max(elapsed, 1e-9), mode)
+                              warmup=1, hardware=hardware_name(target.device), progress=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    """``python -m reference.generate`` (flags: :func:`reference.cli.build_parser`)."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     args = build_parser().parse_args(argv)
     target, drafter, gen, sched, prompts = setup_from_args(args)
     cost = None
-    if sched.mode in ("adaptive", "adaptive-sync"):
+    if sched.mode.needs_cost_table:
         if args.cost_table:
             cost = CostTable.load(args.cost_table)
         else:

@@ -1,9 +1,9 @@
 """Sampling: temperature / top-k / top-p, and the random-number contract every draw goes through.
 
-This file implements the random-number contract of ``design/ARCHITECTURE.md`` ("Random numbers"), fixed
-bit for bit in ``docs/contracts.md``, and the sampling primitives that the drafter (docs/method.md §1, slots sampled
-left to right) and the verifier (docs/method.md §4, accept test, residual and bonus) are built on. Names follow
-``docs/method.md``: ``p_t`` target, ``p_d`` draft, ``ℓ`` verify length, ``γ`` block size.
+This file implements the random-number contract, fixed bit for bit in ``docs/contracts.md``, and the sampling
+primitives that the drafter (docs/method.md §1, slots sampled left to right) and the verifier (docs/method.md §4,
+accept test, residual and bonus) are built on. Names follow ``docs/method.md``: ``p_t`` target, ``p_d`` draft,
+``ℓ`` verify length, ``γ`` block size.
 
 **Why a hash instead of a generator.** Every uniform is a pure function of
 ``(seed, request_id, position, purpose, lane)``. The order in which requests are batched, padded or
@@ -38,12 +38,13 @@ import enum
 import torch
 from torch import Tensor
 
-_MASK32 = 0xFFFFFFFF
-_HASH_INIT = 0x2545F491  # arbitrary odd start word, so that an all-zero key does not hash to mix32(golden)
-_GOLDEN = 0x9E3779B9  # 2³² / golden ratio: the usual additive constant that decorrelates successive words
-_MIX_MUL_1 = 0x7FEB352D  # multipliers of the "lowbias32" integer finaliser (bias-searched by C. Wellons)
-_MIX_MUL_2 = 0x846CA68B
-_UNIFORM_BITS = 23  # see the module docstring: 23 bits + the half-step offset = 24 bits, exact in float32
+# The contract's constants, public so that the fast path's kernels take them from here (one source of truth).
+MASK32 = 0xFFFFFFFF
+HASH_INIT = 0x2545F491  # arbitrary odd start word, so that an all-zero key does not hash to mix32(golden)
+GOLDEN = 0x9E3779B9  # 2³² / golden ratio: the usual additive constant that decorrelates successive words
+MIX_MUL_1 = 0x7FEB352D  # multipliers of the "lowbias32" integer finaliser (bias-searched by C. Wellons)
+MIX_MUL_2 = 0x846CA68B
+UNIFORM_BITS = 23  # see the module docstring: 23 bits + the half-step offset = 24 bits, exact in float32
 _MAX_REQUEST_ID = 2**31  # contract: request ids are below 2³¹ (they fit int32 on the device side)
 
 
@@ -77,20 +78,31 @@ def _mul32(x: Tensor, c: int) -> Tensor:
     so every intermediate stays below 2⁴⁹.
     """
     c_lo, c_hi = c & 0xFFFF, c >> 16
-    return (x * c_lo + (((x * c_hi) & 0xFFFF) << 16)) & _MASK32
+    return (x * c_lo + (((x * c_hi) & 0xFFFF) << 16)) & MASK32
 
 
 def _mix32(x: Tensor) -> Tensor:
     # x is non-negative, so the arithmetic right shift of int64 equals the logical one of uint32.
     x = x ^ (x >> 16)
-    x = _mul32(x, _MIX_MUL_1)
+    x = _mul32(x, MIX_MUL_1)
     x = x ^ (x >> 15)
-    x = _mul32(x, _MIX_MUL_2)
+    x = _mul32(x, MIX_MUL_2)
     return x ^ (x >> 16)
 
 
 def _step(h: Tensor, w: Tensor) -> Tensor:
-    return _mix32(((h ^ w) + _GOLDEN) & _MASK32)
+    # Only the low 32 bits of a word enter, as the Triton twin's uint32 cast does (validated words are < 2³² anyway).
+    return _mix32(((h ^ (w & MASK32)) + GOLDEN) & MASK32)
+
+
+def uniform_from_words(words: list[Tensor]) -> Tensor:
+    """The contract's uniform of int64 word tensors ``(seed_lo, seed_hi, request_id, position, purpose, lane)``,
+    broadcast; nothing is validated and nothing syncs (the fast path's torch fallback calls it on device tensors).
+    :func:`hash_uniform` is the checked entry point."""
+    h = torch.tensor(HASH_INIT, dtype=torch.int64, device=words[0].device)
+    for w in words:  # broadcasting grows h only when a word is wider, so the vocabulary lane comes last
+        h = _step(h, w)
+    return ((h >> (32 - UNIFORM_BITS)).to(torch.float32) + 0.5) / float(2**UNIFORM_BITS)
 
 
 def _as_word(x: int | Tensor, name: str, limit: int, device: torch.device | None) -> Tensor:
@@ -129,17 +141,14 @@ def hash_uniform(
         raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
     device = next((t.device for t in (request_ids, positions, purpose, lane) if isinstance(t, Tensor)), None)
     words = [
-        _as_word(seed & _MASK32, "seed", 2**32, device),
+        _as_word(seed & MASK32, "seed", 2**32, device),
         _as_word(seed >> 32, "seed", 2**32, device),
         _as_word(request_ids, "request_ids", _MAX_REQUEST_ID, device),
         _as_word(positions, "positions", 2**32, device),
         _as_word(purpose, "purpose", 2**32, device),
         _as_word(lane, "lane", 2**32, device),
     ]
-    h = torch.tensor(_HASH_INIT, dtype=torch.int64, device=device)
-    for w in words:  # broadcasting grows h only when a word is wider, so the vocabulary lane comes last
-        h = _step(h, w)
-    return ((h >> (32 - _UNIFORM_BITS)).to(torch.float32) + 0.5) / float(2**_UNIFORM_BITS)
+    return uniform_from_words(words)
 
 
 # --------------------------------------------------------------------------- logits -> probabilities

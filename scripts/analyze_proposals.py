@@ -12,7 +12,7 @@ simulated exactly from these records:
 * **Static threshold sweep** (the paper's Figure 5): verify slot j while the calibrated prefix survival
   a_j ≥ θ; report τ (accepted + 1 per step) and verified tokens per step for a grid of θ.
 
-    python scripts/analyze_proposals.py --proposals DIR --drafter CKPT [--write] --out docs/benchmarks/calibration
+    python -m scripts.analyze_proposals --proposals DIR --drafter CKPT [--write] --out docs/benchmarks/calibration
 """
 
 from __future__ import annotations
@@ -25,13 +25,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from calibrate import calibrate_mode, conditional_acceptance, plot_reliability  # noqa: E402
-
-from reference.calibration import apply_sts, prefix_survival  # noqa: E402
-from reference.checkpoint import update_sts_temperatures  # noqa: E402
+from reference.calibration import apply_sts, prefix_survival
+from reference.checkpoint import update_sts_temperatures
+from reference.cli import LOG_FORMAT
+from scripts.calibrate import calibrate_mode, conditional_acceptance, plot_reliability
 
 log = logging.getLogger("dspark.analyze_proposals")
 
@@ -52,8 +49,8 @@ def threshold_sweep(conf_logits: torch.Tensor, num_accepted: torch.Tensor, tempe
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    p = argparse.ArgumentParser(prog="python -m scripts.analyze_proposals", description=__doc__.split("\n")[0])
     p.add_argument("--proposals", required=True, help="directory holding proposals-<mode>.pt")
     p.add_argument("--drafter", default=None, help="checkpoint whose config.json receives the temperatures")
     p.add_argument("--write", action="store_true", help="write the fitted STS temperatures into --drafter")
@@ -68,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--write needs --drafter")
     results, report = {}, {"source": args.source, "modes": {}}
     for path in sorted(Path(args.proposals).glob("proposals-*.pt")):
-        rec = torch.load(path)
+        rec = torch.load(path, weights_only=True)  # tensors, a mode string and γ: no pickled objects
         mode, gamma = rec["mode"], int(rec["gamma"])
         proposals = {"conf_logits": rec["conf_logits"], "num_accepted": rec["num_accepted"],
                      "sequence": torch.arange(rec["num_accepted"].shape[0])}

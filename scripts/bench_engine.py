@@ -1,8 +1,8 @@
 """End-to-end engine benchmark: output tokens/s of every verify policy against transformers' ``generate``.
 
-Issue 4, "Benchmarks on the H200". One run measures, at each batch size, the optimized engine in every requested
-mode (docs/method.md §5: ``none``, ``fixed`` K, ``dsd``, ``adaptive``…) and HF ``model.generate`` (greedy, left-padded,
-``min_new_tokens = max_new_tokens``) as the named baseline. Names follow ``docs/method.md`` (``p_t`` target,
+One run measures, at each batch size, the optimized engine in every requested mode (docs/method.md §5: ``none``,
+``fixed`` K, ``dsd``, ``adaptive``, …) and HF ``model.generate`` (greedy, left-padded, ``min_new_tokens =
+max_new_tokens``) as the named baseline. Names follow ``docs/method.md`` (``p_t`` target,
 ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``τ`` emitted tokens per verify step).
 
 Method, per configuration (engine × mode × batch size):
@@ -10,8 +10,8 @@ Method, per configuration (engine × mode × batch size):
 * one engine per kind (with and without a drafter) sized for the largest batch, built once: its CUDA graphs and
   caches serve every batch size and mode (``Engine.set_scheduler`` switches the policy between runs), as a
   server with a fixed ``max_num_seqs`` would;
-* the cost table is profiled once on the drafter engine (``optimized.cost_model.cached_profile``: graph replays,
-  medians, cached under a fingerprint), logged, and written into the JSON with the results;
+* the cost table is profiled once on the drafter engine's runner (``optimized.cost_model.cached_profile``: graph
+  replays, medians, cached under a fingerprint), logged, and written into the JSON with the results;
 * ``--warmup`` untimed runs, then ``--repeats`` timed runs of the whole batch (prefill included, EOS ignored, each
   request emits exactly ``--max-new-tokens``); the median tokens/s is reported, where tokens/s = generated tokens /
   wall time of the batch;
@@ -25,7 +25,7 @@ requests), and the host scheduling share of a step.
 
 Example (H200)::
 
-    python scripts/bench_engine.py --model /tmp/stage/target.gguf --sharegpt-file /tmp/stage/sharegpt.json.gz \\
+    python -m scripts.bench_engine --model /tmp/stage/target.gguf --sharegpt-file /tmp/stage/sharegpt.json.gz \\
         --out docs/benchmarks/engine-h200.json
 """
 
@@ -46,14 +46,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile, hardware_name  # noqa: E402
-from optimized.engine import Engine, EngineConfig  # noqa: E402
-from optimized.scheduler import SamplingParams  # noqa: E402
-from reference.config import SCHEDULER_MODES, SchedulerConfig  # noqa: E402
-from reference.drafter import DSparkDrafter  # noqa: E402
-from reference.target import Target  # noqa: E402
+from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
+from optimized.engine import Engine, EngineConfig, SamplingParams
+from reference.cli import DEFAULT_DRAFTER, LOG_FORMAT, load_or_init_drafter
+from reference.config import SchedulerConfig, SchedulingMode
+from reference.cost_model import hardware_name
+from reference.drafter import DSparkDrafter
+from reference.target import Target
+from scripts.benchmarking import add_engine_source_args, default_tag, load_prompts, parse_mode, sync
 
 log = logging.getLogger("dspark.bench_engine")
 
@@ -68,7 +68,7 @@ class BenchConfig:
 
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 256])
     modes: list[str] = field(default_factory=lambda: DEFAULT_MODES.split(","))  # "none", "fixed:K", "dsd", …
-    max_new_tokens: int = 128  # emitted per request (EOS ignored), the issue's setting
+    max_new_tokens: int = 128  # emitted per request (EOS ignored)
     warmup: int = 1  # untimed runs per configuration (Triton JIT of prefill shapes, allocator)
     repeats: int = 3  # timed runs per configuration; the median is reported
     hf_max_batch: int = 256  # HF generate only up to this batch size (it is slow); 0 = never
@@ -90,46 +90,22 @@ class BenchConfig:
         self.batch_sizes = sorted(set(self.batch_sizes))
 
 
-def parse_mode(spec: str, gamma: int | None) -> tuple[str, int | None]:
-    """``"fixed:3"`` -> ("fixed", 3); ``"adaptive"`` -> ("adaptive", None); ``"adaptive:nogate"`` -> ("adaptive",
-    None) with the draft gate off (the paper's adaptive mode, which drafts every step). Unknown modes and K > γ
-    fail."""
-    if spec == "adaptive:nogate":
-        return "adaptive", None
-    mode, _, k = spec.partition(":")
-    if mode not in SCHEDULER_MODES or mode == "oracle":
-        raise ValueError(f"unknown benchmark mode {spec!r}; choose none, fixed:K, dsd, threshold, adaptive-sync, "
-                         "adaptive")
-    if k and mode != "fixed":
-        raise ValueError(f"mode {spec!r}: only fixed takes a K")
-    if not k:
-        return mode, (gamma if mode == "fixed" else None)
-    if not k.isdigit() or int(k) < 1 or (gamma is not None and int(k) > gamma):
-        raise ValueError(f"mode {spec!r}: K must be an integer in 1..γ{'' if gamma is None else f' = {gamma}'}")
-    return mode, int(k)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # One timed run of each engine
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict[str, float]:
     """Decode the whole batch once; wall time, tokens and the per-step statistics."""
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    engine.stats = {"steps": 0, "host_schedule_s": 0.0, "step_s": 0.0}
-    _sync(engine.device)
+    engine.reset_stats()
+    sync(engine.device)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=i)
     while engine.has_unfinished():
         engine.step()
-    _sync(engine.device)
+    sync(engine.device)
     wall = time.perf_counter() - t0
     seqs = [engine.sequence(i) for i in range(len(prompts))]
     tokens = sum(len(s.output_ids) for s in seqs)
@@ -145,7 +121,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int) ->
         "host_schedule_ms": 1e3 * stats["host_schedule_s"] / max(stats["steps"], 1),
         "host_schedule_fraction": stats["host_schedule_s"] / stats["step_s"] if stats["step_s"] else 0.0,
         # steps that ran the drafter (the adaptive draft gate skips some); 0 for no speculation
-        "draft_step_fraction": stats.get("draft_steps", 0) / max(stats["steps"], 1),
+        "draft_step_fraction": stats["draft_steps"] / max(stats["steps"], 1),
     }
 
 
@@ -159,11 +135,11 @@ def run_hf(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, de
         ids[i, longest - len(p):] = torch.tensor(p)
         mask[i, longest - len(p):] = 1
     ids, mask = ids.to(device), mask.to(device)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                          min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
-    _sync(device)
+    sync(device)
     wall = time.perf_counter() - t0
     tokens = len(prompts) * (out.shape[1] - longest)
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "mean_accepted_length": 1.0}
@@ -195,7 +171,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     device = torch.device(target.device)
     gamma = drafter.config.block_size if drafter is not None else 0
     modes = [(spec, *parse_mode(spec, gamma or None)) for spec in cfg.modes]
-    if drafter is None and any(m != "none" for _, m, _ in modes):
+    if drafter is None and any(m.drafts for _, m, _ in modes):
         raise ValueError("speculative modes need a drafter")
     if not prompts or any(not p for p in prompts):
         raise ValueError("need at least one non-empty tokenised prompt")
@@ -227,11 +203,11 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
                  enforce_eager=cfg.enforce_eager, layer_backend=cfg.layer_backend, seed=cfg.seed)
     engines: dict[str, Engine] = {}
     t_build = time.perf_counter()
-    if any(m == "none" for _, m, _ in modes):
+    if any(not m.drafts for _, m, _ in modes):
         engines["none"] = Engine(target, None, EngineConfig(**econf), SchedulerConfig(mode="none"))
-    if any(m != "none" for _, m, _ in modes):
+    if any(m.drafts for _, m, _ in modes):
         spec = Engine(target, drafter, EngineConfig(**econf), SchedulerConfig(mode="fixed", k=gamma))
-        table = cached_profile(spec, cache_dir=cfg.cost_cache_dir, context_len=cfg.context_len)
+        table = cached_profile(spec.runner, cache_dir=cfg.cost_cache_dir, context_len=cfg.context_len)
         spec.set_cost_table(table)
         engines["spec"] = spec
         report["cost_table"] = table.to_dict()
@@ -242,7 +218,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
 
     jobs = [(b, spec_, m, k) for b in cfg.batch_sizes for spec_, m, k in modes]
     if cfg.hf_max_batch:
-        jobs += [(b, "hf", "none", None) for b in cfg.batch_sizes if b <= cfg.hf_max_batch]
+        jobs += [(b, "hf", SchedulingMode.NONE, None) for b in cfg.batch_sizes if b <= cfg.hf_max_batch]
     jobs.sort(key=lambda j: (j[0], j[1] == "hf"))  # batch by batch; HF last in each (slowest, a baseline)
     for b, label, mode, k in tqdm(jobs, desc="benchmark", unit="config"):
         if cfg.time_budget_s is not None and time.monotonic() - start > cfg.time_budget_s:
@@ -254,9 +230,8 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
         if label == "hf":
             row = _measure_hf(target, batch, cfg, device)
         else:
-            engine = engines["none" if mode == "none" else "spec"]
-            sched = SchedulerConfig(mode=mode, k=k if k is not None else max(gamma, 1),
-                                    draft_gate=label != "adaptive:nogate")
+            engine = engines["spec" if mode.drafts else "none"]
+            sched = SchedulerConfig(mode=mode, k=k if k is not None else gamma, draft_gate=label != "adaptive:nogate")
             engine.set_scheduler(sched)
             row = _measure(lambda e=engine, p=batch: run_engine(e, p, cfg.max_new_tokens), cfg.warmup, cfg.repeats)
             row = {"engine": "optimized", "mode": mode, "label": label, "k": _k_of(sched, b), **row}
@@ -307,18 +282,18 @@ def _measure_hf(target: Target, batch: list[list[int]], cfg: BenchConfig, device
 
 def _k_of(sched: SchedulerConfig, batch_size: int) -> int | None:
     """The verify length a mode uses at this batch size, where it is fixed (fixed K; dsd's table entry)."""
-    if sched.mode == "none":
+    if not sched.mode.drafts:
         return 0
-    if sched.mode == "fixed":
+    if sched.mode is SchedulingMode.FIXED:
         return sched.k
-    if sched.mode == "dsd":
+    if sched.mode is SchedulingMode.DSD:
         keys = [b for b in sorted(sched.dsd_table) if b <= batch_size]
         return sched.dsd_table[keys[-1]] if keys else sched.dsd_table[min(sched.dsd_table)]
     return None
 
 
 def summarize(results: list[dict]) -> dict[str, Any]:
-    """Per batch size: the baselines, the best fixed K, adaptive, and the issue's goals as ratios."""
+    """Per batch size: the baselines, the best fixed K, adaptive, and the speed goals as ratios."""
     by_b: dict[int, dict[str, dict]] = {}
     for r in results:
         by_b.setdefault(r["batch_size"], {})[r["label"]] = r
@@ -433,55 +408,8 @@ def _brief(curve: dict[int, float]) -> str:
     return ", ".join(f"{k}: {curve[k]:.3f}" for k in pick)
 
 
-def default_tag(device: torch.device) -> str:
-    """``h200`` on an H200, the lower-cased GPU name elsewhere, ``cpu`` on the CPU."""
-    if device.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(device).lower()
-    for short in ("h200", "h100", "b300", "b200", "a100"):
-        if short in name:
-            return short
-    return "".join(c if c.isalnum() else "-" for c in name).strip("-")
-
-
-def load_prompts(args: argparse.Namespace, target: Target, needed: int) -> list[list[int]]:
-    """Tokenised prompts (chat template) from --prompts-file, else held-out ShareGPT; too-long ones are dropped."""
-    from scripts import data
-
-    if args.prompts_file:
-        texts = [p.prompt for p in data.read_prompt_file(args.prompts_file)]
-    else:
-        _, held = data.split(data.load_sharegpt(args.sharegpt_file))
-        texts = [p.prompt for p in data.filter_prompts(held, max_chars=4 * args.max_prompt_tokens)]
-    prompts = []
-    for text in texts:
-        ids = target.encode(text, chat_template=True)
-        if 0 < len(ids) <= args.max_prompt_tokens:
-            prompts.append(ids)
-        if len(prompts) >= needed:
-            break
-    if not prompts:
-        raise SystemExit(f"no prompt fits --max-prompt-tokens {args.max_prompt_tokens}")
-    return prompts
-
-
-def add_engine_source_args(p: argparse.ArgumentParser) -> None:
-    """Prompts, device, dtype and graphs: the arguments shared with ``scripts/profile_engine.py``."""
-    p.add_argument("--max-prompt-tokens", type=int, default=512, help="drop longer prompts (after the template)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompts-file", default=None, help='JSONL, one {"prompt": ...} per line')
-    src.add_argument("--sharegpt-file", default=None, help="ShareGPT .json(.gz) (default: the packaged file)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--layer-backend", default=None, choices=["auto", "triton", "torch"],
-                   help="element-wise layer ops (RMSNorm, RoPE+append, SiLU): default the kernel backend (fused Triton "
-                        "on CUDA); torch = the unfused ops, to measure the fusion")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python scripts/bench_engine.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.bench_engine", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="target: name, .gguf or HF directory")
     p.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one, else random init)")
     p.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES)
@@ -506,8 +434,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
          prompt_ids: list[list[int]] | None = None) -> dict[str, Any]:
     """Command line; tests pass an already-built ``target``/``drafter`` and tokenised ``prompt_ids``."""
     started_at = time.monotonic()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     args = build_parser().parse_args(argv)
     cfg = BenchConfig(batch_sizes=[int(b) for b in args.batch_sizes.split(",")], modes=args.modes.split(","),
                       max_new_tokens=args.max_new_tokens, warmup=args.warmup, repeats=args.repeats,
@@ -521,9 +448,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     else:
         model_name = target.name
     drafter_name = None
-    if drafter is None and any(m.partition(":")[0] != "none" for m in cfg.modes):
-        from reference.generate import DEFAULT_DRAFTER, load_or_init_drafter
-
+    if drafter is None and any(parse_mode(m, None)[0].drafts for m in cfg.modes):
         path = args.drafter or str(DEFAULT_DRAFTER)
         drafter = load_or_init_drafter(path, target, None, args.seed)
         drafter_name = path if Path(path).exists() else f"RANDOM INIT (seed {args.seed}; no checkpoint at {path})"
@@ -532,7 +457,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     device = torch.device(target.device)
     tag = args.tag or default_tag(device)
     out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"engine-{tag}.json"
-    command = "python scripts/bench_engine.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+    command = "python -m scripts.bench_engine " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                      else sys.argv[1:]))
     return run_benchmark(target, drafter, prompt_ids, cfg, out=out, command=command, model_name=model_name,
                          drafter_name=drafter_name, started_at=started_at)

@@ -1,6 +1,6 @@
 """Kernel benchmark: every Triton op of ``optimized/kernels`` against its torch fallback, in µs and % of HBM roofline.
 
-Issue 4 ("kernel timings against the memory-bandwidth roofline"). Names follow ``docs/method.md`` (``p_t``
+Names follow ``docs/method.md`` (``p_t``
 target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size). The decode-time ops are
 memory bound, so each is judged by the bytes it must move at least (its *compulsory* traffic, stated per op
 below) divided by its time, against the H200's 4.8 TB/s of HBM bandwidth:
@@ -31,7 +31,7 @@ interpreter (``TRITON_INTERPRET=1``: correct, not fast). Each timing is the medi
 of ``--iters`` calls between device synchronisations; integer outputs are compared between the two backends
 and the result recorded. JSON goes to ``docs/benchmarks/kernels-<tag>.json`` with one PNG next to it.
 
-    python scripts/bench_kernels.py --op all --out docs/benchmarks/kernels-h200.json
+    python -m scripts.bench_kernels --op all --out docs/benchmarks/kernels-h200.json
 """
 
 from __future__ import annotations
@@ -51,16 +51,16 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from optimized.cost_model import hardware_name  # noqa: E402
-from optimized.kernels.allocate import allocate_top_b  # noqa: E402
-from optimized.kernels.attention import varlen_attention  # noqa: E402
-from optimized.kernels.draft_head import sample_draft_block  # noqa: E402
-from optimized.kernels.layer_ops import rms_norm, rope_append_kv, rope_cos_sin, silu_mul  # noqa: E402
-from optimized.kernels.sampling import sample  # noqa: E402
-from optimized.kernels.verify import greedy_verify, rejection_sample  # noqa: E402
-from reference import scheduler as ref_scheduler  # noqa: E402
+from optimized.kernels.allocate import allocate_top_b
+from optimized.kernels.attention import varlen_attention
+from optimized.kernels.draft_head import sample_draft_block
+from optimized.kernels.layer_ops import rms_norm, rope_append_kv, rope_cos_sin, silu_mul
+from optimized.kernels.sampling import sample
+from optimized.kernels.verify import greedy_verify, rejection_sample
+from reference import scheduler as ref_scheduler
+from reference.cli import LOG_FORMAT
+from reference.cost_model import hardware_name
+from scripts.benchmarking import default_tag
 
 log = logging.getLogger("dspark.bench_kernels")
 
@@ -391,9 +391,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
-    p = argparse.ArgumentParser(prog="python scripts/bench_kernels.py", description=__doc__.split("\n")[0])
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    p = argparse.ArgumentParser(prog="python -m scripts.bench_kernels", description=__doc__.split("\n")[0])
     p.add_argument("--op", default="all", choices=[*OPS, "all"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
@@ -415,11 +414,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.repeats < 1:
         raise SystemExit("--repeats must be ≥ 1")
     iters = args.iters or (20 if device.type == "cuda" else 2)
-    from scripts.bench_engine import default_tag
-
     tag = args.tag or default_tag(device)
     out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"kernels-{tag}.json"
-    command = "python scripts/bench_kernels.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+    command = "python -m scripts.bench_kernels " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                       else sys.argv[1:]))
     ops = list(OPS) if args.op == "all" else [args.op]
     return run(ops, shapes, device, dtype, repeats=args.repeats, iters=iters, roofline_gbps=args.roofline_gbps,

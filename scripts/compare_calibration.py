@@ -5,7 +5,7 @@ Reads ``proposals-<mode>.pt`` files written by ``scripts/calibrate.py --dump-pro
 full-block outcomes), so it runs on a CPU in seconds; the noise floor (what a perfectly calibrated predictor would
 measure on the same held-out half, ``reference.calibration.ece_noise_floor``) is reported alongside.
 
-    python scripts/compare_calibration.py --proposals docs/benchmarks/data/dspark \\
+    python -m scripts.compare_calibration --proposals docs/benchmarks/data/dspark \\
         docs/benchmarks/data/markov-620steps --out docs/benchmarks/calibration-methods.json
 """
 
@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from reference.calibration import calibration_report, fit_sts, fit_sts_bias, prefix_survival_labels  # noqa: E402
+from reference.calibration import calibration_report, fit_sts, fit_sts_bias, prefix_survival_labels
+from reference.cli import LOG_FORMAT
 
 log = logging.getLogger("dspark.compare_calibration")
 
@@ -47,15 +46,15 @@ def compare(conf_logits: torch.Tensor, num_accepted: torch.Tensor, gamma: int, s
 
 
 def main(argv: list[str] | None = None) -> dict:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    p = argparse.ArgumentParser(prog="python scripts/compare_calibration.py", description=__doc__.split("\n")[0])
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    p = argparse.ArgumentParser(prog="python -m scripts.compare_calibration", description=__doc__.split("\n")[0])
     p.add_argument("--proposals", nargs="+", required=True, help="directories holding proposals-<mode>.pt")
     p.add_argument("--splits", type=int, default=10, help="random half splits averaged")
     p.add_argument("--out", required=True, help="JSON report path")
     args = p.parse_args(argv)
     logging.getLogger("reference.calibration").setLevel(logging.ERROR)  # per-slot "too few" notes, every split
     args_used = argv if argv is not None else sys.argv[1:]
-    report = {"command": "python scripts/compare_calibration.py " + shlex.join(args_used),
+    report = {"command": "python -m scripts.compare_calibration " + shlex.join(args_used),
               "splits": args.splits, "metric": "held-out ECE of the prefix survival per slot (20 bins), mean over "
               "splits; floor = what a perfectly calibrated predictor would measure on the same half", "sets": {}}
     for directory in args.proposals:
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not files:
             raise SystemExit(f"no proposals-*.pt in {directory}")
         for path in files:
-            rec = torch.load(path)
+            rec = torch.load(path, weights_only=True)  # tensors, a mode string and γ: no pickled objects
             result = compare(rec["conf_logits"], rec["num_accepted"], int(rec["gamma"]), args.splits)
             result["num_proposals"] = int(rec["conf_logits"].shape[0])
             report["sets"][f"{Path(directory).name}/{rec['mode']}"] = result

@@ -47,8 +47,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from optimized.engine import Engine, EngineConfig
-from optimized.scheduler import SamplingParams
+from optimized.engine import Engine, EngineConfig, SamplingParams
 from reference.config import SchedulerConfig
 from reference.target import DEFAULT_TARGET, Target
 from scripts import data

@@ -1,6 +1,6 @@
 """Where a decoding step's time goes: one engine configuration under ``torch.profiler``.
 
-``scripts/bench_engine.py`` says *how fast* each policy is; this script says *why*, for one configuration (mode ×
+``scripts.bench_engine`` says *how fast* each policy is; this script says *why*, for one configuration (mode ×
 batch size). On the H200 (2026-11-29) a verify step cost 4.2 ms at one token and a draft stage 2.3 ms at one request
 for a 135M target whose weights an H200 reads in < 0.1 ms (``docs/benchmarks/engine-h200.json``): the time is in
 launches and serial kernels, and this is the tool that splits it.
@@ -16,7 +16,7 @@ requests are admitted and prefilled, ``--warmup`` decoding steps run, then:
 
 Usage (H200)::
 
-    python scripts/profile_engine.py --model /tmp/stage/target.gguf --mode fixed:3 --batch-size 1 \\
+    python -m scripts.profile_engine --model /tmp/stage/target.gguf --mode fixed:3 --batch-size 1 \\
         --out docs/benchmarks/profile-h200-fixed3-b1.json [--trace trace.json]
 
 Names follow ``docs/method.md`` (``ℓ`` verify length, ``τ`` emitted tokens per verify step).
@@ -37,15 +37,14 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile, hardware_name  # noqa: E402
-from optimized.engine import Engine, EngineConfig  # noqa: E402
-from optimized.scheduler import SamplingParams  # noqa: E402
-from reference.config import SchedulerConfig  # noqa: E402
-from reference.drafter import DSparkDrafter  # noqa: E402
-from reference.target import Target  # noqa: E402
-from scripts.bench_engine import add_engine_source_args, load_prompts, parse_mode  # noqa: E402
+from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
+from optimized.engine import Engine, EngineConfig, SamplingParams
+from reference.cli import DEFAULT_DRAFTER, LOG_FORMAT, load_or_init_drafter
+from reference.config import SchedulerConfig, SchedulingMode
+from reference.cost_model import hardware_name
+from reference.drafter import DSparkDrafter
+from reference.target import Target
+from scripts.benchmarking import add_engine_source_args, load_prompts, parse_mode, sync
 
 log = logging.getLogger("dspark.profile_engine")
 
@@ -56,22 +55,16 @@ GRAPH_LAUNCH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
 MEMCPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy", "cuMemcpyAsync", "cudaMemsetAsync")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def build_engine(target: Target, drafter: DSparkDrafter | None, mode: str, k: int | None, batch_size: int,
-                 max_seq_len: int, enforce_eager: bool, context_len: int, cost_cache_dir: str | None,
+def build_engine(target: Target, drafter: DSparkDrafter | None, mode: SchedulingMode, k: int | None,
+                 batch_size: int, max_seq_len: int, enforce_eager: bool, context_len: int, cost_cache_dir: str | None,
                  seed: int, layer_backend: str | None = None) -> Engine:
     """An engine sized for ``batch_size`` slots in one policy; adaptive policies get a profiled cost table."""
-    gamma = drafter.config.block_size if drafter is not None else 1
-    sched = SchedulerConfig(mode=mode, k=k if k is not None else gamma)
+    sched = SchedulerConfig(mode=mode) if k is None else SchedulerConfig(mode=mode, k=k)
     cfg = EngineConfig(max_num_seqs=batch_size, max_seq_len=max_seq_len, device=str(target.device),
                        dtype=target.dtype, enforce_eager=enforce_eager, seed=seed, layer_backend=layer_backend)
-    engine = Engine(target, drafter if mode != "none" else None, cfg, sched)
-    if mode in ("adaptive", "adaptive-sync"):
-        engine.set_cost_table(cached_profile(engine, cache_dir=cost_cache_dir, context_len=context_len))
+    engine = Engine(target, drafter if mode.drafts else None, cfg, sched)
+    if mode.needs_cost_table:
+        engine.set_cost_table(cached_profile(engine.runner, cache_dir=cost_cache_dir, context_len=context_len))
     return engine
 
 
@@ -81,10 +74,10 @@ def decoding_steps(engine: Engine, count: int) -> list[float]:
     for _ in range(count):
         if not engine.has_unfinished():
             break
-        _sync(engine.device)
+        sync(engine.device)
         t0 = time.perf_counter()
         engine.step()
-        _sync(engine.device)
+        sync(engine.device)
         times.append(1e3 * (time.perf_counter() - t0))
     return times
 
@@ -129,7 +122,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
                 command: str) -> dict[str, Any]:
     """Build, admit, warm up, time, profile; returns the report (also written to ``args.out`` if given)."""
     mode, k = parse_mode(args.mode, drafter.config.block_size if drafter is not None else None)
-    if mode != "none" and drafter is None:
+    if mode.drafts and drafter is None:
         raise SystemExit(f"mode {args.mode!r} needs a drafter")
     batch = [prompts[i % len(prompts)] for i in range(args.batch_size)]
     gamma = drafter.config.block_size if drafter is not None else 0
@@ -164,7 +157,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
         "settings": {"mode": args.mode, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
                      "temperature": args.temperature, "enforce_eager": args.enforce_eager,
                      "layer_backend": args.layer_backend or "default",
-                     "draft_head_in_graph": getattr(engine, "head_in_graph", None),
+                     "draft_head_in_graph": engine.runner.head_in_graph,
                      "dtype": str(target.dtype), "prefill_steps": prefill_steps, "gamma": gamma},
         "step_ms_median": statistics.median(timed) if timed else None,
         "step_ms_all": [round(t, 3) for t in timed],
@@ -200,7 +193,7 @@ def print_report(report: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m scripts.profile_engine", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="target: name, .gguf or HF directory")
     p.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one)")
@@ -222,21 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, *, target: Target | None = None, drafter: DSparkDrafter | None = None,
          prompt_ids: list[list[int]] | None = None) -> dict[str, Any]:
     """Command line; tests pass an already-built ``target``/``drafter`` and tokenised ``prompt_ids``."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     args = build_parser().parse_args(argv)
     if args.batch_size < 1 or args.steps < 1 or args.warmup < 0:
         raise SystemExit("need --batch-size ≥ 1, --steps ≥ 1 and --warmup ≥ 0")
     if target is None:
         dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
         target = Target.load(args.model, device=args.device, dtype=getattr(torch, dtype))
-    if drafter is None and args.mode.partition(":")[0] != "none":
-        from reference.generate import DEFAULT_DRAFTER, load_or_init_drafter
-
+    if drafter is None and parse_mode(args.mode, None)[0].drafts:
         drafter = load_or_init_drafter(args.drafter or str(DEFAULT_DRAFTER), target, None, args.seed)
     if prompt_ids is None:
         prompt_ids = load_prompts(args, target, args.batch_size)
-    command = "python scripts/profile_engine.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+    command = "python -m scripts.profile_engine " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                       else sys.argv[1:]))
     return run_profile(target, drafter, prompt_ids, args, command)
 

@@ -1,6 +1,6 @@
 """Merge ``scripts/eval_acceptance.py`` outputs of several arms and temperatures into one JSON + plot.
 
-    python scripts/report_acceptance.py --eval dspark:0=a.json --eval dspark:1=b.json ... \
+    python -m scripts.report_acceptance --eval dspark:0=a.json --eval dspark:1=b.json ... \
         --out docs/benchmarks/acceptance
 
 Writes OUT.json (per arm and temperature: τ, τ per domain, per-position conditional acceptance, counts,

@@ -1,4 +1,4 @@
-"""Collect the arms of a training comparison into one JSON + plot (issue 3's ablation table).
+"""Collect the arms of a training comparison into one JSON + plot (the drafter ablation table).
 
 For every run directory (``scripts/train_drafter.py --out``) it reads ``summary.json`` and ``metrics.jsonl``
 and reports the held-out teacher-forced metrics of the final evaluation: the loss terms and the per-slot
@@ -6,7 +6,7 @@ acceptance proxy ``Σ_v min(p_d, p_t)`` (the expected acceptance probability of 
 carry the ground-truth tokens), plus the expected accepted length implied by that proxy,
 ``τ ≈ 1 + Σ_k Π_{i≤k} proxy_i`` (exact only if slot acceptances were independent).
 
-    python scripts/report_training.py --run markov=DIR --run rnn=DIR ... --out docs/benchmarks/training
+    python -m scripts.report_training --run markov=DIR --run rnn=DIR ... --out docs/benchmarks/training
 """
 
 from __future__ import annotations

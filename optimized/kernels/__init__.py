@@ -1,4 +1,4 @@
-"""Triton kernels of the production path, each the fast twin of one ``reference/`` op (house rule 2).
+"""Triton kernels of the production path, each the fast twin of one ``reference/`` op, under the same name.
 
 | module | op(s) | reference twin | docs/method.md |
 |---|---|---|---|
@@ -9,6 +9,7 @@
 | ``attention`` | ``varlen_attention`` | naive attention | §1, §4 |
 | ``layer_ops`` | ``rms_norm``, ``rope_append_kv``, ``silu_mul`` | their torch definitions (HF's rounding) | §1, §4 |
 | ``layout`` | ``verify_layout`` | ``verify_layout_torch`` | §4 |
+| ``common`` | Triton building blocks: the contract's hash, the race | ``reference/sampling.py`` | random numbers |
 
 Every op takes ``backend="auto" | "triton" | "torch"``; the torch fallback has the same signature. Import the
 ops from their modules: this package imports nothing eagerly, so modules that keep Triton optional (attention)

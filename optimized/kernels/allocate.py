@@ -5,9 +5,9 @@ survival, ``ℓ`` verify length, ``γ`` block size. Given the current survivals 
 ``B`` (computed earlier on the host from stale confidences, docs/method.md §5 "Production variant"), the step verifies
 the ``B`` best candidates ``(r, j)`` of one global ranking and ``ℓ_r`` counts request ``r``'s winners.
 
-The ranking is (survival descending, slot ascending, request ascending), value-independent on ties
-(SERVING-NOTES "The budget"). It is realised by one *stable* descending sort of the survivals laid out
-slot-major (flat index ``j·R + r``): equal survivals keep their flat order, which is exactly slot, then
+The ranking is (survival descending, slot ascending, request ascending), value-independent on ties (so two
+implementations that see equal survivals agree). It is realised by one *stable* descending sort of the survivals
+laid out slot-major (flat index ``j·R + r``): equal survivals keep their flat order, which is exactly slot, then
 request. Because ``a_{r,j}`` is non-increasing in ``j`` the winners of each row form a prefix, so the count
 is the verify length.
 

@@ -48,19 +48,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from optimized.kernels.sampling import (
+from optimized.kernels.common import (
     BIG_INDEX,
     PURPOSE_DRAFT,
-    _argmax_update,
-    _exponential_at,
-    _hash_key,
-    _per_row_words,
-    _race_update,
-    _race_winner,
+    argmax_update,
+    exponential_at,
+    hash_key,
+    per_row_words,
+    race_update,
+    race_winner,
     resolve_backend,
-    sample,
     split_seed,
 )
+from optimized.kernels.sampling import sample
 from reference.drafter import DraftOutput, DSparkDrafter
 from reference.sampling import draft_purpose
 
@@ -72,7 +72,7 @@ __all__ = ["DraftOutput", "sample_block", "sample_draft_block"]
 # 8192/4 warps 9.3, 16384/8 5.0, 32768/16 2.8, 65536/16 1.76, 65536/32 1.62 (32 warps left out: register risk).
 W2_TILE_ELEMENTS = 65536
 NUM_WARPS = 16
-MAX_BLOCK_V = 1024  # as RACE_BLOCK_V in sampling.py
+MAX_BLOCK_V = 1024  # as RACE_BLOCK_V in common.py
 MAX_BLOCK_D = 1024  # hidden-state tile of the confidence dot product (d = 576 for SmolLM2-135M: one tile)
 # Split variant: one W2 tile of BLOCK_V · BLOCK_R ≤ SPLIT_TILE_ELEMENTS products per program, 64 per thread at 8
 # warps (r = 64 -> BLOCK_V = 256, NB = 192 blocks for V = 49152: at R = 1 about 1.5 programs per H200 SM, all of W2
@@ -164,7 +164,7 @@ def _sample_draft_block_kernel(
             bias = _round_to(tl.sum(w2 * e[None, :], axis=1), w2_ptr)  # [BLOCK_V] B_k, as Linear returns it
             u_k = tl.load(base_ptr + row * stride_br + j * stride_bk + lanes, mask=mask, other=0.0).to(tl.float32)
             logits = tl.where(mask, u_k + bias, -float("inf"))  # [BLOCK_V]
-            best, best_index = _argmax_update(best, best_index, logits, lanes)
+            best, best_index = argmax_update(best, best_index, logits, lanes)
             x = tl.math.div_rn(logits, temp_div)  # [BLOCK_V]
             tl.store(out_row + lanes, x, mask=mask)
             new_max = tl.maximum(run_max, tl.max(x, axis=0))
@@ -176,7 +176,7 @@ def _sample_draft_block_kernel(
         tl.debug_barrier()
 
         # Pass 2: p_d in place and the exponential race for x_k.
-        key = _hash_key(seed_lo, seed_hi, rid, anchor + j + 1, PURPOSE_DRAFT + 16 * (j + 1))
+        key = hash_key(seed_lo, seed_hi, rid, anchor + j + 1, PURPOSE_DRAFT + 16 * (j + 1))
         race_score = -1.0
         race_index = 0
         for start in range(0, V, BLOCK_V):
@@ -186,7 +186,7 @@ def _sample_draft_block_kernel(
             soft = tl.math.div_rn(tl.exp(x - run_max), run_sum)
             p = tl.where(greedy, (lanes == best_index).to(tl.float32), soft)  # [BLOCK_V] p_d
             tl.store(out_row + lanes, p, mask=mask)
-            race_score, race_index = _race_update(race_score, race_index, p, _exponential_at(key, lanes), lanes, mask)
+            race_score, race_index = race_update(race_score, race_index, p, exponential_at(key, lanes), lanes, mask)
         tl.store(tokens_ptr + row * gamma + j, race_index.to(tl.int64))
         prev = race_index.to(tl.int64)
 
@@ -230,7 +230,7 @@ def _draft_split_logits_kernel(
     if j == 0:
         prev = tl.load(anchor_ids_ptr + row)
     else:
-        prev = _race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB)
+        prev = race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB)
     temp = tl.load(temperature_ptr + row)
     temp_div = tl.where(temp == 0.0, 1.0, temp)  # the reference divides greedy rows by 1 (then takes the one-hot)
     ranks = tl.arange(0, BLOCK_R)  # [BLOCK_R]
@@ -258,7 +258,7 @@ def _draft_split_logits_kernel(
     bias = _round_to(tl.sum(w2 * e[None, :], axis=1), w2_ptr)  # [BLOCK_V] B_k, as Linear returns it
     u_k = tl.load(base_ptr + row * stride_br + j * stride_bk + lanes, mask=mask, other=0.0).to(tl.float32)
     logits = tl.where(mask, u_k + bias, -float("inf"))  # [BLOCK_V]
-    best, best_index = _argmax_update(-float("inf"), 0, logits, lanes)
+    best, best_index = argmax_update(-float("inf"), 0, logits, lanes)
     x = tl.math.div_rn(logits, temp_div)  # [BLOCK_V]
     tl.store(probs_ptr + (row * gamma + j) * V + lanes, x, mask=mask)
     x_max = tl.max(x, axis=0)
@@ -319,8 +319,8 @@ def _draft_split_race_kernel(
     p = tl.where(greedy, (lanes == best_index).to(tl.float32), soft)  # [BLOCK_V] p_d
     tl.store(out_row + lanes, p, mask=mask)
     # Purpose 1 + 16k; the runtime `j` first (the interpreter cannot add a tensor to a constexpr on the left).
-    key = _hash_key(seed_lo, seed_hi, rid, anchor + j + 1, 16 * (j + 1) + PURPOSE_DRAFT)
-    race_score, race_index = _race_update(-1.0, 0, p, _exponential_at(key, lanes), lanes, mask)
+    key = hash_key(seed_lo, seed_hi, rid, anchor + j + 1, 16 * (j + 1) + PURPOSE_DRAFT)
+    race_score, race_index = race_update(-1.0, 0, p, exponential_at(key, lanes), lanes, mask)
     tl.store(race_score_ptr + row * nb + blk, race_score)
     tl.store(race_index_ptr + row * nb + blk, race_index.to(tl.int64))
 
@@ -335,7 +335,7 @@ def _draft_split_last_kernel(
     BLOCK_NB: tl.constexpr,  # next power of two >= NB
 ):
     row = tl.program_id(0).to(tl.int64)
-    tl.store(tokens_ptr + row * gamma + gamma - 1, _race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB))
+    tl.store(tokens_ptr + row * gamma + gamma - 1, race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB))
 
 
 def _sample_draft_block_torch(base_logits, h, anchor_ids, anchor_pos, temperature, seed, rid, w1, w2, conf_w, conf_b):
@@ -416,9 +416,9 @@ def sample_draft_block(
         raise ValueError(f"conf_w must hold d + r = {d + r} weights and conf_b one bias, got "
                          f"{tuple(conf_w.shape)} and {tuple(conf_b.shape)}")
     dev = base_logits.device
-    anchor_ids = _per_row_words(anchor_ids, R, dev, "anchor_ids")  # [R]
-    anchor_pos = _per_row_words(anchor_pos, R, dev, "anchor_pos")  # [R]
-    rid = _per_row_words(request_ids, R, dev, "request_ids")  # [R]
+    anchor_ids = per_row_words(anchor_ids, R, dev, "anchor_ids")  # [R]
+    anchor_pos = per_row_words(anchor_pos, R, dev, "anchor_pos")  # [R]
+    rid = per_row_words(request_ids, R, dev, "request_ids")  # [R]
     temperature = torch.as_tensor(temperature, device=dev)
     if temperature.shape != (R,) or not temperature.dtype.is_floating_point:
         raise ValueError(f"temperature must be a float tensor [R={R}], got {temperature.dtype} "

@@ -29,22 +29,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from optimized.kernels.sampling import (
+from optimized.kernels.common import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
     PURPOSE_RESIDUAL,
     RACE_BLOCK_V,
-    _argmax_update,
-    _exponential_at,
-    _hash_key,
-    _per_row_words,
-    _race_update,
-    _uniform_at,
-    hash_uniform,
+    argmax_update,
+    exponential_at,
+    hash_key,
+    per_row_words,
+    race_update,
     resolve_backend,
-    sample,
     split_seed,
+    uniform_at,
 )
+from optimized.kernels.sampling import hash_uniform, sample
 from reference.sampling import Purpose
 from reference.verify import PAD_TOKEN, VerifyResult, assemble_result, check_block_shapes
 
@@ -116,7 +115,7 @@ def _rejection_sample_kernel(
         live = alive & (j < ell) & (x >= 0) & (x < V)
         pd_x = tl.load(draft_row + j * stride_dk + x, mask=live, other=1.0).to(tl.float32)
         pt_x = tl.load(target_row + j * stride_tk + x, mask=live, other=0.0).to(tl.float32)
-        u = _uniform_at(_hash_key(seed_lo, seed_hi, rid, anchor + j + 1, PURPOSE_ACCEPT), 0)
+        u = uniform_at(hash_key(seed_lo, seed_hi, rid, anchor + j + 1, PURPOSE_ACCEPT), 0)
         accepted = live & (u * pd_x <= pt_x)
         n += accepted.to(tl.int64)
         alive = accepted
@@ -124,7 +123,7 @@ def _rejection_sample_kernel(
     # One categorical draw from row n: residual if a verified slot was rejected, bonus otherwise.
     rejected = n < ell
     purpose = tl.where(rejected, PURPOSE_RESIDUAL, PURPOSE_BONUS)
-    key = _hash_key(seed_lo, seed_hi, rid, anchor + n + 1, purpose)
+    key = hash_key(seed_lo, seed_hi, rid, anchor + n + 1, purpose)
     pt_ptr = target_row + n * stride_tk
     pd_ptr = draft_row + tl.minimum(n, gamma - 1) * stride_dk
     pd_len = tl.where(rejected, V, 0)  # p_d is read only for a residual; as a bound, not a scalar mask
@@ -139,9 +138,9 @@ def _rejection_sample_kernel(
         p_t = tl.load(pt_ptr + lanes, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_V]
         p_d = tl.load(pd_ptr + lanes, mask=lanes < pd_len, other=0.0).to(tl.float32)  # [BLOCK_V]
         residual = tl.maximum(p_t - p_d, 0.0)  # [BLOCK_V]
-        e = _exponential_at(key, lanes)  # [BLOCK_V] the same uniforms serve both races
-        res_score, res_index = _race_update(res_score, res_index, residual, e, lanes, mask)
-        pt_score, pt_index = _race_update(pt_score, pt_index, p_t, e, lanes, mask)
+        e = exponential_at(key, lanes)  # [BLOCK_V] the same uniforms serve both races
+        res_score, res_index = race_update(res_score, res_index, residual, e, lanes, mask)
+        pt_score, pt_index = race_update(pt_score, pt_index, p_t, e, lanes, mask)
         res_mass = tl.maximum(res_mass, tl.max(tl.where(mask, residual, 0.0), axis=0))
     last = tl.where(rejected & (res_mass > 0.0), res_index, pt_index)
     _store_result(tokens_ptr, num_accepted_ptr, num_emitted_ptr, draft_tokens_ptr, row, gamma, n, last, BLOCK_G)
@@ -208,8 +207,8 @@ def rejection_sample(
     if not (draft_probs.dtype.is_floating_point and target_probs.dtype.is_floating_point):
         raise ValueError(f"probabilities must be float tensors, got {draft_probs.dtype} and {target_probs.dtype}")
     dev = target_probs.device
-    rid = _per_row_words(request_ids, R, dev, "request_ids")  # [R]
-    anchor = _per_row_words(anchor_positions, R, dev, "anchor_positions")  # [R]
+    rid = per_row_words(request_ids, R, dev, "request_ids")  # [R]
+    anchor = per_row_words(anchor_positions, R, dev, "anchor_positions")  # [R]
     lo, hi = split_seed(seed)
     if resolve_backend(backend, target_probs) == "torch":
         return _rejection_sample_torch(draft_tokens, verify_lens, draft_probs, target_probs, seed, rid, anchor)
@@ -261,7 +260,7 @@ def _greedy_verify_kernel(
                 lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
                 values = tl.load(logits_ptr + row * stride_lr + j * stride_lk + lanes, mask=lanes < V,
                                  other=-float("inf")).to(tl.float32)  # [BLOCK_V]
-                best, best_index = _argmax_update(best, best_index, values, lanes)
+                best, best_index = argmax_update(best, best_index, values, lanes)
             x = tl.load(draft_tokens_ptr + row * gamma + j, mask=j < gamma, other=-1)
             matched = (j < ell) & (x == best_index)
             last = best_index

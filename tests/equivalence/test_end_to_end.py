@@ -1,7 +1,7 @@
 """End to end: ``reference.generate`` and ``optimized.generate`` emit identical tokens and accepted lengths.
 
 Same weights, prompts, seed, mode and cost table; every mode, greedy and seeded sampling, on tiny random
-Llama- and Qwen3-style targets and on SmolLM2 (ARCHITECTURE.md, "The equivalence contract", level 3).
+Llama- and Qwen3-style targets and on SmolLM2 (the equivalence contract, level 3: docs/architecture.md).
 The optimized engine runs its Triton kernels through the interpreter when TRITON_INTERPRET=1 (CI).
 """
 
@@ -10,15 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimized.engine import Engine, EngineConfig
+from optimized.engine import Engine, EngineConfig, SamplingParams
 from optimized.generate import generate as opt_generate
-from optimized.scheduler import SamplingParams
 from reference.config import GenerationConfig, SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
 from reference.generate import generate as ref_generate
 from reference.target import Target
-from tests.conftest import tiny_drafter, tiny_hf_model
+from reference.testing import tiny_drafter, tiny_hf_model
 
 MODES = ["none", "fixed", "dsd", "threshold", "adaptive-sync", "adaptive", "oracle"]
 
@@ -153,7 +152,7 @@ def test_logprobs_are_target_logprobs():
 @pytest.mark.slow
 def test_smollm2_reference_equals_optimized(smollm2_target):
     """The real target and the shipped drafter: greedy fixed-K and seeded sampling with the adaptive policy."""
-    from reference.generate import DEFAULT_DRAFTER, load_or_init_drafter
+    from reference.cli import DEFAULT_DRAFTER, load_or_init_drafter
 
     target = smollm2_target
     drafter = load_or_init_drafter(str(DEFAULT_DRAFTER), target)

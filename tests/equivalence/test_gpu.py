@@ -1,11 +1,11 @@
 """End to end on CUDA: ``reference.generate`` equals the engine with CUDA graphs on and its Triton kernels.
 
-Level 3 of the equivalence contract (ARCHITECTURE.md) on the device, issue 4 "On the GPU": the comparison of
-``test_end_to_end.py`` (its ``_compare``: token ids, per-step accepted and verify lengths, finish reasons) with the
-tiny Llama and Qwen3 targets moved to CUDA in float32 with TF32 off, the engine capturing its verify and draft graphs
-(``enforce_eager=False``) and running every op on its Triton kernel; every mode, greedy and seeded sampling. Then the
-graph path against the eager path of the same engine, token for token, and the GPU equivalence script on CUDA.
-The full-size run on the real target is ``scripts/gpu_equivalence.py`` (``docs/benchmarks/gpu-equivalence.json``).
+Level 3 of the equivalence contract on the device: the comparison of ``test_end_to_end.py`` (its ``_compare``:
+token ids, per-step accepted and verify lengths, finish reasons) with the tiny Llama and Qwen3 targets moved to CUDA
+in float32 with TF32 off, the engine capturing its verify and draft graphs (``enforce_eager=False``) and running every
+op on its Triton kernel; every mode, greedy and seeded sampling. Then the graph path against the eager path of the
+same engine, token for token, and the GPU equivalence script on CUDA. The full-size run on the real target is
+``python -m scripts.gpu_equivalence`` (``docs/benchmarks/gpu-equivalence.json``).
 Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
 
 Every test is marked ``gpu`` and skipped where CUDA is not available.
@@ -14,23 +14,19 @@ Every test is marked ``gpu`` and skipped where CUDA is not available.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # scripts/ is not a package of the project
-
-from optimized.engine import EngineConfig  # noqa: E402
-from optimized.generate import generate as opt_generate  # noqa: E402
-from reference.checkpoint import read_drafter_config  # noqa: E402
-from reference.config import GenerationConfig, SchedulerConfig  # noqa: E402
-from reference.generate import DEFAULT_DRAFTER, load_or_init_drafter  # noqa: E402
-from reference.target import Target, default_gguf_path  # noqa: E402
-from scripts import gpu_equivalence as ge  # noqa: E402
-from tests.equivalence.test_end_to_end import MODES, _compare, _cost  # noqa: E402
+from optimized.engine import EngineConfig
+from optimized.generate import generate as opt_generate
+from reference.checkpoint import read_drafter_config
+from reference.cli import DEFAULT_DRAFTER, load_or_init_drafter
+from reference.config import GenerationConfig, SchedulerConfig
+from reference.target import Target, default_gguf_path
+from scripts import equivalence as ge
+from scripts import gpu_equivalence
+from tests.equivalence.test_end_to_end import MODES, _compare, _cost
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -92,11 +88,11 @@ def test_graphs_equal_eager_token_for_token(temperature):
 
 
 def test_gpu_equivalence_script_on_cuda(tmp_path):
-    """The issue's script, tiny models: graphs on, Triton kernels, every request identical, graphs replayed."""
+    """The equivalence script, tiny models: graphs on, Triton kernels, every request identical, graphs replayed."""
     out = tmp_path / "gpu-equivalence.json"
     argv = ["--tiny", "--device", "cuda", "--modes", "none,fixed:2,dsd,adaptive,oracle", "--max-new-tokens", "12",
             "--json", str(out)]
-    assert ge.main(argv) == 0
+    assert gpu_equivalence.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["graphs"] is True and report["kernel_backend"] == "triton" and report["tf32"] is False
     assert report["complete"] and report["summary"]["counts"]["identical"] == len(report["results"]) == 5 * 2 * 3

@@ -25,7 +25,7 @@ from optimized.models import OptimizedDrafter, OptimizedTarget
 from reference.config import DrafterConfig
 from reference.drafter import DSparkDrafter
 from reference.target import Target
-from tests.conftest import tiny_hf_model
+from reference.testing import tiny_hf_model
 
 ATOL = RTOL = 1e-4
 VOCAB = 96

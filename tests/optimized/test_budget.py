@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from optimized.scheduler import BudgetPlanner
@@ -59,16 +58,15 @@ def test_planner_gate_equals_reference_speculation_pays():
 
 
 def test_engine_gate_average_equals_reference_fold():
-    """The engine folds the gate's moving average for all requests at once, per slot; the floats equal folding each
-    request's rows one by one as the reference does, also when a slot passes to a new request."""
+    """The scheduler's draft gate folds the moving average for all requests at once, per slot; the floats equal
+    folding each request's rows one by one as the reference does, also when a slot passes to a new request."""
     from types import SimpleNamespace
 
-    from optimized.engine import Engine
+    from optimized.scheduler import DraftGate
+    from reference.config import SchedulerConfig
     from reference.scheduler import fold_recent
 
-    engine = Engine.__new__(Engine)  # only the gate's per-slot state is exercised
-    engine._recent = np.full((3, 4), np.nan, dtype=np.float32)
-    engine._recent_count, engine._recent_owner = [0] * 3, [None] * 3
+    gate = DraftGate(SchedulerConfig(mode="adaptive", gate_window=4), gamma=4, max_num_seqs=3, planner=None)
     gen = torch.Generator().manual_seed(0)
     row = lambda: torch.cumprod(torch.rand(4, generator=gen), 0)  # noqa: E731
     seqs = [SimpleNamespace(slot=0, survivals=[]), SimpleNamespace(slot=2, survivals=[row()])]
@@ -84,7 +82,7 @@ def test_engine_gate_average_equals_reference_fold():
     for step in range(6):
         if step == 3:
             seqs[1] = SimpleNamespace(slot=2, survivals=[row()])  # slot 2 changes hands
-        got = engine._recent_survivals(seqs, 4)
+        got = gate.recent_survivals(seqs)
         if all(not s.survivals for s in seqs):
             assert got is None
         else:

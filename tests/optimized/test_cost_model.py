@@ -14,12 +14,11 @@ import torch
 
 from optimized import cost_model
 from optimized.cost_model import cached_profile, fingerprint, profile_engine, profile_engine_cost_table, spread_sizes
-from optimized.engine import Engine, EngineConfig
-from optimized.scheduler import SamplingParams
+from optimized.engine import Engine, EngineConfig, SamplingParams
 from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
 from reference.target import Target
-from tests.conftest import tiny_drafter, tiny_hf_model
+from reference.testing import tiny_drafter, tiny_hf_model
 
 GAMMA = 4
 
@@ -51,12 +50,12 @@ def test_spread_sizes_keeps_ends_and_buckets():
 
 def test_profile_on_cpu_is_monotone_and_covers_the_buckets(models):
     engine = _engine(models)
-    table = profile_engine(engine, context_len=16, repeats=2, warmup=1, progress=False)
+    table = profile_engine(engine.runner, context_len=16, repeats=2, warmup=1, progress=False)
     sizes = sorted(table.verify_ms)
     # The largest bucket is (γ+1)·max_num_seqs = 20 tokens: always measured, and it bounds the graph region.
     assert sizes[0] == 1 and sizes[-1] == 20 == table.graph_max_tokens
     assert len(sizes) <= cost_model.EAGER_MAX_SIZES["cpu"]
-    assert set(sizes) <= set(engine.verify_graphs.sizes)
+    assert set(sizes) <= set(engine.runner.verify_graphs.sizes)
     assert sorted(table.draft_ms) == [1, 2, 3, 4]
     for curve in (table.verify_ms, table.draft_ms):
         values = [curve[k] for k in sorted(curve)]
@@ -81,7 +80,7 @@ def test_profile_on_cpu_is_monotone_and_covers_the_buckets(models):
 
 def test_profile_engine_without_drafter(models):
     engine = _engine(models, max_num_seqs=3, mode="none")
-    table = profile_engine(engine, context_len=8, repeats=1, warmup=0, progress=False)
+    table = profile_engine(engine.runner, context_len=8, repeats=1, warmup=0, progress=False)
     # Without drafts a step carries one token per request: sizes past 3 are never profiled (nor run).
     assert table.draft_ms == {} and sorted(table.verify_ms) == [1, 2, 3]
 
@@ -96,24 +95,24 @@ def test_cache_hit_then_invalidated_by_a_setting(models, tmp_path, monkeypatch):
 
     monkeypatch.setattr(cost_model, "profile_engine", counting)
     engine = _engine(models)
-    first = cached_profile(engine, cache_dir=tmp_path, context_len=16, repeats=1, recheck=False, progress=False)
+    first = cached_profile(engine.runner, cache_dir=tmp_path, context_len=16, repeats=1, recheck=False, progress=False)
     files = list(tmp_path.glob("*.json"))
     assert len(calls) == 1 and len(files) == 1
     assert json.loads(files[0].read_text())["meta"]["fingerprint"] == files[0].stem
-    second = cached_profile(engine, cache_dir=tmp_path, context_len=16, repeats=1, recheck=False, progress=False)
+    second = cached_profile(engine.runner, cache_dir=tmp_path, context_len=16, repeats=1, recheck=False, progress=False)
     assert len(calls) == 1, "second call must be a cache hit"
     assert second.verify_ms == first.verify_ms and second.draft_ms == first.draft_ms  # read back exactly
     # Another setting (max_num_seqs, context length) is another fingerprint: profiled again, cached separately.
-    cached_profile(_engine(models, max_num_seqs=2), cache_dir=tmp_path, context_len=16, repeats=1, recheck=False,
+    cached_profile(_engine(models, max_num_seqs=2).runner, cache_dir=tmp_path, context_len=16, repeats=1, recheck=False,
                    progress=False)
-    cached_profile(engine, cache_dir=tmp_path, context_len=8, repeats=1, recheck=False, progress=False)
+    cached_profile(engine.runner, cache_dir=tmp_path, context_len=8, repeats=1, recheck=False, progress=False)
     assert len(calls) == 3 and len(list(tmp_path.glob("*.json"))) == 3
-    assert fingerprint(engine, 16)[0] != fingerprint(engine, 8)[0]
+    assert fingerprint(engine.runner, 16)[0] != fingerprint(engine.runner, 8)[0]
 
 
 def test_recheck_detects_a_stale_table(models, tmp_path, monkeypatch):
     engine = _engine(models)
-    table = cached_profile(engine, cache_dir=tmp_path, context_len=16, repeats=1, recheck=False, progress=False)
+    table = cached_profile(engine.runner, cache_dir=tmp_path, context_len=16, repeats=1, recheck=False, progress=False)
     path = next(tmp_path.glob("*.json"))
     # A table measured on a 100× slower machine: far outside any timing noise, so the re-check must reject it.
     stale = CostTable({n: v * 100 for n, v in table.verify_ms.items()}, table.draft_ms, table.graph_max_tokens,
@@ -121,7 +120,7 @@ def test_recheck_detects_a_stale_table(models, tmp_path, monkeypatch):
     stale.save(path)
     calls = []
     monkeypatch.setattr(cost_model, "profile_engine", lambda *a, **k: calls.append(1) or table)
-    fresh = cached_profile(engine, cache_dir=tmp_path, context_len=16, repeats=1, progress=False)
+    fresh = cached_profile(engine.runner, cache_dir=tmp_path, context_len=16, repeats=1, progress=False)
     assert calls == [1] and fresh.verify_ms == table.verify_ms
     assert CostTable.load(path).verify_ms == table.verify_ms  # the stale file was replaced
 
@@ -137,5 +136,6 @@ def test_profile_engine_cost_table_entry_point(models, tmp_path):
 def test_profiling_refuses_a_busy_engine(models):
     engine = _engine(models)
     engine.add_request([3, 4], None)
+    engine.step()  # the request now holds a slot
     with pytest.raises(RuntimeError, match="idle"):
-        profile_engine(engine, progress=False)
+        profile_engine(engine.runner, progress=False)

@@ -20,7 +20,7 @@ from reference.config import GenerationConfig, SchedulerConfig
 from reference.cost_model import CostTable
 from reference.generate import generate, main
 from reference.target import Target
-from tests.conftest import tiny_drafter, tiny_hf_model
+from reference.testing import tiny_drafter, tiny_hf_model
 
 MODES = ["none", "fixed", "dsd", "threshold", "adaptive-sync", "adaptive", "oracle"]
 
@@ -157,7 +157,7 @@ def test_smollm2_greedy_identical_across_modes(smollm2_target):
     The CPU here streams the 135M weights at a few GB/s, so each verify step costs ~0.4 s: one prompt and
     eight tokens keep the whole mode matrix near a minute.
     """
-    from reference.generate import DEFAULT_DRAFTER, load_or_init_drafter
+    from reference.cli import DEFAULT_DRAFTER, load_or_init_drafter
 
     target = smollm2_target
     drafter = load_or_init_drafter(str(DEFAULT_DRAFTER), target)

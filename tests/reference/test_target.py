@@ -16,7 +16,7 @@ import torch
 
 from reference.config import default_target_layer_ids
 from reference.target import INSTALL_HINT, Target, build_cache_dir
-from tests.conftest import tiny_hf_model
+from reference.testing import tiny_hf_model
 
 ATOL = 1e-5  # fp32, see the module docstring
 

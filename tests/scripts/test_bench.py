@@ -1,6 +1,6 @@
 """The benchmark scripts end to end on the CPU: ``scripts/bench_engine.py`` and ``scripts/bench_kernels.py``.
 
-A tiny random target and drafter stand in for SmolLM2 (no download). The engine benchmark must write the issue's
+A tiny random target and drafter stand in for SmolLM2 (no download). The engine benchmark must write its
 JSON schema and its plot, emit exactly the requested tokens in every configuration, and stop cleanly on its time
 budget; the kernel benchmark must cover every op, and under the Triton interpreter its two backends must agree.
 Names follow ``docs/method.md`` (``τ`` emitted tokens per verify step, ``ℓ`` verify length).
@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from reference.cost_model import CostTable
+from reference.target import Target
+from reference.testing import tiny_drafter, tiny_hf_model
+from scripts import bench_engine, bench_kernels
+from scripts.benchmarking import parse_mode
 
-from reference.cost_model import CostTable  # noqa: E402
-from reference.target import Target  # noqa: E402
-from scripts import bench_engine, bench_kernels  # noqa: E402
-from tests.conftest import tiny_drafter, tiny_hf_model  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 GAMMA = 4
 PROMPTS = [[5, 6, 7, 8], [9, 2], [3, 3, 4, 10, 11, 12]]
@@ -88,12 +88,12 @@ def test_bench_engine_time_budget_leaves_partial_results(models, tmp_path):
 
 
 def test_parse_mode_rejects_bad_specs():
-    assert bench_engine.parse_mode("fixed:3", 7) == ("fixed", 3)
-    assert bench_engine.parse_mode("fixed", 5) == ("fixed", 5)
-    assert bench_engine.parse_mode("adaptive", 7) == ("adaptive", None)
+    assert parse_mode("fixed:3", 7) == ("fixed", 3)
+    assert parse_mode("fixed", 5) == ("fixed", 5)
+    assert parse_mode("adaptive", 7) == ("adaptive", None)
     for bad in ("fixed:8", "fixed:x", "dsd:2", "oracle", "fast"):
         with pytest.raises(ValueError, match="mode"):
-            bench_engine.parse_mode(bad, 7)
+            parse_mode(bad, 7)
 
 
 def test_bench_kernels_all_ops_on_cpu(tmp_path):

@@ -1,4 +1,5 @@
-"""``scripts/gpu_equivalence.py`` on the CPU: the tiny run end to end, and the divergence analysis on constructed cases.
+"""The equivalence harness on the CPU (``scripts/equivalence.py`` and its command line ``scripts/gpu_equivalence.py``):
+the tiny run end to end, and the divergence analysis on constructed cases.
 
 On a CPU in float32 the two loops agree exactly, so the analysis never runs in the end-to-end test; here it is driven
 by hand. A reference run is "compared" against a copy of itself edited at one step, and the classification must
@@ -13,23 +14,19 @@ from __future__ import annotations
 import copy
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from reference.config import GenerationConfig, SchedulerConfig  # noqa: E402
-from reference.cost_model import CostTable  # noqa: E402
-from reference.generate import GenerationResult  # noqa: E402
-from reference.generate import generate as ref_generate  # noqa: E402
-from reference.sampling import sample  # noqa: E402
-from reference.target import Target  # noqa: E402
-from scripts import gpu_equivalence as ge  # noqa: E402
-from tests.conftest import tiny_drafter, tiny_hf_model  # noqa: E402
+from reference.config import GenerationConfig, SchedulerConfig
+from reference.cost_model import CostTable
+from reference.generate import GenerationResult
+from reference.generate import generate as ref_generate
+from reference.sampling import sample
+from reference.target import Target
+from reference.testing import tiny_drafter, tiny_hf_model
+from scripts import equivalence as ge
+from scripts import gpu_equivalence
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -64,7 +61,7 @@ def test_tiny_run_writes_the_schema_and_finds_every_request_identical(tmp_path):
     out = tmp_path / "ge.json"
     argv = ["--tiny", "--device", "cpu", "--modes", "fixed:2,threshold,adaptive", "--temperatures", "0,1",
             "--max-new-tokens", "8", "--kernel-backend", "torch", "--json", str(out)]
-    assert ge.main(argv) == 0
+    assert gpu_equivalence.main(argv) == 0
     report = json.loads(out.read_text())
     for key in ("hardware", "command", "model", "drafter", "dtype", "graphs", "kernel_backend", "cost_table",
                 "tie_threshold", "results", "summary", "complete", "wall_s"):

@@ -152,8 +152,7 @@ def test_eval_prompts_are_held_out_and_cover_three_domains(tmp_path):
 
 
 def test_engine_generation_equals_one_by_one_greedy_decoding():
-    from optimized.engine import Engine, EngineConfig
-    from optimized.scheduler import SamplingParams
+    from optimized.engine import Engine, EngineConfig, SamplingParams
     from reference.config import SchedulerConfig
 
     model = _tiny_llama()

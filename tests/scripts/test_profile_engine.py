@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from reference.target import Target  # noqa: E402
-from scripts import profile_engine  # noqa: E402
-from tests.conftest import tiny_drafter, tiny_hf_model  # noqa: E402
+from reference.target import Target
+from reference.testing import tiny_drafter, tiny_hf_model
+from scripts import profile_engine
 
 PROMPTS = [[5, 6, 7, 8], [9, 2], [3, 3, 4, 10, 11, 12]]
 

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Another training round on the same warm machine as scripts/gpu/session.sh (its data in /tmp/sd): several arms side
-# by side on the GPU with STEPS2 steps each (same data, seed and step count), then STS calibration of the arms to
-# ship and τ of every arm at T = 0 and T = 1. Results in $RES (bring back with PACK=res2 scripts/gpu/pack.sh).
+# The drafter arms side by side on one H200 (docs/benchmarks/training.json, acceptance.json, calibration*.json and the
+# shipped checkpoints), on the data scripts/reproduce/drafters_h200.sh generated (/tmp/sd): several arms with STEPS2
+# steps each (same data, seed and step count), then STS calibration of the arms to ship and τ of every arm at T = 0
+# and T = 1. Results in $RES (bring back with PACK=res2 scripts/reproduce/pack_results.sh).
 #
 # Side by side is not slower per arm here: on an H200 one arm alone ran at ~4 steps/s and three together at
 # ~2.9 steps/s each (2026-11-29), because a step of this small drafter is bound by launches and host work, not by
 # the GPU. The shipped drafters are the default ARMS with STEPS2=1000 (about 6 minutes):
-#   cd /tmp/work && STEPS2=1000 setsid nohup bash scripts/gpu/phase2.sh > /tmp/phase2.log 2>&1 &
+#   cd /tmp/work && STEPS2=1000 setsid nohup bash scripts/reproduce/drafter_arms_h200.sh > /tmp/arms.log 2>&1 &
 #
 # ARMS is a ';'-separated list of NAME=TRAIN_DRAFTER_ARGS (each run gets the common arguments below first, so an
 # arm's own arguments override them). A backbone-depth / Markov-rank sweep, for example:
 #   ARMS="l1=--head markov --num-layers 1;l2=--head markov;l3=--head markov --num-layers 3;\
-#   r32=--head markov --markov-rank 32;r128=--head markov --markov-rank 128" SHIP="" bash scripts/gpu/phase2.sh
+#   r32=--head markov --markov-rank 32;r128=--head markov --markov-rank 128" SHIP="" \
+#   bash scripts/reproduce/drafter_arms_h200.sh
 # SHIP lists NAME:CHECKPOINT_NAME pairs to calibrate and copy to $RES/ship (empty: calibrate nothing).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 4 on one lent H200 (≈ 12 min): where a step's time goes (with and without the fused layer ops), the kernels
-# alone on the GPU, the engine benchmark with the shipped drafter, and the rest of the GPU equivalence suite. Run on a
-# copy of the repo after staging the model (../shared/gpu/README.md), in the background, and collect with
-# scripts/gpu/pack.sh:
+# The engine results on one H200 (≈ 12 min): where a step's time goes (docs/benchmarks/profile-h200-*.json, with and
+# without the fused layer ops), the kernels alone on the GPU (kernels-h200.json), the engine benchmark with the shipped
+# drafter (engine-h200.json), and the GPU equivalence run of the remaining modes. Run on a copy of the repo with the
+# target and ShareGPT staged under /tmp/stage, in the background, and collect with scripts/reproduce/pack_results.sh:
 #
-#   cp -a . /tmp/work && cd /tmp/work && setsid nohup bash scripts/gpu/engine_session.sh > /tmp/session.log 2>&1 &
+#   cp -a . /tmp/work && cd /tmp/work && setsid nohup bash scripts/reproduce/engine_h200.sh > /tmp/run.log 2>&1 &
 #
 # PARTS picks what runs: "timed" (profiles, kernels, engine benchmark: they need the GPU to themselves), "checks"
 # (GPU equivalence and the gpu-marked tests: timing-free, they may share the GPU), or both (the default). Every step
@@ -17,7 +17,7 @@ SHAREGPT=${SHAREGPT:-/tmp/stage/sharegpt.json.gz}
 DRAFTER=${DRAFTER:-checkpoints/smollm2-135m-instruct-dspark}
 BENCH_S=${BENCH_S:-300}
 RES=/tmp/res
-read -r -a PROFILE_EXTRA <<< "${PROFILE_EXTRA:-}"  # appended to every profile_engine.py call (dry runs)
+read -r -a PROFILE_EXTRA <<< "${PROFILE_EXTRA:-}"  # appended to every profile_engine call (dry runs)
 read -r -a BENCH_EXTRA <<< "${BENCH_EXTRA:-}"
 read -r -a GE_EXTRA <<< "${GE_EXTRA:-}"
 read -r -a KB_EXTRA <<< "${KB_EXTRA:-}"
@@ -37,27 +37,27 @@ for cfg in "none 1 default" "none 1 torch" "fixed:3 1 default" "fixed:3 1 torch"
   set -- $cfg
   name="${1/:/}-b$2$([ "$3" = torch ] && echo -unfused)"
   layer=(); [ "$3" = torch ] && layer=(--layer-backend torch)
-  timeout 120 python scripts/profile_engine.py --model "$MODEL" --drafter "$DRAFTER" --sharegpt-file "$SHAREGPT" \
+  timeout 120 python -m scripts.profile_engine --model "$MODEL" --drafter "$DRAFTER" --sharegpt-file "$SHAREGPT" \
     --mode "$1" --batch-size "$2" "${layer[@]}" --out "$RES/profile-$name.json" "${PROFILE_EXTRA[@]}" \
     > "$RES/logs/profile-$name.log" 2>&1
   stamp "profile $name (rc $?): $(grep -m1 '^step' "$RES/logs/profile-$name.log")"
 done
 
-# 2. The kernels alone on the GPU (the committed kernels-h200.json shared the GPU with four other processes).
-timeout ${KB_S:-180} python scripts/bench_kernels.py --op all --out $RES/kernels-h200.json "${KB_EXTRA[@]}" \
+# 2. The kernels alone on the GPU.
+timeout ${KB_S:-180} python -m scripts.bench_kernels --op all --out $RES/kernels-h200.json "${KB_EXTRA[@]}" \
   > $RES/logs/bench_kernels.log 2>&1
 stamp "bench_kernels (rc $?)"
 
 # 3. The engine benchmark with the shipped drafter, HF generate at every batch size included.
-timeout $((BENCH_S + 90)) python scripts/bench_engine.py --model "$MODEL" --sharegpt-file "$SHAREGPT" \
+timeout $((BENCH_S + 90)) python -m scripts.bench_engine --model "$MODEL" --sharegpt-file "$SHAREGPT" \
   --drafter "$DRAFTER" --time-budget-s "$BENCH_S" --out $RES/engine-h200.json "${BENCH_EXTRA[@]}" \
   > $RES/logs/bench_engine.log 2>&1
 stamp "bench_engine (rc $?)"
 fi
 
 [[ " $PARTS " == *" checks "* ]] || exit 0
-# 4. The modes the 2026-11-29 GPU equivalence run did not reach, then the gpu-marked tests to the end.
-timeout 300 python scripts/gpu_equivalence.py --model "$MODEL" --drafter "$DRAFTER" --device cuda --limit 6 \
+# 4. The modes a time-limited GPU equivalence run of all modes may not reach, then the gpu-marked tests to the end.
+timeout 300 python -m scripts.gpu_equivalence --model "$MODEL" --drafter "$DRAFTER" --device cuda --limit 6 \
   --max-new-tokens 48 --modes dsd,threshold,adaptive-sync,oracle --time-budget-s 240 \
   --json $RES/gpu-equivalence-rest.json "${GE_EXTRA[@]}" > $RES/logs/gpu_equivalence.log 2>&1
 stamp "gpu_equivalence (rc $?)"

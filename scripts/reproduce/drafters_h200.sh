@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issues 3 and 4 in one lent GPU session, on 1 or 2 H200s (ideally the 2-GPU kind): self-distilled data, the four
-# training arms with the same data / seed / step count, calibration, τ per arm, the GPU equivalence run, the engine
-# benchmark and the kernel benchmark. Started once, in the background, on a copy of the repo:
+# The drafters from scratch on 1 or 2 H200s (two is faster): self-distilled data, the four training arms with the same
+# data / seed / step count, calibration, τ per arm, the GPU equivalence run, the engine benchmark and the kernel
+# benchmark. Started once, in the background, on a copy of the repo:
 #
-#   cp -a . /tmp/work && cd /tmp/work && setsid nohup bash scripts/gpu/session.sh > /tmp/session.log 2>&1 &
+#   cp -a . /tmp/work && cd /tmp/work && setsid nohup bash scripts/reproduce/drafters_h200.sh > /tmp/run.log 2>&1 &
 #
-# and collected by scripts/gpu/pack.sh (any number of times: each call packs what is finished so far).
-# The model and ShareGPT must be staged first (../shared/gpu/README.md). Budgets (seconds) are env overrides.
+# and collected by scripts/reproduce/pack_results.sh (any number of times: each call packs what is finished so far).
+# The model and ShareGPT must be staged under /tmp/stage first. Budgets (seconds) are env overrides.
 #
 # Layout: /tmp/sd (data), /tmp/runs/<arm> (training runs), /tmp/res (small results to bring back),
 # /tmp/res/ship/<name> (calibrated checkpoints to ship), /tmp/res/timeline.txt (what ran when, on which GPU).
@@ -109,7 +109,7 @@ calibrate() {  # calibrate GPU ARM SHIPNAME: STS on held-out proposals, then a c
   stamp "calibrated $arm -> ship/$name: $(grep -i 'ece' $RES/logs/calibrate-$arm.log | tail -n 2 | tr '\n' ' ' | cut -c1-200)"
 }
 
-# 3. Arm 1 first: its calibrated checkpoint is the drafter the engine work of issue 4 measures with.
+# 3. Arm 1 first: its calibrated checkpoint is the drafter the engine measurements use.
 arm1() {
   train $1 markov --head markov
   calibrate $1 markov smollm2-135m-instruct-dspark
@@ -117,11 +117,11 @@ arm1() {
 }
 engine_work() {  # engine_work GPU: the engine benchmark (alone on its GPU), the GPU equivalence run, gpu tests
   stamp "bench_engine"
-  on $1 timeout $((BENCH_S + 60)) python scripts/bench_engine.py --model "$MODEL" --sharegpt-file "$SHAREGPT" \
+  on $1 timeout $((BENCH_S + 60)) python -m scripts.bench_engine --model "$MODEL" --sharegpt-file "$SHAREGPT" \
     --drafter checkpoints/smollm2-135m-instruct-dspark --time-budget-s "$BENCH_S" --cost-cache-dir /tmp/costcache \
     --out $RES/engine-h200.json "${BENCH_EXTRA[@]}" > $RES/logs/bench_engine.log 2>&1
   stamp "bench_engine done (rc $?)"
-  on $1 timeout $((GE_S + 40)) python scripts/gpu_equivalence.py --model "$MODEL" \
+  on $1 timeout $((GE_S + 40)) python -m scripts.gpu_equivalence --model "$MODEL" \
     --drafter checkpoints/smollm2-135m-instruct-dspark --device cuda --limit 6 --max-new-tokens 48 \
     --time-budget-s "$GE_S" --json $RES/gpu-equivalence.json "${GE_EXTRA[@]}" > $RES/logs/gpu_equivalence.log 2>&1
   stamp "gpu_equivalence done (rc $?)"
@@ -150,7 +150,7 @@ lane1() {
     stamp "skip the RNN arm: $(left) s left before the deadline"
   fi
   stamp "bench_kernels"
-  on $g timeout 150 python scripts/bench_kernels.py --out $RES/kernels-h200.json "${KB_EXTRA[@]}" > $RES/logs/bench_kernels.log 2>&1
+  on $g timeout 150 python -m scripts.bench_kernels --out $RES/kernels-h200.json "${KB_EXTRA[@]}" > $RES/logs/bench_kernels.log 2>&1
   stamp "bench_kernels done (rc $?)"
 }
 

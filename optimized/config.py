@@ -1,0 +1,38 @@
+"""The engine's start-up configuration: sizes and switches fixed for its life (static caches, CUDA-graph buckets).
+
+A separate type from the scheduling policy (``reference.config.SchedulerConfig``), which may change between runs
+(``Engine.set_scheduler``), and from the per-request ``SamplingParams`` (``optimized/sequence.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass
+class EngineConfig:
+    """Sizes fixed at start-up (static caches and CUDA-graph buckets depend on them)."""
+
+    max_num_seqs: int = 64  # slots of the static KV caches = the largest decoding batch
+    max_seq_len: int = 2048  # positions per slot (prompt + output + γ scratch for the drafter block)
+    prefill_chunk: int = 8192  # prompt tokens per step over all prefilling requests (chunked prefill)
+    enforce_eager: bool = False  # True: no CUDA graphs (the same code path, launched eagerly)
+    kernel_backend: str = "auto"  # "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch"
+    # The element-wise layer ops (RMSNorm, RoPE + KV append, SiLU·up; optimized/kernels/layer_ops.py): None follows
+    # kernel_backend; "torch" keeps the unfused HF-rounding ops on CUDA too (to measure what the fusion buys).
+    layer_backend: str | None = None
+    seed: int = 0  # root of the random-number contract (reference/sampling.py)
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.kernel_backend not in BACKENDS:
+            raise ValueError(f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}")
+        if self.layer_backend is not None and self.layer_backend not in BACKENDS:
+            raise ValueError(f"layer_backend must be None, auto, triton or torch, got {self.layer_backend!r}")
+        if self.max_num_seqs < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1:
+            raise ValueError("max_num_seqs, max_seq_len and prefill_chunk must be positive")

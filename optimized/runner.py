@@ -1,0 +1,432 @@
+"""The model runner: the engine's device side — static caches, CUDA graphs, and the prefill / verify / draft stages.
+
+The same method as ``reference/generate.py`` (docs/method.md §1–§5), batched on the device. Three stages, each one
+public method that takes host objects in (sequences, a :class:`optimized.scheduler.StepPlan`) and gives host lists
+back:
+
+    prefill   prompt chunks through the target (eager, never in a decode graph); finished prompts sample their first
+              token and append their features to the drafter context
+    verify    one varlen target forward over [x_0, x_1..x_ℓ] of every decoding request (CUDA graph per token bucket;
+              the graph also appends the verified features to the drafter context), ℓ_r = top-B of the *current*
+              survivals on the device (or the plan's lengths), then rejection sampling, then the one token read
+    draft     backbone over [x_0, M, …, M]; fused sequential-head sampling + confidence; STS → survivals for the next
+              step (one graph per request bucket for the Markov head)
+
+Every per-request length, offset and position is derived on the device from device tensors. The host holds totals
+only (the number of decoding requests, the budget B). The single host↔device synchronisation per step is the read of
+the emitted tokens (named below); the synchronous policies add the read of the current survivals.
+
+Profiling and warm-up run the same stages on placeholder requests (:meth:`ModelRunner.dummy_verify`,
+:meth:`ModelRunner.dummy_draft`, :meth:`ModelRunner.warmup`); ``optimized/cost_model.py`` times them.
+
+Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from optimized.config import EngineConfig
+from optimized.graphs import GraphRunner, StaticBuffers, bucket_sizes
+from optimized.kernels.allocate import allocate_top_b
+from optimized.kernels.draft_head import sample_block
+from optimized.kernels.layout import verify_layout
+from optimized.kernels.sampling import sample
+from optimized.kernels.verify import rejection_sample
+from optimized.models.drafter import OptimizedDrafter
+from optimized.models.target import OptimizedTarget
+from optimized.scheduler import PrefillChunk, StepPlan
+from optimized.sequence import SamplingParams, Sequence, Status
+from reference.calibration import biases_for, temperatures_for
+from reference.config import SchedulingMode
+from reference.drafter import DSparkDrafter
+from reference.sampling import Purpose, logits_to_probs
+from reference.target import Target
+
+log = logging.getLogger("dspark.runner")
+
+# Placeholder requests of the warm-up: how many prompt tokens each carries. 72 > 64 so that a chunk spans more than
+# one 64-row query tile of the attention kernel (its tile choice depends on the chunk length), as long prompts do.
+WARMUP_PROMPT_LEN = 72
+
+
+@dataclass
+class StageOutput:
+    """What a prefill or verify stage emitted, on the host: one entry per sequence, in the order given."""
+
+    seqs: list[Sequence]
+    tokens: list[list[int]]  # emitted tokens (the first token after a prompt; accepted drafts + 1 after a verify)
+    logprobs: list[list[float]] | None  # log p_t of each emitted token (None: nobody asked for them)
+    verified: list[int] | None = None  # verify only: ℓ of each request (oracle: the accepted prefix + 1, ≤ γ)
+    num_tokens: int = 0  # verify only: N = R + Σℓ, the unpadded tokens of the verify forward
+
+
+class ModelRunner:
+    """Static caches over ``max_num_seqs`` slots, the graphs, and the stages of a step."""
+
+    def __init__(self, target: Target, drafter: DSparkDrafter | None, config: EngineConfig) -> None:
+        """Args:
+            target: the reference target (its weights are read, never copied where they can be shared).
+            drafter: the reference drafter, or None (no speculation: every verify carries the anchor alone).
+            config: sizes and backends fixed for the runner's life.
+        """
+        self.config = config
+        self.device = torch.device(config.device)
+        self.reference_target, self.ref_drafter = target, drafter
+        self.gamma = drafter.config.block_size if drafter is not None else 0  # γ: drafts per request and step
+        self.vocab = target.vocab_size
+        # Static caches: max_num_seqs slots (+ a trash slot the models add for padding writes).
+        self.target = OptimizedTarget(target, attention_backend=config.kernel_backend,
+                                      layer_backend=config.layer_backend)
+        self.target.allocate_cache(config.max_num_seqs, config.max_seq_len)
+        self.drafter = None
+        if drafter is not None:
+            self.drafter = OptimizedDrafter(drafter, attention_backend=config.kernel_backend,
+                                            layer_backend=config.layer_backend)
+            self.drafter.allocate_cache(config.max_num_seqs, config.max_seq_len)
+            self.sts = {mode: torch.tensor(temperatures_for(drafter.config, mode), device=self.device)
+                        for mode in ("greedy", "sampling")}
+            # b = 0 for a mode calibrated without biases: adding +0.0 leaves every float as the reference has it
+            self.sts_bias = {mode: torch.tensor(biases_for(drafter.config, mode) or [0.0] * self.gamma,
+                                                device=self.device) for mode in ("greedy", "sampling")}
+        self._alloc_state(config.max_num_seqs)
+        self._owner: list[Sequence | None] = [None] * config.max_num_seqs  # the request whose state a slot holds
+        self._placeholders_cache: tuple[int, list[Sequence]] | None = None  # (context length, placeholder sequences)
+        self._capture_graphs()
+
+    # ------------------------------------------------------------------------------------------------ start-up
+
+    def _alloc_state(self, slots: int) -> None:
+        dev, g = self.device, self.gamma
+        self.anchor = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] x_0 of each slot
+        self.anchor_pos = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] its absolute position
+        self.draft_tokens = torch.zeros(slots, g, dtype=torch.long, device=dev)  # [S, γ]
+        self.draft_probs = torch.zeros(slots, g, self.vocab, dtype=torch.float32, device=dev)  # [S, γ, V]
+        self.survival = torch.zeros(slots, g, dtype=torch.float32, device=dev)  # [S, γ] calibrated a_k
+        self.request_id = torch.zeros(slots, dtype=torch.long, device=dev)  # [S]
+        self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)  # [S]
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)  # [S]
+        self.top_k = torch.zeros(slots, dtype=torch.long, device=dev)  # [S]
+
+    def _capture_graphs(self) -> None:
+        """One verify graph per token bucket and one draft graph per request bucket (CUDA only): all capture here."""
+        cfg, g = self.config, self.gamma
+        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        max_tokens = cfg.max_num_seqs * (g + 1)  # every request verifies its anchor and at most γ drafts
+        self.buffers = StaticBuffers(cfg.max_num_seqs, max_tokens, self.device, self.target.lm_head.shape[0])
+        self.max_q_len = g + 1
+        b = self.buffers
+
+        def verify_fn(n: int):
+            logits, features = self.target.forward(b.input_ids[:n], b.positions[:n], b.cu, b.kv_lens, b.slot_ids,
+                                                   None, max_q_len=self.max_q_len, logits_out=b.logits[:n])
+            if self.drafter is not None:  # the features of every verified token go to the drafter context
+                self.drafter.append_context(features, b.positions[:n], b.token_slot[:n])
+            return (logits,)
+
+        # The Markov head's sampling kernels read only device tensors, so the whole drafter stage — backbone, fused
+        # head, STS survivals — is one graph. The RNN and parallel-only heads run the reference loop after it.
+        self.head_in_graph = self.drafter is not None and self.ref_drafter.config.head == "markov"
+
+        def draft_fn(r: int):
+            h = self.drafter.backbone(b.anchor_ids[:r], b.anchor_pos[:r], b.draft_slots[:r])
+            if not self.head_in_graph:
+                return (h,)
+            temperature = b.draft_temperature[:r]
+            out = sample_block(self.ref_drafter, h, b.anchor_ids[:r], b.anchor_pos[:r], temperature,
+                               self.config.seed, b.draft_request_id[:r], backend=self.config.kernel_backend)
+            return out.tokens, out.probs, self._survival(out.conf_logits, temperature)
+
+        self.verify_graphs = GraphRunner("verify", verify_fn, bucket_sizes(max_tokens), use_graphs)
+        self.verify_graphs.capture()
+        self.draft_graphs = None
+        if self.drafter is not None:
+            self.draft_graphs = GraphRunner("draft", draft_fn, bucket_sizes(cfg.max_num_seqs), use_graphs,
+                                            pool=self.verify_graphs.pool)
+            try:
+                self.draft_graphs.capture()
+            except RuntimeError as err:  # keep serving: the head then runs eagerly after the backbone graph
+                if not self.head_in_graph:
+                    raise
+                log.warning("capturing the draft head failed (%s); the head runs outside the draft graph", err)
+                self.head_in_graph = False
+                torch.cuda.synchronize()  # sync: start-up capture, off the step loop
+                self.draft_graphs = GraphRunner("draft", draft_fn, bucket_sizes(cfg.max_num_seqs), use_graphs,
+                                                pool=self.verify_graphs.pool)
+                self.draft_graphs.capture()
+
+    @property
+    def uses_graphs(self) -> bool:
+        """Whether verify steps replay captured CUDA graphs (False on CPU or with ``enforce_eager``)."""
+        return bool(self.verify_graphs.graphs)
+
+    @property
+    def idle(self) -> bool:
+        """No request's state lives in the slots (dummy steps would overwrite it)."""
+        return all(s is None or s.finished for s in self._owner)
+
+    # ------------------------------------------------------------------------------------------------ stages
+
+    def prefill(self, chunks: list[PrefillChunk]) -> StageOutput:
+        """Run prompt chunks; sequences whose prompt completes get their first token (a bonus draw).
+
+        A sequence's first chunk loads its sampling parameters into its slot.
+        """
+        dev = self.device
+        tokens, positions, cu, kv_lens, slots, last_rows, done = [], [], [0], [], [], [], []
+        for seq, start, n in chunks:
+            if start == 0:
+                self._bind(seq)
+            tokens += seq.prompt_ids[start:start + n]
+            positions += range(start, start + n)
+            cu.append(cu[-1] + n)
+            kv_lens.append(start + n)
+            slots.append(seq.slot)
+            if start + n == len(seq.prompt_ids):
+                last_rows.append(cu[-1] - 1)
+                done.append(seq)
+        tok = torch.tensor(tokens, dtype=torch.long, device=dev)  # [N]
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)  # [N]
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)  # [R+1]
+        kv_t = torch.tensor(kv_lens, dtype=torch.int32, device=dev)  # [R]
+        slot_t = torch.tensor(slots, dtype=torch.int32, device=dev)  # [R]
+        rows = torch.tensor(last_rows, dtype=torch.long, device=dev)  # [M]
+        logits, features = self.target.forward(tok, pos, cu_t, kv_t, slot_t, logits_rows=rows)  # [M, V], [N, m*d]
+        if self.drafter is not None:
+            slot_of_token = torch.repeat_interleave(slot_t.long(), torch.diff(cu_t).long())  # [N]
+            self.drafter.append_context(features, pos, slot_of_token)
+        if not done:
+            return StageOutput([], [], None)
+        done_slots = torch.tensor([s.slot for s in done], dtype=torch.long, device=dev)
+        p_t = logits_to_probs(logits, self.temperature[done_slots], self.top_p[done_slots], self.top_k[done_slots])
+        positions_first = torch.tensor([len(s.prompt_ids) for s in done], dtype=torch.long, device=dev)
+        first = sample(p_t, self.config.seed, self.request_id[done_slots], positions_first, int(Purpose.BONUS),
+                       backend=self.config.kernel_backend)
+        logp = torch.log(p_t.gather(1, first[:, None]))[:, 0]
+        self.anchor[done_slots] = first
+        self.anchor_pos[done_slots] = positions_first
+        # sync: the first token is streamed and checked for EOS on the host.
+        first_host, logp_host = first.tolist(), logp.tolist()  # sync: first tokens (prefill step only)
+        return StageOutput(done, [[t] for t in first_host], [[lp] for lp in logp_host])
+
+    def current_survivals(self, seqs: list[Sequence]) -> torch.Tensor:
+        """``[R, γ]`` host copy of the survivals of the drafts ``seqs`` hold now, for a synchronous policy."""
+        rows = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
+        # sync: threshold and adaptive-sync are synchronous by definition (the paper's Algorithm 1 reads the current a).
+        return self.survival[rows].cpu()  # sync: synchronous policies only (see above)
+
+    def verify(self, plan: StepPlan) -> StageOutput:
+        """Verify the plan's decoding requests: layout, verify graph, p_t, rejection sampling, the one token read."""
+        decoding, dev, g = plan.decoding, self.device, self.gamma
+        rows = torch.tensor([s.slot for s in decoding], dtype=torch.long, device=dev)  # [R] slot of each row
+        r = len(decoding)
+        if plan.budget is not None:  # ℓ = top-B of the current survivals, on the device
+            lens = allocate_top_b(self.survival[rows], plan.budget)  # [R]
+        elif plan.mode is SchedulingMode.NONE:
+            lens = torch.zeros(r, dtype=torch.long, device=dev)  # [R]
+        else:
+            lens = torch.tensor(plan.lengths, dtype=torch.long, device=dev)  # [R] known to the host
+        n_tokens = plan.num_verify_tokens
+        n_pad = self.verify_graphs.padded(n_tokens)
+        # Token layout, on the device, straight into the graphs' static buffers (one launch with Triton): request j
+        # owns tokens cu[j] .. cu[j+1]-1 = [x_0, x_1..x_ℓ] (optimized/kernels/layout.py).
+        b = self.buffers
+        verify_layout(rows, lens, self.anchor, self.anchor_pos, self.draft_tokens, n_pad, b.layout(),
+                      backend=self.config.kernel_backend)
+        cu = b.cu[: r + 1].long()  # [R+1]
+        slot_of = b.token_slot[:n_pad]  # [N_pad] slot of each packed token, -1 for padding
+        (logits,) = self.verify_graphs.run(n_pad)  # [N_pad, V]; also appends drafter context (see _capture_graphs)
+        # p_t at every verified position, laid out [R, γ+1, V] for the verifier by one gather: row j of request r
+        # is packed token cu[r] + j. Rows past ℓ_r repeat row ℓ_r (the verifier never reads them), so nothing
+        # is zero-filled or scattered.
+        probs = self._target_probs(logits, slot_of, decoding)  # [N_pad, V]
+        j = torch.arange(g + 1, device=dev)
+        src = cu[:r, None] + torch.minimum(j[None, :], lens[:, None])  # [R, γ+1] packed row of each (r, j)
+        target_probs = probs[src]  # [R, γ+1, V]
+        if g:
+            result = rejection_sample(self.draft_tokens[rows], lens, self.draft_probs[rows], target_probs,
+                                      self.config.seed, self.request_id[rows], self.anchor_pos[rows],
+                                      backend=self.config.kernel_backend)
+            emitted, n_emitted = result.tokens, result.num_emitted
+        else:
+            bonus = sample(target_probs[:, 0], self.config.seed, self.request_id[rows], self.anchor_pos[rows] + 1,
+                           int(Purpose.BONUS), backend=self.config.kernel_backend)
+            emitted, n_emitted = bonus[:, None], torch.ones(r, dtype=torch.long, device=dev)
+        # log p_t of every emitted token (logprobs are returned with speculation on).
+        safe = emitted.clamp(min=0)
+        logp = torch.log(target_probs[:, : emitted.shape[1]].gather(2, safe[..., None])[..., 0].clamp_min(1e-30))
+        # The next anchor: the last emitted token, one position past the accepted prefix.
+        last = emitted.gather(1, (n_emitted - 1)[:, None])[:, 0]
+        self.anchor[rows] = last
+        self.anchor_pos[rows] += n_emitted
+        if plan.mode is SchedulingMode.ORACLE:
+            lens = torch.clamp(n_emitted, max=g)  # verify exactly the accepted prefix + the rejected slot
+        # sync: the one host read per step — emitted tokens drive finishing, streaming and stop strings.
+        host = torch.cat([emitted, n_emitted[:, None], lens[:, None]], 1).cpu()  # sync: the one read per step
+        logp_host = logp.cpu() if any(s.params.logprobs for s in decoding) else None  # sync: same read, if asked
+        # One conversion to Python lists per step: per-row tensor indexing costs ~1 ms of host time at R = 64.
+        host_rows = host.tolist()  # sync: host tensor already
+        logp_rows = logp_host.tolist() if logp_host is not None else None  # sync: host tensor already
+        tokens = [row[:row[-2]] for row in host_rows]
+        logprobs = None if logp_rows is None else [lp[:len(t)] for lp, t in zip(logp_rows, tokens)]
+        return StageOutput(decoding, tokens, logprobs, [row[-1] for row in host_rows], n_tokens)
+
+    def _target_probs(self, logits: torch.Tensor, slot_of: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """p_t rows at the request's temperature; the reference ``logits_to_probs`` only where filters are on.
+
+        Without top-k/top-p (the host knows from the requests' parameters) this is the same arithmetic as the
+        reference — ``logits / T`` then softmax, one-hot argmax at T = 0 — without its two vocabulary sorts and
+        its validation reads (each a device→host sync).
+        """
+        if any(s.params.top_p < 1.0 or s.params.top_k > 0 for s in seqs):
+            # sync: the reference op validates its inputs on the host; only requests with filters pay for it.
+            return logits_to_probs(logits.float(), self.temperature[slot_of], self.top_p[slot_of], self.top_k[slot_of])
+        x = logits.float()  # [N, V]
+        temp = self.temperature[slot_of][:, None]  # [N, 1]
+        greedy = temp == 0
+        probs = (x / torch.where(greedy, torch.ones_like(temp), temp)).softmax(dim=-1)
+        # Greedy rows become the one-hot of the argmax: zeroed, then +1 at the argmax (adding 0 to the other rows
+        # leaves them bit-identical). No [N, V] int64 one_hot: at N = 2048, V = 49152 that is 0.8 GB per step.
+        probs = torch.where(greedy, torch.zeros((), dtype=probs.dtype, device=probs.device), probs)
+        return probs.scatter_add_(1, x.argmax(dim=-1, keepdim=True), greedy.to(probs.dtype))
+
+    def draft(self, seqs: list[Sequence], *, blocking: bool = True) -> torch.Tensor:
+        """Backbone + fused sequential head for ``seqs``; returns the host copy ``[R, γ]`` of the new survivals.
+
+        The drafts and the survivals stay on the device for the next verify. The host copy is for the stale budget
+        of later steps and the draft gate: with ``blocking=False`` it is issued without waiting, and lands by the
+        next step's token read (on CUDA it overlaps with the next step's work).
+        """
+        dev = self.device
+        rows = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        r = len(seqs)
+        r_pad = self.draft_graphs.padded(r)
+        if self.head_in_graph:
+            self.buffers.load_draft(self.anchor[rows], self.anchor_pos[rows], rows.to(torch.int32), r_pad,
+                                    self.temperature[rows], self.request_id[rows])
+            tokens, probs, survival = (t[:r] for t in self.draft_graphs.run(r_pad))  # [R, γ], [R, γ, V], [R, γ]
+        else:
+            self.buffers.load_draft(self.anchor[rows], self.anchor_pos[rows], rows.to(torch.int32), r_pad)
+            (h,) = self.draft_graphs.run(r_pad)  # [R_pad, γ, d]
+            out = sample_block(self.ref_drafter, h[:r], self.anchor[rows], self.anchor_pos[rows],
+                               self.temperature[rows], self.config.seed, self.request_id[rows],
+                               backend=self.config.kernel_backend)
+            tokens, probs = out.tokens, out.probs
+            survival = self._survival(out.conf_logits, self.temperature[rows])
+        self.draft_tokens[rows] = tokens
+        self.draft_probs[rows] = probs
+        self.survival[rows] = survival
+        return survival.to("cpu", non_blocking=not blocking)  # sync: only when blocking (staleness 0)
+
+    def _survival(self, conf_logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """Calibrated prefix survivals a_k = Π_{j≤k} σ(c_j / T_j + b_j) with the calibration of each row's mode
+        (the same float32 operations as ``reference.calibration.apply_sts``; a mode without biases adds +0.0, which
+        changes no float: -0.0 becomes +0.0, and σ(±0) is the same)."""
+        greedy = (temperature == 0)[:, None]
+        x = conf_logits.float() / torch.where(greedy, self.sts["greedy"], self.sts["sampling"])  # [R, γ]
+        x = x + torch.where(greedy, self.sts_bias["greedy"], self.sts_bias["sampling"])
+        return torch.cumprod(torch.sigmoid(x), dim=1)
+
+    def _bind(self, seq: Sequence) -> None:
+        """Give ``seq``'s slot its request id and sampling parameters."""
+        p, s = seq.params, seq.slot
+        self._owner[s] = seq
+        self.request_id[s] = seq.request_id
+        self.temperature[s] = p.temperature
+        self.top_p[s] = p.top_p
+        self.top_k[s] = p.top_k
+
+    # ------------------------------------------------------------------------------------------------ dummy steps
+
+    @torch.inference_mode()
+    def dummy_verify(self, num_tokens: int, context_len: int, temperature: float = 0.0) -> None:
+        """One verify stage of ``num_tokens`` tokens for placeholder requests whose anchors sit at ``context_len``.
+
+        ``min(num_tokens, max_num_seqs)`` placeholder requests (slots 0..) share the drafts evenly — the top-B
+        allocation of equal survivals — so every query length is 1..γ+1 as in serving. It runs :meth:`verify` itself:
+        layout, graph replay, p_t, rejection sampling, the token read. Needs an idle runner.
+        """
+        r = min(num_tokens, self.config.max_num_seqs)
+        if num_tokens < 1 or num_tokens > r * (self.gamma + 1):
+            raise ValueError(f"num_tokens must lie in 1..{self.config.max_num_seqs * (self.gamma + 1)}, "
+                             f"got {num_tokens}")
+        seqs = self._placeholder_decoding(r, context_len, temperature)
+        if self.gamma:
+            self.survival[:r] = 1.0  # equal survivals: ties go by (slot, request), which spreads the drafts evenly
+            plan = StepPlan([], seqs, SchedulingMode.ADAPTIVE, budget=num_tokens - r)
+        else:
+            plan = StepPlan([], seqs, SchedulingMode.NONE, lengths=[0] * r)
+        self.verify(plan)
+
+    @torch.inference_mode()
+    def dummy_draft(self, num_requests: int, context_len: int, temperature: float = 0.0) -> None:
+        """One drafter stage (backbone graph + fused head + STS) for ``num_requests`` placeholder requests."""
+        if self.drafter is None:
+            raise RuntimeError("this runner has no drafter (mode none)")
+        if not 1 <= num_requests <= self.config.max_num_seqs:
+            raise ValueError(f"num_requests must lie in 1..{self.config.max_num_seqs}, got {num_requests}")
+        self.draft(self._placeholder_decoding(num_requests, context_len, temperature))
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run every stage once per shape class a real step can take, so that no compilation or autotuning happens
+        in a request: prefill of short and long chunks, greedy and sampled, then verify without drafts and with
+        every draft, and the drafter, at batch 1, 2 and ``max_num_seqs`` (Triton specialises integer arguments equal
+        to 1 or divisible by 16, and the split sampler switches at 64 rows). The captured graphs were warmed by their
+        capture. No state is left behind: placeholders only use slot state that a request's first prefill chunk
+        overwrites, and nothing reaches the scheduler. Needs an idle runner."""
+        self._check_idle()
+        cfg = self.config
+        prompt_len = max(1, min(WARMUP_PROMPT_LEN, cfg.max_seq_len - 2 * self.gamma - 4))
+        for r in sorted({1, min(2, cfg.max_num_seqs), cfg.max_num_seqs}):
+            for temperature in (0.0, 1.0):
+                seqs = self._placeholders(r, prompt_len, temperature)
+                for s in seqs:
+                    s.status, s.num_prefilled, s.output_ids = Status.PREFILL, 0, []
+                self.prefill([PrefillChunk(s, 0, prompt_len) for s in seqs])
+                self.prefill([PrefillChunk(seqs[0], prompt_len - 1, 1)])  # a one-token chunk
+                self._release()
+                self.dummy_verify(r, prompt_len, temperature)
+                if self.drafter is not None:
+                    self.dummy_draft(r, prompt_len, temperature)
+                    self.dummy_verify(r * (self.gamma + 1), prompt_len, temperature)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # sync: start-up, off the step loop
+
+    def _check_idle(self) -> None:
+        if not self.idle:
+            raise RuntimeError("dummy steps need an idle engine: their placeholder requests overwrite slot state")
+
+    def _placeholders(self, count: int, context_len: int, temperature: float) -> list[Sequence]:
+        """Placeholder sequences in slots 0..count-1 over a prompt of ``context_len`` zeros, bound to their slots."""
+        self._check_idle()
+        if not 1 <= context_len <= self.config.max_seq_len - 2 * self.gamma - 4:
+            raise ValueError(f"context_len must lie in 1..max_seq_len - 2γ - 4 = "
+                             f"{self.config.max_seq_len - 2 * self.gamma - 4}, got {context_len}")
+        if self._placeholders_cache is None or self._placeholders_cache[0] != context_len:
+            prompt = [0] * context_len  # shared by all placeholders, never mutated
+            params = SamplingParams(max_new_tokens=self.config.max_seq_len, ignore_eos=True)
+            self._placeholders_cache = (context_len, [Sequence(request_id=i, prompt_ids=prompt, params=params, slot=i)
+                                                      for i in range(self.config.max_num_seqs)])
+        seqs = self._placeholders_cache[1][:count]
+        for s in seqs:
+            s.params.temperature = temperature
+            self._bind(s)
+        return seqs
+
+    def _placeholder_decoding(self, count: int, context_len: int, temperature: float) -> list[Sequence]:
+        """Placeholders that decode: one token emitted after the context, the anchor at ``context_len``."""
+        seqs = self._placeholders(count, context_len, temperature)
+        for s in seqs:
+            s.status, s.output_ids, s.survivals = Status.DECODE, [0], []
+        self.anchor[:count] = 0
+        self.anchor_pos[:count] = context_len
+        self._release()
+        return seqs
+
+    def _release(self) -> None:
+        """Placeholders leave their slots to real requests (their state is overwritten on a request's first chunk)."""
+        self._owner = [None] * self.config.max_num_seqs

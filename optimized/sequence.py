@@ -1,0 +1,83 @@
+"""Request state: one ``Sequence`` per request, its ``SamplingParams``, its ``Status``, and what a step emits for it.
+
+The engine's three rooms talk through these objects: the scheduler (``optimized/scheduler.py``) moves a sequence
+through its statuses and owns its host bookkeeping, the model runner (``optimized/runner.py``) reads its slot, prompt
+and parameters, and the engine (``optimized/engine.py``) hands ``StepOutput`` to the caller. Names follow
+``docs/method.md`` (``ℓ`` verify length, ``a`` prefix survival, ``γ`` block size).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from reference.config import GenerationConfig, check_sampling
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted yet (no slot)
+    PREFILL = "prefill"  # admitted, prompt not fully in the cache yet
+    DECODE = "decode"  # has an anchor (and drafts while the gate is open); takes part in speculative steps
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters (the server fills these from the request body)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()  # stop strings (checked on the decoded text; the stop string is cut off)
+    ignore_eos: bool = False
+    logprobs: bool = False  # return the target log-probability of every emitted token
+
+    def __post_init__(self) -> None:
+        check_sampling(self.max_new_tokens, self.temperature, self.top_p, self.top_k)
+
+    @classmethod
+    def from_generation(cls, gen: GenerationConfig) -> SamplingParams:
+        """The parameters of a ``GenerationConfig`` (the reference loop's per-batch settings) for one request."""
+        return cls(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+                   ignore_eos=gen.ignore_eos)
+
+
+@dataclass
+class Sequence:
+    """One request as the engine sees it."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    status: Status = Status.WAITING
+    slot: int = -1  # row of the static caches, while admitted
+    num_prefilled: int = 0  # prompt tokens already planned into the KV cache
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    verify_lengths: list[int] = field(default_factory=list)  # ℓ of every verify step
+    accepted_lengths: list[int] = field(default_factory=list)  # accepted drafts of every verify step
+    survivals: list[torch.Tensor] = field(default_factory=list)  # host copies [γ] of a_k, one per draft
+
+    @property
+    def anchor_pos(self) -> int:
+        """Absolute position of the anchor x_0 (the last emitted token)."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request (for streaming)."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    new_logprobs: list[float] = field(default_factory=list)

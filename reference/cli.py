@@ -1,0 +1,184 @@
+"""The command line shared by ``python -m reference.generate`` and ``python -m optimized.generate``.
+
+Both CLIs take the same flags (:func:`build_parser`), build the same target, drafter, configs and tokenised prompts
+(:func:`setup_from_args`) and print the same output (:func:`print_results`); only the loop that decodes differs.
+The reference loop or the engine is never imported here, so either package's CLI pulls in only its own loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from reference.checkpoint import load_drafter
+from reference.config import SCHEDULER_MODES, DrafterConfig, GenerationConfig, SchedulerConfig, SchedulingMode
+from reference.drafter import DSparkDrafter
+from reference.target import Target
+
+if TYPE_CHECKING:
+    from reference.generate import GenerationResult
+
+log = logging.getLogger("dspark.generate")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-dspark"
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The drafter a command line asks for
+# ----------------------------------------------------------------------------------------------------------
+
+
+def load_or_init_drafter(path: str | None, target: Target, gamma: int | None = None, seed: int = 0) -> DSparkDrafter:
+    """Load a drafter checkpoint, or (no checkpoint) build a randomly initialised one — loudly."""
+    if path is not None and Path(path).exists():
+        drafter = load_drafter(path, target, device=target.device, dtype=target.dtype)
+        if gamma is not None and gamma != drafter.config.block_size:
+            raise ValueError(f"--gamma {gamma} differs from the drafter's trained block size "
+                             f"{drafter.config.block_size}; a drafter drafts the block it was trained for")
+        return drafter
+    if path is not None and path != str(DEFAULT_DRAFTER):
+        raise FileNotFoundError(f"drafter checkpoint {path} does not exist")
+    banner = "!" * 100
+    log.warning("\n%s\nNO TRAINED DRAFTER at %s: using a RANDOMLY INITIALISED drafter (seed %d).\n"
+                "Output is still exactly the target's (verification is lossless), but acceptance will be near "
+                "zero and there is no speed-up. Train one with scripts/train_drafter.py.\n%s",
+                banner, path or DEFAULT_DRAFTER, seed, banner)
+    torch.manual_seed(seed)
+    config = DrafterConfig.from_target_config(target.config, block_size=gamma or 7, target_name=target.name,
+                                              target_layer_ids=target.layer_ids)
+    drafter = DSparkDrafter(config).to(device=target.device, dtype=target.dtype).eval()
+    drafter.attach_target(target.embed_tokens, target.lm_head)
+    return drafter
+
+
+
+def build_parser(prog: str = "python -m reference.generate") -> argparse.ArgumentParser:
+    """The flags both ``python -m reference.generate`` and ``python -m optimized.generate`` take."""
+    p = argparse.ArgumentParser(prog=prog, description="Speculative decoding with a DSpark drafter: prefill, then "
+                                "draft → schedule → verify → commit (docs/method.md §1–§5).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    src.add_argument("--prompts-file", help='JSONL file, one {"prompt": ...} per line')
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target: 'smollm2-135m-instruct' or a local HF directory")
+    p.add_argument("--drafter", default=None, help=f"drafter checkpoint directory (default {DEFAULT_DRAFTER})")
+    p.add_argument("--mode", default="adaptive", choices=SCHEDULER_MODES)
+    p.add_argument("--k", type=int, default=None, help="verify length in mode fixed (default γ)")
+    p.add_argument("--gamma", type=int, default=None, help="block size γ (must match the drafter)")
+    p.add_argument("--threshold", type=float, default=0.5, help="prefix-survival threshold in mode threshold")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--cost-table", default=None, help="SPS table JSON (measured at start-up if absent)")
+    p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
+    p.add_argument("--ignore-eos", action="store_true", help="decode to --max-new-tokens (benchmarks)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt per line")
+    return p
+
+
+def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
+    """(line number, object) for every non-blank line of a JSONL file; a line that is not a JSON object fails
+    with ``path:line`` in the message. Shared by the CLIs and the scripts that read prompt files."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object")
+            rows.append((n, obj))
+    return rows
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """Prompts from --prompt flags or a JSONL file; bad lines fail with their line number."""
+    if args.prompt:
+        return list(args.prompt)
+    try:
+        rows = read_jsonl(args.prompts_file)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    prompts = []
+    for n, obj in rows:
+        if not isinstance(obj.get("prompt"), str):
+            raise SystemExit(f'{args.prompts_file}:{n}: expected an object with a string "prompt"')
+        prompts.append(obj["prompt"])
+    if not prompts:
+        raise SystemExit(f"{args.prompts_file}: no prompts")
+    return prompts
+
+
+def read_domain_prompts(path: str | Path, target: Target, chat_template: bool = True,
+                        limit: int | None = None) -> list[tuple[str, list[int]]]:
+    """(domain, token ids) per line of a JSONL prompt file of ``{"prompt": ..., "domain": ...}`` (or
+    ``{"input_ids": [...]}``) objects, the evaluation and equivalence scripts' format; bad lines fail with their
+    line number. ``domain`` defaults to ``"all"``; ``limit`` keeps the first prompts only."""
+    try:
+        records = read_jsonl(path)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    rows = []
+    for n, obj in records:
+        domain = str(obj.get("domain", "all"))
+        if isinstance(obj.get("input_ids"), list) and obj["input_ids"]:
+            ids = [int(t) for t in obj["input_ids"]]
+        elif isinstance(obj.get("prompt"), str) and obj["prompt"].strip():
+            ids = target.encode(obj["prompt"], chat_template=chat_template)
+        else:
+            raise SystemExit(f'{path}:{n}: expected a non-empty "prompt" string or "input_ids" list')
+        rows.append((domain, ids))
+        if limit is not None and len(rows) >= limit:
+            break
+    if not rows:
+        raise SystemExit(f"{path}: no prompts")
+    return rows
+
+
+def configs_from_args(args: argparse.Namespace, gamma: int) -> tuple[GenerationConfig, SchedulerConfig]:
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                           top_k=args.top_k, seed=args.seed, chat_template=not args.no_chat_template,
+                           ignore_eos=args.ignore_eos)
+    k = gamma if args.k is None else args.k
+    if k > gamma:
+        raise SystemExit(f"--k {k} exceeds the block size γ = {gamma}")
+    sched = SchedulerConfig(mode=args.mode, k=k, threshold=args.threshold)
+    return gen, sched
+
+
+def setup_from_args(args: argparse.Namespace, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """The part of both CLIs before the cost table: target, drafter, configs and tokenised prompts."""
+    prompts = read_prompts(args)
+    target = Target.load(args.model, device=device, dtype=dtype)
+    drafter = None
+    if SchedulingMode(args.mode).drafts:
+        drafter = load_or_init_drafter(args.drafter or str(DEFAULT_DRAFTER), target, args.gamma, args.seed)
+    gamma = drafter.config.block_size if drafter is not None else (args.gamma or 7)
+    gen, sched = configs_from_args(args, gamma)
+    token_prompts = [target.encode(p, chat_template=gen.chat_template) for p in prompts]
+    return target, drafter, gen, sched, token_prompts
+
+
+def print_results(results: list[GenerationResult], as_json: bool, elapsed: float, mode: SchedulingMode) -> None:
+    """One JSON line per prompt (--json) or readable text; a throughput line on stderr."""
+    for r in results:
+        if as_json:
+            print(json.dumps(r.to_json()), flush=True)
+        else:
+            print(f"--- prompt {r.request_id} ({r.finish_reason}, τ = {r.mean_accepted_length:.2f}) ---")
+            print(r.text)
+    n = sum(len(r.token_ids) for r in results)
+    log.info("%d tokens in %.2f s (%.1f tokens/s), mode %s", n, elapsed, n / max(elapsed, 1e-9), mode)
+
+

@@ -1,0 +1,89 @@
+"""What the benchmark and profiling scripts (``scripts.bench_engine``, ``scripts.profile_engine``,
+``scripts.bench_kernels``) share: the flags that choose prompts, device, dtype and graphs, the prompts those flags
+select, the ``mode[:K]`` spelling of a configuration, a device barrier for timing and the device tag of output files.
+A library: no command line here.
+
+Names follow ``docs/method.md`` (``ℓ`` verify length, ``γ`` block size).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from reference.config import SCHEDULER_MODES, SchedulingMode
+from reference.target import Target
+
+
+def parse_mode(spec: str, gamma: int | None) -> tuple[SchedulingMode, int | None]:
+    """``"fixed:3"`` -> (FIXED, 3); ``"adaptive"`` -> (ADAPTIVE, None); ``"adaptive:nogate"`` -> (ADAPTIVE, None)
+    with the draft gate off (the paper's adaptive mode, which drafts every step; the caller reads the label). Fixed
+    without K verifies the whole block (K = γ). Unknown modes, the simulation-only ``oracle`` and K > γ fail."""
+    if spec == "adaptive:nogate":
+        return SchedulingMode.ADAPTIVE, None
+    name, _, k = spec.partition(":")
+    if name not in SCHEDULER_MODES or name == SchedulingMode.ORACLE:
+        raise ValueError(f"unknown benchmark mode {spec!r}; choose none, fixed:K, dsd, threshold, adaptive-sync, "
+                         "adaptive")
+    mode = SchedulingMode(name)
+    if k and mode is not SchedulingMode.FIXED:
+        raise ValueError(f"mode {spec!r}: only fixed takes a K")
+    if not k:
+        return mode, (gamma if mode is SchedulingMode.FIXED else None)
+    if not k.isdigit() or int(k) < 1 or (gamma is not None and int(k) > gamma):
+        raise ValueError(f"mode {spec!r}: K must be an integer in 1..γ{'' if gamma is None else f' = {gamma}'}")
+    return mode, int(k)
+
+
+def add_engine_source_args(p: argparse.ArgumentParser) -> None:
+    """Prompts, device, dtype, graphs and layer ops: the flags both engine scripts take."""
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="drop longer prompts (after the template)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompts-file", default=None, help='JSONL, one {"prompt": ...} per line')
+    src.add_argument("--sharegpt-file", default=None, help="ShareGPT .json(.gz) (default: the packaged file)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--layer-backend", default=None, choices=["auto", "triton", "torch"],
+                   help="element-wise layer ops (RMSNorm, RoPE+append, SiLU): default the kernel backend (fused Triton "
+                        "on CUDA); torch = the unfused ops, to measure the fusion")
+
+
+def load_prompts(args: argparse.Namespace, target: Target, needed: int) -> list[list[int]]:
+    """Tokenised prompts (chat template) from --prompts-file, else held-out ShareGPT; too-long ones are dropped."""
+    from scripts import data  # the dataset helpers (ShareGPT parsing, the held-out split)
+
+    if args.prompts_file:
+        texts = [p.prompt for p in data.read_prompt_file(args.prompts_file)]
+    else:
+        _, held = data.split(data.load_sharegpt(args.sharegpt_file))
+        texts = [p.prompt for p in data.filter_prompts(held, max_chars=4 * args.max_prompt_tokens)]
+    prompts = []
+    for text in texts:
+        ids = target.encode(text, chat_template=True)
+        if 0 < len(ids) <= args.max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) >= needed:
+            break
+    if not prompts:
+        raise SystemExit(f"no prompt fits --max-prompt-tokens {args.max_prompt_tokens}")
+    return prompts
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device (timing only: never inside the engine's step loop)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # sync: benchmark timing, around whole runs or steps
+
+
+def default_tag(device: torch.device) -> str:
+    """``h200`` on an H200, the lower-cased GPU name elsewhere, ``cpu`` on the CPU (names the output files)."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    for short in ("h200", "h100", "b300", "b200", "a100"):
+        if short in name:
+            return short
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-")

@@ -1,0 +1,95 @@
+"""The engine's host planning (``optimized/scheduler.py``): admission, chunked prefill and the typed ``StepPlan``.
+
+Host-only: no model, no device. The plans are compared with what the reference policy decides for the same inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optimized.scheduler import PrefillChunk, Scheduler, StepPlan
+from optimized.sequence import SamplingParams, Sequence, Status
+from reference.config import SchedulerConfig, SchedulingMode
+from reference.cost_model import CostTable
+from reference.scheduler import Scheduler as Policy
+from reference.scheduler import stale_budget
+
+GAMMA = 4
+
+
+def _scheduler(mode: str, **kw) -> Scheduler:
+    cost = CostTable.affine(fixed_ms=5.0, per_token_ms=0.3, sizes=list(range(1, 129)))
+    return Scheduler(SchedulerConfig(mode=mode, **kw), gamma=GAMMA if mode != "none" else 0, max_num_seqs=2,
+                     max_seq_len=64, prefill_chunk=6, cost=cost)
+
+
+def _seq(rid: int, prompt_len: int) -> Sequence:
+    return Sequence(request_id=rid, prompt_ids=list(range(2, 2 + prompt_len)), params=SamplingParams())
+
+
+def test_admission_and_chunked_prefill():
+    sched = _scheduler("fixed", k=3)
+    seqs = [_seq(0, 4), _seq(1, 5), _seq(2, 1)]
+    for s in seqs:
+        sched.add(s)
+    plan = sched.schedule()
+    # Two slots: the third request waits. Six prompt tokens per step: request 1 gets the two left after request 0.
+    assert [s.status for s in seqs] == [Status.PREFILL, Status.PREFILL, Status.WAITING]
+    assert plan.prefill == [PrefillChunk(seqs[0], 0, 4), PrefillChunk(seqs[1], 0, 2)]
+    assert [c.completes for c in plan.prefill] == [True, False]
+    assert plan.decoding == [] and plan.num_verify_tokens == 0
+    seqs[0].status = Status.DECODE  # what postprocess does after the first token
+    plan = sched.schedule()
+    assert plan.prefill == [PrefillChunk(seqs[1], 2, 3)] and plan.prefill[0].completes
+    assert plan.decoding == [seqs[0]] and plan.mode is SchedulingMode.FIXED and plan.lengths == [3]
+    assert plan.num_verify_tokens == 1 + 3
+    sched.finish(seqs[0], "stop")  # its slot goes to the waiting request
+    plan = sched.schedule()
+    assert seqs[2].status is Status.PREFILL and seqs[2].slot == seqs[0].slot
+    assert plan.prefill[-1] == PrefillChunk(seqs[2], 0, 1)
+
+
+def _decoding(sched: Scheduler, survivals: list[list[torch.Tensor]]) -> list[Sequence]:
+    seqs = [_seq(i, 3) for i in range(len(survivals))]
+    for s in seqs:
+        sched.add(s)
+    sched.schedule()
+    for s, rows in zip(seqs, survivals):
+        s.status, s.num_prefilled, s.survivals = Status.DECODE, 3, list(rows)
+    return seqs
+
+
+def test_plans_follow_the_reference_policy():
+    gen = torch.Generator().manual_seed(0)
+    row = lambda: torch.cumprod(torch.rand(GAMMA, generator=gen), 0)  # noqa: E731
+    history = [[row(), row(), row()], [row()]]  # request 1 is too new for a stale row
+    for mode, kw in [("fixed", {"k": 2}), ("dsd", {"dsd_table": {1: 4, 2: 3}}), ("oracle", {}), ("none", {}),
+                     ("adaptive", {"staleness": 2}), ("threshold", {"threshold": 0.3}), ("adaptive-sync", {})]:
+        sched = _scheduler(mode, **kw)
+        seqs = _decoding(sched, history if mode != "none" else [[], []])
+        plan = sched.schedule()
+        assert isinstance(plan, StepPlan) and plan.decoding == seqs and plan.prefill == []
+        policy = Policy(sched.config, gamma=sched.gamma, cost=sched.cost)
+        if mode in ("fixed", "dsd"):
+            assert plan.lengths == policy.lengths(torch.zeros(2, GAMMA)).tolist() and plan.budget is None
+        elif mode == "oracle":
+            assert plan.lengths == [GAMMA, GAMMA]
+        elif mode == "none":
+            assert plan.mode is SchedulingMode.NONE and plan.lengths == [0, 0] and plan.num_verify_tokens == 2
+        elif mode == "adaptive":
+            stale = torch.stack([history[0][0], torch.full((GAMMA,), float("nan"))])
+            assert plan.budget == stale_budget(stale, sched.cost, 2) and plan.lengths is None
+            assert plan.num_verify_tokens == 2 + plan.budget
+        else:  # synchronous: the lengths come after the current survivals are read
+            assert plan.lengths is None and plan.budget is None and plan.mode.synchronous
+            current = torch.stack([h[-1] for h in history])
+            sched.synchronous_lengths(plan, current)
+            assert plan.lengths == policy.lengths(current, num_anchor_tokens=2).tolist()
+
+
+def test_gate_closed_plans_plain_decoding():
+    sched = _scheduler("adaptive")
+    _decoding(sched, [[torch.tensor([0.9, 0.8, 0.7, 0.6])]])
+    sched.drafted = False  # the gate closed at the end of the last step: nobody holds drafts
+    plan = sched.schedule()
+    assert plan.mode is SchedulingMode.NONE and plan.lengths == [0] and plan.budget is None
