@@ -10,7 +10,8 @@ graphs, the prefill / verify / draft stages). One :meth:`Engine.step`::
     run        prefill chunks; verify every decoding request (ℓ_r = top-B of the current survivals, on the device);
                one host read of the emitted tokens
     postprocess  commit the tokens (finishing, streaming, stop strings); the draft gate decides whether the next
-               step drafts, and if so the drafter proposes the next block (survivals stay on the device)
+               step drafts, and if so the drafter proposes the next block (survivals stay on the device) — or, with
+               the n-gram proposer (reference/ngram.py), the host looks the next blocks up in the requests' tokens
 
 Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
 """
@@ -29,6 +30,7 @@ from optimized.sequence import SamplingParams, Sequence, Status, StepOutput
 from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
+from reference.ngram import NgramProposer, check_mode
 from reference.target import Target
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "Sequence", "Status", "StepOutput", "StepStats"]
@@ -57,10 +59,13 @@ class StepStats:
 class Engine:
     """``add_request`` / ``step`` / ``abort`` over a fixed set of slots."""
 
-    def __init__(self, target: Target, drafter: DSparkDrafter | None, config: EngineConfig,
+    def __init__(self, target: Target, drafter: DSparkDrafter | NgramProposer | None, config: EngineConfig,
                  sched: SchedulerConfig, cost: CostTable | None = None) -> None:
+        """``drafter``: the DSpark drafter, the n-gram proposer (modes none, fixed, dsd), or None (mode none)."""
         if sched.mode.drafts and drafter is None:
             raise ValueError(f"mode '{sched.mode}' needs a drafter")
+        if isinstance(drafter, NgramProposer):
+            check_mode(sched.mode)
         # An adaptive engine may be built without a cost table so that the table can be profiled on this very
         # engine (its own graphs and buckets, no second capture); step() refuses to run until it is installed.
         self.config = config
@@ -138,7 +143,9 @@ class Engine:
         """Switch the verify-length policy between runs, keeping caches and graphs (benchmarks of every mode)."""
         if self.has_unfinished():
             raise RuntimeError("cannot switch the scheduler while requests are running")
-        has_drafter = self.runner.drafter is not None
+        has_drafter = self.gamma > 0  # built with a drafter or the n-gram proposer
+        if self.runner.proposer is not None:
+            check_mode(sched.mode)
         if sched.mode.drafts != has_drafter:
             raise ValueError(f"mode '{sched.mode}' on an engine built {'with' if has_drafter else 'without'} a "
                              "drafter: build a separate engine (mode none never drafts, the others need a drafter)")
@@ -195,8 +202,7 @@ class Engine:
         drafters = self.scheduler.drafters()  # the draft gate: who drafts for the next step
         t3 = time.perf_counter()
         if drafters:
-            stale = self.sched_config.staleness > 0  # staleness 0 reads the copy at the next step's start: it blocks
-            self.scheduler.record_drafts(drafters, self.runner.draft(drafters, blocking=not stale))
+            self._draft(drafters)
         self._account(plan, t0, (t1 - t0) + (t3 - t2), bool(drafters))
         return outputs
 
@@ -225,6 +231,14 @@ class Engine:
         out: StageOutput = self.runner.verify(plan)
         self._verified = out
         return self.scheduler.postprocess(out.seqs, out.tokens, out.logprobs, out.verified)
+
+    def _draft(self, seqs: list[Sequence]) -> None:
+        """The next step's blocks: the n-gram lookup (host), or the drafter (device; survivals copied back)."""
+        if self.runner.proposer is not None:
+            self.scheduler.record_proposals(seqs, self.runner.propose(seqs))
+            return
+        stale = self.sched_config.staleness > 0  # staleness 0 reads the copy at the next step's start: it blocks
+        self.scheduler.record_drafts(seqs, self.runner.draft(seqs, blocking=not stale))
 
     def _account(self, plan: StepPlan, t0: float, host_s: float, drafted: bool) -> None:
         step_s = time.perf_counter() - t0

@@ -21,14 +21,16 @@ from reference.config import GenerationConfig, SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
 from reference.generate import GenerationResult
+from reference.ngram import NgramProposer
 from reference.target import Target
 
 log = logging.getLogger("dspark.optimized.generate")
 
 
-def generate(target: Target, drafter: DSparkDrafter | None, prompts: list[list[int]], gen: GenerationConfig,
-             sched: SchedulerConfig, cost: CostTable | None = None, request_ids: list[int] | None = None,
-             engine_config: EngineConfig | None = None, warmup: bool = False) -> list[GenerationResult]:
+def generate(target: Target, drafter: DSparkDrafter | NgramProposer | None, prompts: list[list[int]],
+             gen: GenerationConfig, sched: SchedulerConfig, cost: CostTable | None = None,
+             request_ids: list[int] | None = None, engine_config: EngineConfig | None = None,
+             warmup: bool = False) -> list[GenerationResult]:
     """The engine twin of ``reference.generate.generate``: same arguments, same results.
 
     ``warmup`` runs :meth:`Engine.warmup` before the first request (the CLI does; the results are the same).
@@ -39,7 +41,7 @@ def generate(target: Target, drafter: DSparkDrafter | None, prompts: list[list[i
     if cfg.seed != gen.seed:
         raise ValueError("engine_config.seed must equal the generation seed")
     longest = max(len(p) for p in prompts) if prompts else 0
-    scratch = 2 * (drafter.config.block_size if drafter is not None and sched.mode.drafts else 0)
+    scratch = 2 * (drafter.config.gamma if drafter is not None and sched.mode.drafts else 0)
     cfg.max_seq_len = max(cfg.max_seq_len, longest + gen.max_new_tokens + scratch + 2)
     engine = Engine(target, drafter, cfg, sched, cost)
     if cost is None and sched.mode.needs_cost_table:

@@ -11,6 +11,8 @@ back:
               survivals on the device (or the plan's lengths), then rejection sampling, then the one token read
     draft     backbone over [x_0, M, …, M]; fused sequential-head sampling + confidence; STS → survivals for the next
               step (one graph per request bucket for the Markov head)
+    propose   the n-gram proposer's draft stage instead (reference/ngram.py): a lookup on the host in each request's
+              own tokens (optimized/ngram.py), uploaded as drafts with one-hot p_d; no drafter forward, no context
 
 Every per-request length, offset and position is derived on the device from device tensors. The host holds totals
 only (the number of decoding requests, the budget B). The single host↔device synchronisation per step is the read of
@@ -38,11 +40,13 @@ from optimized.kernels.sampling import sample
 from optimized.kernels.verify import rejection_sample
 from optimized.models.drafter import OptimizedDrafter
 from optimized.models.target import OptimizedTarget
+from optimized.ngram import NgramIndex
 from optimized.scheduler import PrefillChunk, StepPlan
 from optimized.sequence import SamplingParams, Sequence, Status
 from reference.calibration import biases_for, temperatures_for
 from reference.config import SchedulingMode
 from reference.drafter import DSparkDrafter
+from reference.ngram import NgramProposer
 from reference.sampling import Purpose, logits_to_probs
 from reference.target import Target
 
@@ -67,16 +71,21 @@ class StageOutput:
 class ModelRunner:
     """Static caches over ``max_num_seqs`` slots, the graphs, and the stages of a step."""
 
-    def __init__(self, target: Target, drafter: DSparkDrafter | None, config: EngineConfig) -> None:
+    def __init__(self, target: Target, drafter: DSparkDrafter | NgramProposer | None, config: EngineConfig) -> None:
         """Args:
             target: the reference target (its weights are read, never copied where they can be shared).
-            drafter: the reference drafter, or None (no speculation: every verify carries the anchor alone).
+            drafter: the reference drafter, the n-gram proposer, or None (no speculation: every verify carries the
+                anchor alone).
             config: sizes and backends fixed for the runner's life.
         """
         self.config = config
         self.device = torch.device(config.device)
+        self.gamma = drafter.config.gamma if drafter is not None else 0  # γ: drafts per request and step
+        # The n-gram proposer drafts on the host (propose); only a DSpark drafter has a model (draft).
+        self.proposer = drafter if isinstance(drafter, NgramProposer) else None
+        self._ngram: list[tuple[Sequence, NgramIndex] | None] = [None] * config.max_num_seqs  # (owner, index) per slot
+        drafter = None if self.proposer is not None else drafter
         self.reference_target, self.ref_drafter = target, drafter
-        self.gamma = drafter.config.block_size if drafter is not None else 0  # γ: drafts per request and step
         self.vocab = target.vocab_size
         # Static caches: max_num_seqs slots (+ a trash slot the models add for padding writes).
         self.target = OptimizedTarget(target, attention_backend=config.kernel_backend,
@@ -321,6 +330,31 @@ class ModelRunner:
         self.survival[rows] = survival
         return survival.to("cpu", non_blocking=not blocking)  # sync: only when blocking (staleness 0)
 
+    def propose(self, seqs: list[Sequence]) -> list[int]:
+        """The n-gram proposer's draft stage for ``seqs``: the host lookup (``optimized/ngram.py``) in each request's
+        tokens, uploaded into the draft buffers with one-hot ``p_d``; returns the proposal lengths ``m_r`` (0..γ).
+
+        The buffers keep the invariant "row ``(s, j)`` of ``p_d`` is zero but at ``draft_tokens[s, j]``" (they start
+        at zero), so a new proposal clears the old ones and sets the new ones: ``R·γ`` writes, not ``R·γ·V``.
+        """
+        g, dev = self.gamma, self.device
+        proposals = []
+        for s in seqs:
+            entry = self._ngram[s.slot]
+            if entry is None or entry[0] is not s:  # a slot that changed hands starts afresh
+                entry = self._ngram[s.slot] = (s, NgramIndex(self.proposer.config))
+            entry[1].sync(s.prompt_ids, s.output_ids)
+            proposals.append(entry[1].propose())
+        # sync: none that waits. The lookup reads the tokens this step's one token read already brought to the host,
+        # and the upload of [R, γ] token ids is a host→device copy (slots past m_r hold 0 and are never verified).
+        new = torch.tensor([p + [0] * (g - len(p)) for p in proposals], dtype=torch.long, device=dev)  # [R, γ]
+        rows = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)  # [R]
+        slots = torch.arange(g, device=dev)[None, :]  # [1, γ]
+        self.draft_probs[rows[:, None], slots, self.draft_tokens[rows]] = 0.0  # clear the previous one-hot entries
+        self.draft_tokens[rows] = new
+        self.draft_probs[rows[:, None], slots, new] = 1.0
+        return [len(p) for p in proposals]
+
     def _survival(self, conf_logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
         """Calibrated prefix survivals a_k = Π_{j≤k} σ(c_j / T_j + b_j) with the calibration of each row's mode
         (the same float32 operations as ``reference.calibration.apply_sts``; a mode without biases adds +0.0, which
@@ -392,6 +426,7 @@ class ModelRunner:
                 self.dummy_verify(r, prompt_len, temperature)
                 if self.drafter is not None:
                     self.dummy_draft(r, prompt_len, temperature)
+                if self.gamma:
                     self.dummy_verify(r * (self.gamma + 1), prompt_len, temperature)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # sync: start-up, off the step loop

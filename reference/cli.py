@@ -16,8 +16,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from reference.checkpoint import load_drafter
-from reference.config import SCHEDULER_MODES, DrafterConfig, GenerationConfig, SchedulerConfig, SchedulingMode
+from reference.config import (
+    PROPOSER_KINDS,
+    SCHEDULER_MODES,
+    DrafterConfig,
+    GenerationConfig,
+    NgramConfig,
+    ProposerKind,
+    SchedulerConfig,
+    SchedulingMode,
+)
 from reference.drafter import DSparkDrafter
+from reference.ngram import NgramProposer, check_mode
 from reference.target import Target
 
 if TYPE_CHECKING:
@@ -68,9 +78,16 @@ def build_parser(prog: str = "python -m reference.generate") -> argparse.Argumen
     src.add_argument("--prompts-file", help='JSONL file, one {"prompt": ...} per line')
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: 'smollm2-135m-instruct' or a local HF directory")
     p.add_argument("--drafter", default=None, help=f"drafter checkpoint directory (default {DEFAULT_DRAFTER})")
-    p.add_argument("--mode", default="adaptive", choices=SCHEDULER_MODES)
+    p.add_argument("--proposer", default=ProposerKind.DSPARK.value, choices=PROPOSER_KINDS,
+                   help="who drafts: the trained DSpark drafter, or the training-free n-gram lookup "
+                        "(reference/ngram.py; modes none, fixed and dsd; no checkpoint)")
+    p.add_argument("--mode", default=None, choices=SCHEDULER_MODES,
+                   help="verify-length policy (default adaptive; fixed with --proposer ngram)")
     p.add_argument("--k", type=int, default=None, help="verify length in mode fixed (default γ)")
-    p.add_argument("--gamma", type=int, default=None, help="block size γ (must match the drafter)")
+    p.add_argument("--gamma", type=int, default=None,
+                   help="block size γ (must match the drafter; the n-gram proposer's, default 7)")
+    p.add_argument("--ngram-max-n", type=int, default=NgramConfig.max_n, help="n-gram proposer: longest suffix tried")
+    p.add_argument("--ngram-min-n", type=int, default=NgramConfig.min_n, help="n-gram proposer: shortest match")
     p.add_argument("--threshold", type=float, default=0.5, help="prefix-survival threshold in mode threshold")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -153,18 +170,42 @@ def configs_from_args(args: argparse.Namespace, gamma: int) -> tuple[GenerationC
     k = gamma if args.k is None else args.k
     if k > gamma:
         raise SystemExit(f"--k {k} exceeds the block size γ = {gamma}")
-    sched = SchedulerConfig(mode=args.mode, k=k, threshold=args.threshold)
+    sched = SchedulerConfig(mode=cli_mode(args), k=k, threshold=args.threshold)
     return gen, sched
+
+
+def cli_mode(args: argparse.Namespace) -> SchedulingMode:
+    """``--mode``, defaulting to the proposer's natural policy: ``adaptive`` for the drafter, ``fixed`` for n-grams."""
+    if args.mode is not None:
+        return SchedulingMode(args.mode)
+    return SchedulingMode.FIXED if args.proposer == ProposerKind.NGRAM else SchedulingMode.ADAPTIVE
+
+
+def build_proposer(args: argparse.Namespace, target: Target) -> DSparkDrafter | NgramProposer | None:
+    """The drafter kind ``--proposer`` names (None in mode none): the checkpoint (or a loud random init), or the
+    n-gram proposer, which needs no checkpoint; its mode is checked here, before anything is measured."""
+    mode = cli_mode(args)
+    if args.proposer != ProposerKind.NGRAM:
+        if not mode.drafts:
+            return None
+        return load_or_init_drafter(args.drafter or str(DEFAULT_DRAFTER), target, args.gamma, args.seed)
+    if args.drafter is not None:
+        raise SystemExit("--drafter names a checkpoint; the n-gram proposer has none (drop one of the two)")
+    try:
+        check_mode(mode)
+        gamma = NgramConfig.gamma if args.gamma is None else args.gamma
+        config = NgramConfig(gamma=gamma, max_n=args.ngram_max_n, min_n=args.ngram_min_n)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    return NgramProposer(config) if mode.drafts else None
 
 
 def setup_from_args(args: argparse.Namespace, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """The part of both CLIs before the cost table: target, drafter, configs and tokenised prompts."""
     prompts = read_prompts(args)
     target = Target.load(args.model, device=device, dtype=dtype)
-    drafter = None
-    if SchedulingMode(args.mode).drafts:
-        drafter = load_or_init_drafter(args.drafter or str(DEFAULT_DRAFTER), target, args.gamma, args.seed)
-    gamma = drafter.config.block_size if drafter is not None else (args.gamma or 7)
+    drafter = build_proposer(args, target)
+    gamma = drafter.config.gamma if drafter is not None else (args.gamma or 7)
     gen, sched = configs_from_args(args, gamma)
     token_prompts = [target.encode(p, chat_template=gen.chat_template) for p in prompts]
     return target, drafter, gen, sched, token_prompts

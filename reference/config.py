@@ -1,9 +1,11 @@
 """Configuration dataclasses shared by every part of DSpark.
 
-Three separate types, never one global bag:
+Separate types, never one global bag:
 
 * :class:`DrafterConfig`   – the drafter's architecture and its link to the target (docs/method.md §1), stored in
   the checkpoint's ``config.json`` together with the STS temperatures (docs/method.md §3).
+* :class:`NgramConfig`     – the training-free n-gram (prompt-lookup) proposer, the baseline drafter kind
+  (``reference/ngram.py``); :class:`ProposerKind` names the two kinds.
 * :class:`SchedulerConfig` – which verify-length policy runs and its parameters (docs/method.md §5).
 * :class:`GenerationConfig` – how one batch of prompts is decoded (sampling, limits, seed).
 
@@ -77,6 +79,25 @@ class SchedulingMode(str, enum.Enum):
 
 
 SCHEDULER_MODES: tuple[str, ...] = tuple(m.value for m in SchedulingMode)  # the CLI spellings, in order
+
+
+class ProposerKind(str, enum.Enum):
+    """Who proposes the draft tokens that the target verifies: a drafter kind, independent of the scheduling mode.
+
+    A ``str`` enum like :class:`SchedulingMode`: built from and equal to its CLI spelling (``--proposer ngram``).
+    """
+
+    DSPARK = "dspark"  # the trained DSpark drafter (reference/drafter.py): γ drafts with p_d and confidences
+    NGRAM = "ngram"  # prompt lookup (reference/ngram.py): up to γ tokens copied from the context, one-hot p_d
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+PROPOSER_KINDS: tuple[str, ...] = tuple(k.value for k in ProposerKind)  # the CLI spellings, in order
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
@@ -238,6 +259,33 @@ def _rope_theta(target_config: Any) -> float:
         return float(params["rope_theta"])
     theta = getattr(target_config, "rope_theta", None)
     return float(theta) if theta is not None else 10000.0
+
+
+@dataclass
+class NgramConfig:
+    """The n-gram (prompt-lookup) proposer: which suffix n-grams it looks up and how many tokens it proposes.
+
+    Plays the role :class:`DrafterConfig` plays for a trained drafter (``config.gamma`` is the block size of either).
+    """
+
+    gamma: int = 7  # γ: at most this many tokens proposed per step; 7 = the trained drafter's block, like for like
+    # Longest suffix n-gram tried first. Longer matches predict better but occur less; vLLM's ngram examples use 3–5,
+    # transformers' prompt lookup defaults to 2.
+    max_n: int = 3
+    min_n: int = 1  # shortest n-gram that counts as a match; 1 falls back to the anchor token alone (as transformers)
+
+    def __post_init__(self) -> None:
+        for name in ("gamma", "max_n", "min_n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"NgramConfig.{name} must be an integer ≥ 1, got {value!r}")
+        if self.min_n > self.max_n:
+            raise ValueError(f"NgramConfig.min_n ({self.min_n}) must not exceed max_n ({self.max_n})")
+
+    @property
+    def block_size(self) -> int:
+        """γ under the name :class:`DrafterConfig` uses, so a loop reads the block size of either kind alike."""
+        return self.gamma
 
 
 @dataclass

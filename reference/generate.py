@@ -13,6 +13,10 @@ One step, for the R unfinished requests of a batch::
     commit    keep the target KV and drafter context of the accepted positions; the emitted token is the
               next anchor x_0
 
+With the n-gram proposer (``reference/ngram.py``) in place of the drafter, *draft* is a lookup in the request's own
+tokens (one-hot ``p_d``, no confidences, no drafter context) and *schedule* clips the mode's uniform ℓ to each
+proposal's length.
+
 Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
 """
 
@@ -38,6 +42,7 @@ from reference.cli import (
 from reference.config import GenerationConfig, SchedulerConfig, SchedulingMode
 from reference.cost_model import CostTable, default_bucket_sizes, hardware_name, measure_cost_table
 from reference.drafter import DSparkDrafter
+from reference.ngram import NgramDraft, NgramProposer, check_mode
 from reference.sampling import Purpose, logits_to_probs, sample
 from reference.scheduler import Scheduler, fold_recent
 from reference.target import Target
@@ -134,8 +139,18 @@ def draft(drafter: DSparkDrafter, reqs: list[Request], gen: GenerationConfig):
     return out, survival
 
 
+def lookup(proposer: NgramProposer, scheduler: Scheduler, reqs: list[Request], vocab_size: int):
+    """The n-gram proposer's block for every request and its verify lengths ``[R]``: the mode's uniform ℓ (fixed
+    or dsd), clipped to each proposal's length (reference/ngram.py)."""
+    drafts: NgramDraft = proposer.draft([r.prompt_ids + r.output_ids for r in reqs], vocab_size)
+    uniform = torch.full((len(reqs),), scheduler.uniform_length(len(reqs)), dtype=torch.long)  # [R]
+    return drafts, torch.minimum(uniform, drafts.lengths)
+
+
 def verify(target: Target, reqs: list[Request], drafts, lens: torch.Tensor, gen: GenerationConfig):
-    """Target forward over [x_0, x_1..x_ℓ] per request, then lossless rejection sampling (docs/method.md §4)."""
+    """Target forward over [x_0, x_1..x_ℓ] per request, then lossless rejection sampling (docs/method.md §4).
+
+    ``drafts`` holds ``tokens [R, γ]`` and ``probs [R, γ, V]`` (a drafter's ``DraftOutput`` or an ``NgramDraft``)."""
     gamma = drafts.tokens.shape[1]
     vocab = target.vocab_size
     dev = target.device
@@ -192,7 +207,7 @@ def _emit(target: Target, req: Request, tokens: list[int], gen: GenerationConfig
 @torch.inference_mode()
 def generate(
     target: Target,
-    drafter: DSparkDrafter | None,
+    drafter: DSparkDrafter | NgramProposer | None,
     prompts: list[list[int]],
     gen: GenerationConfig,
     sched: SchedulerConfig,
@@ -204,7 +219,8 @@ def generate(
 
     Args:
         target: the target model (the output distribution is the target's, whatever the drafter does).
-        drafter: the DSpark drafter; may be None only in mode "none".
+        drafter: the DSpark drafter, or the n-gram proposer (modes none, fixed and dsd only); may be None only in
+            mode "none".
         prompts: token ids per prompt (chat template already applied).
         gen: sampling, seed and limits.
         sched: the verify-length policy (docs/method.md §5).
@@ -215,19 +231,22 @@ def generate(
     mode = sched.mode
     if mode.drafts and drafter is None:
         raise ValueError(f"mode '{mode}' needs a drafter")
+    if isinstance(drafter, NgramProposer):
+        check_mode(mode)
     if mode.needs_cost_table and cost is None:
         raise ValueError(f"mode '{mode}' needs a cost table (see reference.cost_model)")
     ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
     if len(ids) != len(prompts) or len(set(ids)) != len(ids):
         raise ValueError("request_ids must be unique, one per prompt")
-    gamma = drafter.config.block_size if mode.drafts else 0
+    gamma = drafter.config.gamma if mode.drafts else 0
     scheduler = Scheduler(sched, gamma=gamma, cost=cost)
+    features_to = drafter if mode.drafts and isinstance(drafter, DSparkDrafter) else None  # who reads the features
 
     reqs = [Request(request_id=i, prompt_ids=list(p)) for i, p in zip(ids, prompts)]
     for r in reqs:
         if not r.prompt_ids:
             raise ValueError(f"request {r.request_id}: empty prompt")
-        prefill(target, drafter if mode.drafts else None, r, gen)
+        prefill(target, features_to, r, gen)
 
     bar = _progress(progress, sum(gen.max_new_tokens for _ in reqs))
     while active := [r for r in reqs if not r.finished]:
@@ -237,13 +256,15 @@ def generate(
     return [_result(target, r) for r in reqs]
 
 
-def step(target: Target, drafter: DSparkDrafter | None, scheduler: Scheduler, reqs: list[Request],
+def step(target: Target, drafter: DSparkDrafter | NgramProposer | None, scheduler: Scheduler, reqs: list[Request],
          gen: GenerationConfig) -> None:
     """One speculative step for the active requests: draft, schedule, verify, commit."""
     mode = scheduler.config.mode
     if not mode.drafts:
         drafts = _empty_draft(len(reqs), target.vocab_size)
         lens = torch.zeros(len(reqs), dtype=torch.long)
+    elif isinstance(drafter, NgramProposer):
+        drafts, lens = lookup(drafter, scheduler, reqs, target.vocab_size)
     elif not scheduler.should_draft(_recent_survivals(reqs, scheduler.gamma), scheduler.steps_without_draft,
                                     num_anchor_tokens=len(reqs)):
         # The draft gate (adaptive mode): plain decoding is expected to be faster this step, so nobody drafts.
