@@ -9,8 +9,8 @@ decides, in a typed :class:`StepPlan`,
 * how the decoding sequences verify: the budget B of ``adaptive`` from a *stale* host copy of their calibrated
   prefix survivals (:class:`BudgetPlanner`, the copy is ``staleness`` drafts old, so computing B never waits for the
   device; the per-request allocation ℓ_r = top-B of the *current* survivals happens on the device), or the
-  lengths the host knows on its own (``none``, ``fixed``, ``dsd``, ``oracle``; ``fixed`` and ``dsd`` clipped to each
-  block's ``draft_len``, which is short only for the n-gram proposer). The two synchronous policies
+  lengths the host knows on its own (``none``, ``fixed``, ``dsd``, ``oracle``; with the n-gram proposer, ``fixed``
+  and ``dsd`` are clipped to each request's ``proposal_len``). The two synchronous policies
   (``threshold``, ``adaptive-sync``) get their lengths after the engine reads the current survivals
   (:meth:`Scheduler.synchronous_lengths`).
 
@@ -320,7 +320,8 @@ class Scheduler:
                                                                                num_requests=r))
         if mode in (SchedulingMode.FIXED, SchedulingMode.DSD):  # the n-gram proposer's blocks may be shorter
             k = self.policy.uniform_length(r)
-            return StepPlan(chunks, decoding, mode, lengths=[min(k, s.draft_len) for s in decoding])
+            return StepPlan(chunks, decoding, mode, lengths=[k if s.proposal_len is None else min(k, s.proposal_len)
+                                                             for s in decoding])
         if mode is SchedulingMode.ORACLE:  # verify everything; the recorded length is cut to the outcome later
             return StepPlan(chunks, decoding, mode, lengths=[self.gamma] * r)
         return StepPlan(chunks, decoding, mode)  # synchronous: lengths after the current survivals are read
@@ -392,13 +393,11 @@ class Scheduler:
     @staticmethod
     def record_drafts(seqs: list[Sequence], survivals: torch.Tensor) -> None:
         """Keep each request's host copy ``[γ]`` of its new draft's survivals (for the stale budget and the gate)."""
-        gamma = survivals.shape[1]
         for seq, row in zip(seqs, survivals.unbind(0)):  # one call for R row views
             seq.survivals.append(row)
-            seq.draft_len = gamma
 
     @staticmethod
     def record_proposals(seqs: list[Sequence], lengths: list[int]) -> None:
         """Keep each request's n-gram proposal length ``m_r`` (its verify length is clipped to it)."""
         for seq, m in zip(seqs, lengths):
-            seq.draft_len = m
+            seq.proposal_len = m

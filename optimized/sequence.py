@@ -61,7 +61,7 @@ class Sequence:
     verify_lengths: list[int] = field(default_factory=list)  # ℓ of every verify step
     accepted_lengths: list[int] = field(default_factory=list)  # accepted drafts of every verify step
     survivals: list[torch.Tensor] = field(default_factory=list)  # host copies [γ] of a_k, one per draft
-    draft_len: int = 0  # drafts the current block holds: γ from a drafter, 0..γ from the n-gram proposer (ℓ ≤ this)
+    proposal_len: int | None = None  # the n-gram proposer's current block length m (ℓ ≤ m); None: a full γ block
 
     @property
     def anchor_pos(self) -> int:

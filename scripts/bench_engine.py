@@ -2,12 +2,15 @@
 
 One run measures, at each batch size, the optimized engine in every requested mode (docs/method.md §5: ``none``,
 ``fixed`` K, ``dsd``, ``adaptive``, …) and HF ``model.generate`` (greedy, left-padded, ``min_new_tokens =
-max_new_tokens``) as the named baseline. Names follow ``docs/method.md`` (``p_t`` target,
+max_new_tokens``) as the named baseline. Modes prefixed ``ngram:`` (``ngram:fixed:K``, ``ngram:dsd``) draft with the
+training-free n-gram proposer (``reference/ngram.py``, block ``--ngram-gamma``) instead of the DSpark drafter: the
+free baseline a trained drafter must beat, measured in the same run. Names follow ``docs/method.md`` (``p_t`` target,
 ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``τ`` emitted tokens per verify step).
 
 Method, per configuration (engine × mode × batch size):
 
-* one engine per kind (with and without a drafter) sized for the largest batch, built once: its CUDA graphs and
+* one engine per kind (no drafter, the DSpark drafter, the n-gram proposer) sized for the largest batch, built once:
+  its CUDA graphs and
   caches serve every batch size and mode (``Engine.set_scheduler`` switches the policy between runs), as a
   server with a fixed ``max_num_seqs`` would;
 * the cost table is profiled once on the drafter engine's runner (``optimized.cost_model.cached_profile``: graph
@@ -49,11 +52,12 @@ from tqdm.auto import tqdm
 from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
 from optimized.engine import Engine, EngineConfig, SamplingParams
 from reference.cli import DEFAULT_DRAFTER, LOG_FORMAT, load_or_init_drafter
-from reference.config import SchedulerConfig, SchedulingMode
+from reference.config import NgramConfig, ProposerKind, SchedulerConfig, SchedulingMode
 from reference.cost_model import hardware_name
 from reference.drafter import DSparkDrafter
+from reference.ngram import NgramProposer
 from reference.target import Target
-from scripts.benchmarking import add_engine_source_args, default_tag, load_prompts, parse_mode, sync
+from scripts.benchmarking import add_engine_source_args, default_tag, load_prompts, parse_config, sync
 
 log = logging.getLogger("dspark.bench_engine")
 
@@ -67,7 +71,7 @@ class BenchConfig:
     """What one benchmark run measures."""
 
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 256])
-    modes: list[str] = field(default_factory=lambda: DEFAULT_MODES.split(","))  # "none", "fixed:K", "dsd", …
+    modes: list[str] = field(default_factory=lambda: DEFAULT_MODES.split(","))  # "none", "fixed:K", "ngram:fixed:K", …
     max_new_tokens: int = 128  # emitted per request (EOS ignored)
     warmup: int = 1  # untimed runs per configuration (Triton JIT of prefill shapes, allocator)
     repeats: int = 3  # timed runs per configuration; the median is reported
@@ -79,14 +83,18 @@ class BenchConfig:
     context_len: int = DEFAULT_CONTEXT_LEN  # KV length the cost table is profiled at
     cost_cache_dir: str | None = None  # default $DSPARK_CACHE/cost or ~/.cache/dspark/cost
     seed: int = 0
+    ngram_gamma: int = NgramConfig.gamma  # the n-gram proposer's block for the ngram: modes (K ≤ this)
+    ngram_max_n: int = NgramConfig.max_n  # its longest suffix n-gram
+    ngram_min_n: int = NgramConfig.min_n  # its shortest match
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be positive integers, got {self.batch_sizes}")
         if self.max_new_tokens < 1 or self.warmup < 0 or self.repeats < 1 or self.hf_repeats < 1:
             raise ValueError("need max_new_tokens ≥ 1, warmup ≥ 0, repeats ≥ 1 and hf_repeats ≥ 1")
+        NgramConfig(self.ngram_gamma, self.ngram_max_n, self.ngram_min_n)  # validates the n-gram fields
         for m in self.modes:
-            parse_mode(m, gamma=None)
+            parse_config(m, gamma=None, ngram_gamma=self.ngram_gamma)
         self.batch_sizes = sorted(set(self.batch_sizes))
 
 
@@ -157,7 +165,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
 
     Args:
         target: the target (its device and dtype are the engine's).
-        drafter: the DSpark drafter; may be None only if every mode is ``none``.
+        drafter: the DSpark drafter; may be None only if no mode drafts with it (``none`` and ``ngram:`` modes).
         prompts: tokenised prompts (chat template applied); batch size B uses the first B (cycled if fewer).
         cfg: what to measure.
         out: JSON path; the plot is written next to it.
@@ -170,9 +178,11 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     out = Path(out)
     device = torch.device(target.device)
     gamma = drafter.config.block_size if drafter is not None else 0
-    modes = [(spec, *parse_mode(spec, gamma or None)) for spec in cfg.modes]
-    if drafter is None and any(m.drafts for _, m, _ in modes):
+    modes = [(spec, *parse_config(spec, gamma or None, cfg.ngram_gamma)) for spec in cfg.modes]
+    if drafter is None and any(kind is ProposerKind.DSPARK and m.drafts for _, kind, m, _ in modes):
         raise ValueError("speculative modes need a drafter")
+    ngram = NgramConfig(cfg.ngram_gamma, cfg.ngram_max_n, cfg.ngram_min_n)
+    uses_ngram = any(kind is ProposerKind.NGRAM for _, kind, _, _ in modes)
     if not prompts or any(not p for p in prompts):
         raise ValueError("need at least one non-empty tokenised prompt")
     if len(prompts) < max(cfg.batch_sizes):
@@ -198,14 +208,18 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     # Engines, sized once for the largest batch.
     max_b = max(cfg.batch_sizes)
     longest = max(len(p) for p in prompts[:max_b])
-    max_seq_len = max(longest + cfg.max_new_tokens, cfg.context_len) + 2 * gamma + 8
+    scratch = max(gamma, ngram.gamma if uses_ngram else 0)  # the largest block of any engine
+    max_seq_len = max(longest + cfg.max_new_tokens, cfg.context_len) + 2 * scratch + 8
     econf = dict(max_num_seqs=max_b, max_seq_len=max_seq_len, device=str(device), dtype=target.dtype,
                  enforce_eager=cfg.enforce_eager, layer_backend=cfg.layer_backend, seed=cfg.seed)
     engines: dict[str, Engine] = {}
     t_build = time.perf_counter()
-    if any(not m.drafts for _, m, _ in modes):
+    if any(not m.drafts for _, _, m, _ in modes):
         engines["none"] = Engine(target, None, EngineConfig(**econf), SchedulerConfig(mode="none"))
-    if any(m.drafts for _, m, _ in modes):
+    if uses_ngram:  # no drafter, no cost table: the fixed and dsd modes need neither
+        engines["ngram"] = Engine(target, NgramProposer(ngram), EngineConfig(**econf),
+                                  SchedulerConfig(mode="fixed", k=ngram.gamma))
+    if any(kind is ProposerKind.DSPARK and m.drafts for _, kind, m, _ in modes):
         spec = Engine(target, drafter, EngineConfig(**econf), SchedulerConfig(mode="fixed", k=gamma))
         table = cached_profile(spec.runner, cache_dir=cfg.cost_cache_dir, context_len=cfg.context_len)
         spec.set_cost_table(table)
@@ -216,11 +230,11 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     report["engine_build_s"] = round(time.perf_counter() - t_build, 2)
     save()
 
-    jobs = [(b, spec_, m, k) for b in cfg.batch_sizes for spec_, m, k in modes]
+    jobs = [(b, spec_, kind, m, k) for b in cfg.batch_sizes for spec_, kind, m, k in modes]
     if cfg.hf_max_batch:
-        jobs += [(b, "hf", SchedulingMode.NONE, None) for b in cfg.batch_sizes if b <= cfg.hf_max_batch]
+        jobs += [(b, "hf", None, SchedulingMode.NONE, None) for b in cfg.batch_sizes if b <= cfg.hf_max_batch]
     jobs.sort(key=lambda j: (j[0], j[1] == "hf"))  # batch by batch; HF last in each (slowest, a baseline)
-    for b, label, mode, k in tqdm(jobs, desc="benchmark", unit="config"):
+    for b, label, kind, mode, k in tqdm(jobs, desc="benchmark", unit="config"):
         if cfg.time_budget_s is not None and time.monotonic() - start > cfg.time_budget_s:
             report["stopped_early"] = f"time budget of {cfg.time_budget_s:.0f} s spent before {label} at batch {b}"
             log.warning("%s; writing what was measured", report["stopped_early"])
@@ -230,11 +244,13 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
         if label == "hf":
             row = _measure_hf(target, batch, cfg, device)
         else:
-            engine = engines["spec" if mode.drafts else "none"]
-            sched = SchedulerConfig(mode=mode, k=k if k is not None else gamma, draft_gate=label != "adaptive:nogate")
+            engine = engines["none" if not mode.drafts else "ngram" if kind is ProposerKind.NGRAM else "spec"]
+            sched = SchedulerConfig(mode=mode, k=k if k is not None else engine.gamma,
+                                    draft_gate=label != "adaptive:nogate")
             engine.set_scheduler(sched)
             row = _measure(lambda e=engine, p=batch: run_engine(e, p, cfg.max_new_tokens), cfg.warmup, cfg.repeats)
-            row = {"engine": "optimized", "mode": mode, "label": label, "k": _k_of(sched, b), **row}
+            row = {"engine": "optimized", "proposer": kind if mode.drafts else None, "mode": mode, "label": label,
+                   "k": _k_of(sched, b), **row}
         row.update({"batch_size": b, "elapsed_s": round(time.perf_counter() - t_cfg, 3)})
         row["per_request_tokens_per_s"] = row["output_tokens_per_s"] / b
         report["results"].append(row)
@@ -277,7 +293,7 @@ def _measure_hf(target: Target, batch: list[list[int]], cfg: BenchConfig, device
     if cfg.warmup:
         run_hf(target.model, batch, min(cfg.max_new_tokens, 8), pad, device)  # a full-length warm-up costs seconds
     row = _measure(lambda: run_hf(target.model, batch, cfg.max_new_tokens, pad, device), 0, cfg.hf_repeats)
-    return {"engine": "hf", "mode": "none", "label": "hf", "k": 0, **row}
+    return {"engine": "hf", "proposer": None, "mode": "none", "label": "hf", "k": 0, **row}
 
 
 def _k_of(sched: SchedulerConfig, batch_size: int) -> int | None:
@@ -293,7 +309,7 @@ def _k_of(sched: SchedulerConfig, batch_size: int) -> int | None:
 
 
 def summarize(results: list[dict]) -> dict[str, Any]:
-    """Per batch size: the baselines, the best fixed K, adaptive, and the speed goals as ratios."""
+    """Per batch size: the baselines, the best fixed K (drafter and n-gram), adaptive, and the speed goals as ratios."""
     by_b: dict[int, dict[str, dict]] = {}
     for r in results:
         by_b.setdefault(r["batch_size"], {})[r["label"]] = r
@@ -302,9 +318,12 @@ def summarize(results: list[dict]) -> dict[str, Any]:
         tps = {label: r["output_tokens_per_s"] for label, r in rows.items()}
         fixed = {label: v for label, v in tps.items() if label.startswith("fixed")}
         s: dict[str, Any] = {"tokens_per_s": {k: round(v, 2) for k, v in tps.items()}}
+        ngram = {label: v for label, v in tps.items() if label.startswith("ngram:")}
         if fixed:
             best = max(fixed, key=fixed.get)
             s["best_fixed"] = best
+        if ngram:
+            s["best_ngram"] = max(ngram, key=ngram.get)
         none, hf, adaptive = tps.get("none"), tps.get("hf"), tps.get("adaptive")
         if none and hf:
             s["none_over_hf"] = round(none / hf, 3)
@@ -312,6 +331,10 @@ def summarize(results: list[dict]) -> dict[str, Any]:
             s["adaptive_over_none"] = round(adaptive / none, 3)
         if adaptive and fixed:
             s["adaptive_over_best_fixed"] = round(adaptive / fixed[s["best_fixed"]], 3)
+        if ngram and adaptive:
+            s["adaptive_over_best_ngram"] = round(adaptive / ngram[s["best_ngram"]], 3)
+        if ngram and fixed:
+            s["best_fixed_over_best_ngram"] = round(fixed[s["best_fixed"]] / ngram[s["best_ngram"]], 3)
         if tps.get("adaptive:nogate") and none:
             s["adaptive_nogate_over_none"] = round(tps["adaptive:nogate"] / none, 3)
         if "none" in rows and "host_schedule_fraction" in rows["none"]:
@@ -414,7 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one, else random init)")
     p.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES)
     p.add_argument("--modes", default=DEFAULT_MODES, help="comma list: none, fixed:K, dsd, threshold, adaptive-sync, "
-                   "adaptive")
+                   "adaptive; ngram:fixed:K and ngram:dsd draft with the n-gram proposer")
+    p.add_argument("--ngram-gamma", type=int, default=NgramConfig.gamma, help="the n-gram proposer's block γ")
+    p.add_argument("--ngram-max-n", type=int, default=NgramConfig.max_n, help="n-gram proposer: longest suffix tried")
+    p.add_argument("--ngram-min-n", type=int, default=NgramConfig.min_n, help="n-gram proposer: shortest match")
     p.add_argument("--max-new-tokens", type=int, default=128)
     add_engine_source_args(p)
     p.add_argument("--warmup", type=int, default=1)
@@ -440,7 +466,8 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
                       max_new_tokens=args.max_new_tokens, warmup=args.warmup, repeats=args.repeats,
                       hf_max_batch=args.hf_max_batch, hf_repeats=args.hf_repeats, time_budget_s=args.time_budget_s,
                       enforce_eager=args.enforce_eager, layer_backend=args.layer_backend, context_len=args.context_len,
-                      cost_cache_dir=args.cost_cache_dir, seed=args.seed)
+                      cost_cache_dir=args.cost_cache_dir, seed=args.seed, ngram_gamma=args.ngram_gamma,
+                      ngram_max_n=args.ngram_max_n, ngram_min_n=args.ngram_min_n)
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if target is None:
         target = Target.load(args.model, device=args.device, dtype=getattr(torch, dtype_name))
@@ -448,7 +475,8 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     else:
         model_name = target.name
     drafter_name = None
-    if drafter is None and any(parse_mode(m, None)[0].drafts for m in cfg.modes):
+    if drafter is None and any(kind is ProposerKind.DSPARK and mode.drafts
+                               for kind, mode, _ in (parse_config(m, None, cfg.ngram_gamma) for m in cfg.modes)):
         path = args.drafter or str(DEFAULT_DRAFTER)
         drafter = load_or_init_drafter(path, target, None, args.seed)
         drafter_name = path if Path(path).exists() else f"RANDOM INIT (seed {args.seed}; no checkpoint at {path})"

@@ -1,7 +1,7 @@
 """What the benchmark and profiling scripts (``scripts.bench_engine``, ``scripts.profile_engine``,
 ``scripts.bench_kernels``) share: the flags that choose prompts, device, dtype and graphs, the prompts those flags
-select, the ``mode[:K]`` spelling of a configuration, a device barrier for timing and the device tag of output files.
-A library: no command line here.
+select, the ``[ngram:]mode[:K]`` spelling of a configuration, a device barrier for timing and the device tag of output
+files. A library: no command line here.
 
 Names follow ``docs/method.md`` (``ℓ`` verify length, ``γ`` block size).
 """
@@ -12,7 +12,8 @@ import argparse
 
 import torch
 
-from reference.config import SCHEDULER_MODES, SchedulingMode
+from reference.config import SCHEDULER_MODES, NgramConfig, ProposerKind, SchedulingMode
+from reference.ngram import check_mode
 from reference.target import Target
 
 
@@ -34,6 +35,21 @@ def parse_mode(spec: str, gamma: int | None) -> tuple[SchedulingMode, int | None
     if not k.isdigit() or int(k) < 1 or (gamma is not None and int(k) > gamma):
         raise ValueError(f"mode {spec!r}: K must be an integer in 1..γ{'' if gamma is None else f' = {gamma}'}")
     return mode, int(k)
+
+
+def parse_config(spec: str, gamma: int | None, ngram_gamma: int = NgramConfig.gamma
+                 ) -> tuple[ProposerKind, SchedulingMode, int | None]:
+    """A configuration with its drafter kind: ``"fixed:3"`` -> (DSPARK, FIXED, 3), the modes of :func:`parse_mode`
+    drafted by the DSpark drafter (block ``gamma``); ``"ngram:fixed:3"`` -> (NGRAM, FIXED, 3), the n-gram proposer
+    (block ``ngram_gamma``), which runs ``fixed[:K]`` and ``dsd`` only (it has no confidences)."""
+    kind, sep, rest = spec.partition(":")
+    if kind != ProposerKind.NGRAM:
+        return (ProposerKind.DSPARK, *parse_mode(spec, gamma))
+    mode, k = parse_mode(rest, ngram_gamma)
+    if not mode.drafts:
+        raise ValueError(f"mode {spec!r}: the n-gram proposer drafts; plain decoding is mode 'none'")
+    check_mode(mode)
+    return ProposerKind.NGRAM, mode, k
 
 
 def add_engine_source_args(p: argparse.ArgumentParser) -> None:

@@ -8,19 +8,26 @@ Every prompt is decoded by the reference loop (``reference.generate``) in schedu
 random-number contract a request's tokens depend only on its own id, prompt and the seed, never on its
 neighbours, so batching prompts (``--batch-size``) gives exactly the batch-1 result, only faster.
 
+``--proposer ngram`` measures the training-free n-gram (prompt-lookup) proposer (``reference/ngram.py``) the same
+way, with no checkpoint: the baseline row a trained drafter's τ is compared with. Its blocks may be shorter than γ
+(or empty), so each step verifies ``min(γ, m)`` slots, and a step without a proposal counts with τ = 1.
+
 Reported (OUT.json):
 
 * ``mean_accepted_length``: τ pooled over all steps of all prompts, ``Σ (accepted + 1) / steps``
   (the paper's definition); ``mean_accepted_length_macro`` averages the per-prompt τ instead;
 * ``per_domain``: domain → pooled τ; ``per_domain_detail`` adds counts and per-position acceptance;
-* ``per_position_acceptance``: ``P(slot k accepted | slots 1..k-1 accepted)`` for k = 1..γ (paper Figure 2),
-  with the number of steps that reached slot k in ``per_position_counts``;
+* ``per_position_acceptance``: ``P(slot k accepted | slots 1..k-1 accepted, slot k verified)`` for k = 1..γ (paper
+  Figure 2), with the number of such steps in ``per_position_counts``; ``per_position_verified`` is the share of
+  steps that verified slot k (1 for a trained drafter's full blocks; below 1 where n-gram proposals ran short), and
+  ``mean_verify_length`` the mean ℓ;
 * counts, settings, hardware, command, wall time.
 
 Usage::
 
-    python scripts/eval_acceptance.py --drafter DIR --prompts-file F.jsonl [--temperature T] \\
+    python -m scripts.eval_acceptance --drafter DIR --prompts-file F.jsonl [--temperature T] \\
         [--max-new-tokens N] [--gamma G] --json OUT.json
+    python -m scripts.eval_acceptance --proposer ngram [--gamma 7] --prompts-file F.jsonl --json OUT.json
 
 Prompt lines are ``{"prompt": str, "domain": str}`` (``"input_ids": [...]`` may replace ``"prompt"`` for a
 target without tokenizer). It runs on a CPU too, slowly: use a handful of prompts there.
@@ -40,8 +47,9 @@ import torch
 from tqdm.auto import tqdm
 
 from reference.checkpoint import load_drafter, read_drafter_config
-from reference.config import GenerationConfig, SchedulerConfig
+from reference.config import PROPOSER_KINDS, GenerationConfig, NgramConfig, ProposerKind, SchedulerConfig
 from reference.generate import GenerationResult, generate, read_jsonl
+from reference.ngram import NgramProposer
 from reference.target import DEFAULT_TARGET, Target
 from scripts.runtime import hardware, resolve_device
 
@@ -75,15 +83,19 @@ def read_prompts(path: str | Path, target: Target, chat_template: bool = True,
 def summarise(results: list[GenerationResult], gamma: int) -> dict:
     """Pooled τ, per-prompt macro τ and per-position conditional acceptance of a set of results."""
     steps = [a for r in results for a in r.accepted_lengths]  # accepted drafts per verification step
-    acc = torch.tensor(steps, dtype=torch.long)
-    reached = [int((acc >= k - 1).sum()) for k in range(1, gamma + 1)]  # steps whose slots 1..k-1 were accepted
+    acc = torch.tensor(steps, dtype=torch.long)  # [steps]
+    ell = torch.tensor([v for r in results for v in r.verify_lengths], dtype=torch.long)  # [steps] ℓ of each step
+    # Slot k is judged in the steps that accepted slots 1..k-1 and verified slot k (a short proposal ends earlier).
+    reached = [int(((acc >= k - 1) & (ell >= k)).sum()) for k in range(1, gamma + 1)]
     passed = [int((acc >= k).sum()) for k in range(1, gamma + 1)]
     per_prompt = [r.mean_accepted_length for r in results if r.accepted_lengths]
     return {
         "mean_accepted_length": float(acc.float().mean() + 1) if steps else None,
         "mean_accepted_length_macro": sum(per_prompt) / len(per_prompt) if per_prompt else None,
+        "mean_verify_length": float(ell.float().mean()) if steps else None,
         "per_position_acceptance": [p / n if n else None for p, n in zip(passed, reached)],
         "per_position_counts": reached,
+        "per_position_verified": [float((ell >= k).float().mean()) if steps else None for k in range(1, gamma + 1)],
         "prompts": len(results),
         "steps": len(steps),
         "generated_tokens": sum(len(r.token_ids) for r in results),
@@ -93,12 +105,17 @@ def summarise(results: list[GenerationResult], gamma: int) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--drafter", required=True, help="drafter checkpoint directory")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint directory (--proposer dspark)")
+    p.add_argument("--proposer", default=ProposerKind.DSPARK.value, choices=PROPOSER_KINDS,
+                   help="the trained drafter (--drafter), or the training-free n-gram lookup (no checkpoint)")
+    p.add_argument("--ngram-max-n", type=int, default=NgramConfig.max_n, help="n-gram proposer: longest suffix tried")
+    p.add_argument("--ngram-min-n", type=int, default=NgramConfig.min_n, help="n-gram proposer: shortest match")
     p.add_argument("--prompts-file", required=True, help='JSONL, one {"prompt": ..., "domain": ...} per line')
     p.add_argument("--json", required=True, help="output JSON file")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = lossless sampling (top-p off)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
-    p.add_argument("--gamma", type=int, default=None, help="block size γ (must equal the drafter's)")
+    p.add_argument("--gamma", type=int, default=None,
+                   help="block size γ (must equal the drafter's; the n-gram proposer's, default 7)")
     p.add_argument("--model", default=DEFAULT_TARGET, help="target: 'smollm2-135m-instruct', a .gguf or an HF dir")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -120,22 +137,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_size < 1:
         raise SystemExit(f"--batch-size must be ≥ 1, got {args.batch_size}")
     device = resolve_device(args.device)
-    cfg = read_drafter_config(args.drafter)
-    gamma = cfg.block_size
-    if args.gamma is not None and args.gamma != gamma:
-        raise SystemExit(f"--gamma {args.gamma} differs from the drafter's trained block size γ = {gamma}")
+    ngram = args.proposer == ProposerKind.NGRAM
+    if ngram == (args.drafter is not None):
+        raise SystemExit("give --drafter DIR for the trained drafter, or --proposer ngram (no checkpoint), not both")
+    if ngram:
+        try:
+            ngram_cfg = NgramConfig(gamma=NgramConfig.gamma if args.gamma is None else args.gamma,
+                                    max_n=args.ngram_max_n, min_n=args.ngram_min_n)
+        except ValueError as e:
+            raise SystemExit(str(e)) from e
+        gamma, layer_ids = ngram_cfg.gamma, None
+    else:
+        cfg = read_drafter_config(args.drafter)
+        gamma, layer_ids = cfg.block_size, cfg.target_layer_ids
+        if args.gamma is not None and args.gamma != gamma:
+            raise SystemExit(f"--gamma {args.gamma} differs from the drafter's trained block size γ = {gamma}")
     if args.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
         dtype = getattr(torch, args.dtype)
-    target = Target.load(args.model, layer_ids=cfg.target_layer_ids, device=device, dtype=dtype)
-    drafter = load_drafter(args.drafter, target, device=device, dtype=target.dtype)
+    target = Target.load(args.model, layer_ids=layer_ids, device=device, dtype=dtype)
+    if ngram:
+        drafter = NgramProposer(ngram_cfg)
+        drafter_config = {"kind": "ngram", "gamma": gamma, "max_n": ngram_cfg.max_n, "min_n": ngram_cfg.min_n}
+    else:
+        drafter = load_drafter(args.drafter, target, device=device, dtype=target.dtype)
+        drafter_config = {"head": cfg.head, "num_layers": cfg.num_layers, "markov_rank": cfg.markov_rank,
+                          "sts_temperatures": cfg.sts_temperatures}
     prompts = read_prompts(args.prompts_file, target, chat_template=not args.no_chat_template, limit=args.limit)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                            chat_template=not args.no_chat_template)
     sched = SchedulerConfig(mode="fixed", k=gamma)  # full block verified every step: τ of the drafter alone
-    log.info("%d prompts, γ = %d, T = %g, %d new tokens, %s", len(prompts), gamma, args.temperature,
-             args.max_new_tokens, device)
+    log.info("%d prompts, %s, γ = %d, T = %g, %d new tokens, %s", len(prompts), args.proposer, gamma,
+             args.temperature, args.max_new_tokens, device)
 
     t0 = time.perf_counter()
     results: list[GenerationResult] = []
@@ -163,17 +197,19 @@ def main(argv: list[str] | None = None) -> int:
         "mean_accepted_length": overall["mean_accepted_length"],
         "mean_accepted_length_macro": overall["mean_accepted_length_macro"],
         "per_domain": {d: s["mean_accepted_length"] for d, s in detail.items()},
+        "mean_verify_length": overall["mean_verify_length"],
         "per_position_acceptance": overall["per_position_acceptance"],
         "per_position_counts": overall["per_position_counts"],
+        "per_position_verified": overall["per_position_verified"],
         "per_domain_detail": detail,
         "counts": {k: overall[k] for k in ("prompts", "steps", "generated_tokens")},
         "settings": {"temperature": args.temperature, "top_p": 1.0, "top_k": 0, "max_new_tokens": args.max_new_tokens,
                      "gamma": gamma, "scheduler": "fixed", "k": gamma, "seed": args.seed,
                      "chat_template": not args.no_chat_template, "dtype": str(target.dtype).removeprefix("torch."),
                      "engine": args.engine},
-        "drafter": str(args.drafter),
-        "drafter_config": {"head": cfg.head, "num_layers": cfg.num_layers, "markov_rank": cfg.markov_rank,
-                           "sts_temperatures": cfg.sts_temperatures},
+        "proposer": str(args.proposer),
+        "drafter": "ngram" if ngram else str(args.drafter),
+        "drafter_config": drafter_config,
         "model": args.model,
         "prompts_file": str(args.prompts_file),
         "hardware": hardware(device, 1),

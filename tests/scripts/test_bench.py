@@ -21,7 +21,7 @@ from reference.cost_model import CostTable
 from reference.target import Target
 from reference.testing import tiny_drafter, tiny_hf_model
 from scripts import bench_engine, bench_kernels
-from scripts.benchmarking import parse_mode
+from scripts.benchmarking import parse_config, parse_mode
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,6 +85,36 @@ def test_bench_engine_time_budget_leaves_partial_results(models, tmp_path):
     on_disk = json.loads(out.read_text())
     assert on_disk["complete"] is False and "time budget" in on_disk["stopped_early"]
     assert on_disk["results"] == [] and "cost_table" in on_disk
+
+
+def test_bench_engine_ngram_modes_without_a_drafter(models, tmp_path):
+    """``ngram:`` modes run the n-gram proposer's engine beside plain decoding; no drafter, no cost table needed."""
+    target, _ = models
+    out = tmp_path / "engine-ngram.json"
+    argv = ["--batch-sizes", "2", "--modes", "none,ngram:fixed:2,ngram:fixed,ngram:dsd", "--ngram-gamma", "3",
+            "--max-new-tokens", "10", "--warmup", "0", "--repeats", "1", "--hf-max-batch", "0", "--out", str(out)]
+    report = bench_engine.main(argv, target=target, drafter=None, prompt_ids=[[5, 6, 7, 5, 6], [9, 2, 9, 2]])
+    rows = {r["label"]: r for r in report["results"]}
+    assert set(rows) == {"none", "ngram:fixed:2", "ngram:fixed", "ngram:dsd"} and "cost_table" not in report
+    assert rows["none"]["proposer"] is None and rows["ngram:fixed:2"]["proposer"] == "ngram"
+    assert rows["ngram:fixed"]["k"] == 3 and rows["ngram:fixed:2"]["k"] == 2
+    for label in ("ngram:fixed:2", "ngram:fixed", "ngram:dsd"):
+        r = rows[label]
+        assert r["tokens"] == 2 * 10
+        assert 0.0 <= r["mean_verify_length"] <= (r["k"] or 3), "ℓ is clipped to k and to each proposal"
+        assert 1.0 <= r["mean_accepted_length"] <= 1 + r["mean_verify_length"] + 1e-9
+    assert report["summary"]["2"]["best_ngram"].startswith("ngram:")
+    assert report["settings"]["ngram_gamma"] == 3
+
+
+def test_parse_config_of_the_ngram_modes():
+    assert parse_config("fixed:3", 7) == ("dspark", "fixed", 3)
+    assert parse_config("ngram:fixed:3", None, 5) == ("ngram", "fixed", 3)
+    assert parse_config("ngram:fixed", None, 5) == ("ngram", "fixed", 5)
+    assert parse_config("ngram:dsd", None) == ("ngram", "dsd", None)
+    for bad in ("ngram:adaptive", "ngram:threshold", "ngram:adaptive:nogate", "ngram:none", "ngram:fixed:6"):
+        with pytest.raises(ValueError):
+            parse_config(bad, 7, 5)
 
 
 def test_parse_mode_rejects_bad_specs():

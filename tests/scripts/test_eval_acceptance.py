@@ -1,0 +1,68 @@
+"""``scripts/eval_acceptance.py --proposer ngram``: the n-gram baseline's τ per domain and per slot, with no checkpoint.
+
+A tiny random target saved to disk stands in for SmolLM2 (no download); the trained drafter's arm is covered by
+tests/scripts/test_pipeline.py. Names follow ``docs/method.md`` (``τ`` emitted tokens per verify step, ``ℓ``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reference.testing import tiny_hf_model
+from scripts import eval_acceptance
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GAMMA = 3
+# Prompts with repeats (the lookup finds something) and one without, in two domains.
+PROMPTS = [([5, 6, 7, 5, 6, 7, 5], "code"), ([9, 2, 9, 2, 9], "code"), ([3, 40, 41, 42], "chat"), ([60], "chat")]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_ngram")
+    tiny_hf_model("llama", num_layers=2).save_pretrained(root / "target")
+    pf = root / "eval.jsonl"
+    pf.write_text("".join(json.dumps({"input_ids": ids, "domain": d}) + "\n" for ids, d in PROMPTS))
+    return root / "target", pf
+
+
+def _eval(files, tmp_path, *extra):
+    target, pf = files
+    out = tmp_path / "tau.json"
+    assert eval_acceptance.main(["--proposer", "ngram", "--gamma", str(GAMMA), "--prompts-file", str(pf), "--model",
+                                 str(target), "--device", "cpu", "--max-new-tokens", "16", "--json", str(out),
+                                 *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_ngram_tau_per_domain_and_slot(files, tmp_path):
+    r = _eval(files, tmp_path, "--temperature", "1.0")
+    assert r["proposer"] == "ngram" and r["drafter"] == "ngram"
+    assert r["drafter_config"] == {"kind": "ngram", "gamma": GAMMA, "max_n": 3, "min_n": 1}
+    assert set(r["per_domain"]) == {"chat", "code"} and r["counts"]["prompts"] == len(PROMPTS)
+    assert r["settings"]["gamma"] == GAMMA and len(r["per_position_acceptance"]) == GAMMA
+    assert 1.0 <= r["mean_accepted_length"] <= GAMMA + 1
+    assert 0.0 <= r["mean_verify_length"] <= GAMMA
+    verified = r["per_position_verified"]
+    assert all(1.0 >= a >= b >= 0.0 for a, b in zip(verified, verified[1:])), "ℓ ≥ k + 1 implies ℓ ≥ k"
+    # τ = 1 + Σ_k P(slots 1..k accepted), and P(slots 1..k accepted) = acceptance_k · counts_k / steps: slot k is
+    # judged in the counts_k steps that accepted slots 1..k-1 and verified slot k.
+    steps = r["counts"]["steps"]
+    passed = [(c or 0.0) * n for c, n in zip(r["per_position_acceptance"], r["per_position_counts"])]
+    assert abs(1.0 + sum(passed) / steps - r["mean_accepted_length"]) < 1e-6  # τ is a float32 mean in the script
+    assert r["per_position_counts"][0] == round(verified[0] * steps)
+    # The reference loop measures exactly what the (default) optimized engine measures.
+    ref = _eval(files, tmp_path, "--temperature", "1.0", "--engine", "reference")
+    assert ref["per_domain_detail"] == r["per_domain_detail"]
+
+
+def test_ngram_refuses_a_checkpoint(files, tmp_path):
+    target, pf = files
+    with pytest.raises(SystemExit, match="not both"):
+        eval_acceptance.main(["--proposer", "ngram", "--drafter", "somewhere", "--prompts-file", str(pf), "--model",
+                              str(target), "--json", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="not both"):  # the trained drafter's arm needs its checkpoint
+        eval_acceptance.main(["--prompts-file", str(pf), "--model", str(target), "--json", str(tmp_path / "x.json")])
