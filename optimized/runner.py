@@ -345,8 +345,9 @@ class ModelRunner:
                 entry = self._ngram[s.slot] = (s, NgramIndex(self.proposer.config))
             entry[1].sync(s.prompt_ids, s.output_ids)
             proposals.append(entry[1].propose())
-        # sync: none that waits. The lookup reads the tokens this step's one token read already brought to the host,
-        # and the upload of [R, γ] token ids is a host→device copy (slots past m_r hold 0 and are never verified).
+        # sync: the upload of the [R, γ] ids is a pageable host→device copy, which waits for the stream — idle here:
+        # this step's token read drained it, and brought the very tokens the lookup reads. Slots past m_r hold 0 and
+        # are never verified.
         new = torch.tensor([p + [0] * (g - len(p)) for p in proposals], dtype=torch.long, device=dev)  # [R, γ]
         rows = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)  # [R]
         slots = torch.arange(g, device=dev)[None, :]  # [1, γ]
