@@ -1,4 +1,4 @@
-"""Start-up profiling of the engine's step costs: the measured SPS curve the adaptive scheduler needs (docs/method.md §5).
+"""Start-up profiling of the engine's step costs: the measured SPS curve of the adaptive scheduler (docs/method.md §5).
 
 ``reference/cost_model.py`` defines the table (verify cost keyed by token count, drafter cost keyed by request
 count, forced monotone, a staircase over the captured sizes); this file fills it with times measured on the

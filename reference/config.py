@@ -71,6 +71,9 @@ class DrafterConfig:
     block_size: int = 7  # γ: drafts per step; the paper's default
     head: HeadType = "markov"  # sequential head; "none" is the parallel-only (DFlash-style) ablation
     markov_rank: int = 64  # r of W1: V→r, W2: r→V; the paper uses 256 for 4B–14B targets
+    # True: W1 = A·E and W2 = W_lm·P through the target's frozen embedding / LM head (2·d·r parameters instead of
+    # 2·V·r: 74k instead of 6.3M for SmolLM2 at r = 64), materialised as tables only at inference.
+    markov_factored: bool = False
     mask_token_id: int | None = None  # spare vocabulary row for the mask token; None -> learned vector
     # SmolLM2's 49152-token vocabulary has no spare row, hence the learned mask embedding default.
     sts_temperatures: dict[str, list[float]] = field(default_factory=dict)
@@ -97,6 +100,11 @@ class DrafterConfig:
         if self.target_num_layers and any(not 0 <= i < self.target_num_layers for i in self.target_layer_ids):
             problems.append(f"target_layer_ids {self.target_layer_ids} out of range for a "
                             f"{self.target_num_layers}-layer target")
+        if self.markov_factored and self.head != "markov":
+            problems.append(f"markov_factored needs head 'markov', got {self.head!r}")
+        if self.markov_factored and self.markov_rank > self.hidden_size:
+            problems.append(f"a factored Markov head has rank ≤ hidden_size ({self.hidden_size}), got "
+                            f"{self.markov_rank}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
         for mode, temps in self.sts_temperatures.items():

@@ -165,35 +165,49 @@ class Layer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Sequential heads. Both expose the same step interface so that teacher forcing (training) and left-to-right
-# sampling (inference) run the same arithmetic:  bias_k, state_k = step(W1[x_{k-1}], h_k, state_{k-1}).
+# Sequential heads. Both add a bias B_k = W2·x_seq,k to the base logits, where x_seq,k is W1[x_{k-1}] for the
+# Markov head and tanh(o_k) of a small recurrent cell for the RNN head. Teacher forcing (training) and
+# left-to-right sampling (inference) run the same arithmetic (DSparkDrafter.head_features / sample_block).
 # W2 starts at zero, so a fresh drafter is exactly its parallel-only self (B = 0); W2's gradient
 # dL/dB ⊗ W1[x] is non-zero from the first step, and W1 is trained through the confidence head meanwhile.
 # ---------------------------------------------------------------------------------------------------------
 
 
 class MarkovHead(nn.Module):
-    """B_k = W2(W1[x_{k-1}]): a low-rank bigram bias, the same W1, W2 for every slot (docs/method.md §1)."""
+    """B_k = W2(W1[x_{k-1}]): a low-rank bigram bias, the same W1, W2 for every slot (docs/method.md §1).
+
+    Two parameterisations of the same bias (``DrafterConfig.markov_factored``):
+
+    * full tables (the paper's): ``W1 = Embedding(V, r)``, ``W2 = Linear(r, V)``; ``2·V·r`` parameters
+      (6.3 M for SmolLM2 at r = 64, most of a 2-layer drafter);
+    * factored through the target's frozen embedding ``E`` and LM head ``W_lm``: ``W1 = A(E)`` and
+      ``W2 = W_lm·P`` with ``A: d → r`` (``w1_proj``) and ``P: r → d`` (``w2_proj``); ``2·d·r`` parameters.
+      Then ``U_k + B_k = lm_head(h_k + P·W1[x_{k-1}])``: the bias is a vector added to ``h_k`` before the
+      LM head, so training needs no second V-wide product. The tables exist only at inference, materialised
+      once by :meth:`DSparkDrafter.markov_tables` (the engine's fused draft kernel and the reference loop
+      read the same tables, so both draw from bit-identical logits).
+
+    The target's modules belong to :class:`DSparkDrafter`, so it computes ``W1[x]`` and the factored bias
+    (``prev_embedding``, ``head_features``); this class only holds the parameters.
+    """
 
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
-        r = config.markov_rank
+        r, d = config.markov_rank, config.hidden_size
+        self.factored = config.markov_factored
+        if self.factored:
+            # A ~ N(0, 1/d·σ_E²) would make A(E[x]) unit-scale; σ_E is unknown until a target is attached, so
+            # A ~ N(0, 1/d) here and W1's scale is learned. P starts at zero: B = 0 at init, as W2 = 0 below.
+            self.w1_proj = nn.Linear(d, r, bias=False)
+            nn.init.normal_(self.w1_proj.weight, std=d ** -0.5)
+            self.w2_proj = nn.Linear(r, d, bias=False)
+            nn.init.zeros_(self.w2_proj.weight)
+            return
         # W1 ~ N(0, 1) (nn.Embedding's default): unit-scale entries, like the RMS-normalised h_k they sit
         # next to in the confidence head's input.
         self.w1 = nn.Embedding(config.vocab_size, r)
         self.w2 = nn.Linear(r, config.vocab_size, bias=False)
         nn.init.zeros_(self.w2.weight)
-
-    def initial_state(self, h: torch.Tensor) -> torch.Tensor | None:
-        return None  # the Markov head carries no state beyond the previous token
-
-    def step(self, e_prev: torch.Tensor, h_k: torch.Tensor, state: torch.Tensor | None):
-        """e_prev = W1[x_{k-1}] [.., r], h_k [.., d] -> (B_k [.., V], state)."""
-        return self.w2(e_prev), state
-
-    def teacher_forced(self, e_prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """All slots at once: e_prev [.., γ, r] -> B [.., γ, V]; the Markov bias has no recurrence."""
-        return self.w2(e_prev)
 
 
 class RNNHead(nn.Module):
@@ -214,19 +228,20 @@ class RNNHead(nn.Module):
         return h.new_zeros(*h.shape[:-1], self.rank)
 
     def step(self, e_prev: torch.Tensor, h_k: torch.Tensor, state: torch.Tensor):
+        """One slot: (W1[x_{k-1}] [.., r], h_k [.., d], s_{k-1}) -> (tanh(o_k) [.., r], s_k); B_k = W2·tanh(o_k)."""
         z = torch.cat((state, e_prev, h_k), dim=-1)  # [.., 2r + d]
         g, c, o = self.cell(z).chunk(3, dim=-1)  # each [.., r]
         gate = torch.sigmoid(g)
         state = gate * state + (1 - gate) * torch.tanh(c)  # [.., r]
-        return self.w2(torch.tanh(o)), state
+        return torch.tanh(o), state
 
-    def teacher_forced(self, e_prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """e_prev [.., γ, r], h [.., γ, d] -> B [.., γ, V]; serial over γ (cheap: γ ≈ 7)."""
-        state, biases = self.initial_state(h[..., 0, :]), []
+    def teacher_forced_inputs(self, e_prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """e_prev [.., γ, r], h [.., γ, d] -> tanh(o) [.., γ, r], the W2 inputs; serial over γ (cheap: γ ≈ 7)."""
+        state, outs = self.initial_state(h[..., 0, :]), []
         for k in range(h.shape[-2]):
-            bias, state = self.step(e_prev[..., k, :], h[..., k, :], state)
-            biases.append(bias)
-        return torch.stack(biases, dim=-2)
+            out, state = self.step(e_prev[..., k, :], h[..., k, :], state)
+            outs.append(out)
+        return torch.stack(outs, dim=-2)
 
 
 @dataclass
@@ -335,6 +350,7 @@ class DSparkDrafter(nn.Module):
         # The confidence head reads [h_k; W1[x_{k-1}]]; with no sequential head there is no W1, only h_k.
         self.conf_head = nn.Linear(d + (0 if self.seq_head is None else r), 1)
         self._init_weights()
+        self._tables_cache: tuple | None = None  # materialised factored Markov tables (markov_tables)
         # A tuple, not attributes: nn.Module would register the target's modules as submodules, putting
         # them into state_dict, parameters() and the drafter's optimiser.
         self._target: tuple[nn.Module, nn.Module] | None = None
@@ -342,7 +358,7 @@ class DSparkDrafter(nn.Module):
     def _init_weights(self) -> None:
         # HF's initializer_range 0.02 for the backbone (nanoGPT does the same); W1 keeps N(0, 1), W2 stays 0.
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear) and not name.endswith("w2"):
+            if isinstance(module, nn.Linear) and not name.endswith(("w2", "w1_proj", "w2_proj")):
                 nn.init.normal_(module.weight, std=0.02)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
@@ -367,21 +383,22 @@ class DSparkDrafter(nn.Module):
                 self.mask_embedding.mul_(embed_tokens.weight.float().std().to(self.mask_embedding.dtype))
             self._mask_init_pending = False
 
-    def _target_modules(self) -> tuple[nn.Module, nn.Module]:
+    def target_modules(self) -> tuple[nn.Module, nn.Module]:
+        """The attached target's ``(embed_tokens, lm_head)``; raises if none is attached."""
         if self._target is None:
             raise RuntimeError("no target attached: call attach_target(embed_tokens, lm_head) first")
         return self._target
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self._target_modules()[0](tokens).to(self.context_proj.weight.dtype)
+        return self.target_modules()[0](tokens).to(self.context_proj.weight.dtype)
 
-    def _base_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """U = lm_head(h) in float32; h is cast to the LM head's dtype (the target may run in bf16)."""
-        lm_head = self._target_modules()[1]
+        lm_head = self.target_modules()[1]
         weight = next(lm_head.parameters(), None)
         return lm_head(h if weight is None else h.to(weight.dtype)).float()
 
-    def _block_embeddings(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+    def block_embeddings(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """[x_0, M, …, M] embedded: anchor_ids [...] -> [..., γ, d]."""
         x0 = self._embed(anchor_ids)  # [..., d]
         if self.config.mask_token_id is None:
@@ -430,7 +447,7 @@ class DSparkDrafter(nn.Module):
         if ctx_pos.shape != (B, S) or ctx_valid.shape != (B, S):
             raise ValueError(f"ctx_pos and ctx_valid must be [B, S] = {[B, S]}, got {list(ctx_pos.shape)} "
                              f"and {list(ctx_valid.shape)}")
-        x = self._block_embeddings(anchor_ids).reshape(B, nb * gamma, -1)  # [B, Q, d], Q = nb·γ
+        x = self.block_embeddings(anchor_ids).reshape(B, nb * gamma, -1)  # [B, Q, d], Q = nb·γ
         offsets = torch.arange(gamma, device=anchor_pos.device)
         positions = (anchor_pos[..., None] + offsets).reshape(B, nb * gamma)  # [B, Q]
         h_ctx = self.project_context(ctx_features)  # [B, S, d]
@@ -446,7 +463,7 @@ class DSparkDrafter(nn.Module):
     def backbone_cached(self, anchor_id: int, anchor_pos: int, cache: ContextCache) -> torch.Tensor:
         """Inference backbone for one request: the cached context (positions < anchor_pos) -> h [γ, d]."""
         gamma, device = self.config.block_size, cache.positions.device
-        x = self._block_embeddings(torch.tensor([int(anchor_id)], device=device))  # [1, γ, d]
+        x = self.block_embeddings(torch.tensor([int(anchor_id)], device=device))  # [1, γ, d]
         positions = (int(anchor_pos) + torch.arange(gamma, device=device))[None]  # [1, γ]
         sees_ctx = (cache.positions < int(anchor_pos)).expand(gamma, -1)  # [γ, n]
         sees_block = torch.ones(gamma, gamma, dtype=torch.bool, device=device)  # [γ, γ]
@@ -456,10 +473,46 @@ class DSparkDrafter(nn.Module):
 
     # --- the heads -------------------------------------------------------------------------------------------
 
-    def _conf_logit(self, h_k: torch.Tensor, e_prev: torch.Tensor | None) -> torch.Tensor:
-        """z_k = w·[h_k; W1[x_{k-1}]] + b: [.., d] -> [..] float32. Never sees x_k."""
+    def conf_logits(self, h_k: torch.Tensor, e_prev: torch.Tensor | None) -> torch.Tensor:
+        """z_k = w·[h_k; W1[x_{k-1}]] + b: h_k [.., d], e_prev [.., r] | None -> [..] float32. Never sees x_k."""
         z = h_k if e_prev is None else torch.cat((h_k, e_prev), dim=-1)
         return self.conf_head(z).squeeze(-1).float()
+
+    def prev_embedding(self, tokens: torch.Tensor) -> torch.Tensor:
+        """W1[x]: tokens [...] int64 -> [..., r] (the full table, or ``A·E[x]`` when factored)."""
+        head = self.seq_head
+        if head is None:
+            raise RuntimeError("the parallel-only drafter has no W1")
+        if getattr(head, "factored", False):
+            return head.w1_proj(self._embed(tokens))
+        return head.w1(tokens)
+
+    def head_features(self, h: torch.Tensor, prev_tokens: torch.Tensor):
+        """The inputs of the draft logits, teacher forced: ``U + B = lm_head(x_lm) + W2(x_seq)``.
+
+        Args:
+            h: backbone output [.., γ, d].
+            prev_tokens: [.., γ] int64, x_{k-1} for each slot.
+
+        Returns:
+            ``(x_lm [.., γ, d], x_seq [.., γ, r] | None, e_prev [.., γ, r] | None)``. ``x_lm`` feeds the
+            target's LM head (``h``, or ``h + P·W1[x_{k-1}]`` for the factored Markov head), ``x_seq`` feeds
+            the full ``W2`` table (``W1[x_{k-1}]`` for the Markov head, ``tanh(o_k)`` for the RNN head; None
+            otherwise), ``e_prev = W1[x_{k-1}]`` feeds the confidence head. The fast trainer's fused LM-head
+            loss (``optimized/training.py``) consumes exactly these.
+        """
+        if prev_tokens.shape != h.shape[:-1] or h.shape[-2] != self.config.block_size:
+            raise ValueError(f"h [.., γ={self.config.block_size}, d] and prev_tokens [.., γ] disagree: "
+                             f"{list(h.shape)} vs {list(prev_tokens.shape)}")
+        head = self.seq_head
+        if head is None:
+            return h, None, None
+        e_prev = self.prev_embedding(prev_tokens)  # [.., γ, r]
+        if isinstance(head, MarkovHead):
+            if head.factored:
+                return h + head.w2_proj(e_prev), None, e_prev
+            return h, e_prev, e_prev
+        return h, head.teacher_forced_inputs(e_prev, h), e_prev
 
     def head_logits(self, h: torch.Tensor, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced heads (training, calibration).
@@ -471,15 +524,35 @@ class DSparkDrafter(nn.Module):
         Returns:
             draft_logits [.., γ, V] float32 (U + B; p_d = softmax of it) and conf_logits [.., γ] float32.
         """
-        if prev_tokens.shape != h.shape[:-1] or h.shape[-2] != self.config.block_size:
-            raise ValueError(f"h [.., γ={self.config.block_size}, d] and prev_tokens [.., γ] disagree: "
-                             f"{list(h.shape)} vs {list(prev_tokens.shape)}")
-        logits = self._base_logits(h)  # [.., γ, V]
-        if self.seq_head is None:
-            return logits, self._conf_logit(h, None)
-        e_prev = self.seq_head.w1(prev_tokens)  # [.., γ, r]
-        logits = logits + self.seq_head.teacher_forced(e_prev, h).float()
-        return logits, self._conf_logit(h, e_prev)
+        x_lm, x_seq, e_prev = self.head_features(h, prev_tokens)
+        logits = self.base_logits(x_lm)  # [.., γ, V]
+        if x_seq is not None:
+            logits = logits + self.seq_head.w2(x_seq).float()
+        return logits, self.conf_logits(h, e_prev)
+
+    def markov_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Markov head's ``(W1 [V, r], W2 [V, r])`` as stored by ``Embedding(V, r)`` / ``Linear(r, V)``.
+
+        The full tables are the parameters themselves. Factored tables are materialised once,
+        ``W1 = A(E)`` and ``W2 = W_lm·P``, and cached until a parameter or the attached target changes;
+        inference (this class's :meth:`sample_block` and the engine's fused draft kernel) reads these, so
+        both draw from bit-identical logits.
+        """
+        head = self.seq_head
+        if not isinstance(head, MarkovHead):
+            raise RuntimeError(f"markov_tables needs the Markov head, this drafter has {self.config.head!r}")
+        if not head.factored:
+            return head.w1.weight, head.w2.weight
+        embed, lm_head = self.target_modules()
+        key = (head.w1_proj.weight._version, head.w2_proj.weight._version, id(embed), id(lm_head),
+               head.w1_proj.weight.device, head.w1_proj.weight.dtype)
+        if self._tables_cache is None or self._tables_cache[0] != key:
+            with torch.no_grad():
+                dtype = head.w1_proj.weight.dtype
+                w1 = head.w1_proj(embed.weight.to(dtype))  # [V, r]
+                w2 = lm_head.weight.to(dtype) @ head.w2_proj.weight  # [V, d] @ [d, r] -> [V, r]
+            self._tables_cache = (key, w1.contiguous(), w2.contiguous())
+        return self._tables_cache[1], self._tables_cache[2]
 
     @torch.no_grad()
     def sample_block(self, h: torch.Tensor, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor,
@@ -499,23 +572,27 @@ class DSparkDrafter(nn.Module):
                         ("request_ids", request_ids)):
             if t.shape != (R,):
                 raise ValueError(f"{name} must be [R] = [{R}], got {list(t.shape)}")
-        base = self._base_logits(h)  # [R, γ, V]
+        base = self.base_logits(h)  # [R, γ, V]
+        tables = self.markov_tables() if isinstance(self.seq_head, MarkovHead) else None
         top_p = torch.ones(R, device=h.device)  # drafts are never truncated: p_d must cover what it proposes
         top_k = torch.zeros(R, dtype=torch.long, device=h.device)
         prev = anchor_ids.long()  # [R]: x_0
-        state = None if self.seq_head is None else self.seq_head.initial_state(h[:, 0])
+        state = self.seq_head.initial_state(h[:, 0]) if isinstance(self.seq_head, RNNHead) else None
         tokens, probs, confs = [], [], []
         for k in range(1, gamma + 1):
             h_k = h[:, k - 1]  # [R, d]
             logits = base[:, k - 1]  # [R, V]
             e_prev = None
-            if self.seq_head is not None:
+            if tables is not None:  # Markov: e = W1[x_{k-1}], B_k = W2·e from the (materialised) tables
+                e_prev = F.embedding(prev, tables[0])  # [R, r]
+                logits = logits + F.linear(e_prev, tables[1]).float()
+            elif self.seq_head is not None:
                 e_prev = self.seq_head.w1(prev)  # [R, r]
-                bias, state = self.seq_head.step(e_prev, h_k, state)
-                logits = logits + bias.float()
+                out, state = self.seq_head.step(e_prev, h_k, state)
+                logits = logits + self.seq_head.w2(out).float()
             p_d = sampling.logits_to_probs(logits, temperature, top_p, top_k)  # [R, V]
             x_k = sampling.sample(p_d, seed, request_ids, anchor_pos + k, sampling.draft_purpose(k))  # [R]
-            confs.append(self._conf_logit(h_k, e_prev))
+            confs.append(self.conf_logits(h_k, e_prev))
             tokens.append(x_k)
             probs.append(p_d)
             prev = x_k

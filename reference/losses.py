@@ -6,20 +6,27 @@ Names follow ``docs/method.md``: ``p_t`` is the target distribution, ``p_d`` the
 
 A training sequence of S tokens carries many blocks at once. Each block starts at an anchor position
 ``p`` (both ``p`` and ``p+1`` are assistant tokens); its slot ``k = 1..γ`` predicts the token at ``p+k``.
-The blocks are packed into one drafter forward under :func:`block_attention_mask`, and the per-slot
-outputs are scored by :func:`dspark_loss` with position weights ``w_k = exp(-(k-1)/λ)``::
+Anchors are either a random subset (:func:`sample_anchors` + :func:`block_targets`) or every eligible
+position (:func:`dense_block_targets`, what the fast trainer in ``optimized/training.py`` uses). The blocks
+are packed into one drafter forward under :func:`block_attention_mask`, and the per-slot outputs are scored
+by :func:`dspark_loss` with position weights ``w_k = exp(-(k-1)/λ)``::
 
     L_ce   = - Σ_k w_k log p_d_k(x*_k)
+    L_kl   =   Σ_k w_k KL(p_t_k ‖ p_d_k)                      (soft cross-entropy minus the target's entropy)
     L_l1   =   Σ_k w_k ‖p_d_k - p_t_k‖_1                      (full L1, no 1/2)
     L_conf =   Σ_k w_k BCE(c_k, c*_k),  c*_k = Σ_v min(p_d_k, p_t_k)   (T = 1, detached)
-    L      = 0.1 L_ce + 0.9 L_l1 + 1.0 L_conf
+    L      = w_ce L_ce + w_l1 L_l1 + w_conf L_conf + w_kl L_kl      (the paper: 0.1, 0.9, 1.0, 0)
 
-each term a weighted mean over the valid slots (validity is cumulative along k).
+each term a weighted mean over the valid slots (validity is cumulative along k). ``L_kl`` is not in the
+paper: it is the distillation loss of EAGLE-style drafters. Its gradient ``p_d - p_t`` does not vanish
+while ``p_d`` is still small, where the gradient of ``L_l1`` does, and it uses the whole target
+distribution where ``L_ce`` sees one sampled token (docs/method.md §2 explains the choice of recipe).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -34,6 +41,39 @@ from torch.utils.checkpoint import checkpoint
 # 1.3 GB of temporaries at the peak: small next to an H200's memory).
 _CHUNK_ELEMENTS = 2**22
 _CUDA_CHUNK_ELEMENTS = 2**26
+
+
+class LossWeights(NamedTuple):
+    """Weights of the four loss terms. A plain 3-tuple ``(ce, l1, conf)`` is the paper's form (``kl = 0``)."""
+
+    ce: float = 0.1
+    l1: float = 0.9
+    conf: float = 1.0
+    kl: float = 0.0
+
+    @classmethod
+    def of(cls, weights: Sequence[float]) -> LossWeights:
+        """Validate ``(ce, l1, conf)`` or ``(ce, l1, conf, kl)``: finite, non-negative, not all zero."""
+        if isinstance(weights, LossWeights):
+            w = weights
+        elif len(weights) in (3, 4):
+            w = cls(*(float(x) for x in weights))
+        else:
+            raise ValueError(f"weights must be (w_ce, w_l1, w_conf) or (w_ce, w_l1, w_conf, w_kl), got {weights}")
+        if any(not (x >= 0 and math.isfinite(x)) for x in w):
+            raise ValueError(f"loss weights must be finite and non-negative, got {tuple(w)}")
+        if not any(w):
+            raise ValueError("weights are all zero: nothing to train")
+        return w
+
+    @property
+    def needs_target(self) -> bool:
+        """Whether ``p_t`` is needed (every term but CE uses it)."""
+        return self.l1 > 0 or self.conf > 0 or self.kl > 0
+
+
+PAPER_WEIGHTS = LossWeights()
+"""The paper's mix: 0.1 L_ce + 0.9 L_l1 + 1.0 L_conf."""
 
 
 def position_weights(gamma: int, decay: float = 4.0) -> Tensor:
@@ -138,6 +178,46 @@ def block_targets(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, gamma: 
                         target_pos=prev_c, valid=valid)
 
 
+def dense_block_targets(input_ids: Tensor, loss_mask: Tensor, gamma: int) -> BlockTargets:
+    """Every position of every sequence as an anchor: the targets of ``[B, S]`` blocks at once.
+
+    Block ``p`` of row ``b`` is anchored at position ``p``. It is supervised iff ``p`` and ``p+1`` are both
+    assistant tokens (the eligibility rule of :func:`sample_anchors`); its slots then follow
+    :func:`block_targets`. Ineligible blocks (prompt, padding) keep all slots invalid, so a batch has the
+    same fixed ``[B, S, γ]`` shape whatever its content (no per-sequence Python work, no host sync).
+    For a row, the result at the eligible positions equals :func:`block_targets` with
+    ``anchors = eligible positions``.
+
+    Args:
+        input_ids: ``[B, S]`` int64, right-padded.
+        loss_mask: ``[B, S]`` bool, True on assistant tokens (False on padding).
+        gamma: block size γ.
+
+    Returns:
+        :class:`BlockTargets` with ``[B, S, γ]`` fields; ``target_pos`` indexes the row's ``S`` positions.
+    """
+    if input_ids.dim() != 2 or loss_mask.shape != input_ids.shape or loss_mask.dtype != torch.bool:
+        raise ValueError(f"input_ids [B, S] and a bool loss_mask [B, S] are required, got {tuple(input_ids.shape)} "
+                         f"and {tuple(loss_mask.shape)} {loss_mask.dtype}")
+    if gamma < 1:
+        raise ValueError(f"gamma must be ≥ 1, got {gamma}")
+    B, S = input_ids.shape
+    device = input_ids.device
+    k = torch.arange(1, gamma + 1, device=device)  # [γ]
+    pos = torch.arange(S, device=device)[:, None] + k  # [S, γ] position slot k of block p predicts
+    in_range = pos < S  # [S, γ]
+    pos_c = pos.clamp(max=S - 1)  # [S, γ]
+    prev_c = (pos - 1).clamp(max=S - 1)  # [S, γ]; slot 1's previous token is the anchor itself
+    labels = torch.where(in_range, input_ids[:, pos_c], 0)  # [B, S, γ]
+    prev_tokens = input_ids[:, prev_c]  # [B, S, γ]; where p+k-1 ≥ S the slot is invalid anyway
+    eligible = torch.zeros_like(loss_mask)  # [B, S]
+    eligible[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:]
+    slot_ok = in_range & loss_mask[:, pos_c]  # [B, S, γ]
+    valid = (slot_ok & eligible[:, :, None]).to(torch.int64).cumprod(dim=2).bool()  # [B, S, γ]
+    return BlockTargets(labels=labels.to(torch.int64), prev_tokens=prev_tokens.to(torch.int64),
+                        target_pos=prev_c.expand(B, S, gamma), valid=valid)
+
+
 def block_attention_mask(anchors: Tensor, gamma: int, ctx_len: int, ctx_valid: Tensor | None = None) -> Tensor:
     """The boolean attention mask of the packed training forward (True = may attend).
 
@@ -181,7 +261,7 @@ def block_attention_mask(anchors: Tensor, gamma: int, ctx_len: int, ctx_valid: T
 
 
 def _slot_terms(draft_logits: Tensor, target_logits: Tensor | None, labels: Tensor) -> tuple[Tensor, ...]:
-    """Per-slot CE, L1 and c* for a chunk of rows, in float32.
+    """Per-slot CE, L1, c* and KL for a chunk of rows, in float32.
 
     Args:
         draft_logits: ``[n, V]`` draft logits ``U + B`` of any float dtype.
@@ -189,8 +269,8 @@ def _slot_terms(draft_logits: Tensor, target_logits: Tensor | None, labels: Tens
         labels: ``[n]`` int64 ground-truth tokens x*.
 
     Returns:
-        ``ce [n]`` (−log p_d(x*)), and when the target is given ``l1 [n]`` (‖p_d − p_t‖₁) and
-        ``c_star [n]`` (Σ_v min(p_d, p_t), no graph).
+        ``ce [n]`` (−log p_d(x*)), and when the target is given ``l1 [n]`` (‖p_d − p_t‖₁),
+        ``c_star [n]`` (Σ_v min(p_d, p_t), no graph) and ``kl [n]`` (KL(p_t ‖ p_d)).
     """
     z = draft_logits.float()  # [n, V]
     lse = torch.logsumexp(z, dim=-1)  # [n]
@@ -198,13 +278,16 @@ def _slot_terms(draft_logits: Tensor, target_logits: Tensor | None, labels: Tens
     if target_logits is None:
         return (ce,)
     p_d = torch.exp(z - lse[:, None])  # [n, V]
-    p_t = torch.softmax(target_logits.float(), dim=-1)  # [n, V]
+    log_p_t = torch.log_softmax(target_logits.float(), dim=-1)  # [n, V]
+    p_t = log_p_t.exp()  # [n, V]
     diff = p_d - p_t  # [n, V]
     l1 = diff.abs().sum(dim=-1)  # [n]
+    # KL(p_t ‖ p_d) = Σ p_t (log p_t − z) + lse, using Σ p_t = 1; xlogy-style: p_t = 0 contributes 0.
+    kl = (p_t * (log_p_t - z)).nan_to_num(0.0).sum(dim=-1) + lse  # [n]
     with torch.no_grad():
         # min(p_d, p_t) = p_d - relu(p_d - p_t): reuses diff instead of a third full-width operand.
         c_star = (p_d - diff.clamp_min(0)).sum(dim=-1).clamp(0.0, 1.0)  # [n]
-    return ce, l1, c_star
+    return ce, l1, c_star, kl
 
 
 def _weighted_mean(term: Tensor, w: Tensor, valid: Tensor) -> Tensor:
@@ -245,25 +328,20 @@ def dspark_loss(draft_logits: Tensor, target_logits: Tensor | None, labels: Tens
         conf_logits: ``[N, γ]`` confidence-head logits, or ``None`` when ``w_conf == 0``.
         valid: ``[N, γ]`` bool, cumulative validity from :func:`block_targets`.
         decay: λ of the position weights (:func:`position_weights`).
-        weights: ``(w_ce, w_l1, w_conf)``, non-negative, not all zero.
+        weights: ``(w_ce, w_l1, w_conf)`` or ``(w_ce, w_l1, w_conf, w_kl)`` (:class:`LossWeights`),
+            non-negative, not all zero.
 
     Returns:
-        ``{"loss", "ce", "l1", "conf"}`` float32 scalars carrying gradients (a zero-weight term detached),
+        ``{"loss", "ce", "l1", "conf", "kl"}`` float32 scalars carrying gradients (a zero-weight term detached),
         plus detached diagnostics ``"acc"`` (argmax hit rate over valid slots) and ``"conf_target_mean"``
         (mean c* over valid slots). No valid slot gives a zero loss that still backpropagates.
     """
-    if len(weights) != 3:
-        raise ValueError(f"weights must be (w_ce, w_l1, w_conf), got {weights}")
-    w_ce, w_l1, w_conf = (float(w) for w in weights)
-    if any(not (w >= 0 and math.isfinite(w)) for w in (w_ce, w_l1, w_conf)):
-        raise ValueError(f"weights must be three finite non-negative numbers (w_ce, w_l1, w_conf), got {weights}")
-    if w_ce == w_l1 == w_conf == 0:
-        raise ValueError("weights are all zero: nothing to train")
+    w_ce, w_l1, w_conf, w_kl = LossWeights.of(weights)
     if draft_logits.dim() != 3:
         raise ValueError(f"draft_logits must be [N, γ, V], got {tuple(draft_logits.shape)}")
     N, gamma, V = draft_logits.shape
-    if target_logits is None and (w_l1 > 0 or w_conf > 0):
-        raise ValueError("target_logits is None but w_l1 or w_conf is positive: the L1 and confidence terms need p_t")
+    if target_logits is None and (w_l1 > 0 or w_conf > 0 or w_kl > 0):
+        raise ValueError("target_logits is None but w_l1, w_conf or w_kl is positive: those terms need p_t")
     if conf_logits is None and w_conf > 0:
         raise ValueError("conf_logits is None but w_conf is positive")
     if target_logits is not None and target_logits.shape != draft_logits.shape:
@@ -292,17 +370,20 @@ def dspark_loss(draft_logits: Tensor, target_logits: Tensor | None, labels: Tens
         parts.append(checkpoint(_slot_terms, *args, use_reentrant=False) if recompute else _slot_terms(*args))
     if not parts:  # N = 0: no rows at all; keep the graph so that backward still runs
         empty = rows_z.float().sum(dim=-1)  # [0]
-        parts = [(empty,) if rows_t is None else (empty, empty, empty)]
+        parts = [(empty,) if rows_t is None else (empty, empty, empty, empty)]
     terms = [torch.cat(col).reshape(N, gamma) for col in zip(*parts)]  # each [N, γ] float32
 
     ce = _weighted_mean(terms[0], w, valid)
     out: dict[str, Tensor] = {"ce": ce if w_ce > 0 else ce.detach()}
     loss = w_ce * out["ce"]
     if rows_t is not None:
-        l1_slot, c_star = terms[1], terms[2]  # [N, γ] each
+        l1_slot, c_star, kl_slot = terms[1], terms[2], terms[3]  # [N, γ] each
         l1 = _weighted_mean(l1_slot, w, valid)
         out["l1"] = l1 if w_l1 > 0 else l1.detach()
         loss = loss + w_l1 * out["l1"]
+        kl = _weighted_mean(kl_slot, w, valid)
+        out["kl"] = kl if w_kl > 0 else kl.detach()
+        loss = loss + w_kl * out["kl"]
         nv = valid.sum().clamp_min(1)
         out["conf_target_mean"] = (torch.where(valid, c_star, 0.0).sum() / nv).detach()
         if conf_logits is not None:

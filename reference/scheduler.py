@@ -235,7 +235,7 @@ def stale_budget(a_stale: Tensor, cost: CostTable, num_anchor_tokens: int, num_r
 # ---------------------------------------------------------------------------- the policies
 @dataclass
 class Scheduler:
-    """Chooses every request's verify length ``ℓ_r`` each step, by ``config.mode`` (docs/method.md §5 and its baselines).
+    """Chooses every request's verify length ``ℓ_r`` each step by ``config.mode`` (docs/method.md §5, baselines too).
 
     Attributes:
         config: the policy and its parameters.

@@ -246,7 +246,8 @@ class Target:
             cache.crop(length - cached)
 
     @torch.no_grad()
-    def forward_batch(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    def forward_batch(self, input_ids: Tensor, attention_mask: Tensor, *, float_logits: bool = True
+                      ) -> tuple[Tensor, Tensor]:
         """Run a right-padded batch without cache (dataset generation, training).
 
         Runs under ``no_grad`` rather than ``inference_mode``: training feeds these features into the
@@ -256,8 +257,11 @@ class Target:
             input_ids: ``[B, S]`` int64; row ``b`` holds its tokens at positions ``0 .. len_b - 1``.
             attention_mask: ``[B, S]``, 1 on the first ``len_b ≥ 1`` positions of row ``b``, 0 after.
 
+            float_logits: return the logits in float32 (default) or in the model's dtype (the trainer's fused loss
+                reads them chunk by chunk; a float32 copy of ``[B, S, V]`` would cost 3 GB at 16k tokens).
+
         Returns:
-            ``(logits [B, S, V] float32, features [B, S, m·d])``; rows past ``len_b`` are padding garbage.
+            ``(logits [B, S, V], features [B, S, m·d])``; rows past ``len_b`` are padding garbage.
         """
         if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(f"input_ids and attention_mask must both be [B, S], got {tuple(input_ids.shape)} "
@@ -271,7 +275,7 @@ class Target:
         positions = torch.arange(s, device=self.device).expand(b, s)  # [B, S]
         out = self.model(input_ids=input_ids.to(self.device, torch.long), attention_mask=mask,
                          position_ids=positions, use_cache=False, output_hidden_states=True)
-        return out.logits.float(), self._features(out.hidden_states)
+        return (out.logits.float() if float_logits else out.logits), self._features(out.hidden_states)
 
     def _features(self, hidden_states: tuple[Tensor, ...]) -> Tensor:
         # hidden_states[0] is the embedding output, so decoder layer l's output is hidden_states[l + 1].

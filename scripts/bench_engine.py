@@ -1,7 +1,7 @@
 """End-to-end engine benchmark: output tokens/s of every verify policy against transformers' ``generate``.
 
 Issue 4, "Benchmarks on the H200". One run measures, at each batch size, the optimized engine in every requested
-mode (docs/method.md §5: ``none``, ``fixed`` K, ``dsd``, ``adaptive``, …) and HF ``model.generate`` (greedy, left-padded,
+mode (docs/method.md §5: ``none``, ``fixed`` K, ``dsd``, ``adaptive``…) and HF ``model.generate`` (greedy, left-padded,
 ``min_new_tokens = max_new_tokens``) as the named baseline. Names follow ``docs/method.md`` (``p_t`` target,
 ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``τ`` emitted tokens per verify step).
 

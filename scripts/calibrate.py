@@ -1,4 +1,4 @@
-"""Fit Sequential Temperature Scaling per decoding mode on held-out proposals, write it to the checkpoint (docs/method.md §3).
+"""Fit Sequential Temperature Scaling per decoding mode on held-out proposals into the checkpoint (docs/method.md §3).
 
 Names follow ``docs/method.md``: ``p_t`` target, ``p_d`` draft, ``c_k`` confidence, ``a_k = Π_{i≤k} c_i`` prefix
 survival, ``ℓ`` verify length, γ block size, ``x_0`` anchor.
@@ -43,9 +43,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from reference.calibration import (  # noqa: E402
+from reference.calibration import (
     apply_sts,
     calibration_report,
     fit_sts,
@@ -54,13 +52,13 @@ from reference.calibration import (  # noqa: E402
     prefix_survival_labels,
     reliability_diagram,
 )
-from reference.checkpoint import load_drafter, read_drafter_config, update_sts_temperatures  # noqa: E402
-from reference.drafter import DSparkDrafter  # noqa: E402
-from reference.sampling import logits_to_probs  # noqa: E402
-from reference.target import DEFAULT_TARGET, Target  # noqa: E402
-from reference.verify import rejection_sample  # noqa: E402
-from scripts.make_dataset import Example, load_dataset, resolve_device  # noqa: E402
-from scripts.train_drafter import collate, hardware, pack_blocks, token_budget_batches  # noqa: E402
+from reference.checkpoint import load_drafter, read_drafter_config, update_sts_temperatures
+from reference.drafter import DSparkDrafter
+from reference.sampling import logits_to_probs
+from reference.target import DEFAULT_TARGET, Target
+from reference.verify import rejection_sample
+from scripts.dataset import Example, collate, load_dataset, pack_blocks, token_budget_batches
+from scripts.runtime import hardware, resolve_device
 
 log = logging.getLogger("dspark.calibrate")
 

@@ -39,14 +39,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from reference.checkpoint import load_drafter, read_drafter_config  # noqa: E402
-from reference.config import GenerationConfig, SchedulerConfig  # noqa: E402
-from reference.generate import GenerationResult, generate, read_jsonl  # noqa: E402
-from reference.target import DEFAULT_TARGET, Target  # noqa: E402
-from scripts.make_dataset import resolve_device  # noqa: E402
-from scripts.train_drafter import hardware  # noqa: E402
+from reference.checkpoint import load_drafter, read_drafter_config
+from reference.config import GenerationConfig, SchedulerConfig
+from reference.generate import GenerationResult, generate, read_jsonl
+from reference.target import DEFAULT_TARGET, Target
+from scripts.runtime import hardware, resolve_device
 
 log = logging.getLogger("dspark.eval_acceptance")
 

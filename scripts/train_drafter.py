@@ -1,42 +1,39 @@
 """Train a DSpark drafter on self-distilled data (docs/method.md §2), on one GPU, several (torchrun) or a CPU.
 
-Names follow ``docs/method.md``: ``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length,
-γ the block size, ``x_0`` the anchor.
+Names follow docs/method.md: ``p_t`` target, ``p_d`` draft, γ the block size, ``x_0`` the anchor.
 
 One optimisation step, per rank::
 
-    batch      right-padded self-distilled sequences (token budget --tokens-per-batch = B·S_max)
-    target     forward_batch, no grad (bf16 weights on CUDA)     -> p_t logits [B, S, V], features [B, S, m·d]
-    anchors    --anchors-per-seq random response positions per sequence (losses.sample_anchors); their
-               γ-token blocks are packed into one drafter forward under the block mask
-    drafter    forward (bf16 autocast, fp32 master weights)      -> h [B, nb, γ, d]
-               head_logits teacher-forced on the true previous tokens -> p_d logits [B, nb, γ, V], z [B, nb, γ]
-    loss       losses.dspark_loss(p_d, p_t gathered at target_pos, labels, z, valid) with --loss-weights
-    update     AdamW (lr 6e-4, weight decay 0), clip 1.0, 4 % linear warm-up then cosine to 0 over --steps
+    batch      right-padded self-distilled sequences, ≤ --tokens-per-batch padded tokens, gathered on the device
+    target     one forward, no grad (bf16 on CUDA)            -> p_t logits [B, S, V] (bf16), features [B, S, m·d]
+    drafter    every response position is an anchor (optimized.training.dense_backbone) -> h [B, S, γ, d]
+    loss       optimized.training.fused_head_loss: the LM head and the loss fused in row chunks, each target row's
+               softmax computed once for the γ slots it teaches; --loss-weights ce,l1,conf[,kl]
+    update     AdamW (fused on CUDA), clip --clip, --warmup-frac linear warm-up then cosine to 0
 
-Why the features are recomputed instead of stored: see ``scripts/make_dataset.py`` (11 KB per token stored
-versus one forward of a 135M model per batch).
+The step is the twin of the reference's (``reference.drafter`` forward + ``reference.losses.dspark_loss`` over
+``dense_block_targets``): ``tests/equivalence/test_training.py`` checks the loss and every gradient.
+``scripts/bench_training.py`` measures it against the sparse-anchor reference step in supervised slot
+predictions per second.
 
-Memory. The big tensors are V-wide: target logits ``[B, S, V]`` float32 (4·V bytes per token: 16k tokens ·
-49152 · 4 B = 3.2 GB), draft logits ``[B·nb·γ, V]`` float32 and their gradient (two copies of
-``B·nb·γ·V·4`` bytes: 32 sequences · 32 anchors · 7 slots → 1.4 GB each), and the gathered ``p_t`` rows of the
-same size. ``dspark_loss`` scores the rows in chunks, so no further V-wide temporaries are built. Size
-``--tokens-per-batch`` and ``--anchors-per-seq`` to the device: 16384 tokens and 32 anchors take about
-10-15 GB with SmolLM2 on an H200; on a CPU use a few hundred tokens.
+Loss recipe. The default, ``--loss-weights 0,0,1,1`` (KL to the target distribution + the confidence BCE),
+differs from the paper's ``0.1,0.9,1.0`` (CE + L1): the L1 term's gradient vanishes while ``p_d`` is small
+(docs/method.md §2). ``--l1-ramp F`` adds the paper's L1 term from fraction ``F`` of the schedule on, ramped
+linearly to its weight, for a drafter that is then tuned for T = 1 acceptance.
 
-Arms of the paper's ablation (same data, steps and seed): ``--head markov`` (DSpark), ``--head rnn``,
-``--head none`` with the default loss mix (parallel-only, CE + L1 + confidence), and ``--head none
---loss-weights 1,0,0`` (CE only, the paper's "DFlash" baseline).
+Resuming. Rerunning the same command resumes from ``OUT/_state`` (safetensors weights and optimizer moments,
+JSON step count and RNG). Across machines, where only the shipped checkpoint travels (bf16 shards ≤ 15 MB),
+``--init-from DIR`` starts from its weights and its recorded step, so one learning-rate schedule spans
+several machine loans; the AdamW moments restart from zero, and ``--rewarm-steps`` ramps the learning rate
+back up over a few steps while they refill.
 
 Output in ``--out``: the drafter (``reference.checkpoint`` format, shards ≤ 15 MB) with a README.md,
-``metrics.jsonl`` (one JSON object per log/eval event), ``summary.json``, and ``_state/state.pt`` (optimizer,
-scheduler, step, RNG: resume state; do not ship it). Rerunning the same command resumes from ``_state``.
+``metrics.jsonl`` (one JSON object per log/eval event) and ``summary.json``.
 
 Examples::
 
-    python scripts/train_drafter.py --data data/sd-train --eval-data data/sd-heldout --out runs/markov \\
-        --head markov --steps 3000 --time-budget-min 8
-    torchrun --nproc-per-node 8 scripts/train_drafter.py --data ... --out ...     # data parallel
+    python -m scripts.train_drafter --data data/train --eval-data data/heldout --out runs/dspark --steps 20000
+    torchrun --nproc-per-node 8 -m scripts.train_drafter --data ... --out ...     # data parallel
 """
 
 from __future__ import annotations
@@ -46,254 +43,33 @@ import json
 import logging
 import math
 import os
-import platform
 import random
 import sys
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from reference.checkpoint import save_drafter  # noqa: E402
-from reference.config import DrafterConfig  # noqa: E402
-from reference.drafter import DSparkDrafter  # noqa: E402
-from reference.losses import block_targets, dspark_loss, sample_anchors  # noqa: E402
-from reference.target import DEFAULT_TARGET, Target  # noqa: E402
-from scripts.make_dataset import MANIFEST, Example, load_dataset, resolve_device  # noqa: E402
+from optimized.training import STAT_NAMES, dense_step_loss
+from reference.checkpoint import load_drafter, save_drafter
+from reference.config import DrafterConfig
+from reference.drafter import DSparkDrafter
+from reference.losses import LossWeights
+from reference.target import DEFAULT_TARGET, Target
+from scripts.dataset import TokenData, batch_stream, load_dataset, token_budget_batches
+from scripts.runtime import hardware, resolve_device
 
 log = logging.getLogger("dspark.train")
 
 STATE_DIR = "_state"
-STATE_FILE = "state.pt"
+MANIFEST = "manifest.json"
 # Arguments that define the model being trained: a resumed run must not change them.
-ARCH_ARGS = ("head", "num_layers", "markov_rank", "gamma", "model", "loss_weights", "decay", "steps", "seed")
-
-
-# --------------------------------------------------------------------------- batches
-
-
-@dataclass
-class Batch:
-    """Right-padded sequences; every field ``[B, S]``."""
-
-    input_ids: torch.Tensor  # int64
-    attention_mask: torch.Tensor  # bool: True on the first len_b positions
-    loss_mask: torch.Tensor  # bool: True on response tokens
-
-
-def collate(examples: list[Example], max_len: int) -> Batch:
-    """Right-pad (and right-truncate to ``max_len``) a list of examples."""
-    lens = [min(len(e.input_ids), max_len) for e in examples]
-    S = max(lens)
-    ids = torch.zeros(len(examples), S, dtype=torch.long)  # [B, S]; pad id 0 is masked everywhere
-    attn = torch.zeros(len(examples), S, dtype=torch.bool)  # [B, S]
-    lmask = torch.zeros(len(examples), S, dtype=torch.bool)  # [B, S]
-    for b, (e, n) in enumerate(zip(examples, lens)):
-        ids[b, :n] = e.input_ids[:n]
-        attn[b, :n] = True
-        lmask[b, :n] = e.loss_mask[:n]
-    return Batch(ids, attn, lmask)
-
-
-def token_budget_batches(lengths: list[int], tokens_per_batch: int, seed: int, epoch: int, rank: int = 0,
-                         world: int = 1, window: int = 256) -> list[list[int]]:
-    """One epoch of index batches for one rank, with ``B · S_max ≤ tokens_per_batch`` (padded tokens).
-
-    The epoch's shuffle is a function of ``(seed, epoch)`` only, shared by every rank; rank r keeps every
-    world-th example (like DistributedSampler). Examples are sorted by length inside windows of ``window``
-    so a batch holds similar lengths (little padding) while batches stay random; then the batch order is
-    shuffled. A sequence longer than the budget forms a batch of one (it is truncated by --max-seq-len).
-    """
-    rng = random.Random(seed * 1_000_003 + epoch)
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
-    order = order[rank::world]
-    batches: list[list[int]] = []
-    for start in range(0, len(order), window):
-        cur: list[int] = []
-        for i in sorted(order[start:start + window], key=lambda j: lengths[j]):
-            if cur and (len(cur) + 1) * max(lengths[i], max(lengths[j] for j in cur)) > tokens_per_batch:
-                batches.append(cur)
-                cur = []
-            cur.append(i)
-        if cur:
-            batches.append(cur)
-    rng.shuffle(batches)
-    return batches
-
-
-def batch_stream(lengths: list[int], tokens_per_batch: int, seed: int, rank: int, world: int, skip: int):
-    """Endless batches, epoch after epoch, starting after ``skip`` batches (the resumed step count).
-
-    The position in the data is a pure function of the step, so resuming needs no loader state.
-    """
-    epoch, done = 0, 0
-    while True:
-        batches = token_budget_batches(lengths, tokens_per_batch, seed, epoch, rank, world)
-        if not batches:
-            raise ValueError(f"rank {rank} has no training examples (only {len(lengths)} for {world} ranks)")
-        for idx in batches:
-            if done >= skip:
-                yield epoch, idx
-            done += 1
-        epoch += 1
-
-
-@dataclass
-class Blocks:
-    """The packed training blocks of a batch: anchors ``[B, nb]``, per-slot fields ``[B, nb, γ]``."""
-
-    anchor_ids: torch.Tensor  # int64 x_0
-    anchor_pos: torch.Tensor  # int64 p
-    labels: torch.Tensor  # int64 x*_k
-    prev_tokens: torch.Tensor  # int64 x_{k-1} (teacher forced)
-    target_pos: torch.Tensor  # int64 row of the target logits predicting p+k
-    valid: torch.Tensor  # bool, cumulative along k
-
-    def to(self, device) -> Blocks:
-        return Blocks(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
-
-
-def pack_blocks(batch: Batch, num_anchors: int, gamma: int, generator: torch.Generator) -> Blocks:
-    """Sample anchors per sequence and build their teacher-forcing targets, padded to the largest nb.
-
-    Padding blocks sit at position 0 with every slot invalid: they attend to their own block only and are
-    masked out of every loss term.
-    """
-    B = batch.input_ids.shape[0]
-    per_seq = []
-    for b in range(B):
-        n = int(batch.attention_mask[b].sum())
-        ids, lmask = batch.input_ids[b, :n], batch.loss_mask[b, :n]
-        anchors = sample_anchors(lmask, num_anchors, gamma, generator)  # [nb_b]
-        per_seq.append((ids, anchors, block_targets(ids, lmask, anchors, gamma)))
-    nb = max(1, max(a.numel() for _, a, _ in per_seq))
-    out = Blocks(*(torch.zeros(B, nb, dtype=torch.long) for _ in range(2)),
-                 *(torch.zeros(B, nb, gamma, dtype=torch.long) for _ in range(3)),
-                 torch.zeros(B, nb, gamma, dtype=torch.bool))
-    for b, (ids, anchors, t) in enumerate(per_seq):
-        k = anchors.numel()
-        out.anchor_ids[b, :k] = ids[anchors]
-        out.anchor_pos[b, :k] = anchors
-        out.labels[b, :k], out.prev_tokens[b, :k] = t.labels, t.prev_tokens
-        out.target_pos[b, :k], out.valid[b, :k] = t.target_pos, t.valid
-    return out
-
-
-def anchor_generator(seed: int, rank: int, step: int) -> torch.Generator:
-    """Anchor randomness keyed by (seed, rank, step): a resumed run draws the same anchors."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + rank) * 1_000_003 + step)
-
-
-# --------------------------------------------------------------------------- model step
-
-
-class DraftStep(nn.Module):
-    """The drafter's training forward (backbone + teacher-forced heads) as one module, so DDP can wrap it."""
-
-    def __init__(self, drafter: DSparkDrafter, with_conf: bool = True) -> None:
-        super().__init__()
-        self.drafter = drafter
-        # Without a confidence loss the confidence logits are not returned, so that DDP's unused-parameter
-        # search (which starts from forward's outputs) sees the confidence head as unused.
-        self.with_conf = with_conf
-
-    def forward(self, blocks: Blocks, features: torch.Tensor, attention_mask: torch.Tensor):
-        """features [B, S, m·d], attention_mask [B, S] -> draft_logits [B, nb, γ, V], conf_logits [B, nb, γ] | None."""
-        B, S = attention_mask.shape
-        ctx_pos = torch.arange(S, device=features.device).expand(B, S)  # [B, S]
-        h = self.drafter(blocks.anchor_ids, blocks.anchor_pos, features, ctx_pos, attention_mask)  # [B, nb, γ, d]
-        draft_logits, conf_logits = self.drafter.head_logits(h, blocks.prev_tokens)
-        return draft_logits, conf_logits if self.with_conf else None
-
-
-def gather_target_logits(logits: torch.Tensor, target_pos: torch.Tensor) -> torch.Tensor:
-    """p_t logits of every slot: logits [B, S, V], target_pos [B, nb, γ] -> [B, nb, γ, V]."""
-    b = torch.arange(logits.shape[0], device=logits.device)[:, None, None]  # [B, 1, 1]
-    return logits[b, target_pos]
-
-
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA (fp32 master weights stay in the optimizer); plain fp32 on CPU."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
-                                                                                                        enabled=False)
-
-
-def step_losses(model: nn.Module, target: Target, batch: Batch, blocks: Blocks, weights, decay: float,
-                device: torch.device) -> dict[str, torch.Tensor]:
-    """Target forward, drafter forward and the DSpark loss of one batch."""
-    ids, attn = batch.input_ids.to(device), batch.attention_mask.to(device)
-    logits_t, features = target.forward_batch(ids, attn.long())  # [B, S, V] fp32, [B, S, m·d]
-    blocks = blocks.to(device)
-    with autocast(device):
-        draft_logits, conf_logits = model(blocks, features, attn)  # [B, nb, γ, V], [B, nb, γ]
-    needs_target = weights[1] > 0 or weights[2] > 0
-    p_t = gather_target_logits(logits_t, blocks.target_pos).flatten(0, 1) if needs_target else None
-    del logits_t
-    return dspark_loss(draft_logits.flatten(0, 1), p_t, blocks.labels.flatten(0, 1),
-                       conf_logits.flatten(0, 1) if weights[2] > 0 and conf_logits is not None else None,
-                       blocks.valid.flatten(0, 1),
-                       decay=decay, weights=weights)
-
-
-@torch.no_grad()
-def evaluate(drafter: DSparkDrafter, target: Target, eval_batches: list[tuple[Batch, Blocks]], weights, decay,
-             device: torch.device) -> dict:
-    """Held-out loss terms and per-position teacher-forced acceptance proxies.
-
-    ``accept_proxy[k] = E[Σ_v min(p_d, p_t)]`` at T = 1 (the probability that rejection sampling accepts slot k
-    given the true prefix) and ``greedy_match[k] = P(argmax p_d = argmax p_t)``, over valid slots.
-    """
-    model = DraftStep(drafter).eval()
-    gamma = drafter.config.block_size
-    sums = {k: 0.0 for k in ("loss", "ce", "l1", "conf")}
-    proxy, match, count = torch.zeros(gamma), torch.zeros(gamma), torch.zeros(gamma)
-    n_batches = 0
-    for batch, blocks in eval_batches:
-        ids, attn = batch.input_ids.to(device), batch.attention_mask.to(device)
-        logits_t, features = target.forward_batch(ids, attn.long())
-        blk = blocks.to(device)
-        with autocast(device):
-            draft_logits, conf_logits = model(blk, features, attn)
-        p_t_logits = gather_target_logits(logits_t, blk.target_pos)  # [B, nb, γ, V]
-        del logits_t
-        # Every term is reported, a zero-weight one as a detached diagnostic (dspark_loss's contract).
-        out = dspark_loss(draft_logits.flatten(0, 1), p_t_logits.flatten(0, 1), blk.labels.flatten(0, 1),
-                          conf_logits.flatten(0, 1), blk.valid.flatten(0, 1), decay=decay, weights=weights)
-        for k in sums:
-            sums[k] += float(out[k])
-        n_batches += 1
-        d, t, v = draft_logits.flatten(0, 2), p_t_logits.flatten(0, 2), blk.valid.flatten(0, 2)  # [M, V], [M]
-        slot = torch.arange(gamma, device=device).repeat(v.numel() // gamma)  # [M] slot index of each row
-        for s in range(0, v.numel(), 1024):  # rows in chunks: two [chunk, V] float32 softmaxes at a time
-            e = slice(s, s + 1024)
-            ov = (torch.softmax(d[e].float(), -1).minimum(torch.softmax(t[e].float(), -1))).sum(-1)  # [c]
-            hit = (d[e].argmax(-1) == t[e].argmax(-1)).float()  # [c]
-            w = v[e].float()
-            proxy.index_add_(0, slot[e].cpu(), (ov * w).cpu())
-            match.index_add_(0, slot[e].cpu(), (hit * w).cpu())
-            count.index_add_(0, slot[e].cpu(), w.cpu())
-    n = count.clamp_min(1)
-    return {**{k: v / max(n_batches, 1) for k, v in sums.items()},
-            "accept_proxy": (proxy / n).tolist(), "greedy_match": (match / n).tolist(),
-            "slots": count.long().tolist()}
-
-
-def build_eval_batches(examples: list[Example], args, gamma: int) -> list[tuple[Batch, Blocks]]:
-    """Fixed held-out batches and anchors (seeded once), so every evaluation scores the same blocks."""
-    lengths = [min(len(e.input_ids), args.max_seq_len) for e in examples]
-    gen = torch.Generator().manual_seed(args.seed + 7919)
-    out = []
-    for idx in token_budget_batches(lengths, args.tokens_per_batch, args.seed, epoch=0):
-        batch = collate([examples[i] for i in idx], args.max_seq_len)
-        out.append((batch, pack_blocks(batch, args.anchors_per_seq, gamma, gen)))
-    return out
+ARCH_ARGS = ("head", "num_layers", "markov_rank", "markov_factored", "qk_norm", "gamma", "model", "loss_weights",
+             "decay", "steps", "seed")
 
 
 # --------------------------------------------------------------------------- schedule, state
@@ -307,86 +83,158 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def save_state(path: Path, drafter: DSparkDrafter, opt, sched, step: int, elapsed: float, args) -> None:
+def loss_weights_at(base: LossWeights, progress: float, l1_ramp: float | None, l1_weight: float) -> LossWeights:
+    """``base``, plus the L1 term ramped linearly from 0 at fraction ``l1_ramp`` to ``l1_weight`` at the end."""
+    if l1_ramp is None or progress <= l1_ramp:
+        return base
+    return base._replace(l1=base.l1 + l1_weight * min(1.0, (progress - l1_ramp) / max(1e-9, 1.0 - l1_ramp)))
+
+
+def save_state(path: Path, drafter: DSparkDrafter, opt: torch.optim.Optimizer, step: int, elapsed: float,
+               args) -> None:
+    """Resume state as tensors + JSON (no pickles): fp32 weights, AdamW moments, step, elapsed time, RNG."""
     path.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, "elapsed_s": elapsed, "drafter": drafter.state_dict(), "optimizer": opt.state_dict(),
-             "scheduler": sched.state_dict(), "args": vars(args), "torch_rng": torch.get_rng_state(),
-             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-             "python_rng": random.getstate()}
-    tmp = path / (STATE_FILE + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path / STATE_FILE)  # atomic: a kill during the save keeps the previous state
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    moments = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    moments[f"{names[id(p)]}.{key}"] = st[key].detach().cpu().contiguous()
+            if "step" in st:
+                moments[f"{names[id(p)]}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
+    save_file({k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()},
+              str(path / "drafter.safetensors.tmp"))
+    save_file(moments, str(path / "optimizer.safetensors.tmp"))
+    meta = {"step": step, "elapsed_s": elapsed, "args": {k: v for k, v in vars(args).items()},
+            "torch_rng": torch.get_rng_state().tolist(), "python_rng": repr(random.getstate())}
+    (path / "state.json.tmp").write_text(json.dumps(meta, default=str))
+    for name in ("drafter.safetensors", "optimizer.safetensors", "state.json"):  # the JSON last: it marks completion
+        os.replace(path / (name + ".tmp"), path / name)
 
 
-def load_state(path: Path, drafter: DSparkDrafter, opt, sched, args) -> tuple[int, float]:
-    state = torch.load(path / STATE_FILE, weights_only=False, map_location="cpu")
+def load_state(path: Path, drafter: DSparkDrafter, opt: torch.optim.Optimizer, args) -> tuple[int, float]:
+    meta = json.loads((path / "state.json").read_text())
     for k in ARCH_ARGS:
-        if state["args"].get(k) != getattr(args, k):
-            raise SystemExit(f"cannot resume from {path}: --{k.replace('_', '-')} was {state['args'].get(k)!r}, "
-                             f"now {getattr(args, k)!r} (use another --out or --no-resume)")
-    drafter.load_state_dict(state["drafter"])
-    opt.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["torch_rng"])
-    if state["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
-    random.setstate(state["python_rng"])
-    return int(state["step"]), float(state["elapsed_s"])
+        was, now = meta["args"].get(k), json.loads(json.dumps(getattr(args, k), default=str))
+        if was != now:
+            raise SystemExit(f"cannot resume from {path}: --{k.replace('_', '-')} was {was!r}, now {now!r} "
+                             "(use another --out or --no-resume)")
+    drafter.load_state_dict(load_file(str(path / "drafter.safetensors")))
+    moments = load_file(str(path / "optimizer.safetensors"))
+    for n, p in drafter.named_parameters():
+        if f"{n}.exp_avg" in moments:
+            st = opt.state[p]
+            st["exp_avg"] = moments[f"{n}.exp_avg"].to(p.device)
+            st["exp_avg_sq"] = moments[f"{n}.exp_avg_sq"].to(p.device)
+            # AdamW keeps the step as a (device, when fused) float tensor
+            st["step"] = moments[f"{n}.step"].reshape(()).to(p.device if getattr(opt, "_fused", False) else "cpu")
+    torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
+    return int(meta["step"]), float(meta["elapsed_s"])
 
 
-def hardware(device: torch.device, world: int) -> str:
-    if device.type == "cuda":
-        return f"{world}x {torch.cuda.get_device_name(device)}"
-    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads) x{world}"
+# --------------------------------------------------------------------------- evaluation
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA (fp32 master weights stay in the optimizer); plain fp32 on CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+@torch.no_grad()
+def evaluate(drafter: DSparkDrafter, target: Target, data: TokenData, eval_batches: list[list[int]], weights,
+             decay: float, device: torch.device) -> dict:
+    """Held-out loss terms and per-slot teacher-forced acceptance proxies over every eligible anchor.
+
+    ``accept_proxy[k] = E[Σ_v min(p_d, p_t)]`` (the probability that rejection sampling at T = 1 accepts slot k
+    given the true prefix), ``greedy_match[k] = P(argmax p_d = argmax p_t)`` and ``label_acc[k] =
+    P(argmax p_d = x*)``, over valid slots.
+    """
+    was_training = drafter.training
+    drafter.eval()
+    sums: dict[str, float] = {}
+    stats = None
+    for idx in eval_batches:
+        b = data.batch(idx)
+        logits_t, features = target.forward_batch(b.input_ids, b.attention_mask.long(), float_logits=False)
+        with autocast(device):
+            out = dense_step_loss(drafter, b.input_ids, b.loss_mask, b.attention_mask, features, logits_t,
+                                  weights=weights, decay=decay)
+        for k, v in {"loss": out.loss, **out.terms}.items():
+            sums[k] = sums.get(k, 0.0) + float(v)  # sync: evaluation only
+        stats = out.slot_stats if stats is None else stats + out.slot_stats
+    drafter.train(was_training)
+    s = dict(zip(STAT_NAMES, stats.cpu().unbind(1)))  # sync: evaluation only
+    n = s["count"].clamp_min(1)
+    return {**{k: v / max(len(eval_batches), 1) for k, v in sums.items()},
+            "accept_proxy": (s["accept_proxy"] / n).tolist(), "greedy_match": (s["target_hit"] / n).tolist(),
+            "label_acc": (s["label_hit"] / n).tolist(), "slots": s["count"].long().tolist()}
+
+
+# --------------------------------------------------------------------------- output
 
 
 def write_readme(out: Path, args, summary: dict) -> None:
-    """README.md of the checkpoint directory: data, steps, wall time, hardware, command (house rule 10)."""
+    """README.md of the checkpoint directory: data, steps, wall time, hardware, command."""
     data = summary.get("data_manifest") or {}
     settings = data.get("settings", {})
     ev = summary.get("final_eval") or {}
     lines = [
         f"# DSpark drafter: head={args.head}, {args.num_layers} layers, γ={args.gamma}",
         "",
-        f"Target: `{args.model}`. Trained by `scripts/train_drafter.py` (docs/method.md §2); load with "
+        f"Target: `{Path(args.model).name}`. Trained by `scripts/train_drafter.py` (docs/method.md §2); load with "
         "`reference.checkpoint.load_drafter`.",
         "",
         "| | |", "|---|---|",
-        f"| data | `{args.data}`: {summary['train_examples']} sequences"
-        + (f", {data.get('response_tokens')} response tokens, self-distilled at T={settings.get('temperature')}"
-           f" top_p={settings.get('top_p')}" if data else "") + " |",
+        f"| data | {summary['train_examples']:,} sequences"
+        + (f", {data.get('response_tokens'):,} response tokens, self-distilled at T ∈ {settings.get('temperatures')}"
+           if data.get("response_tokens") else "") + " |",
         f"| held-out eval | {summary['eval_examples']} sequences |",
         f"| steps | {summary['steps_done']} of {args.steps} planned ({summary['stop_reason']}) |",
-        f"| batch | ≤ {args.tokens_per_batch} padded tokens per rank, {args.anchors_per_seq} anchors per sequence, "
+        f"| batch | ≤ {args.tokens_per_batch} padded tokens per rank, every response position an anchor, "
         f"{summary['world_size']} rank(s) |",
+        f"| supervised slot predictions | {summary['slot_predictions']:,} "
+        f"({summary['slot_predictions_per_s']:,.0f} per second) |",
         f"| optimiser | AdamW lr {args.lr}, {args.warmup_frac:.0%} warm-up + cosine, wd {args.weight_decay}, "
         f"clip {args.clip} |",
-        f"| loss | weights (CE, L1, conf) = {args.loss_weights}, position decay λ = {args.decay} |",
-        f"| Markov rank | {args.markov_rank} |",
+        f"| loss | weights (CE, L1, conf, KL) = {tuple(args.loss_weights)}"
+        + (f", L1 ramped in from {args.l1_ramp:.0%} to {args.l1_weight}" if args.l1_ramp is not None else "")
+        + f", position decay λ = {args.decay} |",
+        f"| sequential head | {args.head}, rank {args.markov_rank}"
+        + (", factored through the frozen embedding" if args.markov_factored else "") + " |",
         f"| wall time | {summary['wall_s'] / 60:.1f} min |",
         f"| hardware | {summary['hardware']} |",
         f"| parameters | {summary['parameters']:,} (the target's embedding and LM head are shared, not stored) |",
     ]
     if ev:
-        lines += [f"| held-out loss | {ev['loss']:.4f} (CE {ev['ce']:.3f}, L1 {ev['l1']:.3f}, conf {ev['conf']:.3f}) |",
-                  "| accept proxy Σmin(p_d,p_t) per slot | " + ", ".join(f"{x:.3f}" for x in ev["accept_proxy"]) + " |"]
+        lines += [f"| held-out loss | {ev['loss']:.4f} (KL {ev.get('kl', float('nan')):.3f}, "
+                  f"CE {ev.get('ce', float('nan')):.3f}, L1 {ev.get('l1', float('nan')):.3f}) |",
+                  "| accept proxy Σmin(p_d,p_t) per slot | " + ", ".join(f"{x:.3f}" for x in ev["accept_proxy"]) + " |",
+                  "| greedy match per slot | " + ", ".join(f"{x:.3f}" for x in ev["greedy_match"]) + " |"]
     lines += ["", "Command:", "", "```", summary["command"], "```", "",
-              "`metrics.jsonl` holds the training curve; `_state/` (if present) is resume state, not part of the "
-              "checkpoint."]
+              "`metrics.jsonl` holds the training curve."]
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
 # --------------------------------------------------------------------------- main
 
 
-def parse_weights(text: str) -> tuple[float, float, float]:
+def parse_weights(text: str) -> LossWeights:
     try:
-        w = tuple(float(x) for x in text.split(","))
+        return LossWeights.of([float(x) for x in text.split(",")])
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--loss-weights expects three numbers like 0.1,0.9,1.0, got {text!r}") from e
-    if len(w) != 3 or any(x < 0 for x in w) or not any(w):
-        raise argparse.ArgumentTypeError(f"--loss-weights needs three non-negative numbers, not all 0: {text!r}")
-    return w
+        raise argparse.ArgumentTypeError(f"--loss-weights expects ce,l1,conf or ce,l1,conf,kl (non-negative, not all "
+                                         f"0), got {text!r}: {e}") from e
+
+
+def parse_mask_token(text: str) -> int | str:
+    if text in ("auto", "learned"):
+        return text
+    try:
+        return int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--mask-token-id expects auto, learned or a token id, got {text!r}") from e
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -396,13 +244,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-data", default=None, help="held-out set; default: the last --eval-examples of --data")
     p.add_argument("--eval-examples", type=int, default=256, help="held-out sequences used for evaluation")
     p.add_argument("--out", required=True, help="checkpoint directory (resumes from OUT/_state when present)")
-    p.add_argument("--model", default=DEFAULT_TARGET, help="target: 'smollm2-135m-instruct', a .gguf or an HF dir")
+    p.add_argument("--model", default=DEFAULT_TARGET,
+                   help="target: 'smollm2-135m-instruct', a .gguf file or a local HF model directory")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (under torchrun: cuda:LOCAL_RANK)")
     p.add_argument("--head", choices=("markov", "rnn", "none"), default="markov", help="sequential head")
     p.add_argument("--num-layers", type=int, default=2, help="backbone depth")
-    p.add_argument("--markov-rank", type=int, default=64, help="r of W1/W2 (≤ 76 keeps W1, W2 under 15 MB in fp32)")
+    p.add_argument("--markov-rank", type=int, default=64, help="r of W1/W2")
+    p.add_argument("--markov-factored", action=argparse.BooleanOptionalAction, default=True,
+                   help="factor W1/W2 through the target's frozen embedding / LM head (2·d·r instead of 2·V·r "
+                        "parameters; Markov head only)")
+    p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
+                   help="per-head RMSNorm on queries and keys (the vLLM/speculators DSpark layer has it)")
+    p.add_argument("--mask-token-id", type=parse_mask_token, default="auto",
+                   help="the mask token M: a vocabulary row id, 'learned' (a trained vector), or 'auto' (the "
+                        "highest-id special token of the target that is no end/chat token and never occurs in the "
+                        "data; 'learned' if none)")
     p.add_argument("--gamma", type=int, default=7, help="block size γ")
-    p.add_argument("--anchors-per-seq", type=int, default=32, help="training blocks per sequence")
     p.add_argument("--tokens-per-batch", type=int, default=16384, help="padded tokens B·S_max per rank and step")
     p.add_argument("--max-seq-len", type=int, default=1024, help="longer sequences are truncated")
     p.add_argument("--steps", type=int, default=2000,
@@ -411,19 +268,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-frac", type=float, default=0.04)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
-    p.add_argument("--loss-weights", type=parse_weights, default=(0.1, 0.9, 1.0),
-                   help="w_ce,w_l1,w_conf; the CE-only ('DFlash') arm uses 1,0,0")
+    p.add_argument("--loss-weights", type=parse_weights, default=LossWeights(ce=0.0, l1=0.0, conf=1.0, kl=1.0),
+                   help="w_ce,w_l1,w_conf[,w_kl]; the paper's mix is 0.1,0.9,1.0 and its CE-only ('DFlash') arm 1,0,0")
+    p.add_argument("--l1-ramp", type=float, default=None,
+                   help="from this fraction of the schedule on, add the L1 term, ramped linearly to --l1-weight")
+    p.add_argument("--l1-weight", type=float, default=0.9, help="final weight of the ramped L1 term")
     p.add_argument("--decay", type=float, default=4.0, help="λ of the position weights exp(-(k-1)/λ)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--save-every", type=int, default=500, help="resume-state interval in steps")
+    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--eval-every", type=int, default=500)
+    p.add_argument("--save-every", type=int, default=1000, help="resume-state interval in steps")
     p.add_argument("--time-budget-min", type=float, default=None,
                    help="stop and save when total wall time reaches this (schedule stays sized by --steps)")
     p.add_argument("--stop-after", type=int, default=None,
                    help="end this invocation after N more steps (resume later); splits a run over short device calls")
-    p.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="dtype of the saved drafter (bfloat16 halves the checkpoint; needed for Markov rank > 76)")
+    p.add_argument("--init-from", default=None,
+                   help="start from this drafter checkpoint's weights and recorded step (a run continued on another "
+                        "machine from the shipped bf16 checkpoint); the optimizer moments restart")
+    p.add_argument("--rewarm-steps", type=int, default=50,
+                   help="with --init-from: ramp the learning rate linearly over this many steps while AdamW's moments "
+                        "refill")
+    p.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                   help="dtype of the saved drafter")
     p.add_argument("--no-resume", action="store_true", help="ignore OUT/_state and start fresh")
     return p
 
@@ -440,15 +306,34 @@ def setup_distributed(device_arg: str) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def pick_mask_token(choice: int | str, target: Target, data: TokenData) -> int | None:
+    """The mask token id (None = a learned vector); see ``--mask-token-id``."""
+    if choice == "learned":
+        return None
+    if isinstance(choice, int):
+        if not 0 <= choice < target.vocab_size:
+            raise SystemExit(f"--mask-token-id {choice} is outside the vocabulary [0, {target.vocab_size})")
+        return choice
+    tok = target.tokenizer
+    specials = sorted(getattr(tok, "added_tokens_decoder", {}) or {}) if tok is not None else []
+    taken = set(target.eos_token_ids) | {getattr(tok, n, None) for n in ("bos_token_id", "pad_token_id")}
+    if tok is not None and getattr(tok, "chat_template", None):
+        taken |= {i for i in specials if tok.convert_ids_to_tokens(i) in tok.chat_template}
+    seen = set(torch.unique(data.tokens).tolist())  # sync: once, at start-up
+    free = [i for i in specials if i not in taken and i not in seen and i < target.vocab_size]
+    return free[-1] if free else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rank, world, device = setup_distributed(args.device)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    command = " ".join([Path(sys.argv[0]).name if argv is None else "train_drafter.py", *(sys.argv[1:] if argv is None
-                                                                                           else argv)])
+    command = " ".join(["python -m scripts.train_drafter", *(sys.argv[1:] if argv is None else argv)])
     out = Path(args.out)
     t_start = time.perf_counter()
+    if args.head != "markov":
+        args.markov_factored = False  # only the Markov head has a factored form
 
     target = Target.load(args.model, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     examples = load_dataset(args.data)
@@ -459,43 +344,66 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--data has {len(examples)} sequences, too few to hold out --eval-examples "
                              f"{args.eval_examples}; pass --eval-data or lower --eval-examples")
         examples, eval_examples = examples[:-args.eval_examples], examples[-args.eval_examples:]
-    log.info("%d training sequences, %d held-out sequences", len(examples), len(eval_examples))
+    data = TokenData(examples, args.max_seq_len, device)
+    eval_data = TokenData(eval_examples, args.max_seq_len, device)
+    del examples, eval_examples
+    log.info("%d training sequences (%d response tokens), %d held-out sequences", len(data),
+             data.num_response_tokens, len(eval_data))
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank and in every arm of a comparison
-    config = DrafterConfig.from_target_config(target.config, num_layers=args.num_layers, block_size=args.gamma,
-                                              head=args.head, markov_rank=args.markov_rank, target_name=target.name,
-                                              target_layer_ids=target.layer_ids)
-    drafter = DSparkDrafter(config).to(device)  # fp32 master weights
+    if args.init_from:
+        drafter = load_drafter(args.init_from, device=device, dtype=torch.float32)
+        config = drafter.config
+        got = {"head": config.head, "num_layers": config.num_layers, "markov_rank": config.markov_rank,
+               "markov_factored": config.markov_factored, "qk_norm": config.qk_norm, "gamma": config.block_size}
+        clash = {k: (v, getattr(args, k)) for k, v in got.items() if v != getattr(args, k)}
+        if clash:
+            raise SystemExit(f"--init-from {args.init_from} disagrees with the arguments: {clash}")
+    else:
+        mask_id = pick_mask_token(args.mask_token_id, target, data)
+        config = DrafterConfig.from_target_config(
+            target.config, num_layers=args.num_layers, block_size=args.gamma, head=args.head,
+            markov_rank=args.markov_rank, markov_factored=args.markov_factored, qk_norm=args.qk_norm,
+            mask_token_id=mask_id, target_name=Path(target.name).name, target_layer_ids=target.layer_ids)
+        drafter = DSparkDrafter(config).to(device)  # fp32 master weights
     drafter.attach_target(target.embed_tokens, target.lm_head)
-    log.info("drafter: %s head, %d layers, γ=%d, rank %d, %s parameters, taps %s", args.head, args.num_layers,
-             args.gamma, args.markov_rank, f"{drafter.num_parameters():,}", list(config.target_layer_ids))
-    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    log.info("drafter: %s head%s, %d layers, γ=%d, rank %d, q/k-norm %s, mask %s, %s parameters, taps %s", config.head,
+             " (factored)" if config.markov_factored else "", config.num_layers, config.block_size, config.markov_rank,
+             config.qk_norm, config.mask_token_id if config.mask_token_id is not None else "learned",
+             f"{drafter.num_parameters():,}", list(config.target_layer_ids))
+    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                            fused=device.type == "cuda")
     if args.steps == 0 and args.time_budget_min is None:
         raise SystemExit("--steps 0 (schedule by time) needs --time-budget-min")
-    # --steps 0: the warm-up + cosine schedule runs over the time budget instead of a step count, so a run of a
-    # fixed wall-clock length (a lent GPU) still decays to 0. `progress` is updated every step from the clock.
-    progress = {"frac": 0.0}
-    warmup = max(1, math.ceil(args.warmup_frac * args.steps))
-    if args.steps:
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.steps, warmup))
-    else:
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(int(progress["frac"] * 10_000), 10_000,
-                                                                           int(args.warmup_frac * 10_000)))
 
-    step, elapsed_before = 0, 0.0
+    step, elapsed_before, rewarm_from = 0, 0.0, None
     state_dir = out / STATE_DIR
-    if (state_dir / STATE_FILE).is_file() and not args.no_resume:
-        step, elapsed_before = load_state(state_dir, drafter, opt, sched, args)
+    if (state_dir / "state.json").is_file() and not args.no_resume:
+        step, elapsed_before = load_state(state_dir, drafter, opt, args)
         log.info("resumed from %s at step %d (%.1f min already spent)", state_dir, step, elapsed_before / 60)
-    model: nn.Module = DraftStep(drafter, with_conf=args.loss_weights[2] > 0)
-    if world > 1:
-        # With w_conf = 0 the confidence head is outside the graph; DDP must be told to expect unused parameters.
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                                    find_unused_parameters=args.loss_weights[2] == 0)
+    elif args.init_from:
+        training = json.loads((Path(args.init_from) / "config.json").read_text()).get("extra", {}).get("training", {})
+        step, elapsed_before = int(training.get("steps_done", 0)), float(training.get("wall_s", 0))
+        rewarm_from = step
+        log.info("initialised from %s at its step %d; learning rate re-warmed over %d steps", args.init_from, step,
+                 args.rewarm_steps)
+    # The schedule: warm-up + cosine over --steps, or over the time budget (--steps 0), where `progress` follows
+    # the clock every step so a run of fixed wall-clock length (a lent GPU) still decays to 0.
+    warmup = max(1, math.ceil(args.warmup_frac * (args.steps or 10_000)))
 
-    eval_batches = build_eval_batches(eval_examples, args, args.gamma) if rank == 0 else []
-    lengths = [min(len(e.input_ids), args.max_seq_len) for e in examples]
-    stream = batch_stream(lengths, args.tokens_per_batch, args.seed, rank, world, skip=step)
+    def schedule(s: int, frac: float) -> float:
+        base = lr_factor(s, args.steps, warmup) if args.steps else lr_factor(int(frac * 10_000), 10_000, warmup)
+        if rewarm_from is not None and s - rewarm_from < args.rewarm_steps:
+            base *= (s - rewarm_from + 1) / args.rewarm_steps
+        return base
+
+    if world > 1:  # every rank starts from rank 0's weights (they are equal by seed; this makes it a guarantee)
+        for p_ in drafter.parameters():
+            dist.broadcast(p_.data, src=0)
+
+    eval_batches = token_budget_batches(eval_data.lengths, args.tokens_per_batch, args.seed, epoch=0) \
+        if rank == 0 else []
+    stream = batch_stream(data.lengths, args.tokens_per_batch, args.seed, rank, world, skip=step)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None
@@ -511,75 +419,102 @@ def main(argv: list[str] | None = None) -> int:
     stop_reason = "steps" if args.stop_after is None else f"--stop-after {args.stop_after}"
     last_eval, last_eval_step = None, -1
     bar = tqdm(total=args.steps or None, initial=step, desc="train", unit="step", disable=rank != 0)
-    t_log, tokens_log = time.perf_counter(), 0
+    t_log, slots_log = time.perf_counter(), torch.zeros((), device=device)
+    slots_total, t_train = 0, 0.0
     drafter.train()
     while step < stop_at:
         elapsed = elapsed_before + time.perf_counter() - t_start
-        if budget_s is not None:
-            progress["frac"] = min(1.0, elapsed / budget_s)
-        stop = torch.tensor(float(budget_s is not None and elapsed >= budget_s), device=device)
-        if world > 1:
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops at the same step
-        if stop.item():
+        frac = min(1.0, elapsed / budget_s) if budget_s else 0.0
+        progress = frac if not args.steps else step / args.steps
+        if budget_s is not None and elapsed >= budget_s:
+            # Every rank checks its own clock; they agree to within a step, and all-reducing the verdict every
+            # step would add a sync. Under torchrun a per-step agreement is made below, only then.
             stop_reason = f"time budget {args.time_budget_min} min"
+        if world > 1:
+            flag = torch.tensor(float(stop_reason.startswith("time")), device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # sync: every rank must stop at the same step
+            if flag.item():
+                stop_reason = f"time budget {args.time_budget_min} min"
+        if stop_reason.startswith("time"):
             log.info("time budget reached after %.1f min at step %d: stopping", elapsed / 60, step)
             break
+        for group in opt.param_groups:
+            group["lr"] = args.lr * schedule(step, frac)
+        weights = loss_weights_at(args.loss_weights, progress, args.l1_ramp, args.l1_weight)
         epoch, idx = next(stream)
-        batch = collate([examples[i] for i in idx], args.max_seq_len)
-        blocks = pack_blocks(batch, args.anchors_per_seq, args.gamma, anchor_generator(args.seed, rank, step))
-        losses = step_losses(model, target, batch, blocks, args.loss_weights, args.decay, device)
+        b = data.batch(idx)
+        t0 = time.perf_counter()
+        logits_t, features = target.forward_batch(b.input_ids, b.attention_mask.long(), float_logits=False)
+        with autocast(device):
+            out_loss = dense_step_loss(drafter, b.input_ids, b.loss_mask, b.attention_mask, features, logits_t,
+                                       weights=weights, decay=args.decay)
+        del logits_t, features
         opt.zero_grad(set_to_none=True)
-        losses["loss"].backward()
+        out_loss.loss.backward()
+        if world > 1:
+            # Data parallel: average the gradients of the ranks' batches, as DDP would. The loss is a function, not
+            # a module's forward, so the reduction is written out: one flat buffer, one all-reduce per step.
+            grads = [p_.grad for p_ in drafter.parameters() if p_.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)  # a sum (gloo has no AVG), averaged below
+            flat /= world
+            for g, new in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(new)
         grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.clip)
         opt.step()
-        sched.step()
         step += 1
-        tokens_log += int(batch.attention_mask.sum())
+        slots_log += out_loss.slot_stats[:, 0].sum()
+        t_train += time.perf_counter() - t0
         bar.update(1)
         if step % args.log_every == 0 or step == args.steps:
             now = time.perf_counter()
-            rec = {"event": "train", "step": step, "epoch": epoch, "lr": sched.get_last_lr()[0],
-                   "grad_norm": float(grad_norm), "tokens_per_s": tokens_log * world / (now - t_log),
-                   "elapsed_s": elapsed_before + now - t_start,
-                   **{k: v.item() for k, v in losses.items()}}
-            t_log, tokens_log = now, 0
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", acc=f"{rec['acc']:.3f}")
+            n_slots = float(slots_log) * world  # sync: logging only, every --log-every steps
+            slots_total += int(n_slots)
+            rec = {"event": "train", "step": step, "epoch": epoch, "lr": opt.param_groups[0]["lr"],
+                   "grad_norm": float(grad_norm), "slot_predictions_per_s": n_slots / (now - t_log),
+                   "elapsed_s": elapsed_before + now - t_start, "loss": float(out_loss.loss.detach()),
+                   **{k: float(v) for k, v in out_loss.terms.items()}, "weights": list(weights)}
+            stats = dict(zip(STAT_NAMES, out_loss.slot_stats.cpu().unbind(1)))
+            rec["acc"] = float(stats["label_hit"].sum() / stats["count"].sum().clamp_min(1))
+            t_log, slots_log = now, torch.zeros((), device=device)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['acc']:.3f}",
+                            sps=f"{rec['slot_predictions_per_s'] / 1e3:.0f}k")
             emit(rec)
         if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
-            drafter.eval()
-            last_eval = evaluate(drafter, target, eval_batches, args.loss_weights, args.decay, device)
-            drafter.train()
+            last_eval = evaluate(drafter, target, eval_data, eval_batches, args.loss_weights, args.decay, device)
             last_eval_step = step
             emit({"event": "eval", "step": step, **last_eval})
-            log.info("eval step %d: loss %.4f  accept proxy %s", step, last_eval["loss"],
+            log.info("eval step %d: loss %.4f  greedy match %s  accept proxy %s", step, last_eval["loss"],
+                     " ".join(f"{x:.3f}" for x in last_eval["greedy_match"]),
                      " ".join(f"{x:.3f}" for x in last_eval["accept_proxy"]))
         if rank == 0 and step % args.save_every == 0:
-            save_state(state_dir, drafter, opt, sched, step, elapsed_before + time.perf_counter() - t_start, args)
+            save_state(state_dir, drafter, opt, step, elapsed_before + time.perf_counter() - t_start, args)
         if world > 1 and step % args.save_every == 0:
             dist.barrier()
     bar.close()
 
     if rank == 0:
         wall = elapsed_before + time.perf_counter() - t_start
-        save_state(state_dir, drafter, opt, sched, step, wall, args)
+        save_state(state_dir, drafter, opt, step, wall, args)
         if last_eval_step != step:
-            drafter.eval()
-            last_eval = evaluate(drafter, target, eval_batches, args.loss_weights, args.decay, device)
+            last_eval = evaluate(drafter, target, eval_data, eval_batches, args.loss_weights, args.decay, device)
             emit({"event": "eval", "step": step, **last_eval})
-        save_dtype = getattr(torch, args.save_dtype)
         export = DSparkDrafter(config)
         export.load_state_dict({k: v.detach().cpu() for k, v in drafter.state_dict().items()})
         manifest_path = Path(args.data) / MANIFEST
         summary = {
             "steps_done": step, "steps_planned": args.steps, "stop_reason": stop_reason, "wall_s": round(wall, 1),
             "hardware": hardware(device, world), "world_size": world, "command": command,
-            "train_examples": len(examples), "eval_examples": len(eval_examples),
-            "parameters": drafter.num_parameters(), "final_eval": last_eval, "args": vars(args),
+            "train_examples": len(data), "train_response_tokens": data.num_response_tokens,
+            "eval_examples": len(eval_data), "parameters": drafter.num_parameters(),
+            "slot_predictions": slots_total, "slot_predictions_per_s": slots_total / max(t_train, 1e-9),
+            "final_eval": last_eval,
+            "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
             "data_manifest": json.loads(manifest_path.read_text()) if manifest_path.is_file() else None,
         }
         if summary["data_manifest"]:
             summary["data_manifest"].pop("shards", None)  # per-shard detail stays in the data directory
-        save_drafter(export.to(save_dtype), out, extra={"training": {k: summary[k] for k in (
+        save_drafter(export.to(getattr(torch, args.save_dtype)), out, extra={"training": {k: summary[k] for k in (
             "steps_done", "stop_reason", "wall_s", "hardware", "command", "train_examples")}})
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
         write_readme(out, args, summary)

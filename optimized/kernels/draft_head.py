@@ -518,8 +518,8 @@ def sample_block(
     """
     if drafter.config.head != "markov":
         return drafter.sample_block(h, anchor_ids, anchor_pos, temperature, seed, request_ids)
-    head = drafter.seq_head
-    base = drafter._base_logits(h)  # [R, γ, V] fp32: U_k exactly as the reference computes it
+    w1, w2 = drafter.markov_tables()  # [V, r] each: the parameters, or the factored head's materialised tables
+    base = drafter.base_logits(h)  # [R, γ, V] fp32: U_k exactly as the reference computes it
     return sample_draft_block(base, h, anchor_ids, anchor_pos, temperature, seed, request_ids,
-                              head.w1.weight, head.w2.weight, drafter.conf_head.weight, drafter.conf_head.bias,
+                              w1, w2, drafter.conf_head.weight, drafter.conf_head.bias,
                               backend=backend, split=split)

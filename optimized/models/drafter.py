@@ -55,7 +55,7 @@ class OptimizedDrafter:
         self.gamma = cfg.block_size
         if embed_weight is None or lm_head_weight is None:
             # The target's modules are shared with the drafter, never owned by it (reference/drafter.py).
-            embed, lm_head = drafter._target_modules()
+            embed, lm_head = drafter.target_modules()
             embed_weight = embed.weight if embed_weight is None else embed_weight
             lm_head_weight = lm_head.weight if lm_head_weight is None else lm_head_weight
         self.embed = embed_weight.detach()  # [V, d]

@@ -65,7 +65,7 @@ def make_drafter(V: int, gamma: int, rank: int, d: int = 32, head: str = "markov
 
 def on_device(drafter: DSparkDrafter) -> DSparkDrafter:
     """Move the drafter *and* its attached (not owned) target modules to DEVICE, in place."""
-    for module in drafter._target_modules():
+    for module in drafter.target_modules():
         module.to(DEVICE)
     return drafter.to(DEVICE)
 
@@ -112,7 +112,7 @@ def test_half_precision_inputs(backend, variant, dtype):
     h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(R, gamma, V, seed=1)
     h = h.to(dtype).float()
     want = drafter.sample_block(h, anchor_ids, anchor_pos, temperature, 7, request_ids)
-    lm_head = drafter._target_modules()[1]
+    lm_head = drafter.target_modules()[1]
     base = lm_head(h.to(dtype))  # [R, γ, V] in dtype
     head = drafter.seq_head
     got = fast.sample_draft_block(*to_device(base, h.to(dtype), anchor_ids, anchor_pos, temperature), 7,

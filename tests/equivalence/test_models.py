@@ -225,4 +225,4 @@ def test_drafter_backbone_matches_reference(family, mask_token_id, backend):
                 continue
             expected = drafter.backbone_cached(int(anchors[i]), anchor_pos[name], refs[name])  # [γ, d]
             torch.testing.assert_close(h[i], expected, atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(opt.base_logits(h[:1]), drafter._base_logits(h[:1]), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(opt.base_logits(h[:1]), drafter.base_logits(h[:1]), atol=ATOL, rtol=RTOL)

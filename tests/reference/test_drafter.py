@@ -220,7 +220,7 @@ def test_sample_block_greedy_is_sequential_argmax(head, qk_norm):
     assert torch.equal(out.tokens, tokens)
     assert torch.equal(out.probs, nn.functional.one_hot(tokens, V).float())
     if head != "none":  # the sequential head changes some greedy choices: the comparison is not vacuous
-        assert not torch.equal(tokens, drafter._base_logits(h).argmax(-1))
+        assert not torch.equal(tokens, drafter.base_logits(h).argmax(-1))
 
 
 @pytest.mark.parametrize("head", ["markov", "rnn"])
@@ -308,7 +308,7 @@ def test_fresh_heads_start_parallel_and_get_gradients():
     h = drafter(torch.tensor([[3]]), torch.tensor([[6]]), features, positions, valid)
     prev = torch.tensor([[[3, 4, 5, 6]]])
     draft, conf = drafter.head_logits(h, prev)
-    assert torch.equal(draft, drafter._base_logits(h))  # B = 0 at init
+    assert torch.equal(draft, drafter.base_logits(h))  # B = 0 at init
     (draft.logsumexp(-1).sum() - draft[..., 0].sum() + conf.sum()).backward()
     assert drafter.seq_head.w2.weight.grad.abs().max() > 0
     assert drafter.seq_head.w1.weight.grad.abs().max() > 0  # through the confidence head

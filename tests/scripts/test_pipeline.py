@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from reference.target import Target  # noqa: E402
-from scripts import calibrate, data, eval_acceptance, make_dataset, train_drafter  # noqa: E402
+from reference.target import Target
+from scripts import calibrate, data, dataset, eval_acceptance, make_dataset, train_drafter
 
 GAMMA = 4
 VOCAB = 96
@@ -70,7 +66,7 @@ def workdir(tmp_path_factory):
 def _train_args(root: Path, out: str, *extra: str) -> list[str]:
     return ["--data", str(root / "data"), "--eval-examples", "8", "--out", str(root / out), "--model",
             str(root / "target"), "--device", "cpu", "--steps", "8", "--tokens-per-batch", "256",
-            "--anchors-per-seq", "8", "--gamma", str(GAMMA), "--markov-rank", "16", "--log-every", "2",
+            "--gamma", str(GAMMA), "--markov-rank", "16", "--log-every", "2",
             "--eval-every", "4", "--save-every", "4", *extra]
 
 
@@ -155,14 +151,20 @@ def test_eval_prompts_are_held_out_and_cover_three_domains(tmp_path):
 # --------------------------------------------------------------------------- make_dataset.py
 
 
-def test_batched_left_padded_generation_equals_one_by_one_greedy_decoding():
+def test_engine_generation_equals_one_by_one_greedy_decoding():
+    from optimized.engine import Engine, EngineConfig
+    from optimized.scheduler import SamplingParams
+    from reference.config import SchedulerConfig
+
     model = _tiny_llama()
+    target = Target.from_model(model)
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(2, 12, (6,), generator=g).tolist()
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lengths]
-    batched = make_dataset.generate_responses(model, prompts, eos_ids=frozenset({EOS}), pad_id=EOS, max_new_tokens=10,
-                                              temperature=0.0, top_p=1.0, batch_size=6)
-    for p, got in zip(prompts, batched):
+    engine = Engine(target, None, EngineConfig(max_num_seqs=4, max_seq_len=32), SchedulerConfig(mode="none"))
+    got = make_dataset.engine_responses(engine, prompts, [SamplingParams(max_new_tokens=10)] * 6, list(range(6)),
+                                        frozenset({EOS}))
+    for p, out in zip(prompts, got):
         ids, want = list(p), []
         for _ in range(10):  # plain greedy decoding without padding or cache
             with torch.no_grad():
@@ -171,42 +173,63 @@ def test_batched_left_padded_generation_equals_one_by_one_greedy_decoding():
             ids.append(nxt)
             if nxt == EOS:
                 break
-        assert got == want
+        assert out == want
+
+
+def _shard(path: Path):
+    tensors, meta = dataset.read_shard(path)
+    return tensors, json.loads(meta["ids"])
 
 
 def test_shards_hold_prompt_plus_response_with_the_response_mask(workdir):
     manifest = json.loads((workdir / "data" / "manifest.json").read_text())
     assert manifest["num_shards"] == 3 and manifest["complete"] and manifest["prompts"] == 40
-    assert manifest["settings"]["temperature"] == 0.2 and manifest["settings"]["top_p"] == 0.9
+    assert manifest["settings"]["temperatures"] == [0.0, 1.0] and manifest["settings"]["top_p"] == 1.0
     prompts = {json.loads(line)["id"]: json.loads(line)["input_ids"]
                for line in (workdir / "prompts.jsonl").read_text().splitlines()}
-    examples = make_dataset.load_dataset(workdir / "data")
+    examples = dataset.load_dataset(workdir / "data")
     assert len(examples) == manifest["examples"] and sum(int(e.loss_mask.sum()) for e in examples) == \
         manifest["response_tokens"]
+    assert {e.id.rsplit("@", 1)[1] for e in examples} == {"T0", "T1"}  # one response per temperature
+    greedy = {}
     for e in examples:
-        p = prompts[e.id]
+        pid, temp = e.id.rsplit("@", 1)
+        p = prompts[pid]
         assert torch.equal(e.input_ids[: len(p)], torch.tensor(p))
         assert torch.equal(e.loss_mask, torch.arange(len(e.input_ids)) >= len(p))  # 1 exactly on the response
         response = e.input_ids[len(p):].tolist()
         assert len(response) >= 2 and EOS not in response[:-1]  # cut after the first end token, which is kept
         assert response[-1] == EOS or len(response) == 24
+        if temp == "T0":
+            greedy[pid] = response
+    assert len(greedy) > 20
+    tensors, _ = _shard(workdir / "data" / dataset.shard_name(0))
+    assert tensors["tokens"].dtype == torch.uint16  # a 96-token vocabulary fits in 16 bits
 
 
 def test_make_dataset_resumes_by_skipping_finished_shards(workdir, tmp_path):
     out = tmp_path / "data"
     out.mkdir()
-    first = workdir / "data" / "shard-00000.pt"
-    marker = torch.load(first, weights_only=True)
-    marker["ids"] = ["sentinel"] * len(marker["ids"])  # a recognisable, finished shard 0
-    torch.save(marker, out / "shard-00000.pt")
+    tensors, ids = _shard(workdir / "data" / dataset.shard_name(0))
+    dataset.write_shard(out / dataset.shard_name(0), {**tensors, "ids": ["sentinel"] * len(ids)}, num_prompts=16,
+                        wall_s=1.0)  # a recognisable, finished shard 0
     args = ["--out", str(out), "--model", str(workdir / "target"), "--prompt-ids", str(workdir / "prompts.jsonl"),
             "--max-new-tokens", "24", "--shard-size", "16", "--batch-size", "8", "--device", "cpu"]
     assert make_dataset.main(args) == 0
-    assert torch.load(out / "shard-00000.pt", weights_only=True)["ids"][0] == "sentinel"  # not regenerated
-    for i in (1, 2):  # regenerated with the same per-shard seed: identical to the first run
-        a = torch.load(out / f"shard-{i:05d}.pt", weights_only=True)
-        b = torch.load(workdir / "data" / f"shard-{i:05d}.pt", weights_only=True)
-        assert torch.equal(a["tokens"], b["tokens"]) and a["ids"] == b["ids"]
+    assert _shard(out / dataset.shard_name(0))[1][0] == "sentinel"  # not regenerated
+    for i in (1, 2):  # regenerated from the same (seed, request id) keys: identical to the first run
+        (a, ida), (b, idb) = _shard(out / dataset.shard_name(i)), _shard(workdir / "data" / dataset.shard_name(i))
+        assert torch.equal(a["tokens"], b["tokens"]) and ida == idb
+
+
+def test_make_dataset_is_independent_of_the_batch_size(workdir, tmp_path):
+    """The random-number contract: sampled responses depend on (seed, request id, position), not on batching."""
+    out = tmp_path / "data"
+    args = ["--out", str(out), "--model", str(workdir / "target"), "--prompt-ids", str(workdir / "prompts.jsonl"),
+            "--max-new-tokens", "24", "--shard-size", "16", "--batch-size", "3", "--device", "cpu", "--limit", "16"]
+    assert make_dataset.main(args) == 0
+    (a, ida), (b, idb) = _shard(out / dataset.shard_name(0)), _shard(workdir / "data" / dataset.shard_name(0))
+    assert ida == idb and torch.equal(a["tokens"], b["tokens"])
 
 
 def test_make_dataset_time_budget_stops_between_shards_and_rerun_completes(workdir, tmp_path):
@@ -215,10 +238,19 @@ def test_make_dataset_time_budget_stops_between_shards_and_rerun_completes(workd
             "--max-new-tokens", "24", "--shard-size", "16", "--batch-size", "8", "--device", "cpu"]
     assert make_dataset.main([*args, "--time-budget-s", "0"]) == 0  # the budget is spent by the model load
     manifest = json.loads((out / make_dataset.MANIFEST).read_text())
-    assert not manifest["complete"] and manifest["shards_present"] == 0 and not list(out.glob("shard-*.pt"))
+    assert not manifest["complete"] and manifest["shards_present"] == 0 and not list(out.glob(dataset.SHARD_GLOB))
     assert make_dataset.main(args) == 0  # no budget: resumes and finishes every shard
     manifest = json.loads((out / make_dataset.MANIFEST).read_text())
     assert manifest["complete"] and manifest["shards_present"] == manifest["num_shards"] == 3
+
+
+def test_token_data_batches_equal_the_padded_examples(workdir):
+    examples = dataset.load_dataset(workdir / "data", limit=10)
+    data = dataset.TokenData(examples, max_len=20)
+    b = data.batch([3, 0, 7])
+    ref = dataset.collate([examples[i] for i in (3, 0, 7)], 20)
+    assert torch.equal(b.input_ids, ref.input_ids) and torch.equal(b.attention_mask, ref.attention_mask)
+    assert torch.equal(b.loss_mask, ref.loss_mask)
 
 
 # --------------------------------------------------------------------------- train_drafter.py
@@ -229,14 +261,14 @@ def test_token_budget_batches_partition_the_data_across_ranks():
     lengths = torch.randint(5, 120, (500,), generator=g).tolist()
     seen = []
     for rank in range(3):
-        batches = train_drafter.token_budget_batches(lengths, 400, seed=1, epoch=2, rank=rank, world=3)
+        batches = dataset.token_budget_batches(lengths, 400, seed=1, epoch=2, rank=rank, world=3)
         for b in batches:
             assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 400
         seen += [i for b in batches for i in b]
     assert sorted(seen) == list(range(500))  # every example exactly once per epoch
-    again = train_drafter.token_budget_batches(lengths, 400, seed=1, epoch=2, rank=1, world=3)
-    assert again == train_drafter.token_budget_batches(lengths, 400, seed=1, epoch=2, rank=1, world=3)
-    assert again != train_drafter.token_budget_batches(lengths, 400, seed=1, epoch=3, rank=1, world=3)
+    again = dataset.token_budget_batches(lengths, 400, seed=1, epoch=2, rank=1, world=3)
+    assert again == dataset.token_budget_batches(lengths, 400, seed=1, epoch=2, rank=1, world=3)
+    assert again != dataset.token_budget_batches(lengths, 400, seed=1, epoch=3, rank=1, world=3)
 
 
 def test_lr_schedule_warms_up_linearly_then_decays_to_zero():
@@ -248,9 +280,9 @@ def test_lr_schedule_warms_up_linearly_then_decays_to_zero():
 
 
 def test_pack_blocks_labels_are_the_next_tokens_of_each_anchor(workdir):
-    examples = make_dataset.load_dataset(workdir / "data", limit=6)
-    batch = train_drafter.collate(examples, 1024)
-    blocks = train_drafter.pack_blocks(batch, 5, GAMMA, torch.Generator().manual_seed(0))
+    examples = dataset.load_dataset(workdir / "data", limit=6)
+    batch = dataset.collate(examples, 1024)
+    blocks = dataset.pack_blocks(batch, 5, GAMMA, torch.Generator().manual_seed(0))
     for b, e in enumerate(examples):
         S = len(e.input_ids)
         for j in range(blocks.anchor_pos.shape[1]):
@@ -268,28 +300,29 @@ def test_pack_blocks_labels_are_the_next_tokens_of_each_anchor(workdir):
 
 
 def test_training_overfits_a_fixed_batch(workdir):
+    from optimized.training import dense_step_loss
     from reference.config import DrafterConfig
     from reference.drafter import DSparkDrafter
 
     target = Target.load(str(workdir / "target"))
-    examples = make_dataset.load_dataset(workdir / "data", limit=8)
-    batch = train_drafter.collate(examples, 1024)
-    blocks = train_drafter.pack_blocks(batch, 8, GAMMA, torch.Generator().manual_seed(0))
+    data = dataset.TokenData(dataset.load_dataset(workdir / "data", limit=8), 1024)
+    b = data.batch(list(range(8)))
+    logits, features = target.forward_batch(b.input_ids, b.attention_mask.long())
     torch.manual_seed(0)
-    cfg = DrafterConfig.from_target_config(target.config, block_size=GAMMA, markov_rank=16,
-                                           target_layer_ids=target.layer_ids)
+    cfg = DrafterConfig.from_target_config(target.config, block_size=GAMMA, markov_rank=16, markov_factored=True,
+                                           qk_norm=True, target_layer_ids=target.layer_ids)
     drafter = DSparkDrafter(cfg)
     drafter.attach_target(target.embed_tokens, target.lm_head)
-    model = train_drafter.DraftStep(drafter)
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
     losses = []
     for _ in range(20):
-        out = train_drafter.step_losses(model, target, batch, blocks, (0.1, 0.9, 1.0), 4.0, torch.device("cpu"))
+        out = dense_step_loss(drafter, b.input_ids, b.loss_mask, b.attention_mask, features, logits,
+                              weights=(0.0, 0.0, 1.0, 1.0))
         opt.zero_grad()
-        out["loss"].backward()
+        out.loss.backward()
         opt.step()
-        losses.append(out["loss"].item())
-    # Memorising 8 sequences: the loss must fall well below its start (measured: about a third of it).
+        losses.append(out.loss.item())
+    # Memorising 8 sequences: the loss must fall well below its start.
     assert losses[-1] < 0.6 * losses[0], losses
 
 
@@ -313,7 +346,7 @@ def test_training_writes_a_loadable_checkpoint_and_logs(trained):
 
 def test_resumed_training_equals_uninterrupted_training(workdir, trained):
     assert train_drafter.main(_train_args(workdir, "run_b", "--stop-after", "5")) == 0
-    state = torch.load(workdir / "run_b" / "_state" / "state.pt", weights_only=False)
+    state = json.loads((workdir / "run_b" / "_state" / "state.json").read_text())
     assert state["step"] == 5
     assert train_drafter.main(_train_args(workdir, "run_b")) == 0
     a, b = load_file(trained / "model.safetensors"), load_file(workdir / "run_b" / "model.safetensors")
@@ -332,7 +365,7 @@ def test_greedy_proposal_labels_match_an_independent_target_check(workdir, train
 
     target = Target.load(str(workdir / "target"))
     drafter = load_drafter(trained, target)
-    examples = make_dataset.load_dataset(workdir / "data", limit=6)
+    examples = dataset.load_dataset(workdir / "data", limit=6)
     props = calibrate.collect_proposals(target, drafter, examples, temperature=0.0, seed=3, anchors_per_seq=4,
                                         tokens_per_batch=128, progress=False)
     M = props["num_accepted"].numel()
@@ -354,7 +387,8 @@ def test_calibrate_writes_temperatures_report_and_plot(workdir, trained, tmp_pat
         if f.is_file():
             (ckpt / f.name).write_bytes(f.read_bytes())
     rc = calibrate.main(["--drafter", str(ckpt), "--data", str(workdir / "data"), "--model", str(workdir / "target"),
-                         "--device", "cpu", "--anchors-per-seq", "6", "--tokens-per-batch", "512"])
+                         "--device", "cpu", "--anchors-per-seq", "6", "--tokens-per-batch", "512",
+                         "--method", "sts"])  # the paper's ECE grid search: never worse than T = 1 on its fit data
     assert rc == 0
     temps = json.loads((ckpt / "config.json").read_text())["drafter"]["sts_temperatures"]
     assert set(temps) == {"greedy", "sampling"}
@@ -425,3 +459,17 @@ def test_train_schedule_by_time_budget(workdir):
     lrs = [json.loads(x)["lr"] for x in (workdir / "run_time" / "metrics.jsonl").read_text().splitlines()
            if json.loads(x)["event"] == "train"]
     assert lrs[-1] < max(lrs)  # decayed along the clock
+
+
+def test_init_from_a_checkpoint_continues_its_schedule(workdir, trained):
+    """A run continued elsewhere from the shipped (bf16) checkpoint: its step, a re-warmed learning rate."""
+    args = _train_args(workdir, "run_c")
+    args[args.index("--steps") + 1] = "12"
+    assert train_drafter.main([*args, "--init-from", str(trained), "--rewarm-steps", "2"]) == 0
+    summary = json.loads((workdir / "run_c" / "summary.json").read_text())
+    assert summary["steps_done"] == 12
+    lrs = {e["step"]: e["lr"] for e in map(json.loads, (workdir / "run_c" / "metrics.jsonl").read_text().splitlines())
+           if e["event"] == "train"}
+    assert sorted(lrs) == [10, 12]  # steps 9-12 only: it started at the checkpoint's step 8
+    with pytest.raises(SystemExit, match="disagrees"):
+        train_drafter.main([*_train_args(workdir, "run_d"), "--init-from", str(trained), "--num-layers", "3"])

@@ -1,0 +1,1 @@
+"""The project's command-line programs and their shared library modules; run them as ``python -m scripts.<name>``."""
