@@ -93,7 +93,7 @@ def provenance(page_dir: Path, files: list[str]) -> str:
         versions = ", ".join(f"{k} {v}" for k, v in sw.items() if k in ("torch", "triton", "transformers"))
         line = f"[`{name}`]({name}): {hw}" + (f" ({versions})" if versions else "")
         if data.get("command"):
-            line += f"; `{command(data['command'])}`"
+            line += f"; `{_script(data['command'])}`"
         out.append(f"* {line}")
     return "\n".join(out) + "\n"
 
@@ -276,7 +276,8 @@ def summary(page_dir: Path, files: list[str]) -> str:
 def _script(cmd: str) -> str:
     """``train_drafter.py …`` or ``scripts/x.py …`` as the command a reader runs from the repository root."""
     cmd = command(cmd)
-    return cmd if cmd.startswith("python ") else "python " + (cmd if cmd.startswith("scripts/") else f"scripts/{cmd}")
+    m = re.match(r"(?:python -m scripts\.|python )?(?:scripts/)?(\w+)(?:\.py)?\s(.*)", cmd)
+    return f"python -m scripts.{m[1]} {m[2]}" if m else cmd
 
 
 def checkpoint(page_dir: Path, files: list[str]) -> str:
