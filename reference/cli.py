@@ -76,7 +76,8 @@ def build_parser(prog: str = "python -m reference.generate") -> argparse.Argumen
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     src.add_argument("--prompts-file", help='JSONL file, one {"prompt": ...} per line')
-    p.add_argument("--model", default=DEFAULT_MODEL, help="target: 'smollm2-135m-instruct' or a local HF directory")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="target: 'smollm2-135m-instruct', a .gguf file or a local HF model directory")
     p.add_argument("--drafter", default=None, help=f"drafter checkpoint directory (default {DEFAULT_DRAFTER})")
     p.add_argument("--proposer", default=ProposerKind.DSPARK.value, choices=PROPOSER_KINDS,
                    help="who drafts: the trained DSpark drafter, or the training-free n-gram lookup "
