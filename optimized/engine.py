@@ -74,6 +74,28 @@ class EngineConfig:
 
 
 @dataclass
+class StepStats:
+    """What one ``step()`` did, read on the host after it (for monitoring: the server's metrics).
+
+    The per-request lists run over the requests that verified this step, in one order. A draft slot ``k`` of
+    request ``i`` is a calibration trial only if it was verified (``k < verified[i]``); it survived if
+    ``k < accepted[i]``. Unverified slots are censored, not rejections.
+    """
+
+    step_time_s: float  # host wall time of the step; it ends with the token read, so the device work is inside
+    num_running: int  # requests holding a slot after the step
+    num_waiting: int  # requests queued for a slot after the step
+    num_decoding: int  # R: requests that verified this step (prefill-only requests excluded)
+    verify_tokens: int  # N = R + Σℓ: tokens of the verify forward (0 when nobody verified)
+    budget: int | None  # adaptive mode: the verify budget B of this step; None in other modes or with no drafts
+    drafted: bool  # whether the drafter ran at the end of this step (False: mode none, or the draft gate closed)
+    verified: list[int] = field(default_factory=list)  # ℓ_r per verifying request
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per verifying request (emitted - 1)
+    # Calibrated prefix survivals a_{r,1..γ} of the draft each request verified ([] if it held none).
+    predicted_survival: list[list[float]] = field(default_factory=list)
+
+
+@dataclass
 class StepOutput:
     """What one step produced for one request (for streaming)."""
 
@@ -129,6 +151,8 @@ class Engine:
         self._recent_count = [0] * config.max_num_seqs
         self._recent_owner: list[Sequence | None] = [None] * config.max_num_seqs
         self.stats = {"steps": 0, "host_schedule_s": 0.0, "step_s": 0.0}
+        self._last_stats: StepStats | None = None
+        self._verify_record: tuple[int, list[int], list[int], list[list[float]]] = (0, [], [], [])
 
     # ------------------------------------------------------------------------------------------------------
     # Per-slot device state
@@ -227,6 +251,54 @@ class Engine:
     def sequence(self, request_id: int) -> Sequence:
         return self._ids[request_id]
 
+    def release(self, request_id: int) -> None:
+        """Forget a finished request (its ``Sequence``), so a long-running server does not keep every request."""
+        seq = self._ids.get(request_id)
+        if seq is not None and not seq.finished:
+            raise ValueError(f"request {request_id} is still running: abort it first")
+        self._ids.pop(request_id, None)
+
+    def last_step_stats(self) -> StepStats | None:
+        """What the latest ``step()`` did (``None`` before the first step)."""
+        return self._last_stats
+
+    def warmup(self, new_tokens: int | None = None) -> float:
+        """Run the serving path once on dummy requests, so that compilation happens now and not in the first
+        user request: eager prefill at a few lengths, greedy and sampled verification with and without top-p /
+        top-k, log-probabilities, the drafter and the draft gate, at one and at several requests. Graph capture
+        already happened in the constructor; an adaptive engine needs its cost table first. Returns seconds.
+        """
+        if self.batch.has_work():
+            raise RuntimeError("warm-up runs dummy requests: call it before serving")
+        t0 = time.perf_counter()
+        g = self.gamma
+        new = new_tokens or 2 * (g + 1) + 1  # several verify + draft steps per request
+        longest = self.config.max_seq_len - new - 2 * g - 2
+        if longest < 1:
+            raise ValueError(f"max_seq_len {self.config.max_seq_len} leaves no room for a warm-up request")
+        # Prompt lengths 1, 16 and 17: Triton specialises integer arguments equal to 1 and divisible by 16.
+        lengths = [min(n, longest) for n in (17, 16, 1, 33)]
+        params = [SamplingParams(max_new_tokens=new, ignore_eos=True),
+                  SamplingParams(max_new_tokens=new, temperature=0.8, ignore_eos=True, logprobs=True),
+                  SamplingParams(max_new_tokens=new, temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True),
+                  SamplingParams(max_new_tokens=new, temperature=0.0, top_k=5, ignore_eos=True, logprobs=True)]
+        rounds = [[(lengths[0], params[0])], list(zip(lengths, params))[: self.config.max_num_seqs]]
+        first = max(self._ids, default=-1) + 1
+        for batch in rounds:
+            ids = [self.add_request([(7 * j + 3 * i + 1) % self.vocab for j in range(n)], p, request_id=first + i)
+                   for i, (n, p) in enumerate(batch)]
+            first += len(ids)
+            while self.batch.has_work():
+                self.step()
+            for rid in ids:
+                self.release(rid)
+        if self.policy is not None:
+            self.policy.steps_without_draft = 0  # serving starts as a fresh engine would
+        self._gate_cache, self._last_stats = None, None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # sync: start-up, off the step loop
+        return time.perf_counter() - t0
+
     def set_cost_table(self, cost: CostTable) -> None:
         """Install the step-cost table (measured on this engine by ``optimized.cost_model.profile_engine``)."""
         self.cost = cost
@@ -323,9 +395,14 @@ class Engine:
         if self.drafted:
             self._draft(to_draft)
             self.stats["draft_steps"] = self.stats.get("draft_steps", 0) + 1
+        t_end = time.perf_counter()
         self.stats["steps"] += 1
         self.stats["host_schedule_s"] += (t1 - t0) + (t3 - t2)
-        self.stats["step_s"] += time.perf_counter() - t0
+        self.stats["step_s"] += t_end - t0
+        n_tokens, verified, accepted, predicted = self._verify_record if decoding else (0, [], [], [])
+        self._last_stats = StepStats(t_end - t0, len(self.batch.running), len(self.batch.waiting), len(decoding),
+                                     n_tokens, plan["budget"] if plan else None, self.drafted, verified, accepted,
+                                     predicted)
         return outputs
 
     # ------------------------------------------------------------------------------------------------------
@@ -507,6 +584,11 @@ class Engine:
         # One conversion to Python lists per step: per-row tensor indexing costs ~1 ms of host time at R = 64.
         host_rows = host.tolist()  # sync: host tensor already
         logp_rows = logp_host.tolist() if logp_host is not None else None  # sync: host tensor already
+        # For StepStats: the survivals of the drafts verified now. These host copies were made by the previous
+        # step's draft; the token read above has synchronised since, so they have landed (no further sync).
+        drafts_held = plan["mode"] != "none"
+        self._verify_record = (n_tokens, [row[-1] for row in host_rows], [row[-2] - 1 for row in host_rows],
+                               [s.survivals[-1].tolist() if drafts_held and s.survivals else [] for s in decoding])
         for i, seq in enumerate(decoding):
             row = host_rows[i]
             n = row[-2]
