@@ -104,6 +104,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # [(token, logprob)] per token
 
 
 class Engine:
@@ -281,7 +282,8 @@ class Engine:
         params = [SamplingParams(max_new_tokens=new, ignore_eos=True),
                   SamplingParams(max_new_tokens=new, temperature=0.8, ignore_eos=True, logprobs=True),
                   SamplingParams(max_new_tokens=new, temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True),
-                  SamplingParams(max_new_tokens=new, temperature=0.0, top_k=5, ignore_eos=True, logprobs=True)]
+                  SamplingParams(max_new_tokens=new, temperature=0.0, top_k=5, ignore_eos=True, logprobs=True,
+                                 raw_logprobs=True, top_logprobs=5)]
         rounds = [[(lengths[0], params[0])], list(zip(lengths, params))[: self.config.max_num_seqs]]
         first = max(self._ids, default=-1) + 1
         for batch in rounds:
@@ -443,15 +445,65 @@ class Engine:
         positions_first = torch.tensor([len(s.prompt_ids) for s in done], dtype=torch.long, device=dev)
         first = sample(p_t, self.config.seed, self.request_id[done_slots], positions_first, int(Purpose.BONUS),
                        backend=self.config.kernel_backend)
-        logp = torch.log(p_t.gather(1, first[:, None]))[:, 0]
+        logp = torch.log(p_t.gather(1, first[:, None]))  # [M, 1]
+        want = self._extra_logprob_rows(done)
+        top = None
+        if want:
+            idx = torch.tensor(want, device=dev)
+            logp, top = self._extra_logprobs(done, want, logits[idx][:, None], p_t[idx][:, None], first[:, None], logp)
         self.anchor[done_slots] = first
         self.anchor_pos[done_slots] = positions_first
         # sync: the first token is streamed and checked for EOS on the host.
-        first_host, logp_host = first.tolist(), logp.tolist()  # sync: first tokens (prefill step only)
-        for seq, tok_id, lp in zip(done, first_host, logp_host):
+        first_host, logp_host = first.tolist(), logp[:, 0].tolist()  # sync: first tokens (prefill step only)
+        top_host = self._top_to_host(done, want, top)  # sync: only when a request asked for top logprobs
+        for i, (seq, tok_id, lp) in enumerate(zip(done, first_host, logp_host)):
             seq.status = Status.DECODE
-            self._emit(seq, [tok_id], [lp], outputs)
+            self._emit(seq, [tok_id], [lp], outputs, top_host[i][:1] if top_host[i] else None)
         return done
+
+    def _extra_logprob_rows(self, seqs: list[Sequence]) -> list[int]:
+        """Rows whose request asked for raw or top log-probabilities (known on the host from the parameters)."""
+        return [i for i, s in enumerate(seqs) if s.params.logprobs and (s.params.raw_logprobs or s.params.top_logprobs)]
+
+    def _extra_logprobs(self, seqs: list[Sequence], want: list[int], logits: torch.Tensor, probs: torch.Tensor,
+                        tokens: torch.Tensor, logp: torch.Tensor):
+        """Raw log-probabilities and top-k alternatives of the rows in ``want`` (the other rows are untouched).
+
+        Args:
+            logits: [W, E, V] target logits at the emitted positions of the wanted rows.
+            probs: [W, E, V] p_t there (what the tokens were drawn from).
+            tokens: [R, E] emitted ids of every row (-1 pads).
+            logp: [R, E] log p_t of those.
+
+        Returns:
+            ``logp`` with the raw rows replaced by log-softmax values, and ``(top ids, top logprobs)`` [W, E, k] (or
+            None when nobody asked for alternatives), each row from the distribution its request reports.
+        """
+        dev = logits.device
+        raw = torch.log_softmax(logits.float(), dim=-1)  # [W, E, V]
+        is_raw = torch.tensor([seqs[i].params.raw_logprobs for i in want], device=dev)[:, None, None]  # [W, 1, 1]
+        dist = torch.where(is_raw, raw, torch.log(probs.float().clamp_min(1e-30)))  # [W, E, V]
+        idx = torch.tensor(want, device=dev)
+        logp = logp.clone()
+        logp[idx] = dist.gather(2, tokens[idx].clamp(min=0)[..., None])[..., 0]
+        k = min(max(seqs[i].params.top_logprobs for i in want), self.vocab)
+        if k == 0:
+            return logp, None
+        values, ids = torch.topk(dist, k, dim=-1)  # [W, E, k] descending
+        return logp, (ids, values)
+
+    @staticmethod
+    def _top_to_host(seqs: list[Sequence], want: list[int], top) -> list[list[list[tuple[int, float]]] | None]:
+        """Per row: the top alternatives per emitted position, cut to the request's own k (None for other rows)."""
+        out: list[list[list[tuple[int, float]]] | None] = [None] * len(seqs)
+        if top is None:
+            return out
+        ids, values = top[0].tolist(), top[1].tolist()  # sync: [W, E, k], only when asked
+        for j, i in enumerate(want):
+            k = seqs[i].params.top_logprobs
+            if k:
+                out[i] = [list(zip(t[:k], v[:k])) for t, v in zip(ids[j], values[j])]
+        return out
 
     def _draft_gate(self, seqs: list[Sequence]) -> bool:
         """Whether the next step drafts: ``Scheduler.should_draft`` on each request's recent survivals (host copies
@@ -570,8 +622,15 @@ class Engine:
                            int(Purpose.BONUS), backend=self.config.kernel_backend)
             emitted, n_emitted = bonus[:, None], torch.ones(r, dtype=torch.long, device=dev)
         # log p_t of every emitted token (logprobs are returned with speculation on).
+        e = emitted.shape[1]
         safe = emitted.clamp(min=0)
-        logp = torch.log(target_probs[:, : emitted.shape[1]].gather(2, safe[..., None])[..., 0].clamp_min(1e-30))
+        logp = torch.log(target_probs[:, :e].gather(2, safe[..., None])[..., 0].clamp_min(1e-30))  # [R, E]
+        want = self._extra_logprob_rows(decoding)
+        top = None
+        if want:  # raw log-probabilities / alternatives, from the same packed logits rows as p_t
+            idx = torch.tensor(want, device=dev)
+            logp, top = self._extra_logprobs(decoding, want, logits[src[idx, :e]], target_probs[idx, :e], emitted,
+                                             logp)
         # The next anchor: the last emitted token, one position past the accepted prefix.
         last = emitted.gather(1, (n_emitted - 1)[:, None])[:, 0]
         self.anchor[rows] = last
@@ -584,6 +643,7 @@ class Engine:
         # One conversion to Python lists per step: per-row tensor indexing costs ~1 ms of host time at R = 64.
         host_rows = host.tolist()  # sync: host tensor already
         logp_rows = logp_host.tolist() if logp_host is not None else None  # sync: host tensor already
+        top_rows = self._top_to_host(decoding, want, top)  # sync: only when a request asked for top logprobs
         # For StepStats: the survivals of the drafts verified now. These host copies were made by the previous
         # step's draft; the token read above has synchronised since, so they have landed (no further sync).
         drafts_held = plan["mode"] != "none"
@@ -594,7 +654,8 @@ class Engine:
             n = row[-2]
             seq.verify_lengths.append(row[-1])
             seq.accepted_lengths.append(n - 1)
-            self._emit(seq, row[:n], logp_rows[i][:n] if logp_rows is not None else [], outputs)
+            self._emit(seq, row[:n], logp_rows[i][:n] if logp_rows is not None else [], outputs,
+                       top_rows[i][:n] if top_rows[i] else None)
 
     def _target_probs(self, logits: torch.Tensor, slot_of: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """p_t rows at the request's temperature; the reference ``logits_to_probs`` only where filters are on.
@@ -658,20 +719,24 @@ class Engine:
 
     def _load_params(self, seq: Sequence) -> None:
         p, s = seq.params, seq.slot
-        self.request_id[s] = seq.request_id
+        self.request_id[s] = seq.request_id if p.seed is None else p.seed  # the request word of the random contract
         self.temperature[s] = p.temperature
         self.top_p[s] = p.top_p
         self.top_k[s] = p.top_k
 
-    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float], outputs: list[StepOutput]) -> None:
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float], outputs: list[StepOutput],
+              top: list[list[tuple[int, float]]] | None = None) -> None:
         """Append emitted tokens; stop at EOS (later tokens dropped), the length limit or a stop string."""
-        new, new_lp = [], []
+        new, new_lp, new_top = [], [], []
         for i, tok in enumerate(tokens):
             seq.output_ids.append(tok)
             new.append(tok)
             if logprobs:
                 seq.logprobs.append(logprobs[i])
                 new_lp.append(logprobs[i])
+            if top:
+                seq.top_logprobs.append(top[i])
+                new_top.append(top[i])
             reason = None
             if not seq.params.ignore_eos and tok in self.eos:
                 reason = "stop"
@@ -684,7 +749,7 @@ class Engine:
             if reason is not None:
                 self.batch.finish(seq, reason)
                 break
-        outputs.append(StepOutput(seq.request_id, new, seq.finished, seq.finish_reason, new_lp))
+        outputs.append(StepOutput(seq.request_id, new, seq.finished, seq.finish_reason, new_lp, new_top))
 
     def _hit_stop(self, seq: Sequence) -> bool:
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)

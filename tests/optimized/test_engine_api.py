@@ -81,3 +81,68 @@ def test_release_forgets_only_finished_requests():
     with pytest.raises(KeyError):
         engine.sequence(rid)
     engine.release(rid)  # idempotent
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_raw_and_top_logprobs_are_the_targets(temperature):
+    """Raw log-probabilities and top-k alternatives equal log-softmax of a plain forward over prompt + output, in
+    the prefill token and in every speculative step; a neighbour asking only for p_t log-probabilities keeps them."""
+    import torch
+
+    engine = _engine("adaptive")
+    target = engine.reference_target
+    raw = SamplingParams(max_new_tokens=11, temperature=temperature, ignore_eos=True, logprobs=True,
+                         raw_logprobs=True, top_logprobs=3)
+    plain = SamplingParams(max_new_tokens=11, temperature=0.7, ignore_eos=True, logprobs=True)
+    a = engine.add_request([4, 5, 6], raw)
+    b = engine.add_request([9, 8], plain)
+    streamed = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == a:
+                assert len(out.new_top_logprobs) == len(out.new_logprobs) == len(out.new_token_ids)
+                streamed += out.new_top_logprobs
+    for rid, scale in ((a, 1.0), (b, 0.7)):
+        seq = engine.sequence(rid)
+        ids = torch.tensor(seq.prompt_ids + seq.output_ids)
+        logits, _ = target.forward(ids, target.new_cache(), start_pos=0)
+        logp = torch.log_softmax(logits / scale, -1)[len(seq.prompt_ids) - 1: -1]  # [n_out, V]
+        expect = [float(logp[i, t]) for i, t in enumerate(seq.output_ids)]
+        assert seq.logprobs == pytest.approx(expect, abs=1e-4)  # fp32 logits through two code paths
+        if rid == a:
+            assert seq.top_logprobs == streamed and len(streamed) == 11
+            top = torch.topk(logp, 3, dim=-1)
+            for i, alts in enumerate(seq.top_logprobs):
+                assert [t for t, _ in alts] == top.indices[i].tolist()
+                assert [v for _, v in alts] == pytest.approx(top.values[i].tolist(), abs=1e-4)
+                if temperature == 0:  # greedy emits the most likely token
+                    assert alts[0][0] == seq.output_ids[i]
+        else:
+            assert seq.top_logprobs == []
+
+
+def test_seed_keys_the_random_numbers():
+    """A seeded request's random numbers do not depend on its request id, nor (with fixed verify lengths) on its
+    neighbours; it is exactly the request word it replaces. Sampled tokens depend on the verify lengths too (an
+    unverified position takes the bonus draw instead of an accept test), so under the adaptive policy, whose budget
+    depends on the whole batch, only the same load reproduces them. (T = 4: the tiny target is nearly
+    deterministic at T = 1.)"""
+    def sample(mode, prompts, seeds, first_id):
+        engine = _engine(mode)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=12, temperature=4.0, ignore_eos=True, seed=s),
+                                  request_id=first_id + i) for i, (p, s) in enumerate(zip(prompts, seeds))]
+        while engine.has_unfinished():
+            engine.step()
+        return [engine.sequence(i).output_ids for i in ids]
+
+    for mode in ("fixed", "adaptive"):
+        alone = sample(mode, [[5, 9, 3]], [1234], 0)[0]
+        assert sample(mode, [[5, 9, 3]], [1234], 99)[0] == alone
+        assert sample(mode, [[5, 9, 3]], [None], 1234)[0] == alone
+        assert sample(mode, [[5, 9, 3]], [77], 0)[0] != alone
+    crowd = sample("fixed", [[2, 40, 41], [5, 9, 3], [5, 9, 3]], [None, 1234, 77], 50)
+    assert crowd[1] == sample("fixed", [[5, 9, 3]], [1234], 0)[0]
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**31)
+    with pytest.raises(ValueError, match="need logprobs"):
+        SamplingParams(top_logprobs=2)
