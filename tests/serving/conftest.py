@@ -84,9 +84,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env(cache: Path) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DSPARK_CACHE=str(cache), OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
+def server_env(cache: Path | None) -> dict[str, str]:
+    """The server's environment: one torch thread (CI has two cores, shared with the test process), the torch
+    kernels, and ``DSPARK_CACHE`` (cost tables) in ``cache`` unless None (the real target's weights cache)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if cache is not None:
+        env["DSPARK_CACHE"] = str(cache)
     env.pop("TRITON_INTERPRET", None)
     return env
 
@@ -94,7 +97,7 @@ def server_env(cache: Path) -> dict[str, str]:
 class LiveServer:
     """``python -m optimized.serve`` in a subprocess; ``url`` is its base URL."""
 
-    def __init__(self, args: list[str], cache: Path, log: Path) -> None:
+    def __init__(self, args: list[str], cache: Path | None, log: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
