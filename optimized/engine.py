@@ -273,7 +273,7 @@ class Engine:
             raise RuntimeError("warm-up runs dummy requests: call it before serving")
         t0 = time.perf_counter()
         g = self.gamma
-        new = new_tokens or 2 * (g + 1) + 1  # several verify + draft steps per request
+        new = new_tokens or g + 2  # prefill, then verify + draft steps until the draft slots have all been used
         longest = self.config.max_seq_len - new - 2 * g - 2
         if longest < 1:
             raise ValueError(f"max_seq_len {self.config.max_seq_len} leaves no room for a warm-up request")
