@@ -463,6 +463,8 @@ def build_app(server: Server) -> FastAPI:
                     yield _SSE_DONE
                 except (EngineFailed, APIError) as err:  # the headers are out: the error goes in the stream
                     yield _sse(_stream_error(err))
+                except ClientDisconnected:  # nobody is listening any more; close() below aborts the request
+                    return
                 finally:
                     stream.close()
             return EventSourceResponse(events())
@@ -519,6 +521,8 @@ def build_app(server: Server) -> FastAPI:
                     yield _SSE_DONE
                 except (EngineFailed, APIError) as err:  # the headers are out: the error goes in the stream
                     yield _sse(_stream_error(err))
+                except ClientDisconnected:  # nobody is listening any more; close() below aborts the request
+                    return
                 finally:
                     stream.close()
             return EventSourceResponse(events())

@@ -400,6 +400,38 @@ def test_fuzzed_request_bodies_never_get_a_5xx(server):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# The serving benchmark against this server
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_bench_serving_reports_the_schema(server, tmp_path):
+    from scripts import bench_serving
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
+    before = scrape(server.url)
+    out, png = tmp_path / "serving.json", tmp_path / "serving.png"
+    report = bench_serving.main(["--base-url", server.url, "--api-key", KEY, "--label", "adaptive",
+                                 "--concurrency", "1,2", "--output-len", "8", "--prompts-per-user", "2",
+                                 "--min-requests", "3", "--prompts-file", str(prompts), "--drafter", "tiny",
+                                 "--out", str(out), "--plot", str(png)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report)) and png.stat().st_size > 0
+    assert {"hardware", "model", "drafter", "command", "results"} <= set(report)
+    rows = report["results"]
+    assert [(r["mode"], r["k"], r["concurrency"], r["requests"], r["errors"]) for r in rows] == [
+        ("adaptive", None, 1, 3, 0), ("adaptive", None, 2, 4, 0)]
+    for r in rows:
+        assert r["output_tokens"] == 8 * r["requests"]
+        assert r["output_tokens_per_s"] > 0 and r["per_user_tokens_per_s"] > 0
+        assert 0 < r["ttft_ms_p50"] and 0 < r["tpot_ms_p50"] <= r["itl_ms_p99"] * 8
+        assert r["mean_accepted_length"] >= 1.0
+    # warm-up requests (one per user, 8 tokens each) + measured ones: every generated token is accounted for
+    name = "vllm:generation_tokens_total"
+    generated = gauge(scrape(server.url), name) - gauge(before, name)
+    assert generated == 8 * (1 + 2) + sum(r["output_tokens"] for r in rows)
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Shutdown (last: it stops the module's server)
 # ------------------------------------------------------------------------------------------------------------
 
