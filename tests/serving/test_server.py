@@ -381,7 +381,7 @@ def test_fuzzed_request_bodies_never_get_a_5xx(server):
     bodies = st.dictionaries(st.sampled_from(fields), json_values, max_size=6) | st.fixed_dictionaries(
         {}, optional={k: v | json_values for k, v in plausible.items()})
 
-    @settings(max_examples=70, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=50, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(path=st.sampled_from(["/v1/completions", CHAT]), body=bodies | json_values)
     def check(path, body):
         try:
@@ -429,6 +429,40 @@ def test_bench_serving_reports_the_schema(server, tmp_path):
     name = "vllm:generation_tokens_total"
     generated = gauge(scrape(server.url), name) - gauge(before, name)
     assert generated == 8 * (1 + 2) + sum(r["output_tokens"] for r in rows)
+
+
+def test_bench_serving_launch_sweeps_every_mode(server, tmp_path, monkeypatch):
+    """``--launch``: one server per mode, its --speculative-config from the mode, the flags passed through and
+    --max-num-seqs sized to the largest concurrency; stopped after its levels. (The launched process itself is
+    exercised in test_smollm2.py; here a stand-in points at this module's server.)"""
+    from scripts import bench_serving
+
+    launched = []
+
+    class StandIn:
+        def __init__(self, mode, server_args, log_path):
+            launched.append((mode.label, mode.speculative_config(), server_args, log_path.name))
+            self.url = server.url
+
+        def wait_ready(self):
+            return 0.0
+
+        def stop(self):
+            launched.append("stopped")
+
+    monkeypatch.setattr(bench_serving, "LaunchedServer", StandIn)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hello"}) + "\n")
+    report = bench_serving.main(["--launch", "--modes", "none,fixed:2", "--server-args", "--model tiny-dir",
+                                 "--concurrency", "1,2", "--output-len", "4", "--prompts-per-user", "1",
+                                 "--min-requests", "1", "--prompts-file", str(prompts), "--api-key", KEY,
+                                 "--log-dir", str(tmp_path)])
+    args = ["--model", "tiny-dir", "--max-num-seqs", "2"]
+    assert launched == [("none", '{"mode": "none"}', args, "serve-none.log"), "stopped",
+                        ("fixed:2", '{"mode": "fixed", "num_speculative_tokens": 2}', args, "serve-fixed2.log"),
+                        "stopped"]
+    assert [(r["mode"], r["k"], r["concurrency"]) for r in report["results"]] == [
+        ("none", None, 1), ("none", None, 2), ("fixed", 2, 1), ("fixed", 2, 2)]
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The real default target behind the server: SmolLM2-135M-Instruct and the shipped drafter, with the server's
-defaults (no --model, no --drafter, adaptive verification, CPU), against ``python -m optimized.generate``.
+defaults (no --model, no --drafter, adaptive verification, CPU), against the target's own greedy decoding (the tiny
+model's tests compare with ``python -m optimized.generate`` too).
 
-A synthetic cost table is given to both (``--cost-table``), so neither spends start-up profiling the CPU; it
-changes verify lengths only, never greedy tokens.
+A synthetic cost table is given (``--cost-table``), so start-up does not profile the CPU; it changes verify lengths
+only, never greedy tokens.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import openai
 import pytest
 
-from tests.serving.conftest import LiveServer
+from tests.serving.conftest import server_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 PROMPT = "Name three planets."
@@ -28,12 +29,22 @@ def cost_table(tmp_path_factory):
     return path
 
 
-def test_smollm2_server_equals_generate(smollm2_target, cost_table, tmp_path, capsys, monkeypatch):
+def test_smollm2_server_serves_the_targets_greedy_text(smollm2_target, cost_table, tmp_path, monkeypatch):
+    """Started the way ``scripts/bench_serving.py --launch`` starts it (its LaunchedServer: the command line, the
+    wait for /health, SIGTERM at the end), queried by the openai client and by the benchmark itself."""
+    import torch
+
+    from scripts import bench_serving
+
+    for key, value in server_env(None).items():  # DSPARK_CACHE unchanged: the dequantized weights are cached there
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the server on the torch kernels (see conftest.py)
     # Defaults but two: 2 slots of 256 positions instead of 8 of 2,048 (a faster start on the shared CI cores).
-    server = LiveServer(["--cost-table", str(cost_table), "--max-num-seqs", "2", "--max-model-len", "256"], None,
-                        tmp_path / "server.log")  # DSPARK_CACHE unchanged: the dequantized weights are cached there
+    server = bench_serving.LaunchedServer(bench_serving.Mode.parse("adaptive"),
+                                          ["--cost-table", str(cost_table), "--max-num-seqs", "2",
+                                           "--max-model-len", "256"], tmp_path / "server.log")
     try:
-        server.wait_ready(timeout=300)
+        server.wait_ready()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
         kw = dict(model="smollm2-135m-instruct", messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
@@ -41,19 +52,23 @@ def test_smollm2_server_equals_generate(smollm2_target, cost_table, tmp_path, ca
         full = client.chat.completions.create(**kw)
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
                            if c.choices)
-        assert "mode adaptive, γ = 7, 2 slots, max model len 256, cpu float32" in server.log.read_text()
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+        report = bench_serving.main(["--base-url", server.url, "--concurrency", "1", "--output-len", "4",
+                                     "--min-requests", "1", "--prompts-per-user", "1", "--prompts-file", str(prompts)])
+        log = server.log_path.read_text()
+        assert "mode adaptive, γ = 7, 2 slots, max model len 256, cpu float32" in log
     finally:
-        assert server.stop() == 0
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CLI on the torch kernels, as the server runs
-    from optimized.generate import main as generate_main
-
-    capsys.readouterr()
-    assert generate_main(["--prompt", PROMPT, "--max-new-tokens", "12", "--json", "--cost-table", str(cost_table),
-                          "--device", "cpu"]) == 0
-    cli = json.loads(capsys.readouterr().out.splitlines()[0])
-    assert full.choices[0].message.content == streamed == cli["text"]
-    assert full.usage.completion_tokens == len(cli["token_ids"])
-    assert full.usage.prompt_tokens == len(smollm2_target.encode(PROMPT))
+        server.stop()
+    assert server.proc.returncode == 0 and "drained" in server.log_path.read_text()
+    assert report["results"][0]["requests"] == 1 and report["results"][0]["errors"] == 0
+    # The target alone, argmax after argmax (what every mode must emit at T = 0).
+    ids, new = smollm2_target.encode(PROMPT), []
+    with torch.no_grad():
+        while len(new) < 12 and not (new and new[-1] in smollm2_target.eos_token_ids):
+            new.append(int(smollm2_target.model(torch.tensor([ids + new])).logits[0, -1].argmax()))
+    assert full.choices[0].message.content == streamed == smollm2_target.decode(new)
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (len(ids), len(new))
 
 
 def test_text_stream_matches_a_full_decode(smollm2_target):
