@@ -217,7 +217,7 @@ class Engine:
         if not plan.prefill:
             return []
         out = self.runner.prefill(plan.prefill)
-        return self.scheduler.postprocess(out.seqs, out.tokens, out.logprobs)
+        return self.scheduler.postprocess(out.seqs, out.tokens, out.logprobs, top_logprobs=out.top_logprobs)
 
     def _verify(self, plan: StepPlan) -> list[StepOutput]:
         if not plan.decoding:
@@ -230,7 +230,7 @@ class Engine:
             self._survivals = [None] * len(plan.decoding)
         out: StageOutput = self.runner.verify(plan)
         self._verified = out
-        return self.scheduler.postprocess(out.seqs, out.tokens, out.logprobs, out.verified)
+        return self.scheduler.postprocess(out.seqs, out.tokens, out.logprobs, out.verified, out.top_logprobs)
 
     def _draft(self, seqs: list[Sequence]) -> None:
         """The next step's blocks: the n-gram lookup (host), or the drafter (device; survivals copied back)."""

@@ -66,6 +66,54 @@ class StageOutput:
     logprobs: list[list[float]] | None  # log p_t of each emitted token (None: nobody asked for them)
     verified: list[int] | None = None  # verify only: ℓ of each request (oracle: the accepted prefix + 1, ≤ γ)
     num_tokens: int = 0  # verify only: N = R + Σℓ, the unpadded tokens of the verify forward
+    # Per sequence, the top alternatives [(token, logprob)] of each emitted position (None: not asked for).
+    top_logprobs: list[list[list[tuple[int, float]]] | None] | None = None
+
+
+def extra_logprob_rows(seqs: list[Sequence]) -> list[int]:
+    """Rows whose request asked for raw or top log-probabilities (known on the host from the parameters)."""
+    return [i for i, s in enumerate(seqs) if s.params.logprobs and (s.params.raw_logprobs or s.params.top_logprobs)]
+
+
+def extra_logprobs(seqs: list[Sequence], want: list[int], logits: torch.Tensor, probs: torch.Tensor,
+                   tokens: torch.Tensor, logp: torch.Tensor):
+    """Raw log-probabilities and top-k alternatives of the rows in ``want`` (the other rows are untouched).
+
+    Args:
+        logits: [W, E, V] target logits at the emitted positions of the wanted rows.
+        probs: [W, E, V] p_t there (what the tokens were drawn from).
+        tokens: [R, E] emitted ids of every row (-1 pads).
+        logp: [R, E] log p_t of those.
+
+    Returns:
+        ``logp`` with the raw rows replaced by log-softmax values, and ``(top ids, top logprobs)`` [W, E, k] (or None
+        when nobody asked for alternatives), each row from the distribution its request reports.
+    """
+    dev = logits.device
+    raw = torch.log_softmax(logits.float(), dim=-1)  # [W, E, V]
+    is_raw = torch.tensor([seqs[i].params.raw_logprobs for i in want], device=dev)[:, None, None]  # [W, 1, 1]
+    dist = torch.where(is_raw, raw, torch.log(probs.float().clamp_min(1e-30)))  # [W, E, V]
+    idx = torch.tensor(want, device=dev)
+    logp = logp.clone()
+    logp[idx] = dist.gather(2, tokens[idx].clamp(min=0)[..., None])[..., 0]
+    k = min(max(seqs[i].params.top_logprobs for i in want), dist.shape[-1])
+    if k == 0:
+        return logp, None
+    values, ids = torch.topk(dist, k, dim=-1)  # [W, E, k] descending
+    return logp, (ids, values)
+
+
+def top_to_host(seqs: list[Sequence], want: list[int], top) -> list[list[list[tuple[int, float]]] | None]:
+    """Per row: the top alternatives per emitted position, cut to the request's own k (None for other rows)."""
+    out: list[list[list[tuple[int, float]]] | None] = [None] * len(seqs)
+    if top is None:
+        return out
+    ids, values = top[0].tolist(), top[1].tolist()  # sync: [W, E, k], only when asked
+    for j, i in enumerate(want):
+        k = seqs[i].params.top_logprobs
+        if k:
+            out[i] = [list(zip(t[:k], v[:k])) for t, v in zip(ids[j], values[j])]
+    return out
 
 
 class ModelRunner:
@@ -214,12 +262,19 @@ class ModelRunner:
         positions_first = torch.tensor([len(s.prompt_ids) for s in done], dtype=torch.long, device=dev)
         first = sample(p_t, self.config.seed, self.request_id[done_slots], positions_first, int(Purpose.BONUS),
                        backend=self.config.kernel_backend)
-        logp = torch.log(p_t.gather(1, first[:, None]))[:, 0]
+        logp = torch.log(p_t.gather(1, first[:, None]))  # [M, 1]
+        want = extra_logprob_rows(done)
+        top = None
+        if want:
+            idx = torch.tensor(want, device=dev)
+            logp, top = extra_logprobs(done, want, logits[idx][:, None], p_t[idx][:, None], first[:, None], logp)
         self.anchor[done_slots] = first
         self.anchor_pos[done_slots] = positions_first
         # sync: the first token is streamed and checked for EOS on the host.
-        first_host, logp_host = first.tolist(), logp.tolist()  # sync: first tokens (prefill step only)
-        return StageOutput(done, [[t] for t in first_host], [[lp] for lp in logp_host])
+        first_host, logp_host = first.tolist(), logp[:, 0].tolist()  # sync: first tokens (prefill step only)
+        top_host = top_to_host(done, want, top)  # sync: only when a request asked for top logprobs
+        return StageOutput(done, [[t] for t in first_host], [[lp] for lp in logp_host],
+                           top_logprobs=[t[:1] if t else None for t in top_host])
 
     def current_survivals(self, seqs: list[Sequence]) -> torch.Tensor:
         """``[R, γ]`` host copy of the survivals of the drafts ``seqs`` hold now, for a synchronous policy."""
@@ -265,8 +320,14 @@ class ModelRunner:
                            int(Purpose.BONUS), backend=self.config.kernel_backend)
             emitted, n_emitted = bonus[:, None], torch.ones(r, dtype=torch.long, device=dev)
         # log p_t of every emitted token (logprobs are returned with speculation on).
+        e = emitted.shape[1]
         safe = emitted.clamp(min=0)
-        logp = torch.log(target_probs[:, : emitted.shape[1]].gather(2, safe[..., None])[..., 0].clamp_min(1e-30))
+        logp = torch.log(target_probs[:, :e].gather(2, safe[..., None])[..., 0].clamp_min(1e-30))  # [R, E]
+        want = extra_logprob_rows(decoding)
+        top = None
+        if want:  # raw log-probabilities / alternatives, from the same packed logits rows as p_t
+            idx = torch.tensor(want, device=dev)
+            logp, top = extra_logprobs(decoding, want, logits[src[idx, :e]], target_probs[idx, :e], emitted, logp)
         # The next anchor: the last emitted token, one position past the accepted prefix.
         last = emitted.gather(1, (n_emitted - 1)[:, None])[:, 0]
         self.anchor[rows] = last
@@ -281,7 +342,9 @@ class ModelRunner:
         logp_rows = logp_host.tolist() if logp_host is not None else None  # sync: host tensor already
         tokens = [row[:row[-2]] for row in host_rows]
         logprobs = None if logp_rows is None else [lp[:len(t)] for lp, t in zip(logp_rows, tokens)]
-        return StageOutput(decoding, tokens, logprobs, [row[-1] for row in host_rows], n_tokens)
+        top_rows = top_to_host(decoding, want, top)  # sync: only when a request asked for top logprobs
+        top_rows = [t[:len(tok)] if t else None for t, tok in zip(top_rows, tokens)]
+        return StageOutput(decoding, tokens, logprobs, [row[-1] for row in host_rows], n_tokens, top_rows)
 
     def _target_probs(self, logits: torch.Tensor, slot_of: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """p_t rows at the request's temperature; the reference ``logits_to_probs`` only where filters are on.
@@ -369,7 +432,8 @@ class ModelRunner:
         """Give ``seq``'s slot its request id and sampling parameters."""
         p, s = seq.params, seq.slot
         self._owner[s] = seq
-        self.request_id[s] = seq.request_id
+        # The request word of the random-number contract: the request id, or the request's own seed.
+        self.request_id[s] = seq.request_id if p.seed is None else p.seed
         self.temperature[s] = p.temperature
         self.top_p[s] = p.top_p
         self.top_k[s] = p.top_k

@@ -344,7 +344,8 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------------ after the device
 
     def postprocess(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list[float]] | None,
-                    verified: list[int] | None = None) -> list[StepOutput]:
+                    verified: list[int] | None = None,
+                    top_logprobs: list[list[list[tuple[int, float]]] | None] | None = None) -> list[StepOutput]:
         """Commit each sequence's emitted tokens (and, for a verify step, its ℓ and accepted count)."""
         outputs = []
         for i, seq in enumerate(seqs):
@@ -353,18 +354,23 @@ class Scheduler:
             else:
                 seq.verify_lengths.append(verified[i])
                 seq.accepted_lengths.append(len(tokens[i]) - 1)
-            outputs.append(self._emit(seq, tokens[i], logprobs[i] if logprobs is not None else []))
+            outputs.append(self._emit(seq, tokens[i], logprobs[i] if logprobs is not None else [],
+                                      top_logprobs[i] if top_logprobs is not None else None))
         return outputs
 
-    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> StepOutput:
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float],
+              top: list[list[tuple[int, float]]] | None = None) -> StepOutput:
         """Append emitted tokens; stop at EOS (later tokens dropped), the length limit or a stop string."""
-        new, new_lp = [], []
+        new, new_lp, new_top = [], [], []
         for i, tok in enumerate(tokens):
             seq.output_ids.append(tok)
             new.append(tok)
             if logprobs:
                 seq.logprobs.append(logprobs[i])
                 new_lp.append(logprobs[i])
+            if top:
+                seq.top_logprobs.append(top[i])
+                new_top.append(top[i])
             reason = None
             if not seq.params.ignore_eos and tok in self.eos:
                 reason = "stop"
@@ -377,7 +383,7 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
                 break
-        return StepOutput(seq.request_id, new, seq.finished, seq.finish_reason, new_lp)
+        return StepOutput(seq.request_id, new, seq.finished, seq.finish_reason, new_lp, new_top)
 
     def _hit_stop(self, seq: Sequence) -> bool:
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)

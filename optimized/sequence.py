@@ -34,9 +34,23 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (checked on the decoded text; the stop string is cut off)
     ignore_eos: bool = False
     logprobs: bool = False  # return the target log-probability of every emitted token
+    # With logprobs: log-probabilities of the target's own distribution (log-softmax of its logits, what OpenAI and
+    # vLLM report) instead of log p_t, the temperature-scaled and filtered distribution the token is drawn from
+    # (which is one-hot, log-probability 0, for greedy decoding).
+    raw_logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: also the k most likely tokens per position, from the same distribution
+    # Keys this request's random numbers in place of its request id (the contract's request word, < 2³¹): the same
+    # seed, prompt and parameters give the same tokens whatever else runs. None: keyed by the request id.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         check_sampling(self.max_new_tokens, self.temperature, self.top_p, self.top_k)
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be ≥ 0, got {self.top_logprobs}")
+        if (self.top_logprobs or self.raw_logprobs) and not self.logprobs:
+            raise ValueError("top_logprobs and raw_logprobs need logprobs=True")
+        if self.seed is not None and not 0 <= self.seed < 2**31:
+            raise ValueError(f"seed must lie in [0, 2³¹) (the request word of the random contract), got {self.seed}")
 
     @classmethod
     def from_generation(cls, gen: GenerationConfig) -> SamplingParams:
@@ -57,6 +71,7 @@ class Sequence:
     num_prefilled: int = 0  # prompt tokens already planned into the KV cache
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # [(token, logprob)] per position
     finish_reason: str | None = None
     verify_lengths: list[int] = field(default_factory=list)  # ℓ of every verify step
     accepted_lengths: list[int] = field(default_factory=list)  # accepted drafts of every verify step
@@ -82,3 +97,4 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # [(token, logprob)] per token

@@ -267,10 +267,3 @@ def test_hook_cleans_roles_and_literal_markers_only_in_prose():
     html = "<p>The :class:<code>DrafterConfig</code> stored in a directory::</p><pre>x :: y</pre>"
     out = hook.on_page_content(html, _Page(), None, None)
     assert out == "<p>The <code>DrafterConfig</code> stored in a directory:</p><pre>x :: y</pre>"
-
-
-def test_serving_page_hook_drops_only_the_missing_page():
-    hook = _hook("serving_page")
-    nav = [{"Home": "index.md"}, {"Guides": [{"Training": "training.md"}, {"Serving": "serving.md"}]}]
-    assert hook._drop(nav) == [{"Home": "index.md"}, {"Guides": [{"Training": "training.md"}]}]
-    assert hook._LINK.sub(lambda m: m["text"], "see [the guide](serving.md#start).") == "see the guide."

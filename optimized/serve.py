@@ -1,0 +1,292 @@
+"""``python -m optimized.serve``: an OpenAI-compatible HTTP server on the optimized engine (docs/serving.md).
+
+With no arguments it serves the default target (SmolLM2-135M-Instruct) with the shipped DSpark drafter and adaptive
+verification (docs/method.md §5), on CUDA when present and on the CPU otherwise, at http://127.0.0.1:8000. Flags
+take vLLM's names where vLLM has one.
+
+The HTTP server starts at once; ``GET /health`` answers 503 while the engine thread loads the weights, builds the
+engine (static caches, CUDA graphs), measures or loads the step-cost table and warms every kernel up, each stage
+logged with its time, and 200 from then on, so the first request is as fast as the hundredth. SIGTERM (or Ctrl-C)
+stops accepting connections, lets the requests in flight finish (at most ``--shutdown-timeout`` seconds) and exits
+0; a failure of the engine exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from reference.cli import DEFAULT_DRAFTER, DEFAULT_MODEL
+from reference.config import SCHEDULER_MODES, SchedulerConfig
+
+log = logging.getLogger("dspark.serve")
+
+# Defaults that differ by device. KV memory is slots × positions: SmolLM2 keeps 46 KB of fp32 K/V per position, so
+# 8 slots × 2,048 positions are 0.8 GB of a laptop's memory; on a GPU, 256 slots are vLLM's default batch.
+DEFAULT_MAX_NUM_SEQS = {"cpu": 8, "cuda": 256}
+DEFAULT_MAX_MODEL_LEN = 2048  # prompt + completion; a ShareGPT turn and its answer fit with room
+DEFAULT_MAX_WAITING = 1024  # queued requests before 429: well above a closed-loop benchmark at concurrency 256
+SPEC_KEYS = ("method", "model", "num_speculative_tokens", "enable_adaptive_verification",
+             "num_speculative_tokens_per_batch_size", "mode", "threshold", "draft_gate")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# --speculative-config
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpeculativeConfig:
+    """``--speculative-config`` in vLLM's keys, plus ``mode`` for this project's other policies."""
+
+    mode: str = "adaptive"  # one of reference.config.SCHEDULER_MODES except oracle (a simulation)
+    k: int | None = None  # num_speculative_tokens: fixed mode's K (default γ)
+    dsd_table: dict[int, int] = field(default_factory=dict)  # num_speculative_tokens_per_batch_size
+    threshold: float = 0.5  # threshold mode: verify slot k while a_k ≥ threshold
+    draft_gate: bool = True  # adaptive mode's draft gate (reference.config.SchedulerConfig.draft_gate)
+    drafter: str | None = None  # vLLM's "model" key: the drafter directory
+
+    @classmethod
+    def parse(cls, text: str | None) -> SpeculativeConfig:
+        if not text:
+            return cls()
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--speculative-config is not valid JSON: {err}") from err
+        if not isinstance(d, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        unknown = sorted(set(d) - set(SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {', '.join(SPEC_KEYS)}")
+        if d.get("method", "dspark") != "dspark":
+            raise ValueError(f"--speculative-config: method must be \"dspark\", got {d['method']!r}")
+        table = d.get("num_speculative_tokens_per_batch_size") or {}
+        if isinstance(table, list):
+            table = dict(table)
+        try:
+            table = {int(b): int(v) for b, v in table.items()}
+        except (TypeError, ValueError, AttributeError) as err:
+            raise ValueError("--speculative-config: num_speculative_tokens_per_batch_size must map batch sizes to "
+                             "K, e.g. {\"1\": 7, \"16\": 3, \"64\": 1}") from err
+        if "mode" in d:
+            mode = d["mode"]
+        elif table:
+            mode = "dsd"
+        elif d.get("enable_adaptive_verification") is False:
+            mode = "fixed"
+        else:
+            mode = "adaptive"
+        if mode not in SCHEDULER_MODES or mode == "oracle":
+            modes = ", ".join(m for m in SCHEDULER_MODES if m != "oracle")
+            raise ValueError(f"--speculative-config: mode must be one of {modes}, got {mode!r}")
+        k = d.get("num_speculative_tokens")
+        if k is not None and (not isinstance(k, int) or k < 0):
+            raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer ≥ 0, got {k!r}")
+        spec = cls(mode=mode, k=k, dsd_table=table, threshold=float(d.get("threshold", 0.5)),
+                   draft_gate=bool(d.get("draft_gate", True)), drafter=d.get("model"))
+        spec.scheduler(gamma=max(k or 1, 1))  # validates the values now, before anything loads
+        return spec
+
+    def scheduler(self, gamma: int) -> SchedulerConfig:
+        """The engine's scheduler config for a drafter of block size γ."""
+        if self.k is not None and self.k > gamma:
+            raise ValueError(f"num_speculative_tokens {self.k} exceeds the drafter's block size γ = {gamma}")
+        if self.k is not None and self.mode not in ("fixed", "none") and self.k != gamma:
+            raise ValueError(f"mode {self.mode} verifies up to the drafter's block size γ = {gamma}: "
+                             f"num_speculative_tokens must be {gamma} or left out")
+        extra = {"dsd_table": self.dsd_table} if self.dsd_table else {}
+        return SchedulerConfig(mode=self.mode, k=gamma if self.k is None else self.k, threshold=self.threshold,
+                               draft_gate=self.draft_gate, **extra)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m optimized.serve", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="target: 'smollm2-135m-instruct', a .gguf file or a local HF directory")
+    p.add_argument("--drafter", default=None,
+                   help=f"drafter checkpoint directory (default for the default target: {DEFAULT_DRAFTER})")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if present")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"engine slots (default {DEFAULT_MAX_NUM_SEQS['cuda']} on CUDA, "
+                        f"{DEFAULT_MAX_NUM_SEQS['cpu']} on the CPU)")
+    p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
+                   help="prompt + completion tokens per request")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prompt tokens per step over all prefilling requests (chunked prefill)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients may use; the first is reported (default: --model)")
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON, vLLM\'s keys: {"method": "dspark", "num_speculative_tokens": K, '
+                        '"enable_adaptive_verification": true, "num_speculative_tokens_per_batch_size": {...}}, '
+                        f'plus "mode" ({", ".join(m for m in SCHEDULER_MODES if m != "oracle")}); '
+                        "default: adaptive with the drafter's γ")
+    p.add_argument("--cost-table", default=None,
+                   help="step-cost table JSON (adaptive modes; default: profiled at start-up, cached on disk)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every /v1 request")
+    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                   help="requests queued beyond --max-num-seqs before answering 429")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let requests in flight finish")
+    p.add_argument("--seed", type=int, default=0, help="root of the random-number contract")
+    p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    return p
+
+
+@dataclass
+class ServeArgs:
+    """The command line, resolved: devices, dtypes, defaults and the speculative config."""
+
+    args: argparse.Namespace
+    spec: SpeculativeConfig
+    device: str
+    dtype: torch.dtype
+    max_num_seqs: int
+    drafter: str | None
+
+
+def resolve(args: argparse.Namespace) -> ServeArgs:
+    """Check the flags before anything loads; raises ValueError with a message for the user."""
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS[device]
+    for name, value in (("--max-num-seqs", max_num_seqs), ("--max-model-len", args.max_model_len),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens or 1)):
+        if value < 1:
+            raise ValueError(f"{name} must be ≥ 1, got {value}")
+    if args.max_waiting < 0 or args.shutdown_timeout < 0:
+        raise ValueError("--max-waiting and --shutdown-timeout must be ≥ 0")
+    if args.drafter and spec.drafter and args.drafter != spec.drafter:
+        raise ValueError("--drafter and the speculative config's \"model\" name different drafters")
+    drafter = args.drafter or spec.drafter
+    if drafter is None and spec.mode != "none":
+        if args.model.lower() != DEFAULT_MODEL:
+            raise ValueError(f"no drafter for {args.model}: pass --drafter DIR (a DSpark checkpoint trained for it) "
+                             "or --speculative-config '{\"mode\": \"none\"}'")
+        drafter = str(DEFAULT_DRAFTER)
+    return ServeArgs(args, spec, device, dtype, max_num_seqs, drafter)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Start-up (runs on the engine thread while /health answers 503)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _stage(name: str, times: dict[str, float]):
+    log.info("start-up: %s ...", name)
+    t0 = time.perf_counter()
+    yield
+    times[name] = time.perf_counter() - t0
+    log.info("start-up: %s done in %.2f s", name, times[name])
+
+
+def build_runtime(sa: ServeArgs):
+    """Load the target and drafter, build the engine, install its cost table, warm it up."""
+    from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
+    from optimized.engine import Engine, EngineConfig
+    from optimized.serving.engine_loop import Runtime
+    from reference.cli import load_or_init_drafter
+    from reference.cost_model import CostTable
+    from reference.target import Target
+
+    args, times, t0 = sa.args, {}, time.perf_counter()
+    with _stage("target weights", times):
+        target = Target.load(args.model, device=sa.device, dtype=sa.dtype)
+    limit = getattr(target.config, "max_position_embeddings", None)
+    if limit is not None and args.max_model_len > limit:
+        raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's {limit} positions")
+    drafter = None
+    if sa.spec.mode != "none":
+        with _stage("drafter", times):
+            drafter = load_or_init_drafter(sa.drafter, target, seed=args.seed)
+    gamma = drafter.config.block_size if drafter is not None else 0
+    sched = sa.spec.scheduler(max(gamma, 1))
+    cost = CostTable.load(args.cost_table) if args.cost_table else None
+    extra = {"prefill_chunk": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
+    # Positions per slot: the longest request plus the drafter's scratch block (as optimized.generate sizes them).
+    cfg = EngineConfig(max_num_seqs=sa.max_num_seqs, max_seq_len=args.max_model_len + 2 * gamma + 2,
+                       enforce_eager=args.enforce_eager, seed=args.seed, device=sa.device, dtype=sa.dtype, **extra)
+    graphs = sa.device == "cuda" and not args.enforce_eager
+    with _stage("engine (static caches" + (", CUDA graphs)" if graphs else ")"), times):
+        engine = Engine(target, drafter, cfg, sched, cost)
+    if cost is None and sched.mode in ("adaptive", "adaptive-sync"):
+        with _stage("step-cost table (profiled, or cached under a fingerprint)", times):
+            context = max(1, min(DEFAULT_CONTEXT_LEN, cfg.max_seq_len - 2 * gamma - 8))
+            engine.set_cost_table(cached_profile(engine.runner, context_len=context))
+    with _stage("kernel warm-up", times):
+        engine.warmup()
+    log.info("start-up: ready in %.2f s (%s); mode %s, γ = %d, %d slots, max model len %d, %s %s",
+             time.perf_counter() - t0, ", ".join(f"{k} {v:.2f} s" for k, v in times.items()), sched.mode, gamma,
+             sa.max_num_seqs, args.max_model_len, sa.device, str(sa.dtype).removeprefix("torch."))
+    if target.tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer: the server needs one")
+    return Runtime(engine, target.tokenizer, target.vocab_size, gamma, drafter is not None)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        sa = resolve(args)
+    except ValueError as err:
+        parser.error(str(err))
+    import uvicorn
+
+    from optimized.serving.app import Server, ServerSettings, build_app
+
+    settings = ServerSettings(served_model_names=args.served_model_name or [args.model], model_root=args.model,
+                              max_model_len=args.max_model_len, api_key=args.api_key)
+    server = Server(settings, lambda: build_runtime(sa), max_num_seqs=sa.max_num_seqs, max_waiting=args.max_waiting)
+    config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    http = uvicorn.Server(config)
+    exit_code = 0
+
+    def fatal(err: BaseException) -> None:  # engine thread: stop the HTTP server, exit 1
+        nonlocal exit_code
+        exit_code = 1
+        http.should_exit = True
+
+    server.on_fatal = fatal
+    # uvicorn drains on SIGTERM / SIGINT, then re-raises the signal to the handler it found at start: these make
+    # that a no-op, so a drained server exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: log.info("%s: drained", signal.Signals(signum).name))
+    http.run()
+    return exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,545 @@
+"""The HTTP side of the server: FastAPI routes for the OpenAI API, ``/health`` and ``/metrics``.
+
+Handlers validate a request (``protocol.py``), turn it into token ids and ``SamplingParams``, hand it to the engine
+loop, and stream what comes back; they never touch the engine. Every error leaves in OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``:
+
+=====  ==========================================================================================================
+400    malformed JSON, wrong types, out-of-range values, unsupported parameters, prompt + max_tokens longer than
+       ``--max-model-len``
+401    ``--api-key`` set and the ``/v1/*`` request lacks ``Authorization: Bearer <key>``
+404    unknown model name, unknown route
+413    a body larger than any prompt that fits ``--max-model-len`` could be
+429    more requests in flight than ``--max-num-seqs`` + ``--max-waiting``
+503    the engine is still starting (``/health`` answers 503 until warm-up is done)
+=====  ==========================================================================================================
+
+A client that disconnects is noticed while its request waits or streams; its request is aborted, which frees the
+engine slot before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from optimized.engine import SamplingParams
+from optimized.serving.engine_loop import (
+    EngineFailed,
+    EngineLoop,
+    NotReady,
+    Overloaded,
+    RequestHandle,
+    Runtime,
+    seed_key,
+)
+from optimized.serving.metrics import ServerMetrics
+from optimized.serving.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from optimized.serving.text import TextStream, token_text
+
+log = logging.getLogger("dspark.serve")
+
+GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS): 1/T would overflow the logits
+# Bytes of request body per token of --max-model-len: a long token (SmolLM2's longest are ~16 characters) fully
+# \u-escaped in JSON is ~100 bytes, so a body above this cannot hold a prompt that fits; plus room for the rest.
+BODY_BYTES_PER_TOKEN = 128
+BODY_BYTES_OVERHEAD = 64 * 1024
+
+
+class APIError(Exception):
+    """An error that leaves as an OpenAI error body with this HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.body = status, ErrorResponse(error=ErrorInfo(message=message, type=type, param=param,
+                                                                       code=code))
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was complete."""
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body.model_dump(), status_code=err.status)
+
+
+@dataclass
+class ServerSettings:
+    """What the command line fixes about the HTTP side."""
+
+    served_model_names: list[str]  # the first is reported in responses; any of them is accepted
+    model_root: str  # --model, as /v1/models reports it
+    max_model_len: int  # prompt + completion tokens per request
+    api_key: str | None = None
+
+
+class Server:
+    """The state the routes share: settings, the engine loop, and (once ready) the tokenizer and metrics."""
+
+    def __init__(self, settings: ServerSettings, build: Callable[[], Runtime], *, max_num_seqs: int,
+                 max_waiting: int) -> None:
+        self.settings = settings
+        self.loop = EngineLoop(build, max_num_seqs=max_num_seqs, max_waiting=max_waiting, on_ready=self._ready,
+                               on_fatal=self._fatal)
+        self.runtime: Runtime | None = None
+        self.tokenizer: Any = None
+        self.metrics: ServerMetrics | None = None
+        self.on_fatal: Callable[[BaseException], None] = lambda err: None  # set by serve.py (stops uvicorn)
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_names[0]
+
+    def _ready(self, runtime: Runtime) -> ServerMetrics:
+        """Engine thread, once start-up is done; runs before the first request is accepted."""
+        self.runtime = runtime
+        # The handlers' own copy: the engine thread decodes with the original (stop strings) concurrently.
+        self.tokenizer = copy.deepcopy(runtime.tokenizer)
+        self.metrics = ServerMetrics(self.model_name, runtime.gamma, runtime.has_drafter)
+        return self.metrics
+
+    def _fatal(self, err: BaseException) -> None:
+        self.on_fatal(err)
+
+    # ---------------------------------------------------------------- request preparation
+
+    def check_ready(self) -> None:
+        if self.loop.failed is not None:
+            raise APIError(503, "the engine has failed; the server is shutting down", type="server_error",
+                           code="engine_failed")
+        if not self.loop.ready.is_set():
+            raise APIError(503, "the engine is starting; retry when GET /health answers 200", type="server_error",
+                           code="not_ready")
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.settings.served_model_names:
+            served = ", ".join(self.settings.served_model_names)
+            raise APIError(404, f"The model `{name}` does not exist. Served: {served}", param="model",
+                           code="model_not_found")
+
+    def check_prompt(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise APIError(400, "the prompt is empty", param=param)
+        if min(ids) < 0 or max(ids) >= self.runtime.vocab_size:
+            raise APIError(400, f"prompt token ids must lie in [0, {self.runtime.vocab_size})", param=param)
+        return ids
+
+    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        if isinstance(body.prompt, str):
+            return self.check_prompt(list(self.tokenizer(body.prompt)["input_ids"]), "prompt")
+        return self.check_prompt(list(body.prompt), "prompt")
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The messages through the target's chat template (the same rendering as ``Target.encode``)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # jinja's TemplateError and friends: the template refused these messages
+            raise APIError(400, f"the chat template cannot render these messages: {err}", param="messages") from err
+        return self.check_prompt(list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), "messages")
+
+    def sampling_params(self, body: SamplingRequest, prompt_len: int, limit: int | None, logprobs: bool,
+                        top: int, param: str) -> SamplingParams:
+        max_len = self.settings.max_model_len
+        room = max_len - prompt_len
+        if room < 1 or (limit is not None and limit > room):
+            asked = prompt_len + (limit if limit is not None else 1)
+            raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, you requested "
+                                f"{asked} tokens ({prompt_len} in the {param}, {asked - prompt_len} in the "
+                                "completion). Please reduce the length of the prompt or the completion.",
+                           param=param if room < 1 else "max_tokens", code="context_length_exceeded")
+        try:
+            return SamplingParams(
+                max_new_tokens=room if limit is None else limit,
+                temperature=0.0 if body.temperature < GREEDY_BELOW else body.temperature,
+                top_p=body.top_p, top_k=min(max(body.top_k, 0), self.runtime.vocab_size),
+                stop=body.stop_strings, ignore_eos=body.ignore_eos, logprobs=logprobs, raw_logprobs=logprobs,
+                top_logprobs=top, seed=None if body.seed is None else seed_key(body.seed))
+        except ValueError as err:
+            raise APIError(400, str(err)) from err
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+        try:
+            return self.loop.submit(prompt_ids, params)
+        except NotReady as err:
+            raise APIError(503, "the engine is not ready", type="server_error", code="not_ready") from err
+        except Overloaded as err:
+            raise APIError(429, f"too many requests in flight ({self.loop.capacity} = --max-num-seqs + "
+                                "--max-waiting); retry later", type="rate_limit_error",
+                           code="too_many_requests") from err
+
+    # ---------------------------------------------------------------- logprobs in OpenAI's two shapes
+
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        text = token_text(self.tokenizer, token_id)
+        return text, list(text.encode("utf-8"))
+
+    def chat_logprobs(self, out) -> ChatLogprobs:
+        content = []
+        for i, (tok, lp) in enumerate(zip(out.new_token_ids, out.new_logprobs)):
+            text, raw = self._token(tok)
+            alts = out.new_top_logprobs[i] if i < len(out.new_top_logprobs) else []
+            content.append(TokenLogprob(token=text, logprob=lp, bytes=raw, top_logprobs=[
+                TopLogprob(token=t, logprob=v, bytes=b) for t, b, v in ((*self._token(a), v) for a, v in alts)]))
+        return ChatLogprobs(content=content)
+
+    def completion_logprobs(self, out, offset: int) -> CompletionLogprobs:
+        lp = CompletionLogprobs()
+        for i, (tok, value) in enumerate(zip(out.new_token_ids, out.new_logprobs)):
+            text, _ = self._token(tok)
+            top = {self._token(a)[0]: v for a, v in (out.new_top_logprobs[i] if i < len(out.new_top_logprobs) else [])}
+            top[text] = value  # OpenAI: the sampled token is always among them
+            lp.tokens.append(text)
+            lp.token_logprobs.append(value)
+            lp.top_logprobs.append(top)
+            lp.text_offset.append(offset)
+            offset += len(text)
+        return lp
+
+
+class OutputStream:
+    """A request's ``StepOutput`` s as an async iterator; notices a client disconnect while waiting or streaming.
+
+    ``close()`` (always called, in a ``finally``) aborts the request if it has not finished, which frees its slot.
+    """
+
+    _DISCONNECTED = object()
+
+    def __init__(self, server: Server, handle: RequestHandle, request: Request) -> None:
+        self.server, self.handle = server, handle
+        self._watch = asyncio.create_task(self._watch_disconnect(request))
+
+    async def _watch_disconnect(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.server.loop.abort(self.handle)  # free the slot now, whatever the consumer is doing
+        self.handle.queue.put_nowait(self._DISCONNECTED)
+
+    def __aiter__(self) -> AsyncIterator:
+        return self
+
+    async def __anext__(self):
+        if self.handle.finished and self.handle.queue.empty():
+            raise StopAsyncIteration
+        item = await self.handle.queue.get()
+        if item is self._DISCONNECTED:
+            raise ClientDisconnected()
+        if isinstance(item, ValueError):  # the engine refused the request (the server validates first)
+            raise APIError(400, str(item))
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._watch.cancel()
+        self.server.loop.abort(self.handle)  # no-op for a finished request
+
+
+def _stream_error(err: Exception) -> ErrorResponse:
+    if isinstance(err, APIError):
+        return err.body
+    return APIError(500, f"the engine failed: {err}", type="server_error", code="engine_failed").body
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
+def _sse(model) -> bytes:
+    return format_sse_event(data_str=model.model_dump_json())
+
+
+_SSE_DONE = format_sse_event(data_str="[DONE]")
+
+
+def _json(model, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The app
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Refuse a body larger than any request whose prompt fits ``--max-model-len`` could be (413), before reading
+    it. A body without Content-Length that grows past the limit is cut off while being read (FastAPI answers 400)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            err = APIError(413, f"request body of {length} bytes exceeds {self.max_bytes} bytes, more than a prompt "
+                                "of --max-model-len tokens needs", code="request_too_large")
+            return await error_response(err)(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise _BodyTooLarge()
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class APIKeyMiddleware:
+    """Every ``/v1/*`` request needs ``Authorization: Bearer <key>``, checked before anything else is parsed."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            auth = Headers(scope=scope).get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.key):
+                err = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                               type="authentication_error", code="invalid_api_key")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(server: Server) -> FastAPI:
+    settings = server.settings
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.loop.start(asyncio.get_running_loop())
+        yield
+        server.loop.stop()
+
+    app = FastAPI(title="DSpark OpenAI-compatible server", lifespan=lifespan)
+    # add_middleware puts each new one outside the last: the key is checked first, then the body size.
+    app.add_middleware(BodyLimitMiddleware,
+                       max_bytes=BODY_BYTES_OVERHEAD + BODY_BYTES_PER_TOKEN * settings.max_model_len)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+
+    # ---------------------------------------------------------------- errors
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError):
+        errors = err.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            message, loc = "the request body is not valid JSON", []
+        elif first.get("type") == "missing" and not loc:
+            message = "the request body is missing"
+        else:
+            msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+            message = f"{'.'.join(loc)}: {msg}" if loc else msg
+            if len(errors) > 1:
+                message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        return error_response(APIError(400, message, param=".".join(loc) or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        kind = "invalid_request_error" if err.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(err.status_code)
+        return error_response(APIError(err.status_code, str(err.detail), type=kind, code=code))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, err: ClientDisconnected):
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(EngineFailed)
+    async def _failed(request: Request, err: EngineFailed):
+        return error_response(APIError(500, f"the engine failed: {err}", type="server_error", code="engine_failed"))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, err: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(APIError(500, "internal server error", type="server_error"))
+
+    # ---------------------------------------------------------------- plain routes
+
+    @app.get("/health")
+    async def health():
+        server.check_ready()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        body = generate_latest(server.metrics.registry) if server.metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return _json(ModelList(data=[ModelCard(id=name, root=settings.model_root, max_model_len=settings.max_model_len)
+                                     for name in settings.served_model_names]))
+
+    # ---------------------------------------------------------------- completions
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request):
+        server.check_ready()
+        server.check_model(body.model)
+        prompt = server.completion_prompt(body)
+        want_lp = body.logprobs is not None
+        params = server.sampling_params(body, len(prompt), body.max_tokens, want_lp, body.logprobs or 0, "prompt")
+        handle = server.submit(prompt, params)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        text, stream = TextStream(server.tokenizer, params.stop), OutputStream(server, handle, request)
+        n_prompt = len(prompt)
+
+        def chunk(piece: str, out, n_out: int, lp=None) -> CompletionChunk:
+            return CompletionChunk(id=rid, created=created, model=server.model_name, choices=[CompletionChoice(
+                text=piece, logprobs=lp, finish_reason=out.finish_reason if out.finished else None)],
+                usage=_usage(n_prompt, n_out) if body.continuous_usage else None)
+
+        if body.stream:
+            async def events():
+                n_out, offset = 0, 0
+                try:
+                    async for out in stream:
+                        n_out += len(out.new_token_ids)
+                        piece = text.add(out.new_token_ids, out.finished)
+                        lp = server.completion_logprobs(out, offset) if want_lp else None
+                        offset += len(piece)
+                        if piece or lp or out.finished:
+                            yield _sse(chunk(piece, out, n_out, lp))
+                    if body.include_usage:
+                        yield _sse(CompletionChunk(id=rid, created=created, model=server.model_name, choices=[],
+                                                   usage=_usage(n_prompt, n_out)))
+                    yield _SSE_DONE
+                except (EngineFailed, APIError) as err:  # the headers are out: the error goes in the stream
+                    yield _sse(_stream_error(err))
+                except ClientDisconnected:  # nobody is listening any more; close() below aborts the request
+                    return
+                finally:
+                    stream.close()
+            return EventSourceResponse(events())
+
+        n_out, reason, lp = 0, None, CompletionLogprobs() if want_lp else None
+        try:
+            async for out in stream:
+                n_out += len(out.new_token_ids)
+                text.add(out.new_token_ids, out.finished)
+                if want_lp:
+                    part = server.completion_logprobs(out, lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0)
+                    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                        getattr(lp, name).extend(getattr(part, name))
+                reason = out.finish_reason
+        finally:
+            stream.close()
+        return _json(CompletionResponse(id=rid, created=created, model=server.model_name, choices=[
+            CompletionChoice(text=text.text, logprobs=lp, finish_reason=reason)], usage=_usage(n_prompt, n_out)))
+
+    # ---------------------------------------------------------------- chat completions
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        server.check_ready()
+        server.check_model(body.model)
+        prompt = server.chat_prompt(body)
+        top = body.top_logprobs or 0
+        params = server.sampling_params(body, len(prompt), body.token_limit, body.logprobs, top, "messages")
+        handle = server.submit(prompt, params)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        text, stream = TextStream(server.tokenizer, params.stop), OutputStream(server, handle, request)
+        n_prompt = len(prompt)
+
+        if body.stream:
+            def chunk(delta: DeltaMessage, finish=None, lp=None, n_out=0) -> ChatCompletionChunk:
+                return ChatCompletionChunk(id=rid, created=created, model=server.model_name, choices=[
+                    ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=finish)],
+                    usage=_usage(n_prompt, n_out) if body.continuous_usage else None)
+
+            async def events():
+                n_out = 0
+                try:
+                    yield _sse(chunk(DeltaMessage(role="assistant", content="")))
+                    async for out in stream:
+                        n_out += len(out.new_token_ids)
+                        piece = text.add(out.new_token_ids, out.finished)
+                        lp = server.chat_logprobs(out) if body.logprobs else None
+                        if piece or lp or out.finished:
+                            yield _sse(chunk(DeltaMessage(content=piece) if piece else DeltaMessage(),
+                                             out.finish_reason if out.finished else None, lp, n_out))
+                    if body.include_usage:
+                        yield _sse(ChatCompletionChunk(id=rid, created=created, model=server.model_name, choices=[],
+                                                       usage=_usage(n_prompt, n_out)))
+                    yield _SSE_DONE
+                except (EngineFailed, APIError) as err:  # the headers are out: the error goes in the stream
+                    yield _sse(_stream_error(err))
+                except ClientDisconnected:  # nobody is listening any more; close() below aborts the request
+                    return
+                finally:
+                    stream.close()
+            return EventSourceResponse(events())
+
+        n_out, reason, content = 0, None, []
+        try:
+            async for out in stream:
+                n_out += len(out.new_token_ids)
+                text.add(out.new_token_ids, out.finished)
+                if body.logprobs:
+                    content += server.chat_logprobs(out).content
+                reason = out.finish_reason
+        finally:
+            stream.close()
+        choice = ChatChoice(message=AssistantMessage(content=text.text), finish_reason=reason,
+                            logprobs=ChatLogprobs(content=content) if body.logprobs else None)
+        return _json(ChatCompletionResponse(id=rid, created=created, model=server.model_name, choices=[choice],
+                                            usage=_usage(n_prompt, n_out)))
+
+    return app

@@ -1,0 +1,66 @@
+"""One request's output text as it streams: incremental detokenisation, with stop strings cut off.
+
+Decoding the whole output again at every step costs O(n) per step (0.5 ms for 512 SmolLM2 tokens on the project's
+2-core CPU, 16 µs for 8), so the text grows by decoding a short window instead (the method of Hugging Face's
+text-generation-inference): ``decode(ids[prefix:])`` minus ``decode(ids[prefix:read])``, where ``ids[prefix:read]``
+are the tokens decoded last time. A window whose text ends in U+FFFD (a character split across tokens) waits for
+the next token. The concatenated pieces equal ``tokenizer.decode(all ids)`` for byte-level BPE tokenizers (tested
+against ``python -m optimized.generate`` in tests/serving).
+
+The engine stops a request at the token that completes a stop string; the text must not show it. While a request
+runs, the last ``len(longest stop) - 1`` characters are held back (they could be the start of a stop string), so a
+streamed text never shows what the final text cuts. Streaming and non-streaming responses both come from this
+class, so they are equal by construction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_SPLIT_CHAR = "\ufffd"  # what decode() shows for an incomplete UTF-8 sequence
+
+
+class TextStream:
+    """Feed it each step's new token ids; it returns the text that may be sent now."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1  # characters that could start a stop string
+        self.ids: list[int] = []
+        self.text = ""  # everything decoded so far (cut at a stop string once one appears)
+        self.sent = 0  # characters of ``text`` already returned
+        self.stopped = False  # a stop string appeared: the text is final
+        self._prefix = self._read = 0
+
+    def add(self, token_ids: list[int], finished: bool) -> str:
+        """Append tokens; returns the new text to send (everything left when ``finished``)."""
+        self.ids.extend(token_ids)
+        if not self.stopped:
+            self.text += self._decode_window(flush=finished)
+            self._cut_at_stop()
+        end = len(self.text) if (finished or self.stopped) else max(self.sent, len(self.text) - self._hold)
+        new, self.sent = self.text[self.sent:end], end
+        return new
+
+    def _decode_window(self, flush: bool) -> str:
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
+        full = decode(self.ids[self._prefix:], skip_special_tokens=True)
+        if len(full) <= len(prefix) or (full.endswith(_SPLIT_CHAR) and not flush):
+            return ""  # nothing new, or a character still incomplete: wait for the next token
+        self._prefix, self._read = self._read, len(self.ids)
+        return full[len(prefix):]
+
+    def _cut_at_stop(self) -> None:
+        if not self.stop:
+            return
+        start = max(0, self.sent - self._hold)  # a stop string may begin in the held-back tail
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text, self.stopped = self.text[:min(hits)], True
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """The text of one token for log-probability reports (special tokens shown, as OpenAI and vLLM do)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
