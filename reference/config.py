@@ -162,13 +162,14 @@ class DrafterConfig:
     # True: W1 = A·E and W2 = W_lm·P through the target's frozen embedding / LM head (2·d·r parameters instead of
     # 2·V·r: 74k instead of 6.3M for SmolLM2 at r = 64), materialised as tables only at inference.
     markov_factored: bool = False
-    mask_token_id: int | None = None  # spare vocabulary row for the mask token; None -> learned vector
-    # SmolLM2's 49152-token vocabulary has no spare row, hence the learned mask embedding default.
-    sts_temperatures: dict[str, list[float]] = field(default_factory=dict)
-    # Per-slot biases of the calibration, ĉ_k = σ(z_k / T_k + b_k), per decoding mode; a mode without them has
-    # b = 0 (the paper's STS). Fitted by scripts/calibrate.py --method sts-bias (reference.calibration.fit_sts_bias).
-    sts_biases: dict[str, list[float]] = field(default_factory=dict)
-    # STS temperatures per decoding mode ("greedy", "sampling"), one per slot; empty -> uncalibrated.
+    mask_token_id: int | None = None  # vocabulary row of the mask token M; None -> a learned vector
+    # SmolLM2's vocabulary has no unused row, but some special tokens never occur in chat (scripts/train_drafter.py
+    # --mask-token-id auto picks one); a learned vector is the alternative, which the vLLM export cannot express.
+    sts_temperatures: dict[str, list[float]] = field(default_factory=dict)  # STS T_k per decoding mode, per slot
+    # ("greedy", "sampling"); empty -> uncalibrated.
+    sts_biases: dict[str, list[float]] = field(default_factory=dict)  # calibration bias b_k per mode, per slot
+    # ĉ_k = σ(z_k / T_k + b_k); a mode without them has b = 0 (the paper's STS). Fitted by scripts/calibrate.py
+    # --method sts-bias (reference.calibration.fit_sts_bias).
 
     def __post_init__(self) -> None:
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
@@ -301,7 +302,8 @@ class SchedulerConfig:
     staleness: int = 2  # adaptive mode: the budget uses survivals this many steps old (overlapped host)
     # adaptive mode, beyond the paper: skip the drafter for a step when even the best budget, judged on each
     # request's latest survivals, would emit fewer tokens per second than plain decoding (whose step costs the
-    # verify of the anchors alone). The published systems pay the full draft whatever they verify (docs/method.md §6).
+    # verify of the anchors alone). The published systems pay the full draft whatever they verify (docs/method.md §5,
+    # "The draft gate").
     draft_gate: bool = True
     probe_every: int = 16  # with the gate closed, draft again after this many plain steps to refresh survivals
     gate_window: int = 4  # the gate judges each request by a moving average of its drafts' survivals, weight 1/this

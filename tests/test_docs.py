@@ -220,14 +220,7 @@ def test_repository_paths_in_docs_exist(path: Path):
 # Docstrings and comments of reference/ and optimized/ are shown on the API pages (docstrings and source listings).
 # These still cite the team's notes; each must be reworded in its module (then removed from this list), and no new
 # one may appear.
-KNOWN_CODE_REFERENCES = {
-    ("reference/sampling.py", "design/"), ("reference/sampling.py", "ARCHITECTURE.md"),
-    ("reference/generate.py", "design/"), ("reference/generate.py", "ARCHITECTURE.md"),
-    ("reference/generate.py", "SERVING-NOTES"), ("reference/config.py", "house rule"),
-    ("reference/target.py", "ARCHITECTURE.md"), ("reference/cost_model.py", "SERVING-NOTES"),
-    ("optimized/kernels/__init__.py", "house rule"), ("optimized/kernels/allocate.py", "SERVING-NOTES"),
-    ("optimized/cost_model.py", "SERVING-NOTES"), ("optimized/graphs.py", "SERVING-NOTES"),
-}
+KNOWN_CODE_REFERENCES: set[tuple[str, str]] = set()
 
 
 def test_api_pages_cite_no_new_internal_notes():
