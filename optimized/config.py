@@ -27,7 +27,7 @@ class EngineConfig:
     layer_backend: str | None = None
     seed: int = 0  # root of the random-number contract (reference/sampling.py)
     device: str = "cpu"  # where the caches, graphs and kernels live: "cpu" or "cuda[:N]" (the target's device)
-    dtype: torch.dtype = torch.float32  # the caches' dtype, the target's (bfloat16 on a GPU, float32 for exact CPU tests)
+    dtype: torch.dtype = torch.float32  # the caches' dtype = the target's (bfloat16 on a GPU, float32 for exact tests)
 
     def __post_init__(self) -> None:
         if self.kernel_backend not in BACKENDS:
