@@ -36,7 +36,6 @@ from reference.cli import (
     LOG_FORMAT,
     build_parser,
     print_results,
-    read_jsonl,  # noqa: F401  (the data scripts still import it from here)
     setup_from_args,
 )
 from reference.config import GenerationConfig, SchedulerConfig, SchedulingMode

@@ -302,7 +302,7 @@ def write_eval_prompts(path: str | Path, n_per_domain: int, **kwargs) -> list[Pr
 
 def read_prompt_file(path: str | Path) -> list[Prompt]:
     """Read a JSONL prompt file (``{"prompt": str, "domain": str?, "id": str?}`` per line); bad lines fail."""
-    from reference.generate import read_jsonl
+    from reference.cli import read_jsonl
 
     prompts = []
     for n, obj in read_jsonl(path):

@@ -47,37 +47,14 @@ import torch
 from tqdm.auto import tqdm
 
 from reference.checkpoint import load_drafter, read_drafter_config
+from reference.cli import read_domain_prompts
 from reference.config import PROPOSER_KINDS, GenerationConfig, NgramConfig, ProposerKind, SchedulerConfig
-from reference.generate import GenerationResult, generate, read_jsonl
+from reference.generate import GenerationResult, generate
 from reference.ngram import NgramProposer
 from reference.target import DEFAULT_TARGET, Target
 from scripts.runtime import hardware, resolve_device
 
 log = logging.getLogger("dspark.eval_acceptance")
-
-
-def read_prompts(path: str | Path, target: Target, chat_template: bool = True,
-                 limit: int | None = None) -> list[tuple[str, list[int]]]:
-    """(domain, token ids) per line of a JSONL prompt file; bad lines fail with their line number."""
-    try:
-        records = read_jsonl(path)
-    except ValueError as e:
-        raise SystemExit(str(e)) from e
-    rows = []
-    for n, obj in records:
-        domain = str(obj.get("domain", "all"))
-        if isinstance(obj.get("input_ids"), list) and obj["input_ids"]:
-            ids = [int(t) for t in obj["input_ids"]]
-        elif isinstance(obj.get("prompt"), str) and obj["prompt"].strip():
-            ids = target.encode(obj["prompt"], chat_template=chat_template)
-        else:
-            raise SystemExit(f'{path}:{n}: expected a non-empty "prompt" string or "input_ids" list')
-        rows.append((domain, ids))
-        if limit is not None and len(rows) >= limit:
-            break
-    if not rows:
-        raise SystemExit(f"{path}: no prompts")
-    return rows
 
 
 def summarise(results: list[GenerationResult], gamma: int) -> dict:
@@ -164,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter = load_drafter(args.drafter, target, device=device, dtype=target.dtype)
         drafter_config = {"head": cfg.head, "num_layers": cfg.num_layers, "markov_rank": cfg.markov_rank,
                           "sts_temperatures": cfg.sts_temperatures}
-    prompts = read_prompts(args.prompts_file, target, chat_template=not args.no_chat_template, limit=args.limit)
+    prompts = read_domain_prompts(args.prompts_file, target, chat_template=not args.no_chat_template, limit=args.limit)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                            chat_template=not args.no_chat_template)
     sched = SchedulerConfig(mode="fixed", k=gamma)  # full block verified every step: τ of the drafter alone
