@@ -128,6 +128,19 @@ def tokenised_prompts(args, target: Target) -> list[tuple[str, list[int]]]:
     return rows
 
 
+def settings_split(args) -> str:
+    return "prompt-ids" if args.prompt_ids else args.split
+
+
+def write_prompts(path: Path, rows: list[tuple[str, list[int]]], domain: str) -> None:
+    """The selected prompts, one ``{"id", "domain", "input_ids"}`` line each (what ``--prompts-out`` writes)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for pid, ids in rows:
+            f.write(json.dumps({"id": pid, "domain": domain, "input_ids": ids}) + "\n")
+    log.info("wrote %d prompts to %s", len(rows), path)
+
+
 def parse_temperatures(text: str) -> tuple[float, ...]:
     try:
         temps = tuple(float(x) for x in text.split(","))
@@ -194,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the command resumes")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="target weights; auto = bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--prompts-out", default=None,
+                   help='also write the selected prompts as JSONL of {"id", "domain", "input_ids"} (chat-templated), '
+                        "the --prompts-file format of scripts.eval_acceptance: τ measured on the training prompts")
     return p
 
 
@@ -213,11 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("no prompts left after filtering")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.prompts_out and rank == 0:
+        write_prompts(Path(args.prompts_out), rows, domain=settings_split(args))
     eos_ids = target.eos_token_ids
     if not eos_ids:
         raise SystemExit(f"target {args.model} declares no end-of-sequence token")
     temps = args.temperatures
-    settings = {"split": "prompt-ids" if args.prompt_ids else args.split, "limit": args.limit,
+    settings = {"split": settings_split(args), "limit": args.limit,
                 "max_prompt_tokens": args.max_prompt_tokens, "max_new_tokens": args.max_new_tokens,
                 "temperatures": list(temps), "top_p": args.top_p, "top_k": 0, "chat_template": True,
                 "seed": args.seed, "shard_size": args.shard_size, "dtype": str(dtype).removeprefix("torch."),

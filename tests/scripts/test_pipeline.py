@@ -225,10 +225,17 @@ def test_make_dataset_is_independent_of_the_batch_size(workdir, tmp_path):
     """The random-number contract: sampled responses depend on (seed, request id, position), not on batching."""
     out = tmp_path / "data"
     args = ["--out", str(out), "--model", str(workdir / "target"), "--prompt-ids", str(workdir / "prompts.jsonl"),
-            "--max-new-tokens", "24", "--shard-size", "16", "--batch-size", "3", "--device", "cpu", "--limit", "16"]
+            "--max-new-tokens", "24", "--shard-size", "16", "--batch-size", "3", "--device", "cpu", "--limit", "16",
+            "--prompts-out", str(tmp_path / "selected.jsonl")]
     assert make_dataset.main(args) == 0
     (a, ida), (b, idb) = _shard(out / dataset.shard_name(0)), _shard(workdir / "data" / dataset.shard_name(0))
     assert ida == idb and torch.equal(a["tokens"], b["tokens"])
+    # --prompts-out: the prompts that were answered, in order, in the evaluation scripts' prompt-file format.
+    given = [json.loads(x) for x in (workdir / "prompts.jsonl").read_text().splitlines()][:16]
+    selected = [json.loads(x) for x in (tmp_path / "selected.jsonl").read_text().splitlines()]
+    assert [(x["id"], x["input_ids"]) for x in selected] == [(x["id"], x["input_ids"]) for x in given]
+    assert {x["domain"] for x in selected} == {"prompt-ids"}
+    assert {f"{x['id']}@0" for x in selected} <= set(ida)  # the dataset's example ids name these prompts
 
 
 def test_make_dataset_time_budget_stops_between_shards_and_rerun_completes(workdir, tmp_path):
