@@ -24,7 +24,17 @@ VOCAB = 96
 EOS = 1
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "torch_kernels")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_kernels():
+    """The engine inside the scripts runs its torch kernels, not the Triton interpreter (``kernel_backend="auto"``
+    reads ``TRITON_INTERPRET``): these tests are about the pipeline; the kernels' equivalence is tested on its own
+    (tests/equivalence), and interpreting them here would only make the pipeline tests several times slower."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "0")
+        yield
 
 
 def _tiny_llama():
