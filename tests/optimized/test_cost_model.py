@@ -34,7 +34,9 @@ def models():
 
 def _engine(models, max_num_seqs=4, mode="fixed"):
     target, drafter = models
-    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_seq_len=64)
+    # torch kernels: these tests are about the profiling and caching mechanics (timing the Triton interpreter
+    # would only make them slow; the kernels' equivalence is tested in tests/equivalence).
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_seq_len=64, kernel_backend="torch")
     return Engine(target, drafter if mode != "none" else None, cfg, SchedulerConfig(mode=mode, k=GAMMA))
 
 
