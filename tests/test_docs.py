@@ -79,6 +79,30 @@ def test_notebook_links_point_at_existing_pages(path: Path):
         assert (path.parent / url).resolve().is_file(), f"{path.name} links to {url}, which does not exist"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_imports_of_the_project_resolve(path: Path):
+    """Every ``from reference|optimized|scripts.X import a, b`` in a notebook names something that exists: a renamed
+    or moved function fails here, in the test stage, rather than as a traceback in a rendered tutorial."""
+    import ast
+    import importlib
+
+    code = "\n".join("".join(c["source"]) for c in _cells(path) if c["cell_type"] == "code")
+    tree = ast.parse("\n".join(line for line in code.splitlines() if not line.lstrip().startswith(("%", "!"))))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PROJECT_PACKAGES:
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                is_submodule = hasattr(module, "__path__") and importlib.util.find_spec(f"{node.module}.{alias.name}")
+                assert hasattr(module, alias.name) or is_submodule, f"{path.name}: {node.module} has no {alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in PROJECT_PACKAGES:
+                    importlib.import_module(alias.name)
+
+
+PROJECT_PACKAGES = ("reference", "optimized", "scripts")
+
+
 # ---------------------------------------------------------------------------------------------------- API pages
 
 
