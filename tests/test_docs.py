@@ -103,6 +103,30 @@ def test_notebook_imports_of_the_project_resolve(path: Path):
 PROJECT_PACKAGES = ("reference", "optimized", "scripts")
 
 
+def _test_instructions(text: str) -> tuple[list[str], str]:
+    """The pip lines before the test command and the time promised ("about N minutes")."""
+    setup, command = text.split("python -m pytest", 1)
+    pips = [line.split("#")[0].strip() for line in setup.splitlines() if line.startswith("pip install")]
+    minutes = re.findall(r"about (\d+) minutes", setup + command.split("\n", 1)[0])
+    return pips, minutes[0] if minutes else ""
+
+
+def test_readme_home_and_ci_agree_on_the_test_setup():
+    """The README, the home page and .ci/run install the same things and the README and home page promise the
+    same test time."""
+    readme = (ROOT / "README.md").read_text().split("## Tests", 1)[1].split("\n## ", 1)[0]
+    home = (ROOT / "docs" / "index.md").read_text().split("## Tests", 1)[1].split("\n## ", 1)[0]
+    (readme_pips, readme_min), (home_pips, home_min) = _test_instructions(readme), _test_instructions(home)
+    assert readme_pips and readme_pips == home_pips, (readme_pips, home_pips)
+    assert readme_min and readme_min == home_min, (readme_min, home_min)
+    ci = (ROOT / ".ci" / "run").read_text()
+    ci_extras = re.search(r'pip install -e "\.\[([\w,-]+)\]"', ci).group(1)
+    assert f'-e ".[{ci_extras}]"' in readme_pips[0], "the README's test install names other extras than .ci/run"
+    for package in re.findall(r"--no-deps ([^\n]+)", "\n".join(readme_pips)):
+        for name in package.split():
+            assert name in ci, f"{name} is installed by the README's test instructions but not by .ci/run"
+
+
 # ---------------------------------------------------------------------------------------------------- API pages
 
 
