@@ -445,7 +445,7 @@ def test_bench_serving_launch_sweeps_every_mode(server, tmp_path, monkeypatch):
             self.url = server.url
 
         def wait_ready(self):
-            return 0.0
+            return 1.5 + len(launched)
 
         def stop(self):
             launched.append("stopped")
@@ -463,6 +463,9 @@ def test_bench_serving_launch_sweeps_every_mode(server, tmp_path, monkeypatch):
                         "stopped"]
     assert [(r["mode"], r["k"], r["concurrency"]) for r in report["results"]] == [
         ("none", None, 1), ("none", None, 2), ("fixed", 2, 1), ("fixed", 2, 2)]
+    # Each launch's time to /health 200, in launch order (the first one is the cold start-up).
+    assert report["startup"] == [{"mode": "none", "launch": 1, "ready_s": 2.5},
+                                 {"mode": "fixed:2", "launch": 2, "ready_s": 4.5}]
 
 
 # ------------------------------------------------------------------------------------------------------------

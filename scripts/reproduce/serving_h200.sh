@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The serving frontier and start-up times on one H200 (~10 min), docs/benchmarks/serving-h200.{json,png}:
+#   1. scripts/bench_serving.py --launch: one `python -m optimized.serve` per mode (none, fixed K = 1, 3, 5, 7, dsd,
+#      adaptive), concurrency 1, 4, 16, 64, 256, held-out ShareGPT prompts in file order, OUTPUT_LEN tokens each
+#      (ignore_eos), greedy; each launch's time to /health 200 is recorded (the first one, on a fresh machine, is the
+#      cold start-up; the rest are warm: Triton's kernel cache is filled);
+#   2. with BENCH_ENGINE=1, the engine alone on the same held-out prompts (scripts/bench_engine.py, same modes and batch sizes),
+#      for the server's own cost: bench_serving against bench_engine at the same concurrency.
+# Needs the target at $MODEL and ShareGPT at $SHAREGPT (see the GPU staging notes in docs/training.md). Run it on a
+# copy of the repository, in the background; `bash scripts/reproduce/pack.sh` packs $RES for the trip back.
+# A CPU dry run: MODEL=smollm2-135m-instruct SHAREGPT= MODES=none,adaptive CONCURRENCY=1 OUTPUT_LEN=8 BENCH_ENGINE=0
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+MODEL=${MODEL:-/tmp/stage/target.gguf}
+SHAREGPT=${SHAREGPT-/tmp/stage/sharegpt.json.gz}   # empty: the packaged ShareGPT file
+DRAFTER=${DRAFTER:-checkpoints/smollm2-135m-instruct-dspark}
+MODES=${MODES:-none,fixed:1,fixed:3,fixed:5,fixed:7,dsd,adaptive}
+CONCURRENCY=${CONCURRENCY:-1,4,16,64,256}
+OUTPUT_LEN=${OUTPUT_LEN:-128}
+BENCH_ENGINE=${BENCH_ENGINE:-1}
+RES=${RES:-/tmp/res}
+read -r -a SERVER_EXTRA <<< "${SERVER_EXTRA:-}"   # e.g. "--device cpu" for a dry run on a GPU machine
+SOURCE=(); [ -n "$SHAREGPT" ] && SOURCE=(--sharegpt-file "$SHAREGPT")
+mkdir -p "$RES/logs"
+T0=$(date +%s)
+stamp() { echo "$(date +%T) +$(($(date +%s) - T0))s $*" | tee -a "$RES/timeline.txt"; }
+run() { local name=$1; shift; stamp "start $name"; "$@" > "$RES/logs/$name.log" 2>&1; local rc=$?; stamp "end $name rc=$rc"; return $rc; }
+
+run serving python -m scripts.bench_serving --launch --modes "$MODES" --concurrency "$CONCURRENCY" \
+  --output-len "$OUTPUT_LEN" "${SOURCE[@]}" --drafter "$DRAFTER" \
+  --server-args "--model $MODEL --drafter $DRAFTER ${SERVER_EXTRA[*]}" --log-dir "$RES/logs/servers" \
+  --out "$RES/serving-h200.json" --plot "$RES/serving-h200.png"
+[ "$BENCH_ENGINE" = 1 ] && run engine python -m scripts.bench_engine --model "$MODEL" "${SOURCE[@]}" \
+  --drafter "$DRAFTER" --modes "$MODES" --batch-sizes "$CONCURRENCY" --max-new-tokens "$OUTPUT_LEN" --repeats 2 \
+  --time-budget-s 240 --out "$RES/engine-serving-prompts-h200.json"
+stamp DONE
+touch "$RES/DONE"
