@@ -11,7 +11,8 @@
 #   4. $RES/capacity.json + capacity.png (scripts/report_acceptance.py).
 # Needs the target at $MODEL and ShareGPT at $SHAREGPT (see the GPU staging notes in docs/training.md). Run it on a
 # copy of the repository, in the background; `bash scripts/reproduce/pack.sh` packs $RES for the trip back.
-# A CPU dry run: MODEL=smollm2-135m-instruct SHAREGPT= DEVICE=cpu N_PROMPTS=8 MAX_NEW=16 EVAL_N=4 EVAL_TOKENS=8 DEPTHS=1 TRAIN_EXTRA="--steps 4" ...
+# A CPU dry run: MODEL=smollm2-135m-instruct SHAREGPT= DEVICE=cpu N_PROMPTS=8 MAX_NEW=16 EVAL_N=4 EVAL_TOKENS=8
+#   DEPTHS=1 TRAIN_EXTRA="--steps 4 --tokens-per-batch 2048" RES=/tmp/res-dry DATA=/tmp/capacity-dry
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 MODEL=${MODEL:-/tmp/stage/target.gguf}
@@ -26,12 +27,15 @@ EVAL_TOKENS=${EVAL_TOKENS:-256}
 SHIPPED=${SHIPPED:-checkpoints/smollm2-135m-instruct-dspark}
 RES=${RES:-/tmp/res}
 DATA=${DATA:-/tmp/capacity}
-read -r -a TRAIN_EXTRA <<< "${TRAIN_EXTRA:-}"   # e.g. "--steps 4 --tokens-per-batch 512" for a CPU dry run
+read -r -a TRAIN_EXTRA <<< "${TRAIN_EXTRA:-}"
 SOURCE=(); [ -n "$SHAREGPT" ] && SOURCE=(--sharegpt-file "$SHAREGPT")
 mkdir -p "$RES/logs"
 T0=$(date +%s)
 stamp() { echo "$(date +%T) +$(($(date +%s) - T0))s $*" | tee -a "$RES/timeline.txt"; }
-run() { local name=$1; shift; stamp "start $name"; "$@" > "$RES/logs/$name.log" 2>&1; local rc=$?; stamp "end $name rc=$rc"; return $rc; }
+run() {  # run NAME CMD...: the command with its log in $RES/logs/NAME.log, start and end in the timeline
+  local name=$1; shift; stamp "start $name"; "$@" > "$RES/logs/$name.log" 2>&1
+  local rc=$?; stamp "end $name rc=$rc"; return $rc
+}
 
 run capacity-data python -m scripts.make_dataset --out "$DATA/data" --model "$MODEL" "${SOURCE[@]}" \
   --device "$DEVICE" --limit "$N_PROMPTS" --temperatures 0 --max-new-tokens "$MAX_NEW" --batch-size 512 \

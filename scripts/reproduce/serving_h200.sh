@@ -4,8 +4,8 @@
 #      adaptive), concurrency 1, 4, 16, 64, 256, held-out ShareGPT prompts in file order, OUTPUT_LEN tokens each
 #      (ignore_eos), greedy; each launch's time to /health 200 is recorded (the first one, on a fresh machine, is the
 #      cold start-up; the rest are warm: Triton's kernel cache is filled);
-#   2. with BENCH_ENGINE=1, the engine alone on the same held-out prompts (scripts/bench_engine.py, same modes and batch sizes),
-#      for the server's own cost: bench_serving against bench_engine at the same concurrency.
+#   2. with BENCH_ENGINE=1, the engine alone on the same held-out prompts (scripts/bench_engine.py, same modes and
+#      batch sizes), for the server's own cost: bench_serving against bench_engine at the same concurrency.
 # Needs the target at $MODEL and ShareGPT at $SHAREGPT (see the GPU staging notes in docs/training.md). Run it on a
 # copy of the repository, in the background; `bash scripts/reproduce/pack.sh` packs $RES for the trip back.
 # A CPU dry run: MODEL=smollm2-135m-instruct SHAREGPT= MODES=none,adaptive CONCURRENCY=1 OUTPUT_LEN=8 BENCH_ENGINE=0
@@ -24,7 +24,10 @@ SOURCE=(); [ -n "$SHAREGPT" ] && SOURCE=(--sharegpt-file "$SHAREGPT")
 mkdir -p "$RES/logs"
 T0=$(date +%s)
 stamp() { echo "$(date +%T) +$(($(date +%s) - T0))s $*" | tee -a "$RES/timeline.txt"; }
-run() { local name=$1; shift; stamp "start $name"; "$@" > "$RES/logs/$name.log" 2>&1; local rc=$?; stamp "end $name rc=$rc"; return $rc; }
+run() {  # run NAME CMD...: the command with its log in $RES/logs/NAME.log, start and end in the timeline
+  local name=$1; shift; stamp "start $name"; "$@" > "$RES/logs/$name.log" 2>&1
+  local rc=$?; stamp "end $name rc=$rc"; return $rc
+}
 
 run serving python -m scripts.bench_serving --launch --modes "$MODES" --concurrency "$CONCURRENCY" \
   --output-len "$OUTPUT_LEN" "${SOURCE[@]}" --drafter "$DRAFTER" \
