@@ -174,8 +174,8 @@ def report(runs: list[dict], note: str, command: str) -> dict:
         "drafter": {k: args.get(k) for k in ("head", "num_layers", "markov_rank", "markov_factored", "max_seq_len")},
         "model": Path(str(args.get("model"))).name,
         "throughput": "median of the per-interval slot predictions per second logged every --log-every steps, "
-                      "the first interval and those after an evaluation or a save left out (on N ranks "
-                      "train_drafter logs rank 0's count × N); efficiency = throughput_N / (N · throughput_1)",
+                      "the first interval and those after an evaluation or a save left out (on N ranks, the "
+                      "slots of all ranks); efficiency = throughput_N / (N · throughput_1)",
         "software": software(),
         "commands": [r["command"] for r in runs],
         "command": command,

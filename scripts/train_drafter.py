@@ -477,7 +477,9 @@ def main(argv: list[str] | None = None) -> int:
         bar.update(1)
         if step % args.log_every == 0 or step == args.steps:
             now = time.perf_counter()
-            n_slots = float(slots_log) * world  # sync: logging only, every --log-every steps
+            if world > 1:
+                dist.all_reduce(slots_log)  # every rank's supervised slots (ranks hold different sequences)
+            n_slots = float(slots_log)  # sync: logging only, every --log-every steps
             slots_total += int(n_slots)
             losses = torch.stack([out_loss.loss.detach(), *out_loss.terms.values()])
             if world > 1:

@@ -9,7 +9,7 @@
 #   3. τ per slot on the first EVAL_N of those prompts, greedy, EVAL_TOKENS tokens (≤ MAX_NEW, so the continuation is
 #      the memorised one), for every depth and for the shipped drafter;
 #   4. $RES/capacity.json + capacity.png (scripts/report_acceptance.py).
-# Needs the target at $MODEL and ShareGPT at $SHAREGPT (see the GPU staging notes in docs/training.md). Run it on a
+# Needs the target at $MODEL and ShareGPT at $SHAREGPT (docs/training.md, "Reproduction scripts on a GPU machine"). Run it on a
 # copy of the repository, in the background; `bash scripts/reproduce/pack.sh` packs $RES for the trip back.
 # A CPU dry run: MODEL=smollm2-135m-instruct SHAREGPT= DEVICE=cpu N_PROMPTS=8 MAX_NEW=16 EVAL_N=4 EVAL_TOKENS=8
 #   DEPTHS=1 TRAIN_EXTRA="--steps 4 --tokens-per-batch 2048" RES=/tmp/res-dry DATA=/tmp/capacity-dry

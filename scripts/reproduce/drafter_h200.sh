@@ -8,7 +8,7 @@
 #   4. calibration (STS + per-slot bias) on ≥ 10k held-out proposals per decoding mode;
 #   5. τ per domain and per slot on docs/benchmarks/eval_prompts.jsonl, greedy and T = 1, through the engine;
 #   6. the engine benchmark with the new drafter.
-# Needs the target at $MODEL and ShareGPT at $SHAREGPT (see the GPU staging notes in docs/training.md).
+# Needs the target at $MODEL and ShareGPT at $SHAREGPT (docs/training.md, "Reproduction scripts on a GPU machine").
 # Results go to $RES (default /tmp/res); `bash scripts/reproduce/pack.sh` packs them into ≤ 15 MB parts.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

@@ -6,7 +6,7 @@
 #      cold start-up; the rest are warm: Triton's kernel cache is filled);
 #   2. with BENCH_ENGINE=1, the engine alone on the same held-out prompts (scripts/bench_engine.py, same modes and
 #      batch sizes), for the server's own cost: bench_serving against bench_engine at the same concurrency.
-# Needs the target at $MODEL and ShareGPT at $SHAREGPT (see the GPU staging notes in docs/training.md). Run it on a
+# Needs the target at $MODEL and ShareGPT at $SHAREGPT (docs/training.md, "Reproduction scripts on a GPU machine"). Run it on a
 # copy of the repository, in the background; `bash scripts/reproduce/pack.sh` packs $RES for the trip back.
 # A CPU dry run: MODEL=smollm2-135m-instruct SHAREGPT= MODES=none,adaptive CONCURRENCY=1 OUTPUT_LEN=8 BENCH_ENGINE=0
 set -uo pipefail
