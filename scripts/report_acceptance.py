@@ -4,7 +4,12 @@
         --out docs/benchmarks/acceptance
 
 Writes OUT.json (per arm and temperature: τ, τ per domain, per-position conditional acceptance, counts,
-hardware, command) and OUT.png (τ per domain, and per-position acceptance: the paper's Figure 2).
+hardware, command) and OUT.png (per-position acceptance: the paper's Figure 2). ``--merge OLD.json`` starts from
+the runs of an earlier report (its note too, unless ``--note`` is given) and adds or replaces the ``--eval`` ones,
+so one new arm does not mean re-measuring the others:
+
+    python -m scripts.report_acceptance --merge docs/benchmarks/acceptance.json --eval "ngram:0=ngram.json" \
+        --out docs/benchmarks/acceptance
 """
 
 from __future__ import annotations
@@ -19,19 +24,28 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--eval", action="append", required=True, help="ARM:TEMPERATURE=FILE.json")
     p.add_argument("--out", required=True, help="output prefix")
-    p.add_argument("--note", default="", help="free text recorded in the JSON")
+    p.add_argument("--note", default=None, help="free text recorded in the JSON")
+    p.add_argument("--merge", default=None, help="an earlier report whose runs are kept unless --eval replaces them")
     args = p.parse_args(argv)
-    runs = {}
+    runs, note = {}, ""
+    if args.merge:
+        old = json.loads(Path(args.merge).read_text())
+        if not isinstance(old.get("runs"), dict):
+            raise SystemExit(f"{args.merge}: not a report of this script (no 'runs' object)")
+        runs, note = old["runs"], old.get("note", "")
+    note = note if args.note is None else args.note
     for item in args.eval:
         key, _, path = item.partition("=")
-        arm, _, temp = key.partition(":")
+        arm, _, temp = key.rpartition(":")
+        if not arm or not temp or not path:
+            raise SystemExit(f"--eval expects ARM:TEMPERATURE=FILE.json, got {item!r}")
         r = json.loads(Path(path).read_text())
         runs.setdefault(arm, {})[f"T={temp}"] = {
             k: r[k] for k in ("mean_accepted_length", "per_domain", "per_position_acceptance", "per_position_counts",
                               "counts", "settings", "hardware", "command", "wall_s") if k in r}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"note": args.note, "runs": runs}, indent=2) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"note": note, "runs": runs}, indent=2) + "\n")
 
     import matplotlib
 

@@ -164,14 +164,23 @@ def acceptance(page_dir: Path, files: list[str]) -> str:
     for arm, temps in data["runs"].items():
         for t, run in temps.items():
             dom = run.get("per_domain", {})
+            where = " ".join(x for x in (_short_hardware(run.get("hardware", "")),
+                                         run.get("settings", {}).get("dtype", "")) if x)
             rows.append([arm, t.replace("T=", ""), f"**{run['mean_accepted_length']:.3f}**",
                          " / ".join(f"{dom[d]:.2f}" for d in dom), str(run["counts"]["steps"]),
-                         _slots(run["per_position_acceptance"], run.get("per_position_counts"))])
+                         _slots(run["per_position_acceptance"], run.get("per_position_counts")), where])
     domains = " / ".join(next(iter(next(iter(data["runs"].values())).values())).get("per_domain", {}))
     header = ["drafter", "T", "τ", f"τ by domain ({domains})", "steps",
-              "P(slot k accepted, given slots 1..k-1 accepted), k = 1..γ"]
+              "P(slot k accepted, given slots 1..k-1 accepted), k = 1..γ", "measured on"]
     return _table(header, rows) + ("\nτ counts the accepted drafts plus the token the target emits. A slot reached "
                                    "fewer than 30 times shows its count, (accepted/reached), not a rate.\n")
+
+
+def _short_hardware(name: str) -> str:
+    """``1x NVIDIA H200`` → ``H200``, ``CPU x86_64 (2 threads)`` → ``CPU``: the table's narrow column."""
+    if "H200" in name or "NVIDIA" in name:
+        return name.split("NVIDIA", 1)[-1].split("(")[0].strip()
+    return "CPU" if name.upper().startswith("CPU") else name
 
 
 def training(page_dir: Path, files: list[str]) -> str:
