@@ -43,10 +43,10 @@ run capacity-data python -m scripts.make_dataset --out "$DATA/data" --model "$MO
 cp "$DATA/data/manifest.json" "$RES/capacity-data-manifest.json"
 
 evals=()
-tau() {  # tau ARM DRAFTER_DIR
-  run "capacity-tau-$1" python -m scripts.eval_acceptance --drafter "$2" --prompts-file "$DATA/prompts.jsonl" \
+tau() {  # tau NAME LABEL DRAFTER_DIR: τ of one drafter on the fitted prompts, LABEL in the report
+  run "capacity-tau-$1" python -m scripts.eval_acceptance --drafter "$3" --prompts-file "$DATA/prompts.jsonl" \
     --limit "$EVAL_N" --model "$MODEL" --device "$DEVICE" --temperature 0 --max-new-tokens "$EVAL_TOKENS" \
-    --batch-size 64 --json "$RES/capacity-tau-$1.json" && evals+=("--eval" "$1:0=$RES/capacity-tau-$1.json")
+    --batch-size 64 --json "$RES/capacity-tau-$1.json" && evals+=("--eval" "$2:0=$RES/capacity-tau-$1.json")
 }
 for depth in $DEPTHS; do
   # The training set is its own evaluation set: the question is how well it is fitted, not how it generalises.
@@ -54,9 +54,9 @@ for depth in $DEPTHS; do
     --eval-examples 256 --model "$MODEL" --device "$DEVICE" --out "$DATA/L$depth" --num-layers "$depth" \
     --steps 0 --time-budget-min "$TRAIN_MIN" --eval-every 200 --log-every 50 --no-resume "${TRAIN_EXTRA[@]}" &&
     cp "$DATA/L$depth/summary.json" "$RES/capacity-train-L$depth-summary.json" &&
-    tau "$depth layers, fitted to $N_PROMPTS greedy answers" "$DATA/L$depth"
+    tau "L$depth" "$depth layers, fitted to $N_PROMPTS greedy answers" "$DATA/L$depth"
 done
-tau "shipped drafter" "$SHIPPED"
+tau shipped "shipped drafter" "$SHIPPED"
 run capacity-report python -m scripts.report_acceptance "${evals[@]}" --out "$RES/capacity" \
   --note "Capacity check: drafters trained from scratch for $TRAIN_MIN min each on greedy answers ($MAX_NEW tokens) to \
 the first $N_PROMPTS ShareGPT training prompts, τ measured greedily on the first $EVAL_N of those same prompts \
