@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from optimized.config import EngineConfig
@@ -76,7 +77,7 @@ class Engine:
         self._ids: dict[int, Sequence] = {}
         self._last: tuple | None = None  # the raw material of last_step_stats(), assembled only when asked
         self._verified: StageOutput | None = None  # this step's verify result, if any request decoded
-        self._survivals: list[torch.Tensor | None] = []  # [γ] host survivals of each verified request's draft
+        self._survivals: list[np.ndarray | None] = []  # [γ] host survivals of each verified request's draft
         self.reset_stats()
 
     @property

@@ -22,7 +22,11 @@ Names follow ``docs/method.md`` (``a`` prefix survival, ``ℓ`` verify length, `
 
 from __future__ import annotations
 
+import itertools
+import math
+import operator
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -71,77 +75,140 @@ class StepPlan:
 
 
 class BudgetPlanner:
-    """The host half of the ``adaptive`` mode, vectorised: the twin of ``reference.scheduler.stale_budget``.
+    """The host half of the ``adaptive`` mode, fast: the twin of ``reference.scheduler.stale_budget`` (the budget)
+    and of ``reference.scheduler.speculation_pays`` (the draft gate).
 
     The reference walks ``B = 0..R·γ`` in Python and asks the cost table for every step time; at R = 256 that
     is 1,800 table lookups per step on the host. Here the step-time curve is cached per ``(T_0, R)`` (the
     table is fixed for the engine's life) and Θ(B) for every B is one float64 cumulative sum. The result is
-    the same integer: τ(B) is accumulated in the same order and precision (float64, sequential cumsum on the
+    the same integer: τ(B) is accumulated in the same order and precision (float64, sequential sums on the
     host), so ties resolve identically (the smaller B), as ``tests/optimized/test_budget.py`` checks.
 
-    This runs on the host every step, so it is written in NumPy on the CPU copy of the survivals: about a
-    microsecond per NumPy call against several for each small torch op. On the project's 2-core CPU
-    (2026-11-29, 300 calls of ``budget(torch.stack(rows), R, R)`` after a warm-up) a plan took 130 / 140 /
-    220 µs at R = 1 / 16 / 256 with torch ops and 31 / 35 / 96 µs in NumPy. Rows with NaN (requests too new to
-    have stale survivals) take the reference's own fill, in torch, so the filled values are bit-identical.
+    This runs on the host every step, between the device's forwards, where what counts is how many distinct
+    operations run, not their arithmetic: the forwards evict the caches, so a small NumPy call that takes a
+    microsecond in a tight loop takes several to tens of µs in the engine. Hence the survivals arrive as NumPy
+    arrays (``Scheduler.record_drafts`` keeps them so; torch tensors are accepted too), and Θ is computed on
+    Python floats while there are at most ``PYTHON_MAX_CANDIDATES`` candidates (a sort and one accumulate, no
+    NumPy call) and in a few NumPy calls above that. Both give the same floats: the float64 sums run in the same
+    order, and Python and NumPy divide alike. ``scripts/bench_host.py`` measures the host planning of a whole
+    step. Rows with NaN (requests too new to have stale survivals) take the reference's own fill, in torch, so
+    the filled values are bit-identical.
     """
+
+    # Up to this many candidates R·γ, Θ is computed on Python floats. On the project's 2-core CPU (2026-12-01, tiny
+    # models, γ = 7, two engines stepped in turn) that made a whole adaptive step's host planning 1.5× faster at
+    # R = 1 and 4 and 1.25× at R = 16 than NumPy did, 1.1× at R = 32; NumPy was 1.1× faster at R = 64 (NumPy's cost
+    # hardly depends on the size, Python's grows with it).
+    PYTHON_MAX_CANDIDATES = 256
 
     def __init__(self, cost: CostTable | None) -> None:
         self.cost = cost
-        self._curves: dict[tuple[int, int, int], np.ndarray] = {}
+        self._curves: dict[tuple[int, int, int], tuple[np.ndarray, list[float]]] = {}
+        self._verify_times: dict[int, float] = {}
 
-    def _step_times(self, t0: int, r: int, candidates: int) -> np.ndarray:
+    def _step_times(self, t0: int, r: int, candidates: int) -> tuple[np.ndarray, list[float]]:
+        """What Θ(B) divides τ(B) by, for B = 0..``candidates``: the step time ``step_time(T_0 + B, R)``, at least
+        1e-300, and ∞ where the step time is not positive (Θ = τ / ∞ = 0 there, as the reference's ``else 0.0``).
+        As an array and as a list, for the two ways Θ is computed."""
         key = (t0, r, candidates)
         curve = self._curves.get(key)
         if curve is None:
-            curve = np.array([self.cost.step_time(t0 + b, r) for b in range(candidates + 1)],
-                             dtype=np.float64)  # [R·γ + 1] seconds
+            step = np.array([self.cost.step_time(t0 + b, r) for b in range(candidates + 1)],
+                            dtype=np.float64)  # [R·γ + 1] seconds
+            step = np.where(step > 0, np.maximum(step, 1e-300), np.inf)  # [R·γ + 1]
+            curve = (step, step.tolist())
             if len(self._curves) > 4096:  # bounded: (T_0, R) pairs are few in steady state
                 self._curves.clear()
             self._curves[key] = curve
         return curve
 
-    def budget(self, a_stale: torch.Tensor, num_anchor_tokens: int, num_requests: int | None = None) -> int:
-        """The twin of ``reference.scheduler.stale_budget``: the argmax of Θ(B), the smaller B on ties."""
-        return int(np.argmax(self._theta(a_stale, num_anchor_tokens, num_requests)))  # first max = smaller B on ties
+    def verify_time(self, num_tokens: int) -> float:
+        """``cost.verify_time(num_tokens)``, cached: the table's lookup sorts its sizes, tens of µs per call."""
+        t = self._verify_times.get(num_tokens)
+        if t is None:
+            if len(self._verify_times) > 4096:  # bounded, as the curves
+                self._verify_times.clear()
+            t = self._verify_times[num_tokens] = self.cost.verify_time(num_tokens)
+        return t
 
-    def speculation_pays(self, a_latest: torch.Tensor, num_anchor_tokens: int, num_requests: int | None = None,
-                         margin: float = 0.0) -> bool:
-        """The twin of ``reference.scheduler.speculation_pays`` (the draft gate): same Θ values, same comparison."""
+    def budget(self, a_stale: np.ndarray | torch.Tensor, num_anchor_tokens: int, num_requests: int | None = None,
+               *, check: bool = True) -> int:
+        """The twin of ``reference.scheduler.stale_budget``: the argmax of Θ(B), the smaller B on ties.
+
+        ``check=False`` skips the range and monotonicity checks, for survivals that hold them by construction (the
+        engine's own: cumulative products of sigmoids, and moving averages of such rows); NaN rows are looked for
+        and filled either way."""
+        return self._best(self._theta(a_stale, num_anchor_tokens, num_requests, check))[0]
+
+    def speculation_pays(self, a_latest: np.ndarray | torch.Tensor, num_anchor_tokens: int,
+                         num_requests: int | None = None, margin: float = 0.0, *, check: bool = True) -> bool:
+        """The twin of ``reference.scheduler.speculation_pays`` (the draft gate): same Θ values, same comparison.
+        ``check`` as in :meth:`budget`."""
         n_s = a_latest.shape[0] if num_requests is None else num_requests
-        plain = self.cost.verify_time(num_anchor_tokens)
+        plain = self.verify_time(num_anchor_tokens)
         theta_plain = n_s / plain if plain > 0 else 0.0
-        return bool((1.0 + margin) * float(self._theta(a_latest, num_anchor_tokens, num_requests).max()) >= theta_plain)
+        theta = self._theta(a_latest, num_anchor_tokens, num_requests, check)
+        scale = 1.0 + margin
+        if isinstance(theta, np.ndarray) or scale <= 0:
+            return scale * self._best(theta)[1] >= theta_plain
+        # Θ on Python floats, one budget at a time: the first that pays answers. The same boolean as with the best
+        # Θ, because scale > 0 keeps scale·Θ largest where Θ is (rounding is monotone).
+        return any(scale * t >= theta_plain for t in theta)
 
-    def _theta(self, a_stale: torch.Tensor, num_anchor_tokens: int, num_requests: int | None) -> np.ndarray:
-        """Θ(B) for B = 0..R·γ along the global ranking, as ``reference.scheduler.throughput_curve``."""
-        # [R, γ] host copy kept by the scheduler (no device read happens here).
-        a = a_stale.detach().to("cpu", torch.float32)  # sync: none in practice, a_stale already lives on the host
-        if a.dim() != 2 or a.shape[0] == 0 or a.shape[1] == 0:
-            raise ValueError(f"a_stale must be a non-empty [R, γ] matrix, got {tuple(a.shape)}")
-        arr = a.numpy()
-        if np.isnan(arr).any():
-            arr = fill_stale_rows(a).numpy()  # the reference's fill (and its checks), bit for bit
-        else:  # the reference's checks of fill_stale_rows, in float64 as it does them
-            a64 = arr.astype(np.float64)
-            if not ((a64 >= 0) & (a64 <= 1)).all():
-                raise ValueError("a_stale must lie in [0, 1] (NaN is not allowed)")
-            if a64.shape[1] > 1 and (np.diff(a64, axis=1) > MONOTONE_TOL).any():
-                raise ValueError("a_stale must be non-increasing along the slot axis (prefix survivals); "
-                                 "pass confidences through prefix_survival first")
+    @staticmethod
+    def _best(theta: Iterator[float] | np.ndarray) -> tuple[int, float]:
+        """The budget with the largest Θ (the first, i.e. the smaller B, on ties) and that Θ."""
+        if isinstance(theta, np.ndarray):
+            b = int(theta.argmax())  # the first maximum
+            return b, float(theta[b])
+        theta = list(theta)
+        best = max(theta)
+        return theta.index(best), best  # the first maximum
+
+    def _theta(self, a_stale: np.ndarray | torch.Tensor, num_anchor_tokens: int, num_requests: int | None,
+               check: bool = True) -> Iterator[float] | np.ndarray:
+        """Θ(B) for B = 0..R·γ along the global ranking, as ``reference.scheduler.throughput_curve``: Python floats
+        (an iterator, B = 0 first) up to ``PYTHON_MAX_CANDIDATES`` candidates, a float64 array above."""
+        if isinstance(a_stale, torch.Tensor):  # sync: none in practice, the callers' tensors live on the host
+            a_stale = a_stale.detach().to("cpu", torch.float32).numpy()
+        arr = np.asarray(a_stale, dtype=np.float32)  # [R, γ] (no copy if it is float32 already)
+        if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0:
+            raise ValueError(f"a_stale must be a non-empty [R, γ] matrix, got {tuple(arr.shape)}")
         r, g = arr.shape
         n_s = r if num_requests is None else num_requests
-        gains = np.sort(arr.ravel())[::-1].astype(np.float64)  # [R·γ] descending (equal values: order immaterial)
-        tau = np.cumsum(np.concatenate(([float(n_s)], gains)))  # [R·γ+1] sequential, as torch's CPU cumsum
-        step = self._step_times(num_anchor_tokens, r, r * g)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(step > 0, tau / np.maximum(step, 1e-300), 0.0)  # [R·γ + 1]
+        step, step_list = self._step_times(num_anchor_tokens, r, r * g)  # [R·γ + 1] each
+        if r * g <= self.PYTHON_MAX_CANDIDATES:
+            gains = arr.ravel().tolist()  # [R·γ]
+            # Unchecked survivals lie in [0, 1] or are NaN, so their sum is NaN exactly when a row must be filled.
+            if check or math.isnan(sum(gains)):
+                gains = self._filled(arr, check).ravel().tolist()
+            gains.sort(reverse=True)  # descending (equal values: order immaterial)
+            tau = itertools.accumulate(gains, initial=float(n_s))  # [R·γ + 1] sequential float64 sums
+            return map(operator.truediv, tau, step_list)  # [R·γ + 1] τ(B) / step(B), computed as they are read
+        gains = np.sort(self._filled(arr, check), axis=None)[::-1]  # [R·γ] descending
+        tau = np.cumsum(np.concatenate(([float(n_s)], gains)))  # [R·γ + 1] float64, sequential as the sums above
+        return tau / step
+
+    @staticmethod
+    def _filled(arr: np.ndarray, check: bool) -> np.ndarray:
+        """``arr`` ``[R, γ]`` float32 with its NaN rows filled and checked as the reference does (``fill_stale_rows``;
+        without NaN its range and monotonicity checks run only with ``check``)."""
+        if np.isnan(arr).any():
+            return fill_stale_rows(torch.from_numpy(arr)).numpy()  # the reference's fill (and its checks), bit for bit
+        if check:  # the reference's checks of fill_stale_rows, in float64 as it does them
+            a64 = arr.astype(np.float64)  # [R, γ]
+            if not (a64.min() >= 0 and a64.max() <= 1):
+                raise ValueError("a_stale must lie in [0, 1] (NaN is not allowed)")
+            if a64.shape[1] > 1 and (a64[:, 1:] - a64[:, :-1] > MONOTONE_TOL).any():
+                raise ValueError("a_stale must be non-increasing along the slot axis (prefix survivals); "
+                                 "pass confidences through prefix_survival first")
+        return arr
 
 
 class DraftGate:
     """Whether the next step drafts (``adaptive`` mode's draft gate): the reference's ``Scheduler.should_draft`` —
-    :func:`reference.scheduler.draft_forced`, then ``speculation_pays`` through the NumPy :class:`BudgetPlanner` —
-    on each request's moving average of its drafts' survivals.
+    :func:`reference.scheduler.draft_forced`, then ``speculation_pays`` through the :class:`BudgetPlanner` — on each
+    request's moving average of its drafts' survivals.
 
     While the gate is closed nobody drafts, so the inputs repeat: the verdict is reused for as long as the same
     requests hold the same drafts (exactly what re-evaluating would return, without its host cost).
@@ -150,9 +217,13 @@ class DraftGate:
     def __init__(self, config: SchedulerConfig, gamma: int, max_num_seqs: int, planner: BudgetPlanner) -> None:
         self.config, self.gamma, self.planner = config, gamma, planner
         self.steps_without_draft = 0  # consecutive steps, up to now, that did not draft
+        self._window = np.float32(config.gate_window)  # the moving average's window, as the float32 it divides by
         self._cache = None  # (requests and their draft counts, recent survivals, verdict) of the last evaluation
-        # The moving average per slot, how many of the slot's drafts it holds, and whose drafts they are.
-        self._recent = np.full((max_num_seqs, gamma), np.nan, dtype=np.float32)  # [S, γ]
+        # Per slot: the moving average (a [γ] row of an earlier fold; NaN before the first draft), whether it is free
+        # of NaN, how many of the slot's drafts it holds, and whose drafts they are.
+        self._none = np.full(gamma, np.nan, dtype=np.float32)  # [γ]
+        self._recent: list[np.ndarray] = [self._none] * max_num_seqs  # [S] × [γ]
+        self._clean = [False] * max_num_seqs
         self._count = [0] * max_num_seqs
         self._owner: list[Sequence | None] = [None] * max_num_seqs
 
@@ -164,48 +235,63 @@ class DraftGate:
         """A new policy or cost table: forget the cached verdict and the plain-step count, as a new reference
         ``Scheduler`` would (the per-slot averages stay valid: they depend on the drafts only)."""
         self.config, self.planner, self._cache, self.steps_without_draft = config, planner, None, 0
+        self._window = np.float32(config.gate_window)
 
     def decide(self, seqs: list[Sequence]) -> bool:
         """Whether ``seqs`` (the next step's decoding requests) draft; counts the plain steps."""
         cfg = self.config
         if not self.active:
             return True
-        key = (tuple(s.request_id for s in seqs), tuple(len(s.survivals) for s in seqs))
+        key = (tuple([s.request_id for s in seqs]), tuple([len(s.survivals) for s in seqs]))
         cached = self._cache if self._cache is not None and self._cache[0] == key else None
         if cached is None:
-            recent = self.recent_survivals(seqs)  # [R, γ] host, or None
+            recent = self.recent_survivals(seqs)  # [R, γ] host float32, or None
             verdict = None if recent is None else self.planner.speculation_pays(recent, len(seqs), None,
-                                                                                  cfg.gate_margin)
+                                                                                  cfg.gate_margin, check=False)
             cached = self._cache = (key, recent, verdict)
         _, recent, verdict = cached
-        drafts = draft_forced(cfg, recent, self.steps_without_draft) or verdict
+        # The reference's ``draft_forced(...) or verdict`` in the other order (the same boolean): a paying verdict
+        # drafts whatever draft_forced says, so its rules (a few torch ops) run only when the cost says no, or
+        # nothing is known yet.
+        drafts = verdict or draft_forced(cfg, None if recent is None else torch.from_numpy(recent),
+                                         self.steps_without_draft)
         self.steps_without_draft = 0 if drafts else self.steps_without_draft + 1
         return drafts
 
-    def recent_survivals(self, seqs: list[Sequence]) -> torch.Tensor | None:
+    def recent_survivals(self, seqs: list[Sequence]) -> np.ndarray | None:
         """Each request's moving average of its drafts' survivals (``reference.scheduler.fold_recent``), kept per slot
-        and folded for all requests with a new draft at once. NumPy float32: the same IEEE operations as the
-        reference's torch ones, at a microsecond each instead of several. The rows folded here were copied to the
-        host by earlier steps' drafts, and this step's token read has synchronised since, so they have landed."""
-        window = self.config.gate_window
+        and folded for all requests with a new draft at once: ``[R, γ]`` float32 (read only: its rows may be the
+        slots' averages themselves), or None when none has drafted. NumPy float32: the same IEEE operations as the
+        reference's torch ones. The rows folded here were copied to the host by earlier steps' drafts, and this
+        step's token read has synchronised since, so they have landed."""
         for s in seqs:  # a slot that changed hands starts afresh
             if self._owner[s.slot] is not s:
                 self._owner[s.slot], self._count[s.slot] = s, 0
-                self._recent[s.slot] = np.nan
+                self._recent[s.slot], self._clean[s.slot] = self._none, False
+        folded, passes, everybody = None, 0, False
         while True:  # normally one pass: a request drafts at most once between two gates
             todo = [s for s in seqs if self._count[s.slot] < len(s.survivals)]
             if not todo:
                 break
             rows = [s.slot for s in todo]
-            new = torch.stack([s.survivals[self._count[s.slot]] for s in todo]).numpy()  # [n, γ] float32
-            old = self._recent[rows]
-            self._recent[rows] = np.where(np.isnan(old), new, old + (new - old) / np.float32(window))
-            for s in todo:
+            new = np.array([s.survivals[self._count[s.slot]] for s in todo])  # [n, γ] float32
+            old = np.array([self._recent[i] for i in rows])  # [n, γ]
+            folded = old + (new - old) / self._window  # [n, γ]
+            if not all(self._clean[i] for i in rows):  # fold_recent's where: NaN (no average yet) takes the draft
+                folded = np.where(np.isnan(old), new, folded)
+            # Whether the new averages are free of NaN (then the next fold needs no where): their sum is NaN if one
+            # is not (or, harmlessly, if +∞ and -∞ meet: the where then runs for nothing). Python's sum of the list:
+            # cheaper here than a NumPy reduction.
+            clean = not math.isnan(sum(folded.ravel().tolist()))
+            for s, row in zip(todo, folded):
+                self._recent[s.slot], self._clean[s.slot] = row, clean
                 self._count[s.slot] += 1
-        slots = [s.slot for s in seqs]
-        if all(self._count[i] == 0 for i in slots):
+            everybody, passes = passes == 0 and len(todo) == len(seqs), passes + 1
+        if passes == 1 and everybody:  # the usual step: every request folded one draft, in order
+            return folded  # [R, γ] the very rows asked for
+        if all(self._count[s.slot] == 0 for s in seqs):
             return None
-        return torch.from_numpy(self._recent[slots])  # [R, γ]
+        return np.array([self._recent[s.slot] for s in seqs])  # [R, γ]
 
 
 class Scheduler:
@@ -234,6 +320,7 @@ class Scheduler:
         self.planner = BudgetPlanner(cost)
         self.policy = self._policy()
         self.gate = DraftGate(config, gamma, max_num_seqs, self.planner)
+        self._nan_row = np.full(gamma, np.nan, dtype=np.float32)  # [γ] the stale row of a request too new for one
 
     # ------------------------------------------------------------------------------------------------ configuration
 
@@ -315,9 +402,10 @@ class Scheduler:
         if not (mode.drafts and self.drafted):  # no drafter, or the draft gate closed: ordinary decoding
             return StepPlan(chunks, decoding, SchedulingMode.NONE, lengths=[0] * r)
         if mode is SchedulingMode.ADAPTIVE:
-            stale = torch.stack([self._stale(s) for s in decoding])  # [R, γ] host copy, NaN rows = too new
-            return StepPlan(chunks, decoding, mode, budget=self.planner.budget(stale, num_anchor_tokens=r,
-                                                                               num_requests=r))
+            stale = self._stale_survivals(decoding)  # [R, γ] host copy, NaN rows = too new
+            # The engine's own survivals (no range or monotonicity check: they hold by construction).
+            budget = self.planner.budget(stale, num_anchor_tokens=r, num_requests=r, check=False)
+            return StepPlan(chunks, decoding, mode, budget=budget)
         if mode in (SchedulingMode.FIXED, SchedulingMode.DSD):  # the n-gram proposer's blocks may be shorter
             k = self.policy.uniform_length(r)
             return StepPlan(chunks, decoding, mode, lengths=[k if s.proposal_len is None else min(k, s.proposal_len)
@@ -331,15 +419,11 @@ class Scheduler:
         r = len(plan.decoding)
         plan.lengths = self.policy.lengths(a_current, a_stale=None, num_anchor_tokens=r).tolist()
 
-    def _stale(self, seq: Sequence) -> torch.Tensor:
-        """The survivals ``staleness`` drafts before the current one (NaN when the request is too new)."""
+    def _stale_survivals(self, decoding: list[Sequence]) -> np.ndarray:
+        """``[R, γ]``: each request's survivals ``staleness`` drafts before its current one (NaN when too new)."""
         k = self.config.staleness
-        # seq.survivals[-1] is the current draft; the reference appends it after reading the stale row.
-        if k == 0:
-            return seq.survivals[-1]
-        if len(seq.survivals) >= k + 1:
-            return seq.survivals[-(k + 1)]
-        return torch.full((self.gamma,), float("nan"))
+        # seq.survivals[-1] is the current draft (k = 0 reads it); the reference appends it after reading the stale row.
+        return np.array([s.survivals[-(k + 1)] if len(s.survivals) > k else self._nan_row for s in decoding])
 
     # ------------------------------------------------------------------------------------------------ after the device
 
@@ -398,8 +482,12 @@ class Scheduler:
 
     @staticmethod
     def record_drafts(seqs: list[Sequence], survivals: torch.Tensor) -> None:
-        """Keep each request's host copy ``[γ]`` of its new draft's survivals (for the stale budget and the gate)."""
-        for seq, row in zip(seqs, survivals.unbind(0)):  # one call for R row views
+        """Keep each request's host copy ``[γ]`` of its new draft's survivals (for the stale budget and the gate).
+
+        Kept as NumPy row views of the ``[R, γ]`` host tensor: the planning reads them with NumPy, and a view neither
+        copies nor reads the data, which with a non-blocking copy may still be landing (it has by the next step's
+        token read, before anything reads it)."""
+        for seq, row in zip(seqs, survivals.numpy()):  # R row views of the one [R, γ] array
             seq.survivals.append(row)
 
     @staticmethod

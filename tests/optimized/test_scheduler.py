@@ -5,6 +5,7 @@ Host-only: no model, no device. The plans are compared with what the reference p
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from optimized.scheduler import PrefillChunk, Scheduler, StepPlan
@@ -93,3 +94,20 @@ def test_gate_closed_plans_plain_decoding():
     sched.drafted = False  # the gate closed at the end of the last step: nobody holds drafts
     plan = sched.schedule()
     assert plan.mode is SchedulingMode.NONE and plan.lengths == [0] and plan.budget is None
+
+
+def test_record_drafts_keeps_numpy_row_views_and_plans_as_the_reference():
+    """The drafts' host survivals are kept as NumPy views of the ``[R, γ]`` host tensor (no copy, no read); the stale
+    budget planned from them is the reference's."""
+    sched = _scheduler("adaptive", staleness=1)
+    seqs = _decoding(sched, [[], []])
+    gen = torch.Generator().manual_seed(1)
+    drafts = [torch.cumprod(torch.rand(2, GAMMA, generator=gen), 1) for _ in range(2)]  # [R, γ] host copies
+    for host in drafts:
+        sched.record_drafts(seqs, host)
+    for r, s in enumerate(seqs):
+        assert all(isinstance(a, np.ndarray) for a in s.survivals)
+        assert all(np.shares_memory(a, host.numpy()) and np.array_equal(a, host[r]) for a, host in zip(s.survivals,
+                                                                                                         drafts))
+    plan = sched.schedule()
+    assert plan.budget == stale_budget(drafts[0], sched.cost, 2)  # staleness 1: the draft before the current one

@@ -20,7 +20,7 @@ import torch
 from reference.cost_model import CostTable
 from reference.target import Target
 from reference.testing import tiny_drafter, tiny_hf_model
-from scripts import bench_engine, bench_kernels
+from scripts import bench_engine, bench_host, bench_kernels
 from scripts.benchmarking import parse_config, parse_mode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,6 +124,22 @@ def test_parse_mode_rejects_bad_specs():
     for bad in ("fixed:8", "fixed:x", "dsd:2", "oracle", "fast"):
         with pytest.raises(ValueError, match="mode"):
             parse_mode(bad, 7)
+
+
+def test_bench_host_times_the_planning_and_agrees_with_the_reference(tmp_path):
+    out = tmp_path / "host-test.json"
+    report = bench_host.main(["--batches", "1,3", "--gamma", "3", "--repeats", "2", "--warmup", "3", "--steps", "3",
+                              "--out", str(out)])
+    on_disk = json.loads(out.read_text())
+    assert on_disk == json.loads(json.dumps(report))
+    assert on_disk["hardware"].startswith("CPU") and "--batches 1,3" in on_disk["command"]
+    assert {"python", "torch", "numpy"} <= set(on_disk["software"])
+    assert [r["R"] for r in on_disk["results"]] == [1, 3]
+    for r in on_disk["results"]:
+        assert r["steps"] == 2 * 3 and r["agree"] == r["steps"], "the engine decided as the reference twins"
+        assert r["drafted_steps"] == r["steps"], "the gate stays open: every timed step is a full adaptive step"
+        assert 0 < r["host_us_min"] <= r["host_us"] <= r["host_us_max"] and r["reference_us"] > 0
+        assert len(r["runs_host_us"]) == 2
 
 
 def test_bench_kernels_all_ops_on_cpu(tmp_path):
