@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from reference.config import GenerationConfig, check_sampling
 
@@ -75,7 +75,7 @@ class Sequence:
     finish_reason: str | None = None
     verify_lengths: list[int] = field(default_factory=list)  # ℓ of every verify step
     accepted_lengths: list[int] = field(default_factory=list)  # accepted drafts of every verify step
-    survivals: list[torch.Tensor] = field(default_factory=list)  # host copies [γ] of a_k, one per draft
+    survivals: list[np.ndarray] = field(default_factory=list)  # host copies [γ] float32 of a_k, one per draft
     proposal_len: int | None = None  # the n-gram proposer's current block length m (ℓ ≤ m); None: a full γ block
 
     @property
