@@ -315,17 +315,37 @@ def test_disconnects_free_their_slots_and_the_queue_is_bounded(server):
     assert aborted >= 48 and gauge(m, "vllm:request_success_total") - before >= 48
 
 
+def _finished(url: str) -> dict[str, float]:
+    """``vllm:request_success_total`` by finish reason."""
+    return {dict(labels).get("finished_reason"): v for (n, labels), v in scrape(url).items()
+            if n == "vllm:request_success_total"}
+
+
 def test_non_streaming_disconnect_frees_the_slot(server):
+    before = _finished(server.url)
+
     async def run():
         async with httpx.AsyncClient(base_url=server.url, headers=HEADERS, timeout=60) as c:
             task = asyncio.create_task(c.post(CHAT, json={"messages": MSG, "max_tokens": 60, "ignore_eos": True}))
-            await asyncio.sleep(1.0)
+            deadline = time.monotonic() + 30
+            while True:  # cancel as soon as the request holds a slot (a fixed sleep races a fast machine)
+                text = (await c.get("/metrics")).text
+                running = sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                              if s.name == "vllm:num_requests_running")
+                if running >= 1:
+                    break
+                assert not task.done() and time.monotonic() < deadline, "the request never got a slot"
+                await asyncio.sleep(0.005)
             task.cancel()  # closes the connection while the server generates
             with pytest.raises(asyncio.CancelledError):
                 await task
 
     asyncio.run(run())
     assert_idle(server.url)
+    # Aborted, not finished: the disconnect (not the end of generation) freed the slot.
+    after = _finished(server.url)
+    assert after.get("abort", 0) == before.get("abort", 0) + 1
+    assert {k: v for k, v in after.items() if k != "abort"} == {k: v for k, v in before.items() if k != "abort"}
 
 
 # ------------------------------------------------------------------------------------------------------------
