@@ -116,7 +116,7 @@ class BudgetPlanner:
             step = np.array([self.cost.step_time(t0 + b, r) for b in range(candidates + 1)],
                             dtype=np.float64)  # [R·γ + 1] seconds
             step = np.where(step > 0, np.maximum(step, 1e-300), np.inf)  # [R·γ + 1]
-            curve = (step, step.tolist())
+            curve = (step, step.tolist())  # sync: none, a host NumPy array (cached per (T_0, R))
             if len(self._curves) > 4096:  # bounded: (T_0, R) pairs are few in steady state
                 self._curves.clear()
             self._curves[key] = curve
@@ -178,10 +178,10 @@ class BudgetPlanner:
         n_s = r if num_requests is None else num_requests
         step, step_list = self._step_times(num_anchor_tokens, r, r * g)  # [R·γ + 1] each
         if r * g <= self.PYTHON_MAX_CANDIDATES:
-            gains = arr.ravel().tolist()  # [R·γ]
+            gains = arr.ravel().tolist()  # [R·γ]; sync: none, host NumPy
             # Unchecked survivals lie in [0, 1] or are NaN, so their sum is NaN exactly when a row must be filled.
             if check or math.isnan(sum(gains)):
-                gains = self._filled(arr, check).ravel().tolist()
+                gains = self._filled(arr, check).ravel().tolist()  # sync: none, host NumPy
             gains.sort(reverse=True)  # descending (equal values: order immaterial)
             tau = itertools.accumulate(gains, initial=float(n_s))  # [R·γ + 1] sequential float64 sums
             return map(operator.truediv, tau, step_list)  # [R·γ + 1] τ(B) / step(B), computed as they are read
@@ -282,7 +282,7 @@ class DraftGate:
             # Whether the new averages are free of NaN (then the next fold needs no where): their sum is NaN if one
             # is not (or, harmlessly, if +∞ and -∞ meet: the where then runs for nothing). Python's sum of the list:
             # cheaper here than a NumPy reduction.
-            clean = not math.isnan(sum(folded.ravel().tolist()))
+            clean = not math.isnan(sum(folded.ravel().tolist()))  # sync: none, host NumPy
             for s, row in zip(todo, folded):
                 self._recent[s.slot], self._clean[s.slot] = row, clean
                 self._count[s.slot] += 1
@@ -417,6 +417,7 @@ class Scheduler:
     def synchronous_lengths(self, plan: StepPlan, a_current: torch.Tensor) -> None:
         """ℓ of a synchronous policy (``threshold``, ``adaptive-sync``) from this step's survivals ``[R, γ]`` (host)."""
         r = len(plan.decoding)
+        # sync: none here; a_current is already on the host (runner.current_survivals waited for it)
         plan.lengths = self.policy.lengths(a_current, a_stale=None, num_anchor_tokens=r).tolist()
 
     def _stale_survivals(self, decoding: list[Sequence]) -> np.ndarray:
