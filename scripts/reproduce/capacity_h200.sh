@@ -29,13 +29,7 @@ RES=${RES:-/tmp/res}
 DATA=${DATA:-/tmp/capacity}
 read -r -a TRAIN_EXTRA <<< "${TRAIN_EXTRA:-}"
 SOURCE=(); [ -n "$SHAREGPT" ] && SOURCE=(--sharegpt-file "$SHAREGPT")
-mkdir -p "$RES/logs"
-T0=$(date +%s)
-stamp() { echo "$(date +%T) +$(($(date +%s) - T0))s $*" | tee -a "$RES/timeline.txt"; }
-run() {  # run NAME CMD...: the command with its log in $RES/logs/NAME.log, start and end in the timeline
-  local name=$1; shift; stamp "start $name"; "$@" > "$RES/logs/$name.log" 2>&1
-  local rc=$?; stamp "end $name rc=$rc"; return $rc
-}
+source "$(dirname "$0")/timeline.sh"  # stamp, run
 
 run capacity-data python -m scripts.make_dataset --out "$DATA/data" --model "$MODEL" "${SOURCE[@]}" \
   --device "$DEVICE" --limit "$N_PROMPTS" --temperatures 0 --max-new-tokens "$MAX_NEW" --batch-size 512 \

@@ -21,13 +21,7 @@ BENCH_ENGINE=${BENCH_ENGINE:-1}
 RES=${RES:-/tmp/res}
 read -r -a SERVER_EXTRA <<< "${SERVER_EXTRA:-}"   # e.g. "--device cpu" for a dry run on a GPU machine
 SOURCE=(); [ -n "$SHAREGPT" ] && SOURCE=(--sharegpt-file "$SHAREGPT")
-mkdir -p "$RES/logs"
-T0=$(date +%s)
-stamp() { echo "$(date +%T) +$(($(date +%s) - T0))s $*" | tee -a "$RES/timeline.txt"; }
-run() {  # run NAME CMD...: the command with its log in $RES/logs/NAME.log, start and end in the timeline
-  local name=$1; shift; stamp "start $name"; "$@" > "$RES/logs/$name.log" 2>&1
-  local rc=$?; stamp "end $name rc=$rc"; return $rc
-}
+source "$(dirname "$0")/timeline.sh"  # stamp, run
 
 run serving python -m scripts.bench_serving --launch --modes "$MODES" --concurrency "$CONCURRENCY" \
   --output-len "$OUTPUT_LEN" "${SOURCE[@]}" --drafter "$DRAFTER" \

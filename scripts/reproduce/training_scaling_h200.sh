@@ -31,10 +31,7 @@ if [ -z "${GPUS:-}" ]; then
   GPUS=$(for n in 1 2 4 8; do [ "$n" -le "$N" ] && echo "$n"; done)
 fi
 read -r -a TRAIN_EXTRA <<< "${TRAIN_EXTRA:-}"   # e.g. "--eval-examples 8" for a CPU dry run on tiny data
-mkdir -p "$RES/logs"
-T0=$(date +%s)
-stamp() { echo "$(date +%T) +$(($(date +%s) - T0))s $*" | tee -a "$RES/timeline.txt"; }
-run() { local name=$1; shift; stamp "start $name"; "$@" > "$RES/logs/$name.log" 2>&1; local rc=$?; stamp "end $name rc=$rc"; return $rc; }
+source "$(dirname "$0")/timeline.sh"  # stamp, run
 
 command -v nvidia-smi > /dev/null && nvidia-smi topo -m > "$RES/training-scaling-topology.txt" 2>&1   # the GPU links
 reports=()
