@@ -18,6 +18,9 @@ MODES=${MODES:-none,fixed:1,fixed:3,fixed:5,fixed:7,dsd,adaptive}
 CONCURRENCY=${CONCURRENCY:-1,4,16,64,256}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
 BENCH_ENGINE=${BENCH_ENGINE:-1}
+ENGINE_MODES=${ENGINE_MODES:-$MODES}                 # bench_engine's modes and batch sizes (default: the server's)
+ENGINE_BATCH_SIZES=${ENGINE_BATCH_SIZES:-$CONCURRENCY}
+ENGINE_BUDGET_S=${ENGINE_BUDGET_S:-240}
 RES=${RES:-/tmp/res}
 read -r -a SERVER_EXTRA <<< "${SERVER_EXTRA:-}"   # e.g. "--device cpu" for a dry run on a GPU machine
 SOURCE=(); [ -n "$SHAREGPT" ] && SOURCE=(--sharegpt-file "$SHAREGPT")
@@ -28,7 +31,7 @@ run serving python -m scripts.bench_serving --launch --modes "$MODES" --concurre
   --server-args "--model $MODEL --drafter $DRAFTER ${SERVER_EXTRA[*]}" --log-dir "$RES/logs/servers" \
   --out "$RES/serving-h200.json" --plot "$RES/serving-h200.png"
 [ "$BENCH_ENGINE" = 1 ] && run engine python -m scripts.bench_engine --model "$MODEL" "${SOURCE[@]}" \
-  --drafter "$DRAFTER" --modes "$MODES" --batch-sizes "$CONCURRENCY" --max-new-tokens "$OUTPUT_LEN" --repeats 2 \
-  --time-budget-s 240 --out "$RES/engine-serving-prompts-h200.json"
+  --drafter "$DRAFTER" --modes "$ENGINE_MODES" --batch-sizes "$ENGINE_BATCH_SIZES" --max-new-tokens "$OUTPUT_LEN" \
+  --repeats 2 --time-budget-s "$ENGINE_BUDGET_S" --out "$RES/engine-serving-prompts-h200.json"
 stamp DONE
 touch "$RES/DONE"
