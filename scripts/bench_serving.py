@@ -234,8 +234,10 @@ class LaunchedServer:
                "--speculative-config", mode.speculative_config(), *server_args]
         log.info("launching %s (log: %s)", shlex.join(cmd), log_path)
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        # The project root first, then whatever PYTHONPATH already holds (packages installed with --target, say).
+        pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                                     env=dict(os.environ, PYTHONPATH=pythonpath))
         self.log_path = log_path
 
     def wait_ready(self) -> float:
