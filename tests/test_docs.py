@@ -220,6 +220,33 @@ def test_benchmark_tables_render_from_the_committed_json(page: Path, kind: str, 
     assert "/tmp/" not in out and "/root/" not in out, f"{kind} shows a staging path: {out[:300]}"
 
 
+def test_indented_benchmark_directive_stays_inside_its_block():
+    """A directive inside an admonition renders with the admonition's indent (else the table falls out of it)."""
+    from types import SimpleNamespace
+
+    hook = _hook("benchmark_tables")
+    page = SimpleNamespace(file=SimpleNamespace(abs_src_path=str(ROOT / "docs" / "serving.md")))
+    md = '!!! note "Start-up"\n    Text.\n\n    <!-- benchmark: startup benchmarks/serving-h200.json -->\n\nAfter.\n'
+    out = hook.on_page_markdown(md, page, None, None)
+    table = [line for line in out.splitlines() if "|" in line]
+    assert len(table) >= 3 and all(line.startswith("    |") for line in table), out
+    assert out.endswith("\nAfter.\n") and "<!--" not in out
+
+
+def test_serving_table_compares_adaptive_with_the_best_other_mode():
+    import json
+
+    hook = _hook("benchmark_tables")
+    bench = ROOT / "docs" / "benchmarks"
+    data = json.loads((bench / "serving-h200.json").read_text())
+    out = hook.render("serving", ["serving-h200.json"], bench)
+    for c in sorted({r["concurrency"] for r in data["results"]}):
+        here = {r["label"]: r["output_tokens_per_s"] for r in data["results"] if r["concurrency"] == c}
+        ratio = here["adaptive"] / max(v for k, v in here.items() if k != "adaptive")
+        row = next(line for line in out.splitlines() if line.startswith(f"| {c} |"))
+        assert row.endswith(f"| {ratio:.2f}× |"), row
+
+
 def test_speculation_claim_matches_the_committed_benchmark():
     """when-speculation-helps.md says plainly that speculation does not beat plain decoding from batch 16 up on the
     H200. If a new engine benchmark says otherwise, this fails: update the page's warning with the new result."""

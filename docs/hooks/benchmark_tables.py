@@ -6,8 +6,9 @@ number on the site is always the number in the file, with the hardware and the c
 
 Kinds (one renderer each, below): ``provenance``, ``engine-throughput``, ``speculation-frontier``,
 ``acceptance``, ``training``, ``kernels``, ``calibration``, ``calibration-methods``, ``gpu-equivalence``,
-``summary``, and ``checkpoint`` (how a shipped drafter was made, from its ``summary.json``). An unknown kind, a
-missing file or a file without the expected fields fails the build.
+``summary``, ``serving`` and ``startup`` (scripts/bench_serving.py), ``server-overhead``
+(scripts/bench_server_overhead.py), and ``checkpoint`` (how a shipped drafter was made, from its ``summary.json``).
+An unknown kind, a missing file or a file without the expected fields fails the build.
 
 The JSON files record commands as they ran on the GPU machine, with staging paths under ``/tmp`` that a reader
 does not have; :data:`PLACEHOLDERS` names them for what they are (the benchmarks page explains the names).
@@ -23,7 +24,8 @@ from pathlib import Path
 
 log = logging.getLogger("mkdocs.hooks.benchmark_tables")
 
-DIRECTIVE = re.compile(r"^<!-- benchmark: (?P<kind>[\w-]+)(?P<args>[^>]*?) -->$", flags=re.M)
+# A directive may be indented (inside an admonition, say): the rendered Markdown gets the same indent.
+DIRECTIVE = re.compile(r"^(?P<indent>[ ]*)<!-- benchmark: (?P<kind>[\w-]+)(?P<args>[^>]*?) -->$", flags=re.M)
 
 # Staging paths of the GPU runs -> what the reader has (see docs/benchmarks/index.md, "Reading the commands").
 PLACEHOLDERS = [
@@ -314,6 +316,71 @@ def checkpoint(page_dir: Path, files: list[str]) -> str:
     return out
 
 
+# ---------------------------------------------------------------------------------------------------- serving
+
+
+def _serving_rows(data: dict) -> tuple[list[int], list[str], dict[tuple[int, str], dict]]:
+    if "results" not in data or "startup" not in data:
+        raise ValueError("benchmark tables: not a serving benchmark (scripts/bench_serving.py) JSON")
+    rows = {(r["concurrency"], r["label"]): r for r in data["results"]}
+    labels = list(dict.fromkeys(r["label"] for r in data["results"]))
+    return sorted({c for c, _ in rows}), labels, rows
+
+
+def serving(page_dir: Path, files: list[str]) -> str:
+    """Aggregate (per-user) output tokens/s per concurrency and mode, τ per mode, adaptive against the best other."""
+    data = _load(page_dir, files[0])
+    levels, labels, rows = _serving_rows(data)
+    header = ["concurrency"] + [f"`{lab}`" for lab in labels] + (["`adaptive` / best other"]
+                                                                  if "adaptive" in labels else [])
+    out = []
+    for c in levels:
+        here = {lab: rows[(c, lab)] for lab in labels if (c, lab) in rows}
+        best = max(r["output_tokens_per_s"] for r in here.values())
+        cells = [str(c)]
+        for lab in labels:
+            r = here.get(lab)
+            if r is None:
+                cells.append("–")
+                continue
+            v = f"{_int(r['output_tokens_per_s'])} ({_int(r['per_user_tokens_per_s'])})"
+            cells.append(f"**{v}**" if r["output_tokens_per_s"] == best else v)
+        if "adaptive" in labels:
+            others = [r["output_tokens_per_s"] for lab, r in here.items() if lab != "adaptive"]
+            a = here.get("adaptive")
+            cells.append(f"{a['output_tokens_per_s'] / max(others):.2f}×" if a and others else "–")
+        out.append(cells)
+    taus = ", ".join(f"`{lab}` {min(rows[(c, lab)]['mean_accepted_length'] for c in levels if (c, lab) in rows):.2f}–"
+                     f"{max(rows[(c, lab)]['mean_accepted_length'] for c in levels if (c, lab) in rows):.2f}"
+                     for lab in labels if lab != "none")
+    errors = sum(r["errors"] for r in data["results"])
+    return (_table(header, out) + "\nAggregate output tokens/s (per-user tokens/s in brackets); the best mode of each "
+            f"concurrency in bold. Mean accepted length τ over the levels: {taus}. Failed requests: {errors}.\n")
+
+
+def startup(page_dir: Path, files: list[str]) -> str:
+    """Time from the command to /health = 200 of each launch, in launch order."""
+    data = _load(page_dir, files[0])
+    _serving_rows(data)
+    rows = [[str(s["launch"]), f"`{s['mode']}`", f"{s['ready_s']:.1f} s"] for s in data["startup"]]
+    return _table(["launch", "mode", "command → `/health` 200"], rows)
+
+
+def server_overhead(page_dir: Path, files: list[str]) -> str:
+    """scripts/bench_server_overhead.py: server tokens/s against the simulated engine alone, per arm."""
+    data = _load(page_dir, files[0])
+    if "results" not in data or not all("server_efficiency" in r for r in data["results"]):
+        raise ValueError("benchmark tables: not a server-overhead benchmark (scripts/bench_server_overhead.py) JSON")
+    rows = []
+    for r in data["results"]:
+        rows.append([f"`{r['arm']}`", str(r["tokens_per_step"]), str(r["concurrency"]),
+                     _int(r["output_tokens_per_s"]), _int(r["engine_bound_tokens_per_s"]),
+                     f"{r['server_efficiency']:.2f}", f"{r['step_period_ms']:.2f} ({r['simulated_step_ms']:.2f})",
+                     f"{r['server_cpu_us_per_token']:.0f} / {r['client_cpu_us_per_token']:.0f}"])
+    return _table(["arm", "tokens/step", "concurrency", "server tokens/s", "engine alone", "ratio",
+                   "step period ms (simulated)", "CPU µs/token server / client"], rows)
+
+
 RENDERERS = {
     "provenance": provenance,
     "engine-throughput": engine_throughput,
@@ -326,6 +393,9 @@ RENDERERS = {
     "gpu-equivalence": gpu_equivalence,
     "summary": summary,
     "checkpoint": checkpoint,
+    "serving": serving,
+    "startup": startup,
+    "server-overhead": server_overhead,
 }
 
 
@@ -339,4 +409,8 @@ def render(kind: str, args: list[str], page_dir: Path) -> str:
 
 def on_page_markdown(markdown, page, config, files):
     page_dir = Path(page.file.abs_src_path).parent
-    return DIRECTIVE.sub(lambda m: render(m["kind"], shlex.split(m["args"]), page_dir), markdown)
+    def rendered(m: re.Match) -> str:
+        text = render(m["kind"], shlex.split(m["args"]), page_dir)
+        return "\n".join(m["indent"] + line if line else line for line in text.split("\n"))
+
+    return DIRECTIVE.sub(rendered, markdown)

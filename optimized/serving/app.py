@@ -40,6 +40,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from optimized.engine import SamplingParams
+from optimized.sequence import StepOutput
 from optimized.serving.engine_loop import (
     EngineFailed,
     EngineLoop,
@@ -110,6 +111,9 @@ class ServerSettings:
     model_root: str  # --model, as /v1/models reports it
     max_model_len: int  # prompt + completion tokens per request
     api_key: str | None = None
+    # Send the steps that queued up for a request while its stream was busy as one chunk (OutputStream). Off: one
+    # chunk per engine step whatever the load (scripts/bench_server_overhead.py measures both).
+    coalesce_steps: bool = True
 
 
 class Server:
@@ -248,6 +252,8 @@ class OutputStream:
 
     def __init__(self, server: Server, handle: RequestHandle, request: Request) -> None:
         self.server, self.handle = server, handle
+        self._pending = None  # an item taken from the queue while coalescing, returned next
+        self.coalesce = server.settings.coalesce_steps
         self._watch = asyncio.create_task(self._watch_disconnect(request))
 
     async def _watch_disconnect(self, request: Request) -> None:
@@ -259,21 +265,40 @@ class OutputStream:
     def __aiter__(self) -> AsyncIterator:
         return self
 
-    async def __anext__(self):
-        if self.handle.finished and self.handle.queue.empty():
+    async def __anext__(self) -> StepOutput:
+        queue = self.handle.queue
+        if self._pending is not None:
+            item, self._pending = self._pending, None
+        elif self.handle.finished and queue.empty():
             raise StopAsyncIteration
-        item = await self.handle.queue.get()
+        else:
+            item = await queue.get()
         if item is self._DISCONNECTED:
             raise ClientDisconnected()
         if isinstance(item, ValueError):  # the engine refused the request (the server validates first)
             raise APIError(400, str(item))
         if isinstance(item, Exception):
             raise item
+        # Steps that queued up while this stream was busy (an event loop behind its engine) leave as one chunk: under
+        # load each SSE event, JSON document and socket write then carries several steps' tokens, so the server's
+        # cost per token falls exactly when it matters, and no token waits longer than it did.
+        while self.coalesce and not item.finished and not queue.empty():
+            nxt = queue.get_nowait()
+            if not isinstance(nxt, StepOutput):  # an error or the disconnect: after these tokens
+                self._pending = nxt
+                break
+            item = merge_outputs(item, nxt)
         return item
 
     def close(self) -> None:
         self._watch.cancel()
         self.server.loop.abort(self.handle)  # no-op for a finished request
+
+
+def merge_outputs(first: StepOutput, then: StepOutput) -> StepOutput:
+    """Two consecutive step outputs of one request as one (tokens and log-probabilities concatenated)."""
+    return StepOutput(first.request_id, first.new_token_ids + then.new_token_ids, then.finished, then.finish_reason,
+                      first.new_logprobs + then.new_logprobs, first.new_top_logprobs + then.new_top_logprobs)
 
 
 def _stream_error(err: Exception) -> ErrorResponse:

@@ -107,3 +107,93 @@ def test_request_schemas():
             CompletionRequest(**bad)
     with pytest.raises(ValidationError, match="top_logprobs needs logprobs"):
         ChatCompletionRequest(messages=msg, top_logprobs=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Coalescing queued steps into one chunk
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Handle:
+    def __init__(self):
+        import asyncio
+
+        self.request_id, self.finished, self.queue = 7, False, asyncio.Queue()
+
+
+class _Request:
+    async def receive(self):  # a client that never disconnects
+        import asyncio
+
+        await asyncio.Event().wait()
+
+
+class _Server:
+    class settings:  # noqa: N801
+        coalesce_steps = True
+
+    class loop:  # noqa: N801 (stands in for the EngineLoop instance)
+        aborted = []
+
+        @classmethod
+        def abort(cls, handle):
+            cls.aborted.append(handle.request_id)
+
+
+def _run(coro):
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+def test_queued_steps_leave_as_one_chunk():
+    """Steps that queued while the stream was busy merge into one output (tokens and log-probabilities in order,
+    the last step's finish); an error queued behind them is raised on the next read, after their tokens."""
+    from optimized.sequence import StepOutput
+    from optimized.serving.app import OutputStream
+    from optimized.serving.engine_loop import EngineFailed
+
+    async def scenario():
+        handle = _Handle()
+        stream = OutputStream(_Server(), handle, _Request())
+        handle.queue.put_nowait(StepOutput(7, [1, 2], False, None, [-0.1, -0.2], [[(1, -0.1)], [(2, -0.2)]]))
+        handle.queue.put_nowait(StepOutput(7, [3], False, None, [-0.3], [[(3, -0.3)]]))
+        handle.queue.put_nowait(StepOutput(7, [4, 5], True, "length", [-0.4, -0.5], [[(4, -0.4)], [(5, -0.5)]]))
+        merged = await stream.__anext__()
+        assert merged.new_token_ids == [1, 2, 3, 4, 5] and merged.finished and merged.finish_reason == "length"
+        assert merged.new_logprobs == [-0.1, -0.2, -0.3, -0.4, -0.5]
+        assert [t for [(t, _)] in merged.new_top_logprobs] == [1, 2, 3, 4, 5]
+
+        handle.queue.put_nowait(StepOutput(7, [6], False))
+        handle.queue.put_nowait(EngineFailed("boom"))
+        handle.queue.put_nowait(StepOutput(7, [8], False))
+        assert (await stream.__anext__()).new_token_ids == [6]
+        with pytest.raises(EngineFailed):
+            await stream.__anext__()
+        assert (await stream.__anext__()).new_token_ids == [8]
+        handle.finished = True
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        stream.close()
+
+    _run(scenario())
+
+
+def test_one_step_at_a_time_is_not_delayed():
+    """A stream that keeps up gets every step as it comes: nothing waits for a later step to merge with."""
+    import asyncio
+
+    from optimized.sequence import StepOutput
+    from optimized.serving.app import OutputStream
+
+    async def scenario():
+        handle = _Handle()
+        stream = OutputStream(_Server(), handle, _Request())
+        got = []
+        for i in range(3):
+            handle.queue.put_nowait(StepOutput(7, [i], i == 2, "stop" if i == 2 else None))
+            got.append(await asyncio.wait_for(stream.__anext__(), timeout=5))
+        assert [o.new_token_ids for o in got] == [[0], [1], [2]]
+        stream.close()
+
+    _run(scenario())

@@ -1,0 +1,402 @@
+"""Server overhead benchmark: the HTTP server in front of a simulated engine, so that the server's own cost shows.
+
+``scripts/bench_serving.py`` measures the server with the real engine behind it; where its tokens/s fall short of
+``scripts/bench_engine.py`` at the same concurrency, the difference is the server's cost (HTTP, JSON, SSE,
+detokenisation, the hand-off between the engine thread and the event loop) — or the benchmark client's. This script
+takes the engine out of the picture: the real ``optimized.serving`` app (same routes, same engine loop, same
+tokenizer) runs in front of :class:`SimulatedEngine`, which has the engine's public API (``add_request``, ``abort``,
+``step``, ``release``, ``last_step_stats``) but no model. Each simulated step
+
+* waits ``--step-ms`` in ``time.sleep`` (the GIL is free, as while the host waits for the device), then
+* holds the GIL for ``--host-ms`` of pure-Python work (the engine's own host work: planning, launches), then
+* gives every running request ``--tokens-per-step`` tokens (1: plain decoding; more: what speculation emits per
+  step), taken from real English text tokenised by the target's tokenizer, so detokenisation does real work.
+
+So the engine alone would deliver exactly ``R × tokens_per_step`` tokens every ``step_ms + host_ms``. Per
+concurrency level (closed loop of ``bench_serving``: C users, streaming chat requests of ``--output-len`` tokens,
+``ignore_eos``, one warm-up round) it reports:
+
+* ``output_tokens_per_s`` seen by the client, and ``engine_bound_tokens_per_s``, what the engine alone could give
+  at the measured number of decoding requests per step (``C_eff × tokens_per_step / (step_ms + host_ms)``);
+  their ratio is the server's efficiency (1.0: the server costs nothing);
+* ``step_period_ms``: wall time per engine step under load (from ``dspark:steps``) against the simulated
+  ``step_ms + host_ms``: the excess is time the engine thread waited (for the GIL, mostly);
+* CPU time per delivered token of the server process and of the client (``/proc``, ``time.process_time``): which
+  of the two saturates first.
+
+Two arms per setting, each in its own server process: ``coalesce`` (the server as shipped: the steps that queued up
+for a request while its stream was busy leave as one chunk) and ``per-step`` (one chunk per engine step, always),
+the baseline measured in the same run.
+
+Usage (any machine; no GPU needed, the target is only used for its tokenizer)::
+
+    python -m scripts.bench_server_overhead --concurrency 1,16,64,256 --tokens-per-step 1,3 \\
+        --out docs/benchmarks/server-overhead-cpu.json --plot docs/benchmarks/server-overhead-cpu.png
+
+Names follow ``docs/method.md`` (``τ`` tokens per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import os
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from optimized.engine import StepStats
+from optimized.sequence import StepOutput
+from scripts.bench_serving import WARMUP_TOKENS, closed_loop, percentile
+
+log = logging.getLogger("dspark.bench_server_overhead")
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+
+ROOT = Path(__file__).resolve().parent.parent
+# Text the simulated engine "generates" (tokenised once with the target's tokenizer; each request starts at its own
+# offset): ordinary English with punctuation, numbers and a little code, so incremental detokenisation does the
+# work it does for real output.
+TEXT = (
+    "Speculative decoding lets a small drafter propose several tokens that the large target model then checks in "
+    "one forward pass. When the drafter is right, the target accepts a whole run of tokens at the cost of a single "
+    "step; when it is wrong, nothing is lost but the drafter's time, because the verifier keeps exactly the tokens "
+    "the target would have produced on its own. In practice the gain depends on three numbers: how many tokens are "
+    "accepted per step (often 2 to 5), how much a verify step of several tokens costs compared with one token, and "
+    "how much the drafter itself costs. For example:\n\n```python\ndef accepted(draft, target):\n    n = 0\n"
+    "    for d, t in zip(draft, target):\n        if d != t:\n            break\n        n += 1\n    return n\n```\n\n"
+    "A server in front of such an engine streams every step's tokens to its clients as server-sent events. "
+)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The simulated engine
+# --------------------------------------------------------------------------------------------------------------
+
+
+class SimulatedEngine:
+    """The engine's public API without a model: fixed step time, fixed tokens per step (see the module docstring).
+
+    A request's first step emits one token (as a prefill does); every later step emits ``tokens_per_step`` tokens,
+    never past ``max_new_tokens``. Requests wait for a slot beyond ``max_num_seqs``, first come first served.
+    """
+
+    def __init__(self, token_ids: list[int], *, max_num_seqs: int, step_ms: float, host_ms: float,
+                 tokens_per_step: int) -> None:
+        if not token_ids:
+            raise ValueError("the simulated engine needs a non-empty token list")
+        if max_num_seqs < 1 or tokens_per_step < 1 or step_ms < 0 or host_ms < 0:
+            raise ValueError("max_num_seqs and tokens_per_step must be ≥ 1, step_ms and host_ms ≥ 0")
+        self.token_ids = token_ids
+        self.max_num_seqs, self.tokens_per_step = max_num_seqs, tokens_per_step
+        self.step_s, self.host_s = step_ms / 1000.0, host_ms / 1000.0
+        self._next_id = 0
+        self._waiting: list[int] = []
+        self._running: list[int] = []
+        self._requests: dict[int, list] = {}  # id -> [params, emitted, offset, finished]
+        self._last: StepStats | None = None
+
+    def add_request(self, prompt_ids: list[int], params=None, request_id: int | None = None) -> int:
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        rid = self._next_id if request_id is None else request_id
+        self._next_id = max(self._next_id, rid) + 1
+        limit = params.max_new_tokens if params is not None else 128
+        self._requests[rid] = [limit, 0, (rid * 7919) % len(self.token_ids), False]
+        self._waiting.append(rid)
+        return rid
+
+    def abort(self, request_id: int) -> bool:
+        req = self._requests.get(request_id)
+        if req is None or req[3]:
+            return False
+        req[3] = True
+        for queue in (self._waiting, self._running):
+            if request_id in queue:
+                queue.remove(request_id)
+        return True
+
+    def release(self, request_id: int) -> None:
+        req = self._requests.get(request_id)
+        if req is not None and req[3]:
+            del self._requests[request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def warmup(self) -> float:
+        return 0.0
+
+    def last_step_stats(self) -> StepStats | None:
+        return self._last
+
+    def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            self._running.append(self._waiting.pop(0))
+        time.sleep(self.step_s)  # the device's share: the GIL is free
+        end = time.perf_counter() + self.host_s
+        while time.perf_counter() < end:  # the engine's host share: holds the GIL
+            pass
+        outputs, decoding, n_tok = [], [], len(self.token_ids)
+        for rid in self._running:
+            req = self._requests[rid]
+            limit, emitted, offset = req[0], req[1], req[2]
+            n = min(1 if emitted == 0 else self.tokens_per_step, limit - emitted)
+            if emitted:
+                decoding.append(rid)
+            ids = [self.token_ids[(offset + emitted + i) % n_tok] for i in range(n)]
+            req[1] = emitted + n
+            finished = req[1] >= limit
+            req[3] = finished
+            outputs.append(StepOutput(rid, ids, finished, "length" if finished else None))
+        self._running = [rid for rid in self._running if not self._requests[rid][3]]
+        k = self.tokens_per_step - 1
+        self._last = StepStats(
+            step_time_s=time.perf_counter() - t0, num_running=len(self._running), num_waiting=len(self._waiting),
+            num_decoding=len(decoding), verify_tokens=len(decoding) * (k + 1), budget=None, drafted=k > 0,
+            verified=[k] * len(decoding), accepted=[k] * len(decoding),
+            predicted_survival=[[1.0] * k for _ in decoding], request_ids=decoding)
+        return outputs
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The server process
+# --------------------------------------------------------------------------------------------------------------
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the real app in front of a SimulatedEngine (the child process the benchmark launches)."""
+    import uvicorn
+
+    from optimized.serving.app import Server, ServerSettings, build_app
+    from optimized.serving.engine_loop import Runtime
+    from reference.target import Target
+
+    target = Target.load(args.model)  # for its tokenizer only (CPU, once; the dequantised weights are cached)
+    tokenizer, vocab = target.tokenizer, target.vocab_size
+    del target
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    gamma = args.tokens_per_step - 1
+
+    def build() -> Runtime:
+        engine = SimulatedEngine(ids, max_num_seqs=args.max_num_seqs, step_ms=args.step_ms, host_ms=args.host_ms,
+                                 tokens_per_step=args.tokens_per_step)
+        return Runtime(engine, tokenizer, vocab, gamma, gamma > 0)
+
+    settings = ServerSettings(served_model_names=["simulated"], model_root=args.model, max_model_len=4096,
+                              coalesce_steps=not args.per_step)
+    server = Server(settings, build, max_num_seqs=args.max_num_seqs, max_waiting=4 * args.max_num_seqs)
+    uvicorn.run(build_app(server), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+class ServerProcess:
+    """``python -m scripts.bench_server_overhead serve ...`` on a free port."""
+
+    def __init__(self, args: argparse.Namespace, arm: str, tokens_per_step: int, log_path: Path) -> None:
+        self.arm, self.tokens_per_step = arm, tokens_per_step
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "scripts.bench_server_overhead", "serve", "--port", str(self.port),
+               "--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--step-ms", str(args.step_ms),
+               "--host-ms", str(args.host_ms), "--tokens-per-step", str(tokens_per_step)]
+        cmd += ["--per-step"] if arm == "per-step" else []
+        pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, PYTHONPATH=pythonpath))
+        self.log_path = log_path
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready after {timeout_s} s; see {self.log_path}")
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds of the server process so far (Linux /proc)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+def engine_steps(url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for s in fam.samples:
+            if s.name == "dspark:steps_total":
+                return s.value
+    raise RuntimeError("the server exports no dspark:steps_total")
+
+
+def measure_level(server: ServerProcess, prompts: list[str], args: argparse.Namespace, concurrency: int) -> dict:
+    asyncio.run(closed_loop(server.url, "simulated", prompts, concurrency, concurrency,
+                            min(args.output_len, WARMUP_TOKENS), 0.0, None))
+    n = max(concurrency * args.prompts_per_user, args.min_requests)
+    steps0, cpu0, client0 = engine_steps(server.url), server.cpu_s(), time.process_time()
+    results, wall = asyncio.run(closed_loop(server.url, "simulated", prompts, concurrency, n, args.output_len,
+                                            0.0, None))
+    steps = engine_steps(server.url) - steps0 - 1  # the scrape itself is no step; the last step may be a tail
+    server_cpu, client_cpu = server.cpu_s() - cpu0, time.process_time() - client0
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    chunks = sum(len(r.itl_s) + 1 for r in ok)  # token-carrying chunks
+    period_s = wall / max(steps, 1)
+    # Requests decoding per step on average: every token came from some step; the first token of each request came
+    # from a one-token "prefill" step.
+    tokens_per_engine_step = tokens / max(steps, 1)
+    ideal_period_s = (args.step_ms + args.host_ms) / 1000.0
+    tpots = [r.tpot_s for r in ok if r.tpot_s]
+    return {
+        "arm": server.arm, "tokens_per_step": server.tokens_per_step, "concurrency": concurrency,
+        "requests": len(ok),
+        "errors": len(results) - len(ok), "output_tokens": tokens, "chunks": chunks, "wall_s": wall,
+        "output_tokens_per_s": tokens / wall,
+        "engine_bound_tokens_per_s": tokens_per_engine_step / ideal_period_s,
+        "server_efficiency": (tokens / wall) / (tokens_per_engine_step / ideal_period_s),
+        "engine_steps": steps, "step_period_ms": period_s * 1000.0, "simulated_step_ms": ideal_period_s * 1000.0,
+        "tokens_per_engine_step": tokens_per_engine_step,
+        "server_cpu_us_per_chunk": server_cpu / max(chunks, 1) * 1e6,
+        "server_cpu_us_per_token": server_cpu / max(tokens, 1) * 1e6,
+        "client_cpu_us_per_token": client_cpu / max(tokens, 1) * 1e6,
+        "client_cpu_us_per_chunk": client_cpu / max(chunks, 1) * 1e6,
+        "server_cpu_share": server_cpu / wall, "client_cpu_share": client_cpu / wall,
+        "tpot_ms_p50": percentile(tpots, 50) * 1000.0, "ttft_ms_p50": percentile([r.ttft_s for r in ok], 50) * 1000.0,
+    }
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for arm, k in sorted({(r["arm"], r["tokens_per_step"]) for r in report["results"]}):
+        rows = sorted((r for r in report["results"] if (r["arm"], r["tokens_per_step"]) == (arm, k)),
+                      key=lambda r: r["concurrency"])
+        cs, name = [r["concurrency"] for r in rows], f"{arm}, {k} tok/step"
+        line, = ax1.plot(cs, [r["output_tokens_per_s"] for r in rows], "o-", label=f"server ({name})")
+        if arm == "coalesce":
+            ax1.plot(cs, [r["engine_bound_tokens_per_s"] for r in rows], "x:", color=line.get_color(),
+                     label=f"engine alone, {k} tok/step")
+        ax2.plot(cs, [r["server_cpu_us_per_token"] for r in rows], "o-", label=f"server ({name})")
+        ax2.plot(cs, [r["client_cpu_us_per_token"] for r in rows], "x--", color=ax2.lines[-1].get_color(),
+                 label=f"client ({name})")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("output tokens/s")
+    ax2.set_ylabel("CPU µs per streamed token")
+    s = report["settings"]
+    fig.suptitle(f"Server in front of a simulated engine ({s['step_ms']} ms asleep + {s['host_ms']} ms host per "
+                 f"step), {report['hardware']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from scripts import data
+
+    prompts = [p.prompt for p in data.read_prompt_file(args.prompts_file)]
+    report = {
+        "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (server and client "
+                    "processes on the same machine)",
+        "command": "python -m scripts.bench_server_overhead " + shlex.join(sys.argv[1:]),
+        "settings": {k: getattr(args, k) for k in ("step_ms", "host_ms", "max_num_seqs", "output_len",
+                                                    "prompts_per_user", "min_requests", "prompts_file")},
+        "software": {"python": platform.python_version(), "switch_interval_s": sys.getswitchinterval()},
+        "results": [],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(args.log_dir or out.parent)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for k, arm in itertools.product(args.tokens_per_step, args.arms):
+        server = ServerProcess(args, arm, k, log_dir / f"server-overhead-{arm}-{k}.log")
+        try:
+            server.wait_ready()
+            for c in args.concurrency:
+                row = measure_level(server, prompts, args, c)
+                log.info("%s, %d tok/step, C=%4d: %8.0f tok/s (engine alone %8.0f, ×%.2f); step period %.2f ms "
+                         "(simulated %.2f); CPU per token server %.0f µs, client %.0f µs", arm, k, c,
+                         row["output_tokens_per_s"],
+                         row["engine_bound_tokens_per_s"], row["server_efficiency"], row["step_period_ms"],
+                         row["simulated_step_ms"], row["server_cpu_us_per_token"], row["client_cpu_us_per_token"])
+                report["results"].append(row)
+                out.write_text(json.dumps(report, indent=1) + "\n")
+        finally:
+            server.stop()
+    if args.plot:
+        plot(report, Path(args.plot))
+    eff = [r["server_efficiency"] for r in report["results"]]
+    log.info("server efficiency median %.2f (min %.2f); wrote %s", statistics.median(eff), min(eff), out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd")
+    s = sub.add_parser("serve", help="(internal) the server process")
+    for q in (p, s):
+        q.add_argument("--model", default="smollm2-135m-instruct", help="target whose tokenizer the server uses")
+        q.add_argument("--max-num-seqs", type=int, default=256)
+        q.add_argument("--step-ms", type=float, default=2.5, help="simulated device time per step (GIL free)")
+        q.add_argument("--host-ms", type=float, default=0.3, help="simulated host work per step (GIL held)")
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--tokens-per-step", type=int, default=1)
+    s.add_argument("--per-step", action="store_true", help="one chunk per engine step (no coalescing)")
+    p.add_argument("--tokens-per-step", type=lambda t: [int(x) for x in t.split(",")], default=[1, 3],
+                   help="comma list: tokens each request gets per step (1 = plain decoding)")
+    p.add_argument("--arms", type=lambda t: t.split(","), default=["coalesce", "per-step"],
+                   help="comma list: coalesce (the server's default: queued steps leave as one chunk), per-step")
+    p.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 16, 64, 256])
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompts-per-user", type=int, default=4)
+    p.add_argument("--min-requests", type=int, default=16)
+    p.add_argument("--prompts-file", default=str(ROOT / "docs/benchmarks/eval_prompts.jsonl"))
+    p.add_argument("--out", default=str(ROOT / "docs/benchmarks/server-overhead-cpu.json"))
+    p.add_argument("--plot", default=None)
+    p.add_argument("--log-dir", default=None, help="server logs (default: next to --out)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    return serve(args) if args.cmd == "serve" else run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
