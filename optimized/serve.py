@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests queued beyond --max-num-seqs before answering 429")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let requests in flight finish")
+    p.add_argument("--stream-each-step", action="store_true",
+                   help="send every engine step as its own chunk, even to a stream that has fallen behind (default: "
+                        "the steps that queued up for a request leave as one chunk)")
     p.add_argument("--seed", type=int, default=0, help="root of the random-number contract")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -252,6 +255,15 @@ def build_runtime(sa: ServeArgs):
 # --------------------------------------------------------------------------------------------------------------
 
 
+def server_settings(args: argparse.Namespace):
+    """The HTTP side's settings from the command line."""
+    from optimized.serving.app import ServerSettings
+
+    return ServerSettings(served_model_names=args.served_model_name or [args.model], model_root=args.model,
+                          max_model_len=args.max_model_len, api_key=args.api_key,
+                          coalesce_steps=not args.stream_each_step)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
@@ -263,10 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     import uvicorn
 
-    from optimized.serving.app import Server, ServerSettings, build_app
+    from optimized.serving.app import Server, build_app
 
-    settings = ServerSettings(served_model_names=args.served_model_name or [args.model], model_root=args.model,
-                              max_model_len=args.max_model_len, api_key=args.api_key)
+    settings = server_settings(args)
     server = Server(settings, lambda: build_runtime(sa), max_num_seqs=sa.max_num_seqs, max_waiting=args.max_waiting)
     config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log,

@@ -22,14 +22,16 @@ ENGINE_MODES=${ENGINE_MODES:-$MODES}                 # bench_engine's modes and 
 ENGINE_BATCH_SIZES=${ENGINE_BATCH_SIZES:-$CONCURRENCY}
 ENGINE_BUDGET_S=${ENGINE_BUDGET_S:-240}
 RES=${RES:-/tmp/res}
+NAME=${NAME:-serving-h200}   # $RES/$NAME.{json,png}; an A/B of the server: NAME=serving-h200-each-step
+                             # SERVER_EXTRA=--stream-each-step (one chunk per engine step) beside a default run
 read -r -a SERVER_EXTRA <<< "${SERVER_EXTRA:-}"   # e.g. "--device cpu" for a dry run on a GPU machine
 SOURCE=(); [ -n "$SHAREGPT" ] && SOURCE=(--sharegpt-file "$SHAREGPT")
 source "$(dirname "$0")/timeline.sh"  # stamp, run
 
-run serving python -m scripts.bench_serving --launch --modes "$MODES" --concurrency "$CONCURRENCY" \
+run "$NAME" python -m scripts.bench_serving --launch --modes "$MODES" --concurrency "$CONCURRENCY" \
   --output-len "$OUTPUT_LEN" "${SOURCE[@]}" --drafter "$DRAFTER" \
   --server-args "--model $MODEL --drafter $DRAFTER ${SERVER_EXTRA[*]}" --log-dir "$RES/logs/servers" \
-  --out "$RES/serving-h200.json" --plot "$RES/serving-h200.png"
+  --out "$RES/$NAME.json" --plot "$RES/$NAME.png"
 [ "$BENCH_ENGINE" = 1 ] && run engine python -m scripts.bench_engine --model "$MODEL" "${SOURCE[@]}" \
   --drafter "$DRAFTER" --modes "$ENGINE_MODES" --batch-sizes "$ENGINE_BATCH_SIZES" --max-new-tokens "$OUTPUT_LEN" \
   --repeats 2 --time-budget-s "$ENGINE_BUDGET_S" --out "$RES/engine-serving-prompts-h200.json"

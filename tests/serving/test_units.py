@@ -197,3 +197,10 @@ def test_one_step_at_a_time_is_not_delayed():
         stream.close()
 
     _run(scenario())
+
+
+def test_stream_each_step_flag_turns_coalescing_off():
+    from optimized.serve import build_parser, server_settings
+
+    assert server_settings(build_parser().parse_args([])).coalesce_steps
+    assert not server_settings(build_parser().parse_args(["--stream-each-step"])).coalesce_steps
