@@ -1,7 +1,8 @@
 """Start-up profiling of the engine's step costs: the measured SPS curve the adaptive scheduler needs.
 
-``reference/cost_model.py`` defines the table (verify cost keyed by token count, drafter cost keyed by request
-count, forced monotone, a staircase over the captured sizes; docs/method.md §5); this file fills it with times
+``reference/cost_model.py`` defines the table (verify cost keyed by token count and, with a drafter, by request
+count too; drafter cost keyed by request count; forced monotone, a staircase over the captured sizes;
+docs/method.md §5); this file fills it with times
 measured on the model runner of the engine that will serve (``engine.runner``):
 
 * **After graph capture, through the serving path.** A verify sample is one ``ModelRunner.dummy_verify`` call: the
@@ -9,10 +10,15 @@ measured on the model runner of the engine that will serve (``engine.runner``):
   ``p_t``, rejection sampling and the one token read (the scheduler's host commit is not included). A drafter
   sample is one ``ModelRunner.dummy_draft`` call: the backbone graph, the fused sequential head and STS. So the
   table prices what a step's device work really costs, and the drafter curve comes from graph replays only.
-* **Layout.** ``n`` verify tokens are carried by ``min(n, max_num_seqs)`` requests with the drafts spread evenly
-  (1..γ+1 tokens each). This is exact for every no-speculation step and for every step at the largest batch;
-  in between it counts more requests than a real step of ``n`` tokens has, so per-request work (KV reads, the
-  token read) is overestimated there. The table has one axis for tokens; the bias is stated, not hidden.
+* **Layout.** The token curve carries ``n`` verify tokens by ``min(n, max_num_seqs)`` requests with the drafts
+  spread evenly (1..γ+1 tokens each): exact for every no-speculation step and for every step at the largest batch,
+  but in between it counts more requests than a real step of ``n`` tokens has, and per-request work (KV reads, the
+  token read) is a large part of a small model's step (on the H200, 8 one-token requests cost 2.61 ms against
+  1.95 ms for one, while one request's 8 tokens cost about what 1 does). So with a drafter the table also holds
+  curves keyed by request count: for ``r`` in 1, 2, 4, … up to ``max_num_seqs``, ``n`` tokens of ``r`` requests for
+  ``n`` in ``r..r·(γ+1)`` (``REQUEST_CURVE_POINTS`` says how many, spread over the verify buckets), and the
+  scheduler prices a step of ``R`` requests on the curve of the smallest ``r ≥ R``
+  (``reference.cost_model.CostTable.verify_time``).
 * **Context length.** Every placeholder request attends over ``context_len`` keys (default 256, a short chat
   turn). Profiling at a long context while serving short requests inflates the fixed part of the cost and
   argues against speculation.
@@ -56,7 +62,10 @@ log = logging.getLogger("dspark.cost_model")
 DEFAULT_CONTEXT_LEN = 256  # keys per placeholder request: a short ShareGPT turn plus its answer so far
 RECHECK_TOLERANCE = 0.25  # re-profile a cached table when a re-timed size differs by more than this fraction
 EAGER_MAX_SIZES = {"cpu": 8, "cuda": 16}  # sizes per curve without graphs: smooth curves, short start-up
-FINGERPRINT_VERSION = 2  # bump when the profiling method changes, so old cached tables stop matching
+FINGERPRINT_VERSION = 3  # bump when the profiling method changes, so old cached tables stop matching
+# Request-count curves: (request counts, token counts per curve) measured at most, with CUDA graphs and without
+# (eager steps are smooth and slow to time, so fewer points do).
+REQUEST_CURVE_POINTS = {True: (None, 6), False: (4, 3)}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -93,16 +102,20 @@ def profile_engine(runner: ModelRunner, *, context_len: int = DEFAULT_CONTEXT_LE
     most = runner.verify_graphs.padded(runner.config.max_num_seqs * (runner.gamma + 1))
     token_counts = spread_sizes([s for s in runner.verify_graphs.sizes if s <= most], max_sizes)
     request_counts = [] if runner.drafter is None else spread_sizes(runner.draft_graphs.sizes, max_sizes)
+    tokens_by_requests = request_curves(runner, *REQUEST_CURVE_POINTS[graphs]) if runner.gamma else {}
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else None  # sync: profiling, off the step loop
     t0 = time.perf_counter()
     table = measure_cost_table(
         lambda n: runner.dummy_verify(n, context_len), lambda r: runner.dummy_draft(r, context_len),
         token_counts, request_counts, repeats=repeats, warmup=warmup, synchronize=sync,
-        hardware=hardware_name(runner.device), graph_max_tokens=max(token_counts), progress=progress)
+        hardware=hardware_name(runner.device), graph_max_tokens=max(token_counts), progress=progress,
+        verify_requests_fn=lambda r, n: runner.dummy_verify(n, context_len, num_requests=r),
+        tokens_by_requests=tokens_by_requests)
     table.meta.update({
         "context_len": context_len, "max_num_seqs": runner.config.max_num_seqs, "gamma": runner.gamma,
         "cuda_graphs": graphs, "dtype": str(runner.target.dtype), "torch": torch.__version__,
-        "layout": "n tokens over min(n, max_num_seqs) requests, drafts spread evenly",
+        "layout": "n tokens over min(n, max_num_seqs) requests, drafts spread evenly; request curves: n tokens "
+                  "over r requests",
         "verify_stage": "layout + verify graph + p_t + rejection sampling + token read",
         "draft_stage": "backbone graph + fused sequential head + STS",
         "profile_s": round(time.perf_counter() - t0, 3),
@@ -112,6 +125,20 @@ def profile_engine(runner: ModelRunner, *, context_len: int = DEFAULT_CONTEXT_LE
              len(table.verify_ms), min(table.verify_ms.values()), max(table.verify_ms.values()), len(table.draft_ms),
              _range(table.draft_ms), table.hardware, table.meta["profile_s"])
     return table
+
+
+def request_curves(runner: ModelRunner, max_counts: int | None, sizes_per_curve: int) -> dict[int, list[int]]:
+    """Request count ``r`` -> the token counts to profile it at: ``r`` in 1, 2, 4, … and ``max_num_seqs`` (at most
+    ``max_counts`` of them, spread), each at up to ``sizes_per_curve`` verify sizes in ``r..r·(γ+1)``, always ``r``
+    itself (no drafts) and ``r·(γ+1)`` (every draft)."""
+    most = runner.config.max_num_seqs
+    counts = spread_sizes(sorted({1 << i for i in range(most.bit_length()) if 1 << i <= most} | {most}), max_counts)
+    out = {}
+    for r in counts:
+        full = r * (runner.gamma + 1)
+        sizes = [s for s in runner.verify_graphs.sizes if r < s < full] + [r, full]
+        out[r] = spread_sizes(sizes, sizes_per_curve)
+    return out
 
 
 def spread_sizes(sizes: list[int], max_sizes: int | None) -> list[int]:

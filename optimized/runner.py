@@ -441,17 +441,19 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------------ dummy steps
 
     @torch.inference_mode()
-    def dummy_verify(self, num_tokens: int, context_len: int, temperature: float = 0.0) -> None:
+    def dummy_verify(self, num_tokens: int, context_len: int, temperature: float = 0.0,
+                     num_requests: int | None = None) -> None:
         """One verify stage of ``num_tokens`` tokens for placeholder requests whose anchors sit at ``context_len``.
 
-        ``min(num_tokens, max_num_seqs)`` placeholder requests (slots 0..) share the drafts evenly — the top-B
-        allocation of equal survivals — so every query length is 1..γ+1 as in serving. It runs :meth:`verify` itself:
-        layout, graph replay, p_t, rejection sampling, the token read. Needs an idle runner.
+        ``num_requests`` placeholder requests (slots 0..; default ``min(num_tokens, max_num_seqs)``) share the drafts
+        evenly — the top-B allocation of equal survivals — so every query length is 1..γ+1 as in serving. It runs
+        :meth:`verify` itself: layout, graph replay, p_t, rejection sampling, the token read. Needs an idle runner.
         """
-        r = min(num_tokens, self.config.max_num_seqs)
-        if num_tokens < 1 or num_tokens > r * (self.gamma + 1):
-            raise ValueError(f"num_tokens must lie in 1..{self.config.max_num_seqs * (self.gamma + 1)}, "
-                             f"got {num_tokens}")
+        r = min(num_tokens, self.config.max_num_seqs) if num_requests is None else num_requests
+        if not 1 <= r <= self.config.max_num_seqs:
+            raise ValueError(f"num_requests must lie in 1..{self.config.max_num_seqs}, got {r}")
+        if num_tokens < r or num_tokens > r * (self.gamma + 1):
+            raise ValueError(f"{r} requests carry {r}..{r * (self.gamma + 1)} tokens, got num_tokens={num_tokens}")
         seqs = self._placeholder_decoding(r, context_len, temperature)
         if self.gamma:
             self.survival[:r] = 1.0  # equal survivals: ties go by (slot, request), which spreads the drafts evenly

@@ -104,7 +104,7 @@ class BudgetPlanner:
     def __init__(self, cost: CostTable | None) -> None:
         self.cost = cost
         self._curves: dict[tuple[int, int, int], tuple[np.ndarray, list[float]]] = {}
-        self._verify_times: dict[int, float] = {}
+        self._verify_times: dict[tuple[int, int], float] = {}
 
     def _step_times(self, t0: int, r: int, candidates: int) -> tuple[np.ndarray, list[float]]:
         """What Θ(B) divides τ(B) by, for B = 0..``candidates``: the step time ``step_time(T_0 + B, R)``, at least
@@ -122,13 +122,14 @@ class BudgetPlanner:
             self._curves[key] = curve
         return curve
 
-    def verify_time(self, num_tokens: int) -> float:
-        """``cost.verify_time(num_tokens)``, cached: the table's lookup sorts its sizes, tens of µs per call."""
-        t = self._verify_times.get(num_tokens)
+    def verify_time(self, num_tokens: int, num_requests: int) -> float:
+        """``cost.verify_time(num_tokens, num_requests)``, cached: the table's lookup sorts its sizes, tens of µs."""
+        key = (num_tokens, num_requests)
+        t = self._verify_times.get(key)
         if t is None:
             if len(self._verify_times) > 4096:  # bounded, as the curves
                 self._verify_times.clear()
-            t = self._verify_times[num_tokens] = self.cost.verify_time(num_tokens)
+            t = self._verify_times[key] = self.cost.verify_time(num_tokens, num_requests)
         return t
 
     def budget(self, a_stale: np.ndarray | torch.Tensor, num_anchor_tokens: int, num_requests: int | None = None,
@@ -145,7 +146,7 @@ class BudgetPlanner:
         """The twin of ``reference.scheduler.speculation_pays`` (the draft gate): same Θ values, same comparison.
         ``check`` as in :meth:`budget`."""
         n_s = a_latest.shape[0] if num_requests is None else num_requests
-        plain = self.verify_time(num_anchor_tokens)
+        plain = self.verify_time(num_anchor_tokens, a_latest.shape[0])
         theta_plain = n_s / plain if plain > 0 else 0.0
         theta = self._theta(a_latest, num_anchor_tokens, num_requests, check)
         scale = 1.0 + margin

@@ -10,6 +10,12 @@ keeps those facts explicit:
 * ``verify_ms`` maps a measured token count to its median step time; ``draft_ms`` maps a request count to
   the median time of one drafter step (the drafter always drafts the full block, so its cost depends on
   the number of requests only, never on how many drafts get verified).
+* ``verify_ms_by_requests`` (optional) adds the second thing a verify step's cost depends on: how many requests
+  carry its tokens. Each request reads its own KV context and adds its own row of per-request work, so ``n``
+  tokens from one request cost less than ``n`` one-token requests, and on a small model the difference decides
+  how long a batch-1 verify should be. For each measured request count ``r`` it holds a curve over token counts
+  ``n ≥ r``; a query for ``R`` requests reads the curve of the smallest measured ``r ≥ R`` (an upper bound, like the
+  staircase) and falls back to ``verify_ms`` where that curve has no size ≥ ``n``.
 * :meth:`CostTable.monotone` forces both curves non-decreasing (a running maximum): measurement noise must
   never make a bigger step look cheaper, or the scheduler would chase noise.
 * Inside the graph region a size costs the smallest measured size at or above it (the staircase). Above
@@ -37,7 +43,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-_FORMAT = "dspark-cost-table/1"  # written into every saved table; load refuses other formats
+_FORMAT = "dspark-cost-table/2"  # written into every saved table; load refuses other formats
+_READABLE_FORMATS = (_FORMAT, "dspark-cost-table/1")  # /1: the same without verify_ms_by_requests
 
 
 @dataclass
@@ -55,6 +62,8 @@ class CostTable:
             separate regime with no padding; ``None`` means every measured size is a graph size.
         hardware: device name the table was measured on ("synthetic ..." for made-up tables).
         meta: free-form provenance (model, settings, KV context length, the command that measured it).
+        verify_ms_by_requests: request count ``r`` -> {token count ``n ≥ r`` -> median milliseconds of a verify
+            forward whose ``n`` tokens belong to ``r`` requests}; empty: the cost depends on ``n`` alone.
     """
 
     verify_ms: dict[int, float]
@@ -62,10 +71,23 @@ class CostTable:
     graph_max_tokens: int | None = None
     hardware: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    verify_ms_by_requests: dict[int, dict[int, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.verify_ms = _checked_curve(self.verify_ms, "verify_ms")
         self.draft_ms = _checked_curve(self.draft_ms, "draft_ms")
+        if not isinstance(self.verify_ms_by_requests, dict):
+            raise ValueError("verify_ms_by_requests must map request counts to curves")
+        by_requests = {}
+        for r, curve in self.verify_ms_by_requests.items():
+            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+                raise ValueError(f"verify_ms_by_requests: request counts must be positive integers, got {r!r}")
+            curve = _checked_curve(curve, f"verify_ms_by_requests[{r}]")
+            if not curve or min(curve) < r:
+                raise ValueError(f"verify_ms_by_requests[{r}] must measure token counts ≥ {r} (each request "
+                                 f"carries at least its anchor token), got {sorted(curve)}")
+            by_requests[r] = curve
+        self.verify_ms_by_requests = dict(sorted(by_requests.items()))
         if not self.verify_ms:
             raise ValueError("verify_ms is empty: a cost table needs at least one measured verify size")
         if self.graph_max_tokens is not None:
@@ -83,7 +105,8 @@ class CostTable:
     def monotone(self) -> CostTable:
         """A copy whose curves are running maxima: step time non-decreasing in ``n`` and in ``R``."""
         return CostTable(_running_max(self.verify_ms), _running_max(self.draft_ms), self.graph_max_tokens,
-                         self.hardware, dict(self.meta))
+                         self.hardware, dict(self.meta),
+                         {r: _running_max(c) for r, c in self.verify_ms_by_requests.items()})
 
     # ------------------------------------------------------------------ queries
     def padded_tokens(self, num_tokens: int) -> int:
@@ -95,17 +118,29 @@ class CostTable:
         i = bisect.bisect_left(graph, n)
         return graph[i] if i < len(graph) else n
 
-    def verify_time(self, num_tokens: int) -> float:
+    def verify_time(self, num_tokens: int, num_requests: int | None = None) -> float:
         """Seconds of one verify forward carrying ``num_tokens`` tokens (0 tokens: no forward, 0 s).
 
-        Graph region: the cost of the smallest measured size ≥ n (a batch of 121 tokens costs the
-        128-token graph). Above it: linear interpolation among the measured points above the graph region,
-        extended linearly past the last one; never below the largest graph's cost, so the curve stays
-        monotone across the cliff.
+        With ``num_requests`` and a ``verify_ms_by_requests`` curve for at least that many requests: the
+        staircase of the smallest such curve (its cost at the smallest measured size ≥ n), when it has a size
+        ≥ n. Otherwise ``verify_ms``: in the graph region the cost of the smallest measured size ≥ n (a batch
+        of 121 tokens costs the 128-token graph); above it, linear interpolation among the measured points
+        above the graph region, extended linearly past the last one, never below the largest graph's cost, so
+        the curve stays monotone across the cliff.
         """
         n = _check_count(num_tokens, "num_tokens")
         if n == 0:
             return 0.0
+        if num_requests is not None and self.verify_ms_by_requests:
+            r = _check_count(num_requests, "num_requests")
+            counts = list(self.verify_ms_by_requests)
+            j = bisect.bisect_left(counts, r)
+            if j < len(counts):
+                curve = self.verify_ms_by_requests[counts[j]]
+                sizes = list(curve)
+                i = bisect.bisect_left(sizes, n)
+                if i < len(sizes):
+                    return curve[sizes[i]] / 1e3
         graph = self._graph_sizes()
         i = bisect.bisect_left(graph, n)
         if i < len(graph):
@@ -138,8 +173,9 @@ class CostTable:
         return _linear(self.draft_ms, sizes, r, "draft_ms") / 1e3
 
     def step_time(self, num_tokens: int, num_requests: int) -> float:
-        """Seconds of one decoding step: verify ``num_tokens`` tokens plus draft for ``num_requests`` requests."""
-        return self.verify_time(num_tokens) + self.draft_time(num_requests)
+        """Seconds of one decoding step: verify ``num_tokens`` tokens of ``num_requests`` requests, plus the drafter
+        for those ``num_requests`` requests."""
+        return self.verify_time(num_tokens, num_requests) + self.draft_time(num_requests)
 
     def sps(self, num_tokens: int, num_requests: int) -> float:
         """Steps per second, ``1 / step_time``."""
@@ -162,6 +198,8 @@ class CostTable:
             "graph_max_tokens": self.graph_max_tokens,
             "verify_ms": {str(k): v for k, v in sorted(self.verify_ms.items())},
             "draft_ms": {str(k): v for k, v in sorted(self.draft_ms.items())},
+            "verify_ms_by_requests": {str(r): {str(n): v for n, v in sorted(c.items())}
+                                      for r, c in self.verify_ms_by_requests.items()},
             "meta": self.meta,
         }
 
@@ -186,20 +224,28 @@ class CostTable:
     def from_dict(cls, d: Any) -> CostTable:
         if not isinstance(d, dict):
             raise ValueError(f"expected a JSON object, got {type(d).__name__}")
-        if d.get("format") != _FORMAT:
-            raise ValueError(f"format is {d.get('format')!r}, expected {_FORMAT!r}")
-        unknown = sorted(set(d) - {"format", "hardware", "graph_max_tokens", "verify_ms", "draft_ms", "meta"})
+        if d.get("format") not in _READABLE_FORMATS:
+            raise ValueError(f"format is {d.get('format')!r}, expected one of {list(_READABLE_FORMATS)}")
+        known = {"format", "hardware", "graph_max_tokens", "verify_ms", "draft_ms", "meta"}
+        if d["format"] == _FORMAT:
+            known.add("verify_ms_by_requests")
+        unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown fields {unknown}")
         for name in ("verify_ms", "draft_ms"):
             if not isinstance(d.get(name), dict):
                 raise ValueError(f"{name} must be an object mapping sizes to milliseconds")
+        by_requests = d.get("verify_ms_by_requests", {})
+        if not isinstance(by_requests, dict) or not all(isinstance(c, dict) for c in by_requests.values()):
+            raise ValueError("verify_ms_by_requests must map request counts to objects mapping sizes to milliseconds")
         return cls(
             verify_ms=_int_keys(d["verify_ms"], "verify_ms"),
             draft_ms=_int_keys(d["draft_ms"], "draft_ms"),
             graph_max_tokens=d.get("graph_max_tokens"),
             hardware=d.get("hardware", ""),
             meta=d.get("meta", {}),
+            verify_ms_by_requests={r: _int_keys(c, f"verify_ms_by_requests[{r}]")
+                                   for r, c in _int_keys(by_requests, "verify_ms_by_requests").items()},
         )
 
     # ------------------------------------------------------------------ synthetic tables
@@ -253,7 +299,9 @@ def default_bucket_sizes(max_tokens: int) -> list[int]:
 def measure_cost_table(verify_fn: Callable[[int], None], draft_fn: Callable[[int], None],
                        token_counts: Sequence[int], request_counts: Sequence[int], *, repeats: int = 5,
                        warmup: int = 2, synchronize: Callable[[], None] | None = None, hardware: str = "",
-                       graph_max_tokens: int | None = None, progress: bool = True) -> CostTable:
+                       graph_max_tokens: int | None = None, progress: bool = True,
+                       verify_requests_fn: Callable[[int, int], None] | None = None,
+                       tokens_by_requests: dict[int, Sequence[int]] | None = None) -> CostTable:
     """Profile dummy steps and return a monotone cost table.
 
     Each size is run ``warmup`` times untimed (allocator, autotuning, lazy graph capture), then ``repeats``
@@ -272,6 +320,9 @@ def measure_cost_table(verify_fn: Callable[[int], None], draft_fn: Callable[[int
         hardware: device name recorded in the table.
         graph_max_tokens: largest captured graph size (must be among ``token_counts``), ``None`` if all are.
         progress: show a tqdm bar.
+        verify_requests_fn: runs one dummy verify forward of ``n`` tokens carried by ``r`` requests, called as
+            ``verify_requests_fn(r, n)``; with ``tokens_by_requests`` it fills ``verify_ms_by_requests``.
+        tokens_by_requests: request count ``r`` -> the token counts (each ≥ r) to measure it at.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats ≥ 1 and warmup ≥ 0, got repeats={repeats}, warmup={warmup}")
@@ -290,11 +341,21 @@ def measure_cost_table(verify_fn: Callable[[int], None], draft_fn: Callable[[int
         return statistics.median(samples)
 
     jobs = [("verify", verify_fn, int(n)) for n in token_counts] + [("draft", draft_fn, int(r)) for r in request_counts]
-    verify, draft = {}, {}
+    if tokens_by_requests:
+        if verify_requests_fn is None:
+            raise ValueError("tokens_by_requests needs verify_requests_fn")
+        jobs += [(int(r), lambda n, r=int(r): verify_requests_fn(r, n), int(n))
+                 for r, sizes in sorted(tokens_by_requests.items()) for n in sizes]
+    verify, draft, by_requests = {}, {}, {}
     for kind, fn, size in tqdm(jobs, desc="profiling step costs", disable=not progress):
-        (verify if kind == "verify" else draft)[size] = median_ms(fn, size)
+        if kind == "verify":
+            verify[size] = median_ms(fn, size)
+        elif kind == "draft":
+            draft[size] = median_ms(fn, size)
+        else:  # a request count
+            by_requests.setdefault(kind, {})[size] = median_ms(fn, size)
     meta = {"repeats": repeats, "warmup": warmup}
-    return CostTable(verify, draft, graph_max_tokens, hardware, meta).monotone()
+    return CostTable(verify, draft, graph_max_tokens, hardware, meta, by_requests).monotone()
 
 
 def hardware_name(device: torch.device | str) -> str:

@@ -173,7 +173,7 @@ def algorithm1(a: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests:
 
 def speculation_pays(a_latest: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests: int | None = None,
                      margin: float = 0.0) -> bool:
-    """Whether drafting is worth it this step: ``(1 + margin) · max_B Θ(B) ≥ R_s / verify_time(T_0)``, i.e. plain
+    """Whether drafting is worth it this step: ``(1 + margin) · max_B Θ(B) ≥ R_s / verify_time(T_0, R)``, i.e. plain
     decoding is not expected to be more than ``margin`` faster.
 
     ``Θ(B)`` is :func:`best_budget`'s curve on ``a_latest`` (NaN rows filled by :func:`fill_stale_rows`); its step
@@ -187,7 +187,7 @@ def speculation_pays(a_latest: Tensor, cost: CostTable, num_anchor_tokens: int, 
     """
     a = fill_stale_rows(a_latest)
     n_s = _num_sampling(num_requests, a.shape[0])
-    plain = cost.verify_time(_num_anchor_tokens(num_anchor_tokens, a.shape[0]))
+    plain = cost.verify_time(_num_anchor_tokens(num_anchor_tokens, a.shape[0]), a.shape[0])
     theta_plain = n_s / plain if plain > 0 else 0.0
     return (1.0 + margin) * max(throughput_curve(a, cost, num_anchor_tokens, num_requests)) >= theta_plain
 

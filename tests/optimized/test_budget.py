@@ -22,6 +22,18 @@ def _random_survivals(gen: torch.Generator, r: int, g: int, nan_rows: int = 0) -
     return a
 
 
+def _with_request_curves(gen: torch.Generator, cost: CostTable, r: int, g: int) -> CostTable:
+    """Half the time, the table also gets verify curves keyed by request count (around R, so they are read)."""
+    if torch.rand(1, generator=gen).item() < 0.5:
+        return cost
+    curves = {}
+    for rr in sorted({max(1, r - 1), r, r + 2}):
+        sizes = sorted({rr, rr * (g + 1)} | {int(x) for x in torch.randint(rr, rr * (g + 1) + 1, (3,), generator=gen)})
+        ms = torch.cumsum(torch.rand(len(sizes), generator=gen) * 2, 0) + 0.5
+        curves[rr] = dict(zip(sizes, ms.tolist()))
+    return CostTable(cost.verify_ms, cost.draft_ms, cost.graph_max_tokens, cost.hardware, cost.meta, curves)
+
+
 def test_budget_planner_equals_reference_stale_budget():
     gen = torch.Generator().manual_seed(0)
     for i in range(300):
@@ -29,6 +41,7 @@ def test_budget_planner_equals_reference_stale_budget():
         sizes = sorted({int(x) for x in torch.randint(1, r * (g + 1) + 8, (6,), generator=gen)} | {r * (g + 1)})
         ms = torch.cumsum(torch.rand(len(sizes), generator=gen) * 3, 0) + 1.0
         cost = CostTable(verify_ms=dict(zip(sizes, ms.tolist())), draft_ms={1: 0.5, r: 0.5 + 0.1 * r})
+        cost = _with_request_curves(gen, cost, r, g)
         a = _random_survivals(gen, r, g, nan_rows=i % 3 if r > 2 else 0)
         planner = BudgetPlanner(cost)
         assert planner.budget(a, r) == stale_budget(a, cost, r), i
@@ -54,6 +67,7 @@ def test_planner_gate_equals_reference_speculation_pays():
         ms = torch.cumsum(torch.rand(len(sizes), generator=gen) * 3, 0) + 1.0
         draft = float(torch.rand(1, generator=gen)) * 6
         cost = CostTable(verify_ms=dict(zip(sizes, ms.tolist())), draft_ms={1: draft, 8: draft + 0.1})
+        cost = _with_request_curves(gen, cost, r, g)
         a = _random_survivals(gen, r, g, nan_rows=i % 3 if r > 2 else 0)
         margin = (0.0, 0.15)[i % 2]
         expected = speculation_pays(a, cost, r, margin=margin)
@@ -132,10 +146,12 @@ def test_planner_checks_and_theta_are_the_same_for_numpy_and_tensors():
 
 
 def test_cached_verify_time_equals_the_cost_table():
-    cost = CostTable(verify_ms={1: 1.0, 4: 2.0, 16: 3.5, 64: 9.0, 128: 15.0}, draft_ms={1: 0.5}, graph_max_tokens=16)
+    cost = CostTable(verify_ms={1: 1.0, 4: 2.0, 16: 3.5, 64: 9.0, 128: 15.0}, draft_ms={1: 0.5}, graph_max_tokens=16,
+                     verify_ms_by_requests={1: {1: 0.9, 8: 1.1}, 4: {4: 1.8, 32: 2.5}})
     planner = BudgetPlanner(cost)
     for n in (*range(0, 40), 64, 100, 200, 1, 3, 64):  # graph, eager and extrapolated; again: cached
-        assert planner.verify_time(n) == cost.verify_time(n), n
+        for r in (1, 2, 4, 5):  # a request curve, the next one up, none (5 > 4: the token curve)
+            assert planner.verify_time(n, r) == cost.verify_time(n, r), (n, r)
 
 
 def test_draft_gate_decides_as_the_reference_should_draft():
@@ -195,6 +211,7 @@ def test_python_and_numpy_theta_agree_bit_for_bit():
         sizes = sorted({int(x) for x in torch.randint(1, r * (g + 1) + 8, (8,), generator=gen)} | {r, r * (g + 1)})
         ms = torch.cumsum(torch.rand(len(sizes), generator=gen) * 3, 0) + 1.0
         cost = CostTable(verify_ms=dict(zip(sizes, ms.tolist())), draft_ms={1: 0.5, 8: 0.5 + i % 5})
+        cost = _with_request_curves(gen, cost, r, g)
         python.cost, numpy_.cost = cost, cost
         python._curves.clear(), numpy_._curves.clear(), python._verify_times.clear(), numpy_._verify_times.clear()
         a = _random_survivals(gen, r, g, nan_rows=i % 3 if r > 2 else 0).numpy()

@@ -59,7 +59,11 @@ def test_profile_on_cpu_is_monotone_and_covers_the_buckets(models):
     assert len(sizes) <= cost_model.EAGER_MAX_SIZES["cpu"]
     assert set(sizes) <= set(engine.runner.verify_graphs.sizes)
     assert sorted(table.draft_ms) == [1, 2, 3, 4]
-    for curve in (table.verify_ms, table.draft_ms):
+    # Request curves: r = 1, 2, 4 requests (max_num_seqs = 4), each from r tokens (no drafts) to r·(γ+1).
+    assert sorted(table.verify_ms_by_requests) == [1, 2, 4]
+    for r, curve in table.verify_ms_by_requests.items():
+        assert min(curve) == r and max(curve) == r * (GAMMA + 1) and len(curve) <= 3
+    for curve in (table.verify_ms, table.draft_ms, *table.verify_ms_by_requests.values()):
         values = [curve[k] for k in sorted(curve)]
         assert all(b >= a for a, b in zip(values, values[1:])), curve
     # The staircase prices every runnable size, and the table drives the scheduler.
@@ -84,7 +88,7 @@ def test_profile_engine_without_drafter(models):
     engine = _engine(models, max_num_seqs=3, mode="none")
     table = profile_engine(engine.runner, context_len=8, repeats=1, warmup=0, progress=False)
     # Without drafts a step carries one token per request: sizes past 3 are never profiled (nor run).
-    assert table.draft_ms == {} and sorted(table.verify_ms) == [1, 2, 3]
+    assert table.draft_ms == {} and sorted(table.verify_ms) == [1, 2, 3] and table.verify_ms_by_requests == {}
 
 
 def test_cache_hit_then_invalidated_by_a_setting(models, tmp_path, monkeypatch):
@@ -141,3 +145,14 @@ def test_profiling_refuses_a_busy_engine(models):
     engine.step()  # the request now holds a slot
     with pytest.raises(RuntimeError, match="idle"):
         profile_engine(engine.runner, progress=False)
+
+
+def test_dummy_verify_checks_its_layout(models):
+    runner = _engine(models).runner
+    runner.dummy_verify(5, 8, num_requests=1)  # one request, its anchor and 4 drafts
+    with pytest.raises(ValueError, match="carry"):
+        runner.dummy_verify(6, 8, num_requests=1)  # more than γ + 1 tokens for one request
+    with pytest.raises(ValueError, match="carry"):
+        runner.dummy_verify(1, 8, num_requests=2)  # fewer tokens than requests
+    with pytest.raises(ValueError, match="num_requests"):
+        runner.dummy_verify(5, 8, num_requests=5)  # more requests than slots

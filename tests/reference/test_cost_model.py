@@ -175,3 +175,70 @@ def test_measure_cost_table_forces_monotone(monkeypatch):
     table = measure_cost_table(verify, lambda r: None, [1, 2, 4], [], repeats=3, warmup=0, progress=False)
     assert table.verify_ms == pytest.approx({1: 5.0, 2: 5.0, 4: 6.0}, rel=1e-9)
     assert table.draft_ms == {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Verify cost keyed by request count too
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _two_axis() -> CostTable:
+    # The H200's batch-1 shape: 8 one-token requests cost 2.61 ms, 8 tokens of one request hardly more than 1 token.
+    return CostTable(verify_ms={1: 1.95, 2: 2.11, 4: 2.41, 8: 2.61, 16: 3.10, 32: 3.49},
+                     draft_ms={1: 0.56, 4: 0.60},
+                     verify_ms_by_requests={1: {1: 1.95, 2: 1.96, 4: 1.97, 8: 1.99}, 4: {4: 2.41, 8: 2.45, 32: 2.60}})
+
+
+def test_request_curves_are_read_for_the_smallest_request_count_at_or_above():
+    t = _two_axis()
+    assert t.verify_time(8) == pytest.approx(2.61e-3, rel=REL)  # no request count: the token curve
+    assert t.verify_time(8, 1) == pytest.approx(1.99e-3, rel=REL)  # one request carries the 8 tokens
+    assert t.verify_time(3, 1) == pytest.approx(1.97e-3, rel=REL)  # staircase within the curve
+    assert t.verify_time(6, 2) == pytest.approx(2.45e-3, rel=REL)  # 2 requests: the 4-request curve bounds them
+    assert t.verify_time(9, 1) == pytest.approx(3.10e-3, rel=REL)  # past the curve's sizes: the token curve
+    assert t.verify_time(16, 5) == pytest.approx(3.10e-3, rel=REL)  # more requests than any curve: the token curve
+    assert t.step_time(8, 1) == pytest.approx((1.99 + 0.56) / 1e3, rel=REL)
+    assert t.verify_time(0, 1) == 0.0
+
+
+def test_request_curves_change_the_batch_one_budget():
+    """Priced as eight one-token requests, a batch-1 step verifies a short prefix; priced as what it is, one
+    request's eight tokens, the full block pays (the case the H200 profile showed)."""
+    import torch
+
+    from reference.scheduler import best_budget
+
+    # Prefix survivals of the shipped drafter's measured per-slot acceptance (0.40, 0.34, 0.34, 0.38, 0.52, ...).
+    a = torch.cumprod(torch.tensor([[0.40, 0.34, 0.34, 0.38, 0.52, 0.67, 0.68]]), dim=1)
+    tokens_only = CostTable(_two_axis().verify_ms, _two_axis().draft_ms)
+    assert best_budget(a, tokens_only, 1) < 7
+    assert best_budget(a, _two_axis(), 1) == 7
+
+
+def test_request_curves_round_trip_validate_and_go_monotone(tmp_path):
+    t = _two_axis()
+    t.save(tmp_path / "t.json")
+    assert CostTable.load(tmp_path / "t.json").verify_ms_by_requests == t.verify_ms_by_requests
+    old = t.to_dict()
+    old["format"] = "dspark-cost-table/1"
+    del old["verify_ms_by_requests"]
+    assert CostTable.from_dict(old).verify_ms_by_requests == {}  # tables of the first format still load
+    old["verify_ms_by_requests"] = {}
+    with pytest.raises(ValueError, match="unknown fields"):
+        CostTable.from_dict(old)
+    with pytest.raises(ValueError, match="token counts ≥ 4"):
+        CostTable({1: 1.0}, {}, verify_ms_by_requests={4: {2: 1.0, 8: 2.0}})
+    with pytest.raises(ValueError, match="positive integers"):
+        CostTable({1: 1.0}, {}, verify_ms_by_requests={0: {1: 1.0}})
+    noisy = CostTable({1: 1.0}, {}, verify_ms_by_requests={2: {2: 1.0, 4: 0.9, 8: 1.2}}).monotone()
+    assert noisy.verify_ms_by_requests == {2: {2: 1.0, 4: 1.0, 8: 1.2}}
+
+
+def test_measure_fills_request_curves():
+    from reference.cost_model import measure_cost_table
+
+    calls = []
+    t = measure_cost_table(lambda n: None, lambda r: None, [1, 8], [1], repeats=1, warmup=0, progress=False,
+                           verify_requests_fn=lambda r, n: calls.append((r, n)), tokens_by_requests={1: [1, 8], 2: [2]})
+    assert sorted(t.verify_ms_by_requests) == [1, 2] and sorted(t.verify_ms_by_requests[1]) == [1, 8]
+    assert calls == [(1, 1), (1, 8), (2, 2)]
