@@ -57,7 +57,7 @@ import httpx
 
 from optimized.engine import StepStats
 from optimized.sequence import StepOutput
-from scripts.bench_serving import WARMUP_TOKENS, closed_loop, percentile
+from scripts.bench_serving import WARMUP_TOKENS, closed_loop, percentile, wait_healthy
 
 log = logging.getLogger("dspark.bench_server_overhead")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
@@ -220,17 +220,7 @@ class ServerProcess:
         self.log_path = log_path
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not ready after {timeout_s} s; see {self.log_path}")
+        wait_healthy(self.url, self.proc, self.log_path, timeout_s)
 
     def cpu_s(self) -> float:
         """User + system CPU seconds of the server process so far (Linux /proc)."""

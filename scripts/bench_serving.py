@@ -222,6 +222,22 @@ def summarize(mode: Mode, concurrency: int, results: list[RequestResult], wall_s
 # --------------------------------------------------------------------------------------------------------------
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> float:
+    """Poll ``url``/health until it answers 200; returns the seconds it took. Fails when ``proc`` exits first or the
+    time runs out, naming the server's log."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server not ready after {timeout_s} s; see {log_path}")
+
+
 class LaunchedServer:
     """``python -m optimized.serve`` for one mode, on a free port; stopped with SIGTERM (it drains, exits 0)."""
 
@@ -241,17 +257,7 @@ class LaunchedServer:
         self.log_path = log_path
 
     def wait_ready(self) -> float:
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < START_TIMEOUT_S:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not ready after {START_TIMEOUT_S} s; see {self.log_path}")
+        return wait_healthy(self.url, self.proc, self.log_path, START_TIMEOUT_S)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
