@@ -13,7 +13,8 @@
 # copy of the repository, in the background; `bash scripts/reproduce/pack.sh` packs $RES for the trip back.
 # The first run (4 min per depth, ~465 optimizer steps of 16,384 tokens) stopped with the loss still falling steeply
 # (docs/benchmarks/index.md, "Capacity check"); the run that separates "cannot fit" from "was not given the steps"
-# gives each depth about ten times the steps: TRAIN_MIN=8 TRAIN_EXTRA="--tokens-per-batch 4096" (~25 min in all).
+# gives each depth about ten times the steps (~5,000): smaller batches and more minutes, e.g. TRAIN_MIN=10
+# TRAIN_EXTRA="--tokens-per-batch 4096" (~30 min in all; check steps_done in capacity-train-L*-summary.json).
 # A CPU dry run: MODEL=smollm2-135m-instruct SHAREGPT= DEVICE=cpu N_PROMPTS=8 MAX_NEW=16 EVAL_N=4 EVAL_TOKENS=8
 #   DEPTHS=1 TRAIN_EXTRA="--steps 4 --tokens-per-batch 2048" RES=/tmp/res-dry DATA=/tmp/capacity-dry
 set -uo pipefail
