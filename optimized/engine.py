@@ -176,8 +176,8 @@ class Engine:
         elif plan.mode is SchedulingMode.ADAPTIVE_SYNC:
             budget = sum(plan.lengths)
         lengths = verified.verified if verified is not None else []
-        # sync: none, the survivals are NumPy host copies landed at draft time
-        predicted = [[] if a is None or n == 0 else a[:n].tolist() for a, n in zip(survivals, lengths)]
+        predicted = [[] if a is None or n == 0 else a[:n].tolist()  # sync: none, NumPy host copies made at draft time
+                     for a, n in zip(survivals, lengths)]
         return StepStats(
             step_time_s=step_s, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_decoding=len(plan.decoding), verify_tokens=verified.num_tokens if verified is not None else 0,
