@@ -340,20 +340,17 @@ def measure_cost_table(verify_fn: Callable[[int], None], draft_fn: Callable[[int
             samples.append((time.perf_counter() - start) * 1e3)
         return statistics.median(samples)
 
-    jobs = [("verify", verify_fn, int(n)) for n in token_counts] + [("draft", draft_fn, int(r)) for r in request_counts]
-    if tokens_by_requests:
-        if verify_requests_fn is None:
-            raise ValueError("tokens_by_requests needs verify_requests_fn")
-        jobs += [(int(r), lambda n, r=int(r): verify_requests_fn(r, n), int(n))
-                 for r, sizes in sorted(tokens_by_requests.items()) for n in sizes]
-    verify, draft, by_requests = {}, {}, {}
-    for kind, fn, size in tqdm(jobs, desc="profiling step costs", disable=not progress):
-        if kind == "verify":
-            verify[size] = median_ms(fn, size)
-        elif kind == "draft":
-            draft[size] = median_ms(fn, size)
-        else:  # a request count
-            by_requests.setdefault(kind, {})[size] = median_ms(fn, size)
+    tokens_by_requests = tokens_by_requests or {}
+    if tokens_by_requests and verify_requests_fn is None:
+        raise ValueError("tokens_by_requests needs verify_requests_fn")
+    verify, draft = {}, {}
+    by_requests = {int(r): {} for r in sorted(tokens_by_requests)}
+    # (the curve a measurement goes to, what to run, its size)
+    jobs = [(verify, verify_fn, int(n)) for n in token_counts] + [(draft, draft_fn, int(r)) for r in request_counts]
+    jobs += [(by_requests[int(r)], lambda n, r=int(r): verify_requests_fn(r, n), int(n))
+             for r in sorted(tokens_by_requests) for n in tokens_by_requests[r]]
+    for curve, fn, size in tqdm(jobs, desc="profiling step costs", disable=not progress):
+        curve[size] = median_ms(fn, size)
     meta = {"repeats": repeats, "warmup": warmup}
     return CostTable(verify, draft, graph_max_tokens, hardware, meta, by_requests).monotone()
 
