@@ -112,6 +112,22 @@ def measure(name: str, step, batches, device: torch.device, warmup: int, repeats
     return rec
 
 
+def profile(step, batches, device: torch.device, path: Path, steps: int = 3) -> None:
+    """Operator table of ``steps`` training steps (torch.profiler), sorted by device time, written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for i in range(steps):
+            step(batches[i % len(batches)])
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{steps} fast training steps on {hardware(device)}\n"
+                    + prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=70) + "\n")
+    log.info("profile of %d fast steps written to %s", steps, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -125,14 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--limit", type=int, default=4096, help="sequences loaded")
     p.add_argument("--json", default=None)
+    p.add_argument("--steps", default="reference,fast", help="which steps to time: reference, fast or both")
+    p.add_argument("--profile", default=None,
+                   help="also profile 3 fast steps (torch.profiler) and write the operator table to this file")
     args = p.parse_args(argv)
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = Target.load(args.model, device=device, dtype=dtype)
     data = TokenData(load_dataset(args.data, limit=args.limit), 1024, device)
     batches = token_budget_batches(data.lengths, args.tokens_per_batch, seed=0, epoch=0)
+    names = [n for n in args.steps.split(",") if n]
+    if not names or any(n not in ("reference", "fast") for n in names):
+        raise SystemExit(f"--steps takes reference, fast or reference,fast; got {args.steps!r}")
     results = []
-    for name in ("reference", "fast"):
+    for name in names:
         torch.manual_seed(0)
         fast = name == "fast"
         cfg = DrafterConfig.from_target_config(target.config, num_layers=args.num_layers, head="markov",
@@ -146,11 +168,16 @@ def main(argv: list[str] | None = None) -> int:
             step = lambda idx, d=drafter, g=gen: reference_step(d, target, data, idx, args.anchors_per_seq,  # noqa: E731
                                                          LossWeights(), g)
         results.append(measure(name, step, batches, device, args.warmup, args.repeats))
+        if fast and args.profile:
+            profile(step, batches, device, Path(args.profile))
         del drafter
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    ratio = results[1]["slot_predictions_per_s"] / results[0]["slot_predictions_per_s"]
-    log.info("fast / reference: %.1fx supervised slot predictions per second", ratio)
+    by_name = {r["step"]: r for r in results}
+    ratio = by_name["fast"]["slot_predictions_per_s"] / by_name["reference"]["slot_predictions_per_s"] \
+        if len(by_name) == 2 else None
+    if ratio is not None:
+        log.info("fast / reference: %.1fx supervised slot predictions per second", ratio)
     report = {"benchmark": "training step, supervised slot predictions per second", "hardware": hardware(device),
               "torch": torch.__version__, "model": Path(args.model).name, "tokens_per_batch": args.tokens_per_batch,
               "gamma": 7, "command": " ".join(["python -m scripts.bench_training", *(argv or sys.argv[1:])]),
@@ -168,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.bar([r["step"] for r in results], [r["slot_predictions_per_s"] / 1e3 for r in results],
                color=["#999", "#3949ab"])
         ax.set_ylabel("supervised slot predictions / s (thousands)")
-        ax.set_title(f"training step on {report['hardware']}: {ratio:.1f}x")
+        ax.set_title(f"training step on {report['hardware']}" + (f": {ratio:.1f}x" if ratio else ""))
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"), dpi=120)
     except ImportError:
