@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from optimized.kernels.distill_loss import ROW_STATS, distill_rows
 from reference.drafter import DSparkDrafter, apply_rope, rope_cos_sin
 from reference.losses import PAPER_WEIGHTS, BlockTargets, LossWeights, dense_block_targets, position_weights
 
@@ -45,6 +46,9 @@ from reference.losses import PAPER_WEIGHTS, BlockTargets, LossWeights, dense_blo
 # chunk of 2**22 elements keeps the temporaries in cache-friendly sizes.
 CUDA_CHUNK_ELEMENTS = 2**26
 CPU_CHUNK_ELEMENTS = 2**22
+# With the Triton kernel the only [rows, V] temporary is the bf16 logits chunk, overwritten by its gradient: 2**28
+# elements (512 MiB) make the LM-head products large and the chunks few.
+TRITON_CHUNK_ELEMENTS = 2**28
 
 STAT_NAMES = ("count", "label_hit", "target_hit", "accept_proxy", "ce", "kl", "l1")
 """Columns of :attr:`HeadLoss.slot_stats`: per slot, sums over valid slots (not weighted by ``w_k``)."""
@@ -148,11 +152,12 @@ class _HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_lm: Tensor, x_seq: Tensor | None, w2: Tensor | None, lm_weight: Tensor, target_logits: Tensor,
-                labels: Tensor, row_weight: Tensor, weights: LossWeights, chunk_rows: int, mm_dtype: torch.dtype):
+                labels: Tensor, row_weight: Tensor, weights: LossWeights, chunk_rows: int, mm_dtype: torch.dtype,
+                backend: str):
         # x_lm [M, d], x_seq [M, r] | None, w2 [V, r] | None, lm_weight [V, d] (frozen), target_logits [T, V],
         # labels [M], row_weight [M] = w_k / Σ w_k over valid slots (0 where invalid). Rows are ordered by
         # _row_order: rows [γ·t, γ·(t+1)) are the γ slots scored against target row t, so M = γ·T.
-        M, T, V = labels.shape[0], target_logits.shape[0], lm_weight.shape[0]
+        M, T = labels.shape[0], target_logits.shape[0]
         gamma = M // T
         dev = x_lm.device
         w_lm = lm_weight.to(mm_dtype)  # [V, d]; matrix products in mm_dtype (bf16 on a GPU), fp32 accumulation
@@ -160,47 +165,23 @@ class _HeadLoss(torch.autograd.Function):
         grad_x = torch.empty(M, x_lm.shape[1], dtype=torch.float32, device=dev)
         grad_seq = None if x_seq is None else torch.empty(M, x_seq.shape[1], dtype=torch.float32, device=dev)
         grad_w2 = None if w2 is None else torch.zeros(w2.shape, dtype=torch.float32, device=dev)
-        per_row = torch.empty(M, 6, dtype=torch.float32, device=dev)  # ce, l1, kl, c*, label hit, target hit
+        per_row = torch.empty(M, len(ROW_STATS), dtype=torch.float32, device=dev)  # ce, l1, kl, c*, hits
         rows_t = max(1, chunk_rows // gamma)  # target rows per chunk
+        term_weights = (weights.ce, weights.kl, weights.l1)
         with torch.autocast(dev.type, enabled=False):
             for t0 in range(0, T, rows_t):
                 t1 = min(t0 + rows_t, T)
-                c, r0, r1 = t1 - t0, t0 * gamma, t1 * gamma
-                xs = x_lm[r0:r1].detach().to(mm_dtype)  # [c·γ, d]
-                z = xs @ w_lm.t()  # [c·γ, V] U (+ the factored Markov bias, already inside x_lm)
+                r0, r1 = t0 * gamma, t1 * gamma
+                z = x_lm[r0:r1].detach().to(mm_dtype) @ w_lm.t()  # [c·γ, V] U (+ the factored Markov bias)
                 if x_seq is not None:
-                    z = z + x_seq[r0:r1].detach().to(mm_dtype) @ w_2.t()  # + B = W2·x_seq (full tables)
-                z = z.float()
-                lse = torch.logsumexp(z, dim=-1, keepdim=True)  # [c·γ, 1]
-                p_d = torch.exp(z - lse)  # [c·γ, V]
-                log_p_t = torch.log_softmax(target_logits[t0:t1].float(), dim=-1)  # [c, V]: once per target row
-                p_t = log_p_t.exp()  # [c, V]
-                neg_entropy = (p_t * log_p_t).nan_to_num(0.0).sum(-1)  # [c] Σ p_t log p_t
-                p_d3, z3 = p_d.view(c, gamma, V), z.view(c, gamma, V)
-                y = labels[r0:r1]  # [c·γ]
-                ce = (lse - z.gather(1, y[:, None])).squeeze(1)  # [c·γ] −log p_d(x*)
-                kl = (neg_entropy[:, None] - torch.einsum("cv,cgv->cg", p_t, z3)).reshape(-1) + lse.squeeze(1)
-                diff = p_d3 - p_t[:, None, :]  # [c, γ, V]
-                l1 = diff.abs().sum(-1).reshape(-1)  # [c·γ] ‖p_d − p_t‖₁
-                c_star = (p_d3 - diff.clamp_min(0)).sum(-1).reshape(-1).clamp(0.0, 1.0)  # [c·γ] Σ min(p_d, p_t)
-                a = row_weight[r0:r1, None]  # [c·γ, 1]
-                # dL/dz row by row: a·[w_ce (p_d − onehot(x*)) + w_kl (p_d − p_t) + w_l1 p_d ⊙ (s − Σ p_d s)].
-                g = p_d * (a * (weights.ce + weights.kl))  # [c·γ, V]
-                if weights.ce:
-                    g.scatter_add_(1, y[:, None], -a * weights.ce)
-                if weights.kl:
-                    g.view(c, gamma, V).sub_(p_t[:, None, :] * (a * weights.kl).view(c, gamma, 1))
-                if weights.l1:
-                    s = diff.sign().view(-1, V)  # [c·γ, V]
-                    g += (a * weights.l1) * p_d * (s - (p_d * s).sum(-1, keepdim=True))
-                gm = g.to(mm_dtype)
+                    z += x_seq[r0:r1].detach().to(mm_dtype) @ w_2.t()  # + B = W2·x_seq (full tables)
+                # dL/dz and the per-row terms (optimized.kernels.distill_loss), the gradient written over z
+                gm, per_row[r0:r1] = distill_rows(z, target_logits[t0:t1], labels[r0:r1], row_weight[r0:r1],
+                                                  term_weights, out=z, backend=backend)
                 grad_x[r0:r1] = (gm @ w_lm).float()  # [c·γ, d]
                 if x_seq is not None:
                     grad_seq[r0:r1] = (gm @ w_2).float()  # [c·γ, r]
                     grad_w2 += (gm.t() @ x_seq[r0:r1].detach().to(mm_dtype)).float()  # [V, r]
-                per_row[r0:r1, 0], per_row[r0:r1, 1], per_row[r0:r1, 2], per_row[r0:r1, 3] = ce, l1, kl, c_star
-                per_row[r0:r1, 4] = (z.argmax(-1) == y).float()
-                per_row[r0:r1, 5] = (z3.argmax(-1) == log_p_t.argmax(-1)[:, None]).reshape(-1).float()
         means = (row_weight[:, None] * per_row[:, :3]).sum(0)  # [3] weighted means of ce, l1, kl
         loss = weights.ce * means[0] + weights.l1 * means[1] + weights.kl * means[2]
         ctx.save_for_backward(grad_x, *(() if grad_seq is None else (grad_seq, grad_w2)))
@@ -214,14 +195,15 @@ class _HeadLoss(torch.autograd.Function):
         grads = ctx.saved_tensors
         gx = (grads[0] * grad_loss).to(x_dtype)
         if seq_dtype is None:
-            return gx, None, None, None, None, None, None, None, None, None
+            return gx, None, None, None, None, None, None, None, None, None, None
         return (gx, (grads[1] * grad_loss).to(seq_dtype), (grads[2] * grad_loss).to(w2_dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def fused_head_loss(drafter: DSparkDrafter, h: Tensor, targets: BlockTargets, target_logits: Tensor, *,
                     weights: LossWeights | tuple = PAPER_WEIGHTS, decay: float = 4.0,
-                    chunk_elements: int | None = None, denominator: Tensor | None = None) -> HeadLoss:
+                    chunk_elements: int | None = None, denominator: Tensor | None = None,
+                    num_rows: int | None = None, backend: str = "auto") -> HeadLoss:
     """The DSpark loss of a dense batch (every position an anchor), the LM head fused into it.
 
     Equals ``dspark_loss(*drafter.head_logits(h, targets.prev_tokens), p_t, ...)`` over the valid slots of
@@ -240,6 +222,13 @@ def fused_head_loss(drafter: DSparkDrafter, h: Tensor, targets: BlockTargets, ta
         denominator: ``Σ w_k`` over the valid slots that the means divide by; default this batch's
             (:func:`weight_sum`). Data-parallel training passes the sum over every rank's batch, so that the
             ranks' summed gradients are exactly the gradient of one process on the whole global batch.
+        num_rows: an upper bound on the target rows that teach a valid slot, known on the host
+            (``reference.losses.teacher_rows``: the positions ``j`` with ``j`` and ``j + 1`` both response
+            tokens). The LM head and the loss then run on that many target rows (teachers first) instead of all
+            ``B·S``: prompt and padding positions cost nothing. ``None``: every row. A bound below the true count drops
+            supervision, so pass the exact count or more.
+        backend: the per-row loss work (``optimized.kernels.distill_loss``): ``"auto"`` runs the Triton kernel on
+            CUDA and the torch definition elsewhere; ``"triton"`` / ``"torch"`` force one.
 
     Returns:
         :class:`HeadLoss`.
@@ -260,21 +249,34 @@ def fused_head_loss(drafter: DSparkDrafter, h: Tensor, targets: BlockTargets, ta
     wv = torch.where(valid, wk, 0.0)  # [B, S, γ]
     denom = (wv.sum() if denominator is None else denominator).clamp_min(1e-12)  # Σ w_k, a tensor (no sync)
 
-    index, exists = _row_order(B, S, gamma, h.device)  # [M] each
+    index, exists = _row_order(B, S, gamma, h.device)  # [B·S·γ] each
+    ok = exists & valid.reshape(-1)[index]  # [B·S·γ]
+    teacher_logits = target_logits.reshape(B * S, V)  # [B·S, V]
+    if num_rows is not None and num_rows < B * S:
+        # Keep the target rows that teach a valid slot (stable: in order), then others up to num_rows; a fixed
+        # count known on the host, so no sync. The γ draft rows of each kept target row stay adjacent.
+        teaches = ok.view(B * S, gamma).any(dim=1)  # [B·S]
+        keep = torch.argsort((~teaches).to(torch.int8), stable=True)[:max(num_rows, 1)]  # [R]
+        sel = (keep[:, None] * gamma + torch.arange(gamma, device=h.device)).reshape(-1)  # [R·γ]
+        index, ok, teacher_logits = index[sel], ok[sel], teacher_logits[keep]
 
     def ordered(t: Tensor) -> Tensor:  # [B, S, γ, ...] -> [M, ...] in target-row order
         return t.reshape(B * S * gamma, *t.shape[3:])[index]
 
-    ok = exists & ordered(valid)  # [M]
     row_weight = ordered(wv / denom) * ok  # [M]
     dev = h.device.type
     mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
-    elements = chunk_elements or (CUDA_CHUNK_ELEMENTS if h.is_cuda else CPU_CHUNK_ELEMENTS)
+    if backend == "auto":
+        backend = "triton" if h.is_cuda else "torch"
+    elements = chunk_elements or (TRITON_CHUNK_ELEMENTS if backend == "triton" and h.is_cuda
+                                  else CUDA_CHUNK_ELEMENTS if h.is_cuda else CPU_CHUNK_ELEMENTS)
     loss, means, per_row = _HeadLoss.apply(
-        ordered(x_lm), None if x_seq is None else ordered(x_seq), w2, lm_weight, target_logits.reshape(B * S, V),
-        ordered(targets.labels), row_weight, w, max(gamma, elements // max(V, 1)), mm_dtype)
-    # c* back in the [B, S, γ] layout: each valid draft row appears exactly once in the order.
-    c_star = torch.zeros(B * S * gamma, device=h.device).index_put_((index[ok],), per_row[ok, 3]).view(B, S, gamma)
+        ordered(x_lm), None if x_seq is None else ordered(x_seq), w2, lm_weight, teacher_logits,
+        ordered(targets.labels), row_weight, w, max(gamma, elements // max(V, 1)), mm_dtype, backend)
+    # c* back in the [B, S, γ] layout: each valid draft row appears exactly once in the order; the others add 0
+    # (accumulating, so that the clamped indices of rows that do not exist cannot overwrite a real value).
+    c_star = torch.zeros(B * S * gamma, device=h.device).index_put_(
+        (index,), torch.where(ok, per_row[:, 3], 0.0), accumulate=True).view(B, S, gamma)
     terms = {"ce": means[0], "l1": means[1], "kl": means[2]}
 
     conf_logits = drafter.conf_logits(h, e_prev) if w.conf > 0 else None  # [B, S, γ]
@@ -285,7 +287,7 @@ def fused_head_loss(drafter: DSparkDrafter, h: Tensor, targets: BlockTargets, ta
         loss = loss + w.conf * conf
 
     # Per-slot sums over valid slots (STAT_NAMES); the slot of ordered row (b, j, k) is k.
-    slot = torch.arange(gamma, device=h.device).repeat(B * S)  # [M]
+    slot = torch.arange(gamma, device=h.device).repeat(per_row.shape[0] // gamma)  # [M]
     cols = torch.stack((torch.ones_like(row_weight), per_row[:, 4], per_row[:, 5], per_row[:, 3], per_row[:, 0],
                         per_row[:, 2], per_row[:, 1]), dim=1) * ok[:, None].float()  # [M, 7]
     stats = torch.zeros(gamma, len(STAT_NAMES), device=h.device).index_add_(0, slot, cols)
@@ -301,15 +303,17 @@ def weight_sum(targets: BlockTargets, decay: float = 4.0) -> Tensor:
 def dense_step_loss(drafter: DSparkDrafter, input_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor,
                     features: Tensor, target_logits: Tensor, *, weights: LossWeights | tuple = PAPER_WEIGHTS,
                     decay: float = 4.0, chunk_elements: int | None = None,
-                    denominator: Tensor | None = None) -> HeadLoss:
+                    denominator: Tensor | None = None, num_rows: int | None = None,
+                    backend: str = "auto") -> HeadLoss:
     """One dense training step's loss: targets, backbone and fused head loss of a right-padded batch.
 
     Args:
         input_ids, loss_mask, attention_mask: ``[B, S]`` (int64, bool, bool).
         features: ``[B, S, m·d]`` and target_logits ``[B, S, V]`` from one target forward of the batch.
-        denominator: see :func:`fused_head_loss`.
+        denominator, num_rows, backend: see :func:`fused_head_loss`.
     """
     targets = dense_block_targets(input_ids, loss_mask & attention_mask, drafter.config.block_size)
     h = dense_backbone(drafter, input_ids, features, attention_mask)  # [B, S, γ, d]
     return fused_head_loss(drafter, h, targets, target_logits, weights=weights, decay=decay,
-                           chunk_elements=chunk_elements, denominator=denominator)
+                           chunk_elements=chunk_elements, denominator=denominator, num_rows=num_rows,
+                           backend=backend)

@@ -218,6 +218,19 @@ def dense_block_targets(input_ids: Tensor, loss_mask: Tensor, gamma: int) -> Blo
                         target_pos=prev_c.expand(B, S, gamma), valid=valid)
 
 
+def teacher_rows(loss_mask: Tensor) -> int:
+    """How many target rows of a sequence (or ``[B, S]`` batch) teach a valid slot of :func:`dense_block_targets`.
+
+    Row ``j`` teaches slot ``k`` of block ``j - k + 1``; such a slot is valid only if ``j`` and ``j + 1`` are both
+    response tokens, and then slot 1 of block ``j`` is valid too. So the count is the number of positions ``j``
+    with ``loss_mask[j]`` and ``loss_mask[j + 1]``. Count on the host copy of the mask when the data is loaded:
+    the fast training loss uses it to skip prompt and padding rows without reading the device (on a device
+    tensor, this call synchronises).
+    """
+    m = loss_mask.bool()
+    return int((m[..., :-1] & m[..., 1:]).sum())
+
+
 def block_attention_mask(anchors: Tensor, gamma: int, ctx_len: int, ctx_valid: Tensor | None = None) -> Tensor:
     """The boolean attention mask of the packed training forward (True = may attend).
 

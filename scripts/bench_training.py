@@ -69,7 +69,7 @@ def fast_step(drafter: DSparkDrafter, target: Target, data: TokenData, idx: list
     logits_t, features = target.forward_batch(b.input_ids, b.attention_mask.long(), float_logits=False)
     with _autocast(data.device):
         out = dense_step_loss(drafter, b.input_ids, b.loss_mask, b.attention_mask, features, logits_t,
-                              weights=weights)
+                              weights=weights, num_rows=b.num_teacher_rows)
     out.loss.backward()
     return out.slot_stats[:, 0].sum()
 
@@ -114,7 +114,8 @@ def measure(name: str, step, batches, device: torch.device, warmup: int, repeats
 
 def profile(step, batches, device: torch.device, path: Path, steps: int = 3) -> None:
     """Operator table of ``steps`` training steps (torch.profiler), sorted by device time, written to ``path``."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:

@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from reference.losses import block_targets, sample_anchors
+from reference.losses import block_targets, sample_anchors, teacher_rows
 
 SHARD_GLOB = "shard-*.safetensors"
 
@@ -119,6 +119,7 @@ class Batch:
     input_ids: Tensor  # int64
     attention_mask: Tensor  # bool: True on the first len_b positions
     loss_mask: Tensor  # bool: True on response tokens
+    num_teacher_rows: int | None = None  # host-known count of reference.losses.teacher_rows (no device sync)
 
 
 class TokenData:
@@ -134,6 +135,9 @@ class TokenData:
         if not examples:
             raise ValueError("no examples")
         self.lengths = [min(len(e.input_ids), max_len) for e in examples]
+        # Per sequence, the target rows that teach a slot (reference.losses.teacher_rows), counted on the host
+        # once, so that a batch knows its count without reading the device.
+        self.teachers = [teacher_rows(e.loss_mask[:n]) for e, n in zip(examples, self.lengths)]
         self.tokens = torch.cat([e.input_ids[:n] for e, n in zip(examples, self.lengths)]).to(device)  # [T]
         self.loss_mask = torch.cat([e.loss_mask[:n] for e, n in zip(examples, self.lengths)]).to(device)  # [T]
         starts = [0]
@@ -162,7 +166,7 @@ class TokenData:
         attn = pos[None, :] < self.lens[sel][:, None]  # [B, S]
         flat = (self.starts[sel][:, None] + pos[None, :]).clamp(max=self.tokens.numel() - 1)  # [B, S]
         ids = torch.where(attn, self.tokens[flat].to(torch.int64), 0)  # pad id 0 is masked everywhere
-        return Batch(ids, attn, self.loss_mask[flat] & attn)
+        return Batch(ids, attn, self.loss_mask[flat] & attn, sum(self.teachers[i] for i in idx))
 
 
 def token_budget_batches(lengths: list[int], tokens_per_batch: int, seed: int, epoch: int, rank: int = 0,

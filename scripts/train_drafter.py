@@ -160,7 +160,7 @@ def evaluate(drafter: DSparkDrafter, target: Target, data: TokenData, eval_batch
         logits_t, features = target.forward_batch(b.input_ids, b.attention_mask.long(), float_logits=False)
         with autocast(device):
             out = dense_step_loss(drafter, b.input_ids, b.loss_mask, b.attention_mask, features, logits_t,
-                                  weights=weights, decay=decay)
+                                  weights=weights, decay=decay, num_rows=b.num_teacher_rows)
         for k, v in {"loss": out.loss, **out.terms}.items():
             sums[k] = sums.get(k, 0.0) + float(v)  # sync: evaluation only
         stats = out.slot_stats if stats is None else stats + out.slot_stats
@@ -457,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         logits_t, features = target.forward_batch(b.input_ids, b.attention_mask.long(), float_logits=False)
         with autocast(device):
             out_loss = dense_step_loss(drafter, b.input_ids, b.loss_mask, b.attention_mask, features, logits_t,
-                                       weights=weights, decay=args.decay, denominator=denominator)
+                                       weights=weights, decay=args.decay, denominator=denominator,
+                                       num_rows=b.num_teacher_rows)
         del logits_t, features
         opt.zero_grad(set_to_none=True)
         out_loss.loss.backward()

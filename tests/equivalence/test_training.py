@@ -8,16 +8,27 @@ order, so 1e-5 relative tolerances (losses O(1), gradients O(1e-2)).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
 
 from optimized.training import STAT_NAMES, dense_backbone, dense_step_loss, fused_head_loss
 from reference.drafter import DSparkDrafter
-from reference.losses import block_targets, dense_block_targets, dspark_loss
+from reference.losses import block_targets, dense_block_targets, dspark_loss, teacher_rows
 from tests.conftest import TINY_D, TINY_TAPS, TINY_V, tiny_drafter_config
 
 TOL = dict(atol=2e-5, rtol=1e-4)
+needs_triton = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                                  reason="the Triton kernel on CPU needs TRITON_INTERPRET=1 (the CI command sets it)")
+# The per-row loss work in torch or in the Triton kernel; every target row, or only the rows that teach a slot.
+VARIANTS = [pytest.param("torch", False, id="torch-all-rows"), pytest.param("torch", True, id="torch-teacher-rows"),
+            pytest.param("triton", True, id="triton-teacher-rows", marks=needs_triton)]
+
+
+def _num_rows(compact: bool, lmask, attn):
+    return teacher_rows(lmask & attn) if compact else None
 
 
 def _drafter(head: str, factored: bool = False, qk_norm: bool = False, mask_token_id=None, seed: int = 0):
@@ -92,16 +103,18 @@ def _reference_loss(drafter, ids, lmask, attn, features, target_logits, weights,
                        weights=weights), draft, p_t, t
 
 
+@pytest.mark.parametrize("backend,compact", VARIANTS)
 @pytest.mark.parametrize("head,factored", [("markov", False), ("markov", True), ("rnn", False), ("none", False)])
 @pytest.mark.parametrize("weights", [(0.1, 0.9, 1.0), (0.0, 0.0, 1.0, 1.0), (1.0, 0.0, 0.0), (0.3, 0.5, 0.7, 0.2)])
-def test_fused_loss_and_gradients_equal_the_reference(head, factored, weights):
+def test_fused_loss_and_gradients_equal_the_reference(head, factored, weights, backend, compact):
     ids, lmask, attn, features, target_logits = _batch()
     ref_drafter = _drafter(head, factored)
     fast_drafter = _drafter(head, factored)
     ref, *_ = _reference_loss(ref_drafter, ids, lmask, attn, features, target_logits, weights, 3.0)
     # A chunk far smaller than the batch: several chunks, one ending mid-sequence.
     fast = dense_step_loss(fast_drafter, ids, lmask, attn, features, target_logits, weights=weights, decay=3.0,
-                           chunk_elements=TINY_V * 4 * 5)
+                           chunk_elements=TINY_V * 4 * 5, num_rows=_num_rows(compact, lmask, attn),
+                           backend=backend)
     torch.testing.assert_close(fast.loss, ref["loss"], **TOL)
     for name in ("ce", "l1", "kl", "conf"):
         if name in fast.terms:
@@ -115,11 +128,13 @@ def test_fused_loss_and_gradients_equal_the_reference(head, factored, weights):
         torch.testing.assert_close(p_fast.grad, p_ref.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_slot_statistics_and_confidence_target():
+@pytest.mark.parametrize("backend,compact", VARIANTS)
+def test_slot_statistics_and_confidence_target(backend, compact):
     ids, lmask, attn, features, target_logits = _batch()
     drafter = _drafter("markov")
     ref, draft, p_t, t = _reference_loss(drafter, ids, lmask, attn, features, target_logits, (0.1, 0.9, 1.0), 4.0)
-    fast = dense_step_loss(drafter, ids, lmask, attn, features, target_logits, chunk_elements=TINY_V * 7)
+    fast = dense_step_loss(drafter, ids, lmask, attn, features, target_logits, chunk_elements=TINY_V * 7,
+                           num_rows=_num_rows(compact, lmask, attn), backend=backend)
     stats = dict(zip(STAT_NAMES, fast.slot_stats.unbind(1)))
     v = t.valid  # [B, S, γ]
     torch.testing.assert_close(stats["count"], v.sum((0, 1)).float())
@@ -158,3 +173,26 @@ def test_markov_tables_match_the_factored_head():
     with torch.no_grad():
         drafter.seq_head.w2_proj.weight.add_(1.0)
     assert drafter.markov_tables()[1] is not w2  # a parameter update invalidates the cache
+
+
+def test_teacher_rows_are_exactly_the_rows_that_teach_a_slot():
+    """The host count behind num_rows: a smaller bound would drop supervision, a larger one only costs time."""
+    ids, lmask, attn, _, _ = _batch()
+    t = dense_block_targets(ids, lmask & attn, 4)
+    B, S, gamma = t.valid.shape
+    teaching = torch.zeros(B, S, dtype=torch.bool)
+    for k in range(gamma):  # slot k+1 of block p is taught by row p + k
+        teaching[:, k:] |= t.valid[:, :S - k, k]
+    assert teacher_rows(lmask & attn) == int(teaching.sum())
+    assert teacher_rows(lmask[1]) == int(teaching[1].sum())  # one sequence
+
+
+def test_a_loose_row_bound_changes_nothing():
+    ids, lmask, attn, features, target_logits = _batch()
+    drafter = _drafter("markov", factored=True)
+    exact = dense_step_loss(drafter, ids, lmask, attn, features, target_logits, num_rows=teacher_rows(lmask & attn))
+    loose = dense_step_loss(drafter, ids, lmask, attn, features, target_logits,
+                            num_rows=teacher_rows(lmask & attn) + 5)
+    torch.testing.assert_close(loose.loss, exact.loss, **TOL)
+    torch.testing.assert_close(loose.slot_stats, exact.slot_stats, **TOL)
+    torch.testing.assert_close(loose.c_star, exact.c_star, **TOL)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from reference.losses import teacher_rows
 from reference.target import Target
 from scripts import calibrate, data, dataset, eval_acceptance, make_dataset, train_drafter
 
@@ -267,6 +268,8 @@ def test_token_data_batches_equal_the_padded_examples(workdir):
     ref = dataset.collate([examples[i] for i in (3, 0, 7)], 20)
     assert torch.equal(b.input_ids, ref.input_ids) and torch.equal(b.attention_mask, ref.attention_mask)
     assert torch.equal(b.loss_mask, ref.loss_mask)
+    # the host-side count the fast loss sizes its rows by (truncation to max_len included)
+    assert b.num_teacher_rows == teacher_rows(ref.loss_mask) > 0
 
 
 # --------------------------------------------------------------------------- train_drafter.py
