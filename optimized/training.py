@@ -23,6 +23,12 @@ What makes it fast, and why each piece is exact:
   scalar. No ``[B, S, γ, V]`` tensor, no full-vocabulary float32 copy of the target logits, no second
   pass over the logits in backward (the reference's chunked loss recomputes its chunks under
   checkpointing).
+* **Only the rows that teach** (``num_rows``): a target row teaches a valid slot only where it and the next
+  position are response tokens; the caller counts those rows on the host when the data is loaded, and the LM head
+  and the loss run on them alone (prompt and padding rows would cost as much and contribute nothing).
+* **One kernel per chunk for the per-row work** (``optimized.kernels.distill_loss``, on a GPU): the softmaxes,
+  the loss terms and the gradient read each bf16 logits row three times and write the gradient over it, where
+  the same arithmetic in torch makes about fifteen passes over float32 temporaries.
 * **No host synchronisation**: targets and validity are built on the device with fixed shapes, the loss
   denominators are tensors, and the per-slot statistics come back as one tensor the caller reads when it
   logs.
