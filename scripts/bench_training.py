@@ -7,12 +7,15 @@ Both steps train the same drafter on the same batches of self-distilled data, ta
   (``reference.losses.sample_anchors``), the packed forward under the dense block mask
   (``DSparkDrafter.forward``), ``head_logits`` materialising ``[B, nb, γ, V]`` float32 logits, the target logits
   gathered per slot in float32, ``reference.losses.dspark_loss``;
-* **fast**: every response position an anchor, ``optimized.training.dense_step_loss`` (two-part attention,
-  fused LM head + loss, each target row's softmax shared by its γ slots).
+* **fast-torch**: every response position an anchor, ``optimized.training.dense_step_loss`` (two-part attention,
+  fused LM head + loss, each target row's softmax shared by its γ slots) with the loss's per-row work in torch
+  and over every target row, prompt and padding included;
+* **fast** (the trainer's step): the same, with the per-row work in one Triton kernel on a GPU
+  (``optimized.kernels.distill_loss``) and only the target rows that teach a slot.
 
 A supervised slot prediction is one valid (block, slot) pair that the loss scores. The report gives each
 step's median time over ``--repeats`` timed steps (after ``--warmup``), slot predictions per step and per
-second, peak memory, and the ratio fast / reference. JSON to ``--json`` (default
+second, peak memory, and the ratios fast / reference and fast / fast-torch. JSON to ``--json`` (default
 ``docs/benchmarks/training-<device>.json``) and a bar plot beside it.
 
     python -m scripts.bench_training --data data/train --model smollm2-135m-instruct
@@ -41,6 +44,8 @@ from scripts.runtime import hardware, resolve_device
 
 log = logging.getLogger("dspark.bench_training")
 
+STEPS = ("reference", "fast-torch", "fast")
+
 
 def reference_step(drafter: DSparkDrafter, target: Target, data: TokenData, idx: list[int], anchors: int,
                    weights: LossWeights, gen: torch.Generator) -> torch.Tensor:
@@ -64,12 +69,16 @@ def reference_step(drafter: DSparkDrafter, target: Target, data: TokenData, idx:
 
 
 def fast_step(drafter: DSparkDrafter, target: Target, data: TokenData, idx: list[int],
-              weights: LossWeights) -> torch.Tensor:
+              weights: LossWeights, variant: str = "fast") -> torch.Tensor:
+    """The trainer's step; ``variant`` "fast-torch" is it as it was before the per-row kernel and the row
+    selection (every target row, the torch per-row work): the same-run baseline of those two changes."""
     b = data.batch(idx)
     logits_t, features = target.forward_batch(b.input_ids, b.attention_mask.long(), float_logits=False)
+    old = variant == "fast-torch"
     with _autocast(data.device):
         out = dense_step_loss(drafter, b.input_ids, b.loss_mask, b.attention_mask, features, logits_t,
-                              weights=weights, num_rows=b.num_teacher_rows)
+                              weights=weights, num_rows=None if old else b.num_teacher_rows,
+                              backend="torch" if old else "auto")
     out.loss.backward()
     return out.slot_stats[:, 0].sum()
 
@@ -142,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--limit", type=int, default=4096, help="sequences loaded")
     p.add_argument("--json", default=None)
-    p.add_argument("--steps", default="reference,fast", help="which steps to time: reference, fast or both")
+    p.add_argument("--steps", default="reference,fast-torch,fast",
+                   help="which steps to time: reference (sparse anchors), fast-torch (every anchor, per-row loss work "
+                        "in torch on every row), fast (the trainer's step)")
     p.add_argument("--profile", default=None,
                    help="also profile 3 fast steps (torch.profiler) and write the operator table to this file")
     args = p.parse_args(argv)
@@ -152,37 +163,38 @@ def main(argv: list[str] | None = None) -> int:
     data = TokenData(load_dataset(args.data, limit=args.limit), 1024, device)
     batches = token_budget_batches(data.lengths, args.tokens_per_batch, seed=0, epoch=0)
     names = [n for n in args.steps.split(",") if n]
-    if not names or any(n not in ("reference", "fast") for n in names):
-        raise SystemExit(f"--steps takes reference, fast or reference,fast; got {args.steps!r}")
+    if not names or any(n not in STEPS for n in names):
+        raise SystemExit(f"--steps takes a comma-separated list of {', '.join(STEPS)}; got {args.steps!r}")
     results = []
     for name in names:
         torch.manual_seed(0)
-        fast = name == "fast"
+        fast = name.startswith("fast")
         cfg = DrafterConfig.from_target_config(target.config, num_layers=args.num_layers, head="markov",
                                                markov_factored=fast, qk_norm=True, target_layer_ids=target.layer_ids)
         drafter = DSparkDrafter(cfg).to(device)
         drafter.attach_target(target.embed_tokens, target.lm_head)
         gen = torch.Generator().manual_seed(0)
         if fast:
-            step = lambda idx, d=drafter: fast_step(d, target, data, idx, LossWeights(0.0, 0.0, 1.0, 1.0))  # noqa: E731
+            step = lambda idx, d=drafter, v=name: fast_step(d, target, data, idx,  # noqa: E731
+                                                            LossWeights(0.0, 0.0, 1.0, 1.0), v)
         else:
             step = lambda idx, d=drafter, g=gen: reference_step(d, target, data, idx, args.anchors_per_seq,  # noqa: E731
                                                          LossWeights(), g)
         results.append(measure(name, step, batches, device, args.warmup, args.repeats))
-        if fast and args.profile:
+        if name == "fast" and args.profile:
             profile(step, batches, device, Path(args.profile))
         del drafter
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    by_name = {r["step"]: r for r in results}
-    ratio = by_name["fast"]["slot_predictions_per_s"] / by_name["reference"]["slot_predictions_per_s"] \
-        if len(by_name) == 2 else None
-    if ratio is not None:
-        log.info("fast / reference: %.1fx supervised slot predictions per second", ratio)
+    by_name = {r["step"]: r["slot_predictions_per_s"] for r in results}
+    ratio = by_name["fast"] / by_name["reference"] if {"fast", "reference"} <= by_name.keys() else None
+    ratios = {f"{a}/{b}": by_name[a] / by_name[b] for a in by_name for b in by_name if a != b and a == "fast"}
+    for k, v in ratios.items():
+        log.info("%s: %.2fx supervised slot predictions per second", k, v)
     report = {"benchmark": "training step, supervised slot predictions per second", "hardware": hardware(device),
               "torch": torch.__version__, "model": Path(args.model).name, "tokens_per_batch": args.tokens_per_batch,
               "gamma": 7, "command": " ".join(["python -m scripts.bench_training", *(argv or sys.argv[1:])]),
-              "results": results, "speedup": ratio}
+              "results": results, "speedup": ratio, "ratios": ratios}
     out = Path(args.json or f"docs/benchmarks/training-{'h200' if device.type == 'cuda' else 'cpu'}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -194,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
         fig, ax = plt.subplots(figsize=(5, 3))
         ax.bar([r["step"] for r in results], [r["slot_predictions_per_s"] / 1e3 for r in results],
-               color=["#999", "#3949ab"])
+               color=[{"reference": "#999", "fast-torch": "#9fa8da"}.get(r["step"], "#3949ab") for r in results])
         ax.set_ylabel("supervised slot predictions / s (thousands)")
         ax.set_title(f"training step on {report['hardware']}" + (f": {ratio:.1f}x" if ratio else ""))
         fig.tight_layout()

@@ -144,7 +144,7 @@ def autocast(device: torch.device):
 
 @torch.no_grad()
 def evaluate(drafter: DSparkDrafter, target: Target, data: TokenData, eval_batches: list[list[int]], weights,
-             decay: float, device: torch.device) -> dict:
+             decay: float, device: torch.device, backend: str = "auto") -> dict:
     """Held-out loss terms and per-slot teacher-forced acceptance proxies over every eligible anchor.
 
     ``accept_proxy[k] = E[Σ_v min(p_d, p_t)]`` (the probability that rejection sampling at T = 1 accepts slot k
@@ -160,7 +160,7 @@ def evaluate(drafter: DSparkDrafter, target: Target, data: TokenData, eval_batch
         logits_t, features = target.forward_batch(b.input_ids, b.attention_mask.long(), float_logits=False)
         with autocast(device):
             out = dense_step_loss(drafter, b.input_ids, b.loss_mask, b.attention_mask, features, logits_t,
-                                  weights=weights, decay=decay, num_rows=b.num_teacher_rows)
+                                  weights=weights, decay=decay, num_rows=b.num_teacher_rows, backend=backend)
         for k, v in {"loss": out.loss, **out.terms}.items():
             sums[k] = sums.get(k, 0.0) + float(v)  # sync: evaluation only
         stats = out.slot_stats if stats is None else stats + out.slot_stats
@@ -274,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="from this fraction of the schedule on, add the L1 term, ramped linearly to --l1-weight")
     p.add_argument("--l1-weight", type=float, default=0.9, help="final weight of the ramped L1 term")
     p.add_argument("--decay", type=float, default=4.0, help="λ of the position weights exp(-(k-1)/λ)")
+    p.add_argument("--loss-backend", choices=("auto", "triton", "torch"), default="auto",
+                   help="the loss's per-row work: auto = the Triton kernel on CUDA, torch elsewhere")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--eval-every", type=int, default=500)
@@ -458,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         with autocast(device):
             out_loss = dense_step_loss(drafter, b.input_ids, b.loss_mask, b.attention_mask, features, logits_t,
                                        weights=weights, decay=args.decay, denominator=denominator,
-                                       num_rows=b.num_teacher_rows)
+                                       num_rows=b.num_teacher_rows, backend=args.loss_backend)
         del logits_t, features
         opt.zero_grad(set_to_none=True)
         out_loss.loss.backward()
@@ -496,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
                             sps=f"{rec['slot_predictions_per_s'] / 1e3:.0f}k")
             emit(rec)
         if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
-            last_eval = evaluate(drafter, target, eval_data, eval_batches, args.loss_weights, args.decay, device)
+            last_eval = evaluate(drafter, target, eval_data, eval_batches, args.loss_weights, args.decay, device,
+                                 args.loss_backend)
             last_eval_step = step
             emit({"event": "eval", "step": step, **last_eval})
             log.info("eval step %d: loss %.4f  greedy match %s  accept proxy %s", step, last_eval["loss"],
@@ -512,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         wall = elapsed_before + time.perf_counter() - t_start
         save_state(state_dir, drafter, opt, step, wall, args)
         if last_eval_step != step:
-            last_eval = evaluate(drafter, target, eval_data, eval_batches, args.loss_weights, args.decay, device)
+            last_eval = evaluate(drafter, target, eval_data, eval_batches, args.loss_weights, args.decay, device,
+                                 args.loss_backend)
             emit({"event": "eval", "step": step, **last_eval})
         export = DSparkDrafter(config)
         export.load_state_dict({k: v.detach().cpu() for k, v in drafter.state_dict().items()})

@@ -502,11 +502,15 @@ def test_bench_training_compares_both_steps(workdir, tmp_path):
                                 "--tokens-per-batch", "256", "--warmup", "0", "--repeats", "2", "--num-layers", "1",
                                 "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    ref, fast = report["results"]
-    assert (ref["step"], fast["step"]) == ("reference", "fast")
+    ref, old, fast = report["results"]
+    assert (ref["step"], old["step"], fast["step"]) == ("reference", "fast-torch", "fast")
     # Every eligible anchor against 32 sampled ones per sequence: the fast step supervises more slots per batch.
     assert fast["slot_predictions_per_step"] >= ref["slot_predictions_per_step"] > 0
+    # Skipping the rows that teach nothing skips no supervised slot.
+    assert fast["slot_predictions_per_step"] == old["slot_predictions_per_step"]
     assert report["speedup"] == pytest.approx(fast["slot_predictions_per_s"] / ref["slot_predictions_per_s"])
+    assert report["ratios"]["fast/fast-torch"] == pytest.approx(fast["slot_predictions_per_s"]
+                                                                / old["slot_predictions_per_s"])
 
 
 def test_torchrun_two_ranks_train_like_one_process_on_the_global_batch(workdir):
