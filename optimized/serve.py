@@ -14,6 +14,7 @@ stops accepting connections, lets the requests in flight finish (at most ``--shu
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import signal
@@ -34,6 +35,7 @@ log = logging.getLogger("dspark.serve")
 DEFAULT_MAX_NUM_SEQS = {"cpu": 8, "cuda": 256}
 DEFAULT_MAX_MODEL_LEN = 2048  # prompt + completion; a ShareGPT turn and its answer fit with room
 DEFAULT_MAX_WAITING = 1024  # queued requests before 429: well above a closed-loop benchmark at concurrency 256
+DEFAULT_ENGINE_PROCESS = False  # see docs/serving.md, "The server's own cost"
 SPEC_KEYS = ("method", "model", "num_speculative_tokens", "enable_adaptive_verification",
              "num_speculative_tokens_per_batch_size", "mode", "threshold", "draft_gate")
 
@@ -149,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-each-step", action="store_true",
                    help="send every engine step as its own chunk, even to a stream that has fallen behind (default: "
                         "the steps that queued up for a request leave as one chunk)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=DEFAULT_ENGINE_PROCESS,
+                   help="build and step the engine in a child process (spawn), so that the HTTP side's Python "
+                        "(JSON, SSE, detokenisation, metrics) never delays an engine step; --no-engine-process: "
+                        "on a thread of the server's process")
     p.add_argument("--seed", type=int, default=0, help="root of the random-number contract")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -194,7 +200,7 @@ def resolve(args: argparse.Namespace) -> ServeArgs:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Start-up (runs on the engine thread while /health answers 503)
+# Start-up (runs on the engine thread, or in the engine process, while /health answers 503)
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -278,14 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     from optimized.serving.app import Server, build_app
 
     settings = server_settings(args)
-    server = Server(settings, lambda: build_runtime(sa), max_num_seqs=sa.max_num_seqs, max_waiting=args.max_waiting)
+    # A partial over the resolved settings, not a closure: the engine process receives it pickled.
+    server = Server(settings, functools.partial(build_runtime, sa), max_num_seqs=sa.max_num_seqs,
+                    max_waiting=args.max_waiting, engine_process=args.engine_process)
     config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     http = uvicorn.Server(config)
     exit_code = 0
 
-    def fatal(err: BaseException) -> None:  # engine thread: stop the HTTP server, exit 1
+    def fatal(err: BaseException) -> None:  # engine thread (or reader thread): stop the HTTP server, exit 1
         nonlocal exit_code
         exit_code = 1
         http.should_exit = True

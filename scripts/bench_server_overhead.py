@@ -51,7 +51,9 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -174,28 +176,43 @@ class SimulatedEngine:
 # --------------------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class SimulatedBuild:
+    """The server's ``build`` for a SimulatedEngine: picklable, so that it also runs in the engine process."""
+
+    token_ids: list[int]
+    tokenizer: Any
+    vocab_size: int
+    max_num_seqs: int
+    step_ms: float
+    host_ms: float
+    tokens_per_step: int
+
+    def __call__(self):
+        from optimized.serving.engine_loop import Runtime
+
+        engine = SimulatedEngine(self.token_ids, max_num_seqs=self.max_num_seqs, step_ms=self.step_ms,
+                                 host_ms=self.host_ms, tokens_per_step=self.tokens_per_step)
+        gamma = self.tokens_per_step - 1
+        return Runtime(engine, self.tokenizer, self.vocab_size, gamma, gamma > 0)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the real app in front of a SimulatedEngine (the child process the benchmark launches)."""
     import uvicorn
 
     from optimized.serving.app import Server, ServerSettings, build_app
-    from optimized.serving.engine_loop import Runtime
     from reference.target import Target
 
     target = Target.load(args.model)  # for its tokenizer only (CPU, once; the dequantised weights are cached)
     tokenizer, vocab = target.tokenizer, target.vocab_size
     del target
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
-    gamma = args.tokens_per_step - 1
-
-    def build() -> Runtime:
-        engine = SimulatedEngine(ids, max_num_seqs=args.max_num_seqs, step_ms=args.step_ms, host_ms=args.host_ms,
-                                 tokens_per_step=args.tokens_per_step)
-        return Runtime(engine, tokenizer, vocab, gamma, gamma > 0)
-
+    build = SimulatedBuild(ids, tokenizer, vocab, args.max_num_seqs, args.step_ms, args.host_ms, args.tokens_per_step)
     settings = ServerSettings(served_model_names=["simulated"], model_root=args.model, max_model_len=4096,
                               coalesce_steps=not args.per_step)
-    server = Server(settings, build, max_num_seqs=args.max_num_seqs, max_waiting=4 * args.max_num_seqs)
+    server = Server(settings, build, max_num_seqs=args.max_num_seqs, max_waiting=4 * args.max_num_seqs,
+                    engine_process=args.engine_process)
     uvicorn.run(build_app(server), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
     return 0
 
@@ -203,8 +220,8 @@ def serve(args: argparse.Namespace) -> int:
 class ServerProcess:
     """``python -m scripts.bench_server_overhead serve ...`` on a free port."""
 
-    def __init__(self, args: argparse.Namespace, arm: str, tokens_per_step: int, log_path: Path) -> None:
-        self.arm, self.tokens_per_step = arm, tokens_per_step
+    def __init__(self, args: argparse.Namespace, arm: str, engine: str, tokens_per_step: int, log_path: Path) -> None:
+        self.arm, self.engine, self.tokens_per_step = arm, engine, tokens_per_step
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -213,6 +230,7 @@ class ServerProcess:
                "--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--step-ms", str(args.step_ms),
                "--host-ms", str(args.host_ms), "--tokens-per-step", str(tokens_per_step)]
         cmd += ["--per-step"] if arm == "per-step" else []
+        cmd += ["--engine-process"] if engine == "process" else []
         pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
@@ -222,10 +240,13 @@ class ServerProcess:
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         wait_healthy(self.url, self.proc, self.log_path, timeout_s)
 
-    def cpu_s(self) -> float:
-        """User + system CPU seconds of the server process so far (Linux /proc)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    def cpu_s(self) -> tuple[float, float]:
+        """User + system CPU seconds so far (Linux /proc) of the server process and of its engine process (0 in the
+        thread mode)."""
+        children = {int(pid) for task in Path(f"/proc/{self.proc.pid}/task").iterdir()
+                    for pid in (task / "children").read_text().split()}
+        engine = sum(_cpu_s(pid) for pid in children if "spawn_main" in _cmdline(pid))
+        return _cpu_s(self.proc.pid), engine
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -234,6 +255,27 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self._log.close()
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except FileNotFoundError:
+        return ""
+
+
+def arm_label(arm: str, engine: str) -> str:
+    """The arm's name in the report: the chunking arm, prefixed by ``process+`` when the engine has its own process
+    (the thread arms keep the names of earlier reports)."""
+    return arm if engine == "thread" else f"process+{arm}"
 
 
 def engine_steps(url: str) -> float:
@@ -250,11 +292,12 @@ def measure_level(server: ServerProcess, prompts: list[str], args: argparse.Name
     asyncio.run(closed_loop(server.url, "simulated", prompts, concurrency, concurrency,
                             min(args.output_len, WARMUP_TOKENS), 0.0, None))
     n = max(concurrency * args.prompts_per_user, args.min_requests)
-    steps0, cpu0, client0 = engine_steps(server.url), server.cpu_s(), time.process_time()
+    steps0, (cpu0, engine_cpu0), client0 = engine_steps(server.url), server.cpu_s(), time.process_time()
     results, wall = asyncio.run(closed_loop(server.url, "simulated", prompts, concurrency, n, args.output_len,
                                             0.0, None))
     steps = engine_steps(server.url) - steps0 - 1  # the scrape itself is no step; the last step may be a tail
-    server_cpu, client_cpu = server.cpu_s() - cpu0, time.process_time() - client0
+    server_cpu, engine_cpu = (now - before for now, before in zip(server.cpu_s(), (cpu0, engine_cpu0)))
+    client_cpu = time.process_time() - client0
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     chunks = sum(len(r.itl_s) + 1 for r in ok)  # token-carrying chunks
@@ -265,7 +308,8 @@ def measure_level(server: ServerProcess, prompts: list[str], args: argparse.Name
     ideal_period_s = (args.step_ms + args.host_ms) / 1000.0
     tpots = [r.tpot_s for r in ok if r.tpot_s]
     return {
-        "arm": server.arm, "tokens_per_step": server.tokens_per_step, "concurrency": concurrency,
+        "arm": arm_label(server.arm, server.engine), "chunks_per": server.arm, "engine": server.engine,
+        "tokens_per_step": server.tokens_per_step, "concurrency": concurrency,
         "requests": len(ok),
         "errors": len(results) - len(ok), "output_tokens": tokens, "chunks": chunks, "wall_s": wall,
         "output_tokens_per_s": tokens / wall,
@@ -277,6 +321,7 @@ def measure_level(server: ServerProcess, prompts: list[str], args: argparse.Name
         "server_cpu_us_per_token": server_cpu / max(tokens, 1) * 1e6,
         "client_cpu_us_per_token": client_cpu / max(tokens, 1) * 1e6,
         "client_cpu_us_per_chunk": client_cpu / max(chunks, 1) * 1e6,
+        "engine_process_cpu_us_per_token": engine_cpu / max(tokens, 1) * 1e6,
         "server_cpu_share": server_cpu / wall, "client_cpu_share": client_cpu / wall,
         "tpot_ms_p50": percentile(tpots, 50) * 1000.0, "ttft_ms_p50": percentile([r.ttft_s for r in ok], 50) * 1000.0,
     }
@@ -294,7 +339,7 @@ def plot(report: dict, path: Path) -> None:
                       key=lambda r: r["concurrency"])
         cs, name = [r["concurrency"] for r in rows], f"{arm}, {k} tok/step"
         line, = ax1.plot(cs, [r["output_tokens_per_s"] for r in rows], "o-", label=f"server ({name})")
-        if arm == "coalesce":
+        if arm == "coalesce":  # the engine alone (the same for every arm)
             ax1.plot(cs, [r["engine_bound_tokens_per_s"] for r in rows], "x:", color=line.get_color(),
                      label=f"engine alone, {k} tok/step")
         ax2.plot(cs, [r["server_cpu_us_per_token"] for r in rows], "o-", label=f"server ({name})")
@@ -333,14 +378,15 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = Path(args.log_dir or out.parent)
     log_dir.mkdir(parents=True, exist_ok=True)
-    for k, arm in itertools.product(args.tokens_per_step, args.arms):
-        server = ServerProcess(args, arm, k, log_dir / f"server-overhead-{arm}-{k}.log")
+    for k, engine, arm in itertools.product(args.tokens_per_step, args.engine_modes, args.arms):
+        label = arm_label(arm, engine)
+        server = ServerProcess(args, arm, engine, k, log_dir / f"server-overhead-{label}-{k}.log")
         try:
             server.wait_ready()
             for c in args.concurrency:
                 row = measure_level(server, prompts, args, c)
                 log.info("%s, %d tok/step, C=%4d: %8.0f tok/s (engine alone %8.0f, ×%.2f); step period %.2f ms "
-                         "(simulated %.2f); CPU per token server %.0f µs, client %.0f µs", arm, k, c,
+                         "(simulated %.2f); CPU per token server %.0f µs, client %.0f µs", label, k, c,
                          row["output_tokens_per_s"],
                          row["engine_bound_tokens_per_s"], row["server_efficiency"], row["step_period_ms"],
                          row["simulated_step_ms"], row["server_cpu_us_per_token"], row["client_cpu_us_per_token"])
@@ -355,6 +401,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_modes(text: str) -> list[str]:
+    modes = text.split(",")
+    if not modes or not set(modes) <= {"thread", "process"}:
+        raise argparse.ArgumentTypeError(f"engine modes are thread and process, got {text!r}")
+    return modes
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd")
@@ -367,10 +420,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--tokens-per-step", type=int, default=1)
     s.add_argument("--per-step", action="store_true", help="one chunk per engine step (no coalescing)")
+    s.add_argument("--engine-process", action="store_true", help="the simulated engine in its own process")
     p.add_argument("--tokens-per-step", type=lambda t: [int(x) for x in t.split(",")], default=[1, 3],
                    help="comma list: tokens each request gets per step (1 = plain decoding)")
     p.add_argument("--arms", type=lambda t: t.split(","), default=["coalesce", "per-step"],
                    help="comma list: coalesce (the server's default: queued steps leave as one chunk), per-step")
+    p.add_argument("--engine-modes", type=_engine_modes, default=["thread", "process"],
+                   help="comma list: thread (the engine on a thread of the server process), process (in its own "
+                        "process, optimized.serve --engine-process); each crossed with --arms")
     p.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 16, 64, 256])
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompts-per-user", type=int, default=4)

@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from optimized.engine import SamplingParams
 from optimized.sequence import StepOutput
 from optimized.serving.engine_loop import (
+    EngineClient,
     EngineFailed,
     EngineLoop,
     NotReady,
@@ -50,6 +51,7 @@ from optimized.serving.engine_loop import (
     Runtime,
     seed_key,
 )
+from optimized.serving.engine_process import EngineProcess
 from optimized.serving.metrics import ServerMetrics
 from optimized.serving.protocol import (
     AssistantMessage,
@@ -120,10 +122,13 @@ class Server:
     """The state the routes share: settings, the engine loop, and (once ready) the tokenizer and metrics."""
 
     def __init__(self, settings: ServerSettings, build: Callable[[], Runtime], *, max_num_seqs: int,
-                 max_waiting: int) -> None:
+                 max_waiting: int, engine_process: bool = False) -> None:
+        """``build`` makes the engine on the engine thread or, with ``engine_process``, in a child process (then it
+        must be picklable; see optimized/serving/engine_process.py)."""
         self.settings = settings
-        self.loop = EngineLoop(build, max_num_seqs=max_num_seqs, max_waiting=max_waiting, on_ready=self._ready,
-                               on_fatal=self._fatal)
+        kind = EngineProcess if engine_process else EngineLoop
+        self.loop: EngineClient = kind(build, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+                                       on_ready=self._ready, on_fatal=self._fatal)
         self.runtime: Runtime | None = None
         self.tokenizer: Any = None
         self.metrics: ServerMetrics | None = None
@@ -134,7 +139,8 @@ class Server:
         return self.settings.served_model_names[0]
 
     def _ready(self, runtime: Runtime) -> ServerMetrics:
-        """Engine thread, once start-up is done; runs before the first request is accepted."""
+        """Engine thread (or the engine process's reader thread), once start-up is done; runs before the first
+        request is accepted."""
         self.runtime = runtime
         # The handlers' own copy: the engine thread decodes with the original (stop strings) concurrently.
         self.tokenizer = copy.deepcopy(runtime.tokenizer)

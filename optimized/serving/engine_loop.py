@@ -1,13 +1,21 @@
-"""The one thread that owns the engine: it builds it, then steps it for as long as the server runs.
+"""The engine's side of the server: the one thread (or process) that owns the engine, and the event loop's view
+of it.
 
-Request handlers run on the asyncio event loop and never touch the engine. They talk to this loop through two
-calls, :meth:`EngineLoop.submit` and :meth:`EngineLoop.abort`, which put commands into a thread-safe inbox; the
-engine thread applies them between two steps (``Engine.add_request`` / ``Engine.abort``, the engine's public API is
-the only door) and hands every step's outputs back to the event loop in one ``call_soon_threadsafe`` call, where
-they are sorted into per-request queues. So an abort (a client that went away) frees its slot before the next step.
+Request handlers run on the asyncio event loop and never touch the engine. They talk to it through two calls,
+:meth:`EngineClient.submit` and :meth:`EngineClient.abort`, which hand commands to the engine; between two steps the
+engine side applies them (``Engine.add_request`` / ``Engine.abort``, the engine's public API is the only door) and
+hands every step's outputs back to the event loop in one ``call_soon_threadsafe`` call, where they are sorted into
+per-request queues. So an abort (a client that went away) frees its slot before the next step.
 
-While the engine is idle the thread blocks on its inbox. Step-level statistics (``Engine.last_step_stats``) and
-request latencies go to :class:`optimized.serving.metrics.ServerMetrics` on the event loop, which overlaps with the
+Two places the engine can run, one interface:
+
+* :class:`EngineLoop`: a thread of the server's own process, with a thread-safe inbox. The engine's Python then
+  shares the global interpreter lock with the event loop (HTTP, JSON, SSE, detokenisation, metrics).
+* :class:`optimized.serving.engine_process.EngineProcess`: a child process running :func:`run_steps` on the same
+  kind of inbox, one message per step back over a pipe; the HTTP process's work no longer delays a step.
+
+While the engine is idle it blocks on its inbox. Step-level statistics (``Engine.last_step_stats``) and request
+latencies go to :class:`optimized.serving.metrics.ServerMetrics` on the event loop, which overlaps with the
 engine's next step.
 """
 
@@ -71,8 +79,13 @@ class Runtime:
     has_drafter: bool
 
 
-class EngineLoop:
-    """Owns the engine on one thread; see the module docstring."""
+class EngineClient:
+    """The event-loop side of an engine, wherever it runs: the requests in flight, ``submit`` / ``abort``, and the
+    sorting of every step's outputs into the request queues (``_dispatch``, one call per step).
+
+    Subclasses say where the engine runs and how a command reaches it (``_send``): :class:`EngineLoop` on a thread
+    of this process, :class:`optimized.serving.engine_process.EngineProcess` in a child process.
+    """
 
     def __init__(self, build: Callable[[], Runtime], *, max_num_seqs: int, max_waiting: int,
                  on_ready: Callable[[Runtime], Any], on_fatal: Callable[[BaseException], None]) -> None:
@@ -81,26 +94,21 @@ class EngineLoop:
         self.metrics = None  # ServerMetrics, from on_ready
         self.ready = threading.Event()
         self.failed: BaseException | None = None
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._stop = threading.Event()
         self._requests: dict[int, RequestHandle] = {}  # event-loop thread only
         self._ids = itertools.count()
         self._aio: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._emptied = False  # engine thread: an abort emptied the engine (no step will report it)
-
-    # ------------------------------------------------------------------ event-loop side
 
     def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
-        self._aio = aio_loop
-        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
-        self._thread.start()
+        raise NotImplementedError
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._inbox.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout)
+        raise NotImplementedError
+
+    def _send(self, cmd: tuple) -> None:
+        """Hand a command (``("add", rid, prompt_ids, params)`` or ``("abort", rid)``) to the engine."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ event-loop side
 
     @property
     def in_flight(self) -> int:
@@ -116,7 +124,7 @@ class EngineLoop:
         handle = RequestHandle(rid, len(prompt_ids), time.perf_counter())
         self._requests[rid] = handle
         self.metrics.request_added(len(prompt_ids))
-        self._inbox.put(("add", rid, prompt_ids, params))
+        self._send(("add", rid, prompt_ids, params))
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
@@ -125,7 +133,7 @@ class EngineLoop:
             return
         handle.finished = True
         if self._requests.pop(handle.request_id, None) is not None:
-            self._inbox.put(("abort", handle.request_id))
+            self._send(("abort", handle.request_id))
             self.metrics.request_finished("abort", time.perf_counter() - handle.arrival)
 
     def _dispatch(self, outputs: list, stats, errors: list[tuple[int, Exception]], idle: bool) -> None:
@@ -162,55 +170,100 @@ class EngineLoop:
             handle.queue.put_nowait(EngineFailed(str(err)))
         self._requests.clear()
 
+    # ------------------------------------------------------------------ any thread
+
+    def _post(self, outputs, stats, errors, idle: bool) -> None:
+        """One step's results to the event loop: one ``call_soon_threadsafe`` per step."""
+        if self._aio is not None and not self._aio.is_closed():
+            self._aio.call_soon_threadsafe(self._dispatch, outputs, stats, errors, idle)
+
+    def _failed(self, err: BaseException) -> None:
+        """The engine is unusable: fail every request in flight, stop the server."""
+        self.failed = err
+        if self._aio is not None and not self._aio.is_closed():
+            self._aio.call_soon_threadsafe(self._fail_all, err)
+        self._on_fatal(err)
+
+
+class EngineLoop(EngineClient):
+    """Owns the engine on one thread of this process; see the module docstring."""
+
+    def __init__(self, build: Callable[[], Runtime], *, max_num_seqs: int, max_waiting: int,
+                 on_ready: Callable[[Runtime], Any], on_fatal: Callable[[BaseException], None]) -> None:
+        super().__init__(build, max_num_seqs=max_num_seqs, max_waiting=max_waiting, on_ready=on_ready,
+                         on_fatal=on_fatal)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
+        self._aio = aio_loop
+        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _send(self, cmd: tuple) -> None:
+        self._inbox.put(cmd)
+
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
         try:
             runtime = self._build()
             self.metrics = self._on_ready(runtime)
-            engine = runtime.engine
             self.ready.set()
-            while not self._stop.is_set():
-                errors = self._apply_commands(engine, block=not engine.has_unfinished())
-                if engine.has_unfinished():
-                    outputs = engine.step()
-                    for out in outputs:
-                        if out.finished:
-                            engine.release(out.request_id)
-                    self._post(outputs, engine.last_step_stats(), errors, idle=False)
-                elif errors or self._emptied:
-                    self._post([], None, errors, idle=True)
-                self._emptied = False
+            run_steps(runtime.engine, self._inbox, self._stop, self._post)
         except BaseException as err:  # the engine is unusable: fail every request, stop the server
             log.exception("engine loop failed")
-            self.failed = err
-            if self._aio is not None and not self._aio.is_closed():
-                self._aio.call_soon_threadsafe(self._fail_all, err)
-            self._on_fatal(err)
+            self._failed(err)
 
-    def _apply_commands(self, engine, block: bool) -> list[tuple[int, Exception]]:
-        errors = []
-        try:
-            cmd = self._inbox.get(timeout=_WAKE_S) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return errors
-        while cmd is not None:
-            if cmd[0] == "add":
-                _, rid, prompt_ids, params = cmd
-                try:
-                    engine.add_request(prompt_ids, params, request_id=rid)
-                except ValueError as err:  # the server validates first; this is a last line of defence
-                    errors.append((rid, err))
-            else:
-                engine.abort(cmd[1])
-                engine.release(cmd[1])
-                self._emptied = not engine.has_unfinished()
+
+# --------------------------------------------------------------------------------------------------------------
+# The step loop (on the engine thread, or in the engine process)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def run_steps(engine, inbox: queue.SimpleQueue, stop: threading.Event, post: Callable[..., None]) -> None:
+    """Step ``engine`` until ``stop`` is set: apply the inbox between two steps, ``post(outputs, stats, errors,
+    idle)`` after each step. While the engine is idle, block on the inbox (a ``None`` in it only wakes the loop)."""
+    while not stop.is_set():
+        errors, emptied = apply_commands(engine, inbox, block=not engine.has_unfinished())
+        if engine.has_unfinished():
+            outputs = engine.step()
+            for out in outputs:
+                if out.finished:
+                    engine.release(out.request_id)
+            post(outputs, engine.last_step_stats(), errors, False)
+        elif errors or emptied:  # refused requests, or an abort emptied the engine (no step will report it)
+            post([], None, errors, True)
+
+
+def apply_commands(engine, inbox: queue.SimpleQueue, block: bool) -> tuple[list[tuple[int, Exception]], bool]:
+    """Apply the queued commands through the engine's public API; returns (refused requests, whether an abort
+    emptied the engine)."""
+    errors, emptied = [], False
+    try:
+        cmd = inbox.get(timeout=_WAKE_S) if block else inbox.get_nowait()
+    except queue.Empty:
+        return errors, emptied
+    while cmd is not None:
+        if cmd[0] == "add":
+            _, rid, prompt_ids, params = cmd
             try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-        return errors
-
-    def _post(self, outputs, stats, errors, idle: bool) -> None:
-        if self._aio is not None and not self._aio.is_closed():
-            self._aio.call_soon_threadsafe(self._dispatch, outputs, stats, errors, idle)
+                engine.add_request(prompt_ids, params, request_id=rid)
+            except ValueError as err:  # the server validates first; this is a last line of defence
+                errors.append((rid, err))
+        else:
+            engine.abort(cmd[1])
+            engine.release(cmd[1])
+            emptied = not engine.has_unfinished()
+        try:
+            cmd = inbox.get_nowait()
+        except queue.Empty:
+            break
+    return errors, emptied

@@ -33,21 +33,37 @@ def test_simulated_engine_contract():
 
 
 def test_benchmark_writes_its_report(tmp_path):
+    """The chunking arms with the engine on a thread (the names of earlier reports), then the engine process."""
     from scripts import bench_server_overhead
     from tests.serving.conftest import char_tokenizer, tiny_model
 
     model_dir = tmp_path / "tiny"
     tiny_model().save_pretrained(model_dir)
     char_tokenizer().save_pretrained(model_dir)
+    common = ["--model", str(model_dir), "--concurrency", "2", "--output-len", "6", "--prompts-per-user", "2",
+              "--min-requests", "4", "--step-ms", "1", "--host-ms", "0.1"]
     out = tmp_path / "overhead.json"
-    assert bench_server_overhead.main([
-        "--model", str(model_dir), "--concurrency", "2", "--tokens-per-step", "1,3", "--output-len", "6",
-        "--prompts-per-user", "2", "--min-requests", "4", "--step-ms", "1", "--host-ms", "0.1",
-        "--out", str(out), "--plot", str(tmp_path / "overhead.png")]) == 0
-    report = json.loads(out.read_text())
-    assert [(r["tokens_per_step"], r["arm"]) for r in report["results"]] == [
-        (1, "coalesce"), (1, "per-step"), (3, "coalesce"), (3, "per-step")]
-    for r in report["results"]:
+    assert bench_server_overhead.main([*common, "--tokens-per-step", "1", "--engine-modes", "thread",
+                                       "--out", str(out), "--plot", str(tmp_path / "overhead.png")]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["tokens_per_step"], r["arm"], r["engine"], r["chunks_per"]) for r in rows] == [
+        (1, "coalesce", "thread", "coalesce"), (1, "per-step", "thread", "per-step")]
+    assert (tmp_path / "overhead.png").stat().st_size > 0
+    out2 = tmp_path / "overhead-process.json"
+    assert bench_server_overhead.main([*common, "--tokens-per-step", "3", "--arms", "coalesce", "--engine-modes",
+                                       "process", "--out", str(out2)]) == 0
+    rows2 = json.loads(out2.read_text())["results"]
+    assert [(r["tokens_per_step"], r["arm"], r["engine"]) for r in rows2] == [(3, "process+coalesce", "process")]
+    for r in rows + rows2:
         assert r["errors"] == 0 and r["requests"] == 4 and r["output_tokens"] == 24 and r["concurrency"] == 2
         assert r["output_tokens_per_s"] > 0 and r["engine_steps"] > 0 and r["server_cpu_us_per_token"] > 0
-    assert (tmp_path / "overhead.png").stat().st_size > 0
+        assert r["engine_process_cpu_us_per_token"] >= 0 and (r["engine"] == "process" or
+                                                               r["engine_process_cpu_us_per_token"] == 0)
+
+
+def test_engine_modes_are_checked():
+    from scripts.bench_server_overhead import build_parser
+
+    assert build_parser().parse_args([]).engine_modes == ["thread", "process"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--engine-modes", "thread,fork"])

@@ -204,3 +204,18 @@ def test_stream_each_step_flag_turns_coalescing_off():
 
     assert server_settings(build_parser().parse_args([])).coalesce_steps
     assert not server_settings(build_parser().parse_args(["--stream-each-step"])).coalesce_steps
+
+
+def test_engine_process_flag_and_a_picklable_build():
+    """``--engine-process/--no-engine-process``; what the engine process receives (the build) survives pickling."""
+    import functools
+    import pickle
+
+    from optimized.serve import DEFAULT_ENGINE_PROCESS, build_parser, build_runtime, resolve
+
+    assert build_parser().parse_args([]).engine_process is DEFAULT_ENGINE_PROCESS
+    assert build_parser().parse_args(["--engine-process"]).engine_process is True
+    assert build_parser().parse_args(["--no-engine-process"]).engine_process is False
+    sa = resolve(build_parser().parse_args(["--device", "cpu", "--speculative-config", '{"mode": "fixed"}']))
+    build = pickle.loads(pickle.dumps(functools.partial(build_runtime, sa)))
+    assert build.func is build_runtime and build.args[0].spec.mode == "fixed" and build.args[0].dtype == sa.dtype

@@ -1,0 +1,222 @@
+"""The engine in its own process (``python -m optimized.serve --engine-process``; vLLM calls this the engine core).
+
+The HTTP process keeps the event loop, the tokenizer, request validation, detokenisation, metrics and the
+per-request streams; a child process started with the ``spawn`` method builds the engine (the same start-up code as
+the in-thread mode, given as a picklable callable) and steps it with the same loop
+(:func:`optimized.serving.engine_loop.run_steps`). The two processes share no interpreter lock, so streaming no
+longer delays the engine's next step.
+
+Two one-way pipes (``multiprocessing.connection``, pickle) join them:
+
+* commands, HTTP process → engine: ``("add", request_id, prompt_ids, SamplingParams)``, ``("abort", request_id)``,
+  and ``None`` (stop). A thread of the child receives them into the step loop's inbox, so a burst of requests is
+  taken off the pipe while a step runs and never waits for the step to end before it can be written.
+* results, engine → HTTP process: ``("ready", Runtime)`` once start-up is done (the tokenizer and the facts the
+  server needs; no engine), then one ``("step", outputs, StepStats, errors, idle)`` per engine step (each output a
+  plain tuple of the ``StepOutput`` fields), or ``("failed", exception)`` if start-up or a step raised.
+
+The HTTP process reads the results pipe on its event loop (``add_reader``): each step message goes straight to
+:meth:`~optimized.serving.engine_loop.EngineClient._dispatch`, the same code the engine thread reaches through one
+``call_soon_threadsafe`` per step in the in-thread mode, so ``submit``, ``abort`` and their errors (``Overloaded``,
+``NotReady``, ``EngineFailed``) behave exactly alike. No thread of the HTTP process has to win the interpreter lock
+from a busy event loop to take a message.
+
+If the child dies (killed, crashed), the results pipe reaches its end: every request in flight gets
+``EngineFailed``, ``/health`` answers 503 and the server stops, as when the engine thread dies. The child never
+outlives the server: it is a daemon process, ``stop`` asks it to finish and joins it (then terminates, then kills
+it), and a child whose command pipe closes (the HTTP process is gone, however it ended) stops by itself. The child
+ignores SIGINT: a Ctrl-C reaches the whole process group, and the HTTP process drains the requests in flight before
+it stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing
+import operator
+import pickle
+import queue
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from optimized.sequence import StepOutput
+from optimized.serving.engine_loop import EngineClient, Runtime, run_steps
+
+log = logging.getLogger("dspark.serve")
+
+_STOP_RETRY_S = 5.0  # after terminate(), and after kill(), wait this long for the child to go
+_DRAIN = 64  # step messages taken from the pipe per event-loop turn
+# A StepOutput on the wire: a plain tuple of its fields, a third of the pickling time of the dataclass.
+_OUTPUT_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(StepOutput)))
+
+
+class EngineProcess(EngineClient):
+    """The engine in a child process; the same interface as :class:`~optimized.serving.engine_loop.EngineLoop`.
+
+    ``build`` must be picklable (a module-level function, or a ``functools.partial`` / dataclass instance over
+    picklable settings): it is sent to the child, which calls it to build the :class:`Runtime`.
+    """
+
+    def __init__(self, build: Callable[[], Runtime], *, max_num_seqs: int, max_waiting: int,
+                 on_ready: Callable[[Runtime], Any], on_fatal: Callable[[BaseException], None]) -> None:
+        super().__init__(build, max_num_seqs=max_num_seqs, max_waiting=max_waiting, on_ready=on_ready,
+                         on_fatal=on_fatal)
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._commands: Connection | None = None  # event-loop thread only
+        self._results: Connection | None = None  # event-loop thread only
+        self._stopping = False
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (None before ``start`` and after ``stop``)."""
+        return None if self._proc is None else self._proc.pid
+
+    def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
+        self._aio = aio_loop
+        ctx = multiprocessing.get_context("spawn")
+        commands_out, commands_in = ctx.Pipe(duplex=False)
+        results_out, results_in = ctx.Pipe(duplex=False)
+        root = logging.getLogger()
+        fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)
+        self._proc = ctx.Process(target=engine_main, name="dspark-engine", daemon=True,
+                                 args=(self._build, commands_out, results_in, root.level, fmt))
+        self._proc.start()
+        commands_out.close()  # the child's ends: once it exits, our reads see the end of the pipe
+        results_in.close()
+        self._commands, self._results = commands_in, results_out
+        aio_loop.add_reader(results_out.fileno(), self._receive)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the child to stop, wait ``timeout`` seconds, then terminate it, then kill it."""
+        self._stopping = True
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        self._send(None)
+        proc.join(timeout)
+        if proc.is_alive():
+            log.warning("the engine process did not stop within %.0f s: terminating it", timeout)
+            proc.terminate()
+            proc.join(_STOP_RETRY_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(_STOP_RETRY_S)
+        self._close_results()
+        self._commands.close()
+
+    def _send(self, cmd: tuple | None) -> None:
+        try:
+            self._commands.send(cmd)
+        except (OSError, ValueError):  # the child is gone: the end of its results pipe fails every request
+            pass
+
+    # ------------------------------------------------------------------ results, on the event loop
+
+    def _receive(self) -> None:
+        """The results pipe is readable: take the messages waiting there (at most ``_DRAIN`` in one go, so that a
+        fast engine never starves the event loop), each step straight into :meth:`_dispatch`."""
+        results = self._results
+        try:
+            for _ in range(_DRAIN):
+                msg = results.recv()
+                if msg[0] == "step":
+                    self._dispatch([StepOutput(*out) for out in msg[1]], msg[2], msg[3], msg[4])
+                elif msg[0] == "ready":
+                    self.metrics = self._on_ready(msg[1])
+                    self.ready.set()
+                else:  # "failed": the child logged the traceback and exits
+                    self._engine_failed(msg[1])
+                    return
+                if not results.poll():
+                    return
+        except (EOFError, OSError):
+            if not self._stopping:
+                self._engine_failed(self._died())
+        except Exception as err:  # on_ready raised, or a message would not unpickle
+            log.exception("engine process: the server could not take its message")
+            self._engine_failed(err)
+
+    def _engine_failed(self, err: BaseException) -> None:
+        self._close_results()
+        if self._stopping:
+            return
+        log.error("the engine process failed: %s", err)
+        self._failed(err)
+
+    def _close_results(self) -> None:
+        if self._results is not None and not self._results.closed:
+            if self._aio is not None and not self._aio.is_closed():
+                self._aio.remove_reader(self._results.fileno())
+            self._results.close()
+
+    def _died(self) -> BaseException:
+        proc = self._proc
+        if proc is not None:
+            proc.join(_STOP_RETRY_S)
+        code = None if proc is None else proc.exitcode
+        how = ("still running" if code is None else f"killed by signal {-code}" if code < 0
+               else f"exit code {code}")
+        return RuntimeError(f"the engine process exited unexpectedly ({how})")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The child
+# --------------------------------------------------------------------------------------------------------------
+
+
+def engine_main(build: Callable[[], Runtime], commands: Connection, results: Connection, log_level: int,
+                log_format: str | None) -> None:
+    """The engine process: build the runtime, report ready, step until told to stop (or the server is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the HTTP process drains, then stops us
+    if log_format is not None:
+        logging.basicConfig(level=log_level, format=log_format, stream=sys.stderr)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    stop = threading.Event()
+    threading.Thread(target=_receive_commands, args=(commands, inbox, stop), name="dspark-commands",
+                     daemon=True).start()
+    send = results.send
+    try:
+        runtime = build()
+        send(("ready", Runtime(None, runtime.tokenizer, runtime.vocab_size, runtime.gamma, runtime.has_drafter)))
+
+        def post(outputs, stats, errors, idle: bool) -> None:
+            send(("step", [_OUTPUT_FIELDS(out) for out in outputs], stats, errors, idle))
+
+        run_steps(runtime.engine, inbox, stop, post)
+    except BaseException as err:
+        if stop.is_set() and isinstance(err, OSError):  # the server went away while a step was being sent
+            return
+        log.exception("engine loop failed")
+        try:
+            send(("failed", _portable(err)))
+        except OSError:
+            pass
+        sys.exit(1)
+    finally:
+        results.close()
+
+
+def _receive_commands(commands: Connection, inbox: queue.SimpleQueue, stop: threading.Event) -> None:
+    """Child thread: commands into the step loop's inbox until ``None`` or the end of the pipe, then stop."""
+    try:
+        while (cmd := commands.recv()) is not None:
+            inbox.put(cmd)
+    except (EOFError, OSError):  # the HTTP process is gone
+        pass
+    stop.set()
+    inbox.put(None)  # wakes an idle step loop
+
+
+def _portable(err: BaseException) -> BaseException:
+    """``err`` if it survives pickling, else a RuntimeError with its type and message."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")

@@ -1,0 +1,314 @@
+"""The engine in its own process (``--engine-process``) against the engine on a thread (``--no-engine-process``).
+
+First the two engine clients alone, on one simulated engine (``scripts/bench_server_overhead.py``'s, no model):
+the same outputs in both, an abort that frees the slot, a child that dies or fails to start, and a stop that leaves
+no process behind, even when the server process itself is killed. Then two live servers of the tiny model, one per
+mode, started side by side: the same text streamed and not, greedy and seeded; a bad request's 400, a disconnect
+that frees its slot; and last, a killed engine process that fails every request in flight and stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from optimized.sequence import SamplingParams, StepOutput
+from optimized.serving.engine_loop import EngineFailed, EngineLoop, NotReady
+from optimized.serving.engine_process import EngineProcess
+from optimized.serving.metrics import ServerMetrics
+from scripts.bench_server_overhead import SimulatedBuild
+from tests.serving.conftest import ROOT, LiveServer, tiny_server_args
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MODES = {"thread": EngineLoop, "process": EngineProcess}
+
+
+def sim_build(**kw) -> SimulatedBuild:
+    """A simulated engine that emits tokens 10, 11, ...; tokenizer None (nobody decodes here)."""
+    settings = dict(token_ids=list(range(10, 60)), tokenizer=None, vocab_size=64, max_num_seqs=2, step_ms=1.0,
+                    host_ms=0.0, tokens_per_step=2)
+    return SimulatedBuild(**{**settings, **kw})
+
+
+class Harness:
+    """An engine client on this test's event loop, the way ``Server`` drives one."""
+
+    def __init__(self, mode: str, build) -> None:
+        self.fatal: list[BaseException] = []
+        self.client = MODES[mode](build, max_num_seqs=build.max_num_seqs, max_waiting=4, on_ready=self._ready,
+                                  on_fatal=self.fatal.append)
+
+    @staticmethod
+    def _ready(runtime):
+        assert runtime.vocab_size == 64 and runtime.gamma == 1 and runtime.has_drafter
+        return ServerMetrics("sim", runtime.gamma, runtime.has_drafter)
+
+    async def start(self, timeout: float = 60.0) -> None:
+        self.client.start(asyncio.get_running_loop())
+        deadline = time.monotonic() + timeout
+        while not self.client.ready.is_set():
+            assert not self.fatal, self.fatal
+            assert time.monotonic() < deadline, "the engine never became ready"
+            await asyncio.sleep(0.02)
+
+    async def wait_fatal(self, timeout: float = 30.0) -> BaseException:
+        deadline = time.monotonic() + timeout
+        while not self.fatal:
+            assert time.monotonic() < deadline, "the engine's failure was never reported"
+            await asyncio.sleep(0.02)
+        return self.fatal[0]
+
+
+async def collect(handle, timeout: float = 30.0) -> list:
+    """Everything a request's queue receives until it finishes (or gets an error)."""
+    got = []
+    while True:
+        item = await asyncio.wait_for(handle.queue.get(), timeout)
+        got.append(item if isinstance(item, Exception) else (item.new_token_ids, item.finished, item.finish_reason))
+        if isinstance(item, Exception) or item.finished:
+            return got
+
+
+def gone(pid: int, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The two engine clients alone
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_both_modes_deliver_the_same_steps_and_free_aborted_slots():
+    """Three requests over two slots: the same steps in both modes. Then one slot, a long request and one that
+    waits for it: aborting the long one lets the waiting one run. The process mode's stop leaves no child."""
+
+    async def scenario(mode: str):
+        h = Harness(mode, sim_build())
+        await h.start()
+        handles = [h.client.submit([1, 2], SamplingParams(max_new_tokens=n)) for n in (5, 7, 3)]
+        outputs = [await collect(x) for x in handles]
+        assert h.client.in_flight == 0
+        # the abort frees the slot: max_num_seqs 2, two long requests hold both, a third waits
+        long = [h.client.submit([1], SamplingParams(max_new_tokens=100_000)) for _ in range(2)]
+        waiting = h.client.submit([1], SamplingParams(max_new_tokens=3))
+        first = await asyncio.wait_for(long[0].queue.get(), 30)
+        assert isinstance(first, StepOutput) and waiting.queue.empty()
+        h.client.abort(long[0])
+        after_abort = await collect(waiting)
+        h.client.abort(long[1])
+        assert h.client.in_flight == 0 and h.client.metrics is not None
+        pid = getattr(h.client, "pid", None)
+        h.client.stop()
+        return outputs, after_abort, pid, h.fatal
+
+    thread, process = asyncio.run(scenario("thread")), asyncio.run(scenario("process"))
+    assert thread[0] == process[0]
+    assert [len(x) for x in process[0]] == [3, 4, 2]  # one "prefill" token, then 2 per step
+    assert process[0][0] == [([10], False, None), ([11, 12], False, None), ([13, 14], True, "length")]
+    assert thread[1] == process[1] and process[1][-1][1]
+    assert thread[3] == process[3] == []
+    assert process[2] is not None and gone(process[2])
+
+
+def test_a_dead_engine_process_fails_every_request_in_flight():
+    async def scenario():
+        h = Harness("process", sim_build())
+        await h.start()
+        handles = [h.client.submit([1], SamplingParams(max_new_tokens=100_000)) for _ in range(3)]  # 2 run, 1 waits
+        await asyncio.wait_for(handles[0].queue.get(), 30)
+        os.kill(h.client.pid, signal.SIGKILL)
+        err = await h.wait_fatal()
+        assert "killed by signal 9" in str(err) and h.client.failed is err
+        for handle in handles:
+            items = []
+            while not items or isinstance(items[-1], StepOutput):
+                items.append(await asyncio.wait_for(handle.queue.get(), 30))
+            assert isinstance(items[-1], EngineFailed) and "exited unexpectedly" in str(items[-1])
+        assert h.client.in_flight == 0
+        with pytest.raises(NotReady):
+            h.client.submit([1], SamplingParams())
+        h.client.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_start_up_failure_reports_the_builders_error(mode):
+    async def scenario():
+        h = Harness(mode, sim_build(token_ids=[]))  # SimulatedEngine refuses an empty token list
+        h.client.start(asyncio.get_running_loop())
+        err = await h.wait_fatal()
+        assert isinstance(err, ValueError) and "non-empty token list" in str(err)
+        assert h.client.failed is err and not h.client.ready.is_set()
+        with pytest.raises(NotReady):
+            h.client.submit([1], SamplingParams())
+        h.client.stop()
+
+    asyncio.run(scenario())
+
+
+_ORPHAN_SCRIPT = """
+import asyncio, sys, time
+sys.path.insert(0, {root!r})
+from tests.serving.test_engine_process import Harness, sim_build
+async def main():
+    h = Harness("process", sim_build())
+    await h.start()
+    print(h.client.pid, flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+def test_the_engine_process_does_not_outlive_a_killed_server():
+    """SIGKILL leaves the server no chance to stop its engine: the engine sees its command pipe close and exits."""
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT.format(root=str(ROOT))], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        child = int(parent.stdout.readline())
+        assert psutil.pid_exists(child)
+        parent.kill()
+        parent.wait()
+        assert gone(child), "the engine process outlived its server"
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Live servers, one per mode
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_dirs, tmp_path_factory):
+    """{mode: LiveServer} of the tiny model, started side by side."""
+    cache = tmp_path_factory.mktemp("cache")
+    started = {mode: LiveServer(tiny_server_args(tiny_dirs, flag), cache, cache / f"server-{mode}.log")
+               for mode, flag in (("thread", "--no-engine-process"), ("process", "--engine-process"))}
+    try:
+        for srv in started.values():
+            srv.wait_ready()
+        yield started
+    finally:
+        for srv in started.values():
+            srv.stop()
+
+
+CHAT, COMPLETIONS, MSG = "/v1/chat/completions", "/v1/completions", [{"role": "user", "content": "Hello there"}]
+LONG = {"prompt": "x", "max_tokens": 90, "ignore_eos": True, "temperature": 0}  # ~90 steps of the tiny model
+
+
+def _engine_children(srv: LiveServer) -> list[psutil.Process]:
+    return [p for p in psutil.Process(srv.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+
+
+def _text(url: str, path: str, body: dict) -> tuple[str, dict | None]:
+    """(text, usage) of a completion, streamed or not."""
+    if not body.get("stream"):
+        r = httpx.post(url + path, json=body, timeout=60).json()
+        c = r["choices"][0]
+        return (c["message"]["content"] if "message" in c else c["text"]), r["usage"]
+    parts, usage = [], None
+    with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line.removeprefix("data: "))
+                usage = chunk.get("usage") or usage
+                for c in chunk["choices"]:
+                    parts.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
+    return "".join(parts), usage
+
+
+def test_modes_serve_the_same_text(servers):
+    assert _engine_children(servers["thread"]) == [] and len(_engine_children(servers["process"])) == 1
+    bodies = []
+    for stream in (False, True):
+        extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        bodies += [(CHAT, {"messages": MSG, "max_tokens": 20, "temperature": 0, **extra}),
+                   ("/v1/completions", {"prompt": "abc", "max_tokens": 16, "temperature": 0, **extra}),
+                   (CHAT, {"messages": MSG, "max_tokens": 20, "temperature": 1.3, "top_p": 0.9, "seed": 7, **extra})]
+    got = {mode: [_text(srv.url, path, body) for path, body in bodies] for mode, srv in servers.items()}
+    assert got["thread"] == got["process"]
+    texts = [t for t, _ in got["process"]]
+    assert texts[:3] == texts[3:]  # streamed == not streamed
+    assert all(u["completion_tokens"] > 0 for _, u in got["process"])
+
+
+def test_process_mode_refuses_bad_requests_and_frees_disconnected_slots(servers):
+    url = servers["process"].url
+    r = httpx.post(url + CHAT, json={"messages": MSG, "max_tokens": 500}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = httpx.post(url + CHAT, json={"messages": MSG, "n": 2}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+    async def disconnect():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            async with c.stream("POST", COMPLETIONS, json={**LONG, "stream": True}) as r:
+                lines = r.aiter_lines()
+                while not (await lines.__anext__()).startswith("data: {\"id"):
+                    pass
+            # the stream is closed mid-generation; the next step must not run it
+
+    asyncio.run(disconnect())
+    deadline = time.monotonic() + 15
+    while True:
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        running = [line for line in metrics.splitlines() if line.startswith("vllm:num_requests_running")]
+        if running and float(running[0].split()[-1]) == 0:
+            break
+        assert time.monotonic() < deadline, "the disconnected request still holds its slot"
+        time.sleep(0.1)
+    assert 'finished_reason="abort"' in metrics
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+
+
+def test_a_killed_engine_process_fails_requests_in_flight_and_stops_the_server(servers):
+    """Last: it ends the process-mode server. Streams in flight get an error event, a non-streamed request a 500,
+    /health stops answering 200, and the server exits 1."""
+    srv = servers["process"]
+    (engine,) = _engine_children(srv)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60, limits=httpx.Limits(max_connections=32)) as c:
+            plain = [asyncio.create_task(c.post(COMPLETIONS, json=LONG)) for _ in range(8)]  # the 8 slots
+            streams = []
+            for _ in range(2):  # these wait for a slot (a chat stream sends its first event at once)
+                cm = c.stream("POST", CHAT, json={"messages": MSG, "max_tokens": 60, "ignore_eos": True,
+                                                  "stream": True})
+                r = await cm.__aenter__()
+                assert r.status_code == 200
+                streams.append((cm, r.aiter_lines()))
+            waiting = 'vllm:num_requests_waiting{model_name="tiny"} 2.0'
+            while waiting not in (await c.get("/metrics")).text:  # all ten are in the engine
+                await asyncio.sleep(0.005)
+            engine.kill()
+            for cm, lines in streams:
+                events = [line async for line in lines if line.startswith("data:")]
+                await cm.__aexit__(None, None, None)
+                assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == "engine_failed"
+            for r in await asyncio.gather(*plain):
+                assert r.status_code == 500 and r.json()["error"]["code"] == "engine_failed"
+
+    asyncio.run(scenario())
+    try:
+        health = httpx.get(srv.url + "/health", timeout=5).status_code
+    except httpx.TransportError:
+        health = None  # already stopped
+    assert health != 200
+    assert srv.proc.wait(30) == 1
+    assert "the engine process failed" in srv.log.read_text()
