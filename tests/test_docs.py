@@ -308,6 +308,45 @@ def test_api_pages_cite_no_new_internal_notes():
 # ---------------------------------------------------------------------------------------------------- hooks
 
 
+def _fake_mermaid(tmp_path: Path) -> tuple[str, str]:
+    """A local stand-in for the npm tarball: (file:// URL, its sha512 integrity string)."""
+    import base64
+    import hashlib
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, text in (("package/dist/mermaid.min.js", b"window.mermaid={};"), ("package/LICENSE", b"MIT")):
+            info = tarfile.TarInfo(name)
+            info.size = len(text)
+            tar.addfile(info, io.BytesIO(text))
+    path = tmp_path / "mermaid.tgz"
+    path.write_bytes(buf.getvalue())
+    return path.as_uri(), "sha512-" + base64.b64encode(hashlib.sha512(buf.getvalue()).digest()).decode()
+
+
+def test_vendor_hook_fetches_mermaid_once_and_checks_its_hash(tmp_path):
+    hook = _hook("vendor")
+    url, integrity = _fake_mermaid(tmp_path)
+    vendor = tmp_path / "vendor"
+    assert hook.ensure_mermaid(vendor, url=url, integrity=integrity, version="1.0")
+    assert (vendor / "mermaid" / "mermaid.min.js").read_bytes() == b"window.mermaid={};"
+    assert (vendor / "mermaid" / "LICENSE").is_file()
+    assert not hook.ensure_mermaid(vendor, url="file:///nonexistent", integrity=integrity, version="1.0")  # kept
+    with pytest.raises(Exception, match="integrity"):  # another release, and a tarball that is not the pinned one
+        hook.ensure_mermaid(vendor, url=url, integrity="sha512-AAAA", version="2.0")
+    with pytest.raises(Exception, match="build once with network access"):
+        hook.ensure_mermaid(tmp_path / "empty", url=(tmp_path / "missing.tgz").as_uri(), integrity=integrity)
+
+
+def test_vendor_hook_pins_the_registry_tarball():
+    hook = _hook("vendor")
+    assert hook.MERMAID_URL == f"https://registry.npmjs.org/mermaid/-/mermaid-{hook.MERMAID_VERSION}.tgz"
+    assert hook.MERMAID_INTEGRITY.startswith("sha512-")
+    assert "docs/assets/vendor/mermaid/" in (ROOT / ".gitignore").read_text()  # fetched, never committed
+
+
 @pytest.mark.parametrize("target", [".., r", "…, V", "R, γ, V", "B, nb, γ, d"])
 def test_hook_treats_shapes_as_shapes(target: str):
     assert _hook("docstrings")._is_shape(target)
