@@ -63,7 +63,8 @@ STAT_NAMES = ("count", "label_hit", "target_hit", "accept_proxy", "ce", "kl", "l
 # --------------------------------------------------------------------------- backbone
 
 
-def dense_backbone(drafter: DSparkDrafter, input_ids: Tensor, features: Tensor, attention_mask: Tensor) -> Tensor:
+def dense_backbone(drafter: DSparkDrafter, input_ids: Tensor, features: Tensor, attention_mask: Tensor, *,
+                   attention: str = "auto") -> Tensor:
     """The parallel backbone for a block anchored at every position: ``h [B, S, γ, d]``.
 
     Same result as ``drafter(input_ids, arange(S), features, arange(S), attention_mask)`` (the reference's
@@ -74,11 +75,17 @@ def dense_backbone(drafter: DSparkDrafter, input_ids: Tensor, features: Tensor, 
         drafter: the drafter, its target attached (for the embedding of the anchors).
         input_ids: ``[B, S]`` int64 right-padded tokens; position ``p`` is block ``p``'s anchor ``x_0``.
         features: ``[B, S, m·d]`` the target's tapped features at every position.
-        attention_mask: ``[B, S]`` bool, False on padding (padding is never a context key).
+        attention_mask: ``[B, S]`` bool, False on padding (padding is never a context key of a real anchor).
+        attention: how the block queries attend. ``"einsum"``: the two-part attention, its ``[.., S, γ, S + γ]``
+            scores materialised; ``"flex"``: one FlexAttention call over ``[context; every block]`` keys with a
+            block-sparse mask (context keys ``c < p``, the keys of block ``p`` itself), compiled on CUDA, so no score
+            tensor is materialised. ``"auto"`` is ``"einsum"``.
 
     Returns:
         ``h [B, S, γ, d]`` after the final norm; slot ``k`` (index ``k-1``) of block ``p`` predicts ``p + k``.
     """
+    if attention not in ("auto", "einsum", "flex"):
+        raise ValueError(f"attention must be 'auto', 'einsum' or 'flex', got {attention!r}")
     cfg = drafter.config
     B, S = input_ids.shape
     gamma, H, Hkv, D = cfg.block_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -90,9 +97,19 @@ def dense_backbone(drafter: DSparkDrafter, input_ids: Tensor, features: Tensor, 
     pos = torch.arange(S, device=device)
     blk_pos = (pos[:, None] + torch.arange(gamma, device=device)).reshape(1, S * gamma).expand(B, -1)  # [B, S·γ]
     ctx_pos = pos.expand(B, S)  # [B, S]
-    # Block p sees context key c iff c < p (the anchor's own features do not exist at draft time) and c is real.
-    sees_ctx = (pos[None, :] < pos[:, None])[None] & attention_mask.bool()[:, None, :]  # [B, S(p), S(c)]
-    sees_ctx = sees_ctx[:, None, None, :, None, :]  # [B, 1, 1, S, 1, S] over (Hkv, G, p, slot, c)
+    flex = attention == "flex"
+    if flex:
+        block_mask = _block_mask(S, gamma, device)
+    else:
+        # Block p sees context key c iff c < p (the anchor's own features do not exist at draft time) and c is real.
+        sees_ctx = (pos[None, :] < pos[:, None])[None] & attention_mask.bool()[:, None, :]  # [B, S(p), S(c)]
+        sees_ctx = sees_ctx[:, None, None, :, None, :]  # [B, 1, 1, S, 1, S] over (Hkv, G, p, slot, c)
+    rope: dict = {}  # RoPE tables by (which, dtype): the same for every layer (one θ, one head size)
+
+    def rope_tables(which: str, positions: Tensor, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if (which, dtype) not in rope:
+            rope[which, dtype] = rope_cos_sin(positions, D, theta, dtype)
+        return rope[which, dtype]
 
     x = drafter.block_embeddings(input_ids).reshape(B, S * gamma, -1)  # [B, S·γ, d]
     h_ctx = drafter.project_context(features)  # [B, S, d]
@@ -102,23 +119,66 @@ def dense_backbone(drafter: DSparkDrafter, input_ids: Tensor, features: Tensor, 
         q = attn.q_proj(xn).view(B, S * gamma, H, D)  # [B, S·γ, H, D]
         if attn.q_norm is not None:
             q = attn.q_norm(q)
-        cos, sin = rope_cos_sin(blk_pos, D, attn.rope_theta, q.dtype)  # [B, S·γ, D]
+        cos, sin = rope_tables("block", blk_pos, attn.rope_theta, q.dtype)  # [B, S·γ, D]
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, S·γ, D]
-        q = q.reshape(B, Hkv, G, S, gamma, D) * D ** -0.5  # query head i reads kv head i // G, as in the reference
-        k_blk, v_blk = attn.project_kv(xn, blk_pos)  # [B, Hkv, S·γ, D] each
-        k_blk, v_blk = k_blk.view(B, Hkv, S, gamma, D), v_blk.view(B, Hkv, S, gamma, D)
-        k_ctx, v_ctx = attn.project_kv(h_ctx, ctx_pos)  # [B, Hkv, S, D] each
-        s_ctx = torch.einsum("bhgpid,bhcd->bhgpic", q, k_ctx)  # [B, Hkv, G, S, γ, S]
-        s_ctx = s_ctx.masked_fill(~sees_ctx, float("-inf"))
-        s_blk = torch.einsum("bhgpid,bhpjd->bhgpij", q, k_blk)  # [B, Hkv, G, S, γ, γ]: own block, non-causal
-        # One softmax over [context | own block]; every row has its own block's keys, so none is empty.
-        probs = torch.cat((s_ctx, s_blk), dim=-1).float().softmax(dim=-1).to(q.dtype)  # [B, Hkv, G, S, γ, S + γ]
-        y = torch.einsum("bhgpic,bhcd->bhgpid", probs[..., :S], v_ctx) \
-            + torch.einsum("bhgpij,bhpjd->bhgpid", probs[..., S:], v_blk)  # [B, Hkv, G, S, γ, D]
-        y = y.reshape(B, H, S * gamma, D).transpose(1, 2).reshape(B, S * gamma, H * D)
+        k_blk, v_blk = _project_kv(attn, xn, rope_tables("block", blk_pos, attn.rope_theta, q.dtype))
+        k_ctx, v_ctx = _project_kv(attn, h_ctx, rope_tables("context", ctx_pos, attn.rope_theta, q.dtype))
+        if flex:  # keys [context (S); blocks (S·γ)], queries in block order: one block-sparse attention
+            y = _flex_attention(q.is_cuda)(q, torch.cat((k_ctx, k_blk), dim=2), torch.cat((v_ctx, v_blk), dim=2),
+                                  block_mask=block_mask, enable_gqa=True)  # [B, H, S·γ, D]
+        else:
+            q = q.reshape(B, Hkv, G, S, gamma, D) * D ** -0.5  # query head i reads kv head i // G, as the reference
+            k_blk, v_blk = k_blk.view(B, Hkv, S, gamma, D), v_blk.view(B, Hkv, S, gamma, D)
+            s_ctx = torch.einsum("bhgpid,bhcd->bhgpic", q, k_ctx)  # [B, Hkv, G, S, γ, S]
+            s_ctx = s_ctx.masked_fill(~sees_ctx, float("-inf"))
+            s_blk = torch.einsum("bhgpid,bhpjd->bhgpij", q, k_blk)  # [B, Hkv, G, S, γ, γ]: own block, non-causal
+            # One softmax over [context | own block]; every row has its own block's keys, so none is empty.
+            probs = torch.cat((s_ctx, s_blk), dim=-1).float().softmax(dim=-1).to(q.dtype)  # [.., S, γ, S + γ]
+            y = torch.einsum("bhgpic,bhcd->bhgpid", probs[..., :S], v_ctx) \
+                + torch.einsum("bhgpij,bhpjd->bhgpid", probs[..., S:], v_blk)  # [B, Hkv, G, S, γ, D]
+            y = y.reshape(B, H, S * gamma, D)
+        y = y.transpose(1, 2).reshape(B, S * gamma, H * D)
         x = x + attn.o_proj(y)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return drafter.final_norm(x).view(B, S, gamma, -1)
+
+
+def _project_kv(attn, x: Tensor, tables: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """``Attention.project_kv`` with the RoPE tables given: keys (RoPE'd) and values ``[B, Hkv, T, D]``."""
+    B, T, _ = x.shape
+    k = attn.k_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim)  # [B, T, Hkv, D]
+    v = attn.v_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim)  # [B, T, Hkv, D]
+    if attn.k_norm is not None:
+        k = attn.k_norm(k)
+    return apply_rope(k.transpose(1, 2), *tables), v.transpose(1, 2)
+
+
+def _block_mask(S: int, gamma: int, device: torch.device):
+    """FlexAttention's block mask for queries ``p·γ + i`` over keys ``[context c < S; block keys S + p'·γ + j]``:
+    context key ``c`` iff ``c < p``, block key iff ``p' = p``."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        p = q_idx // gamma
+        return ((kv_idx < S) & (kv_idx < p)) | ((kv_idx >= S) & ((kv_idx - S) // gamma == p))
+
+    return create_block_mask(mask_mod, None, None, S * gamma, S * (1 + gamma), device=device)
+
+
+_FLEX: dict[bool, object] = {}
+
+
+def _flex_attention(cuda: bool):
+    """``flex_attention``: compiled once per process for CUDA tensors (dynamic shapes: every batch has its own
+    ``B, S``); eager for CPU tensors (the unfused implementation, for the CPU tests)."""
+    if cuda not in _FLEX:
+        import warnings
+
+        from torch.nn.attention.flex_attention import flex_attention
+
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        _FLEX[cuda] = torch.compile(flex_attention, dynamic=True) if cuda else flex_attention
+    return _FLEX[cuda]
 
 
 # --------------------------------------------------------------------------- fused LM head + loss
@@ -310,16 +370,17 @@ def dense_step_loss(drafter: DSparkDrafter, input_ids: Tensor, loss_mask: Tensor
                     features: Tensor, target_logits: Tensor, *, weights: LossWeights | tuple = PAPER_WEIGHTS,
                     decay: float = 4.0, chunk_elements: int | None = None,
                     denominator: Tensor | None = None, num_rows: int | None = None,
-                    backend: str = "auto") -> HeadLoss:
+                    backend: str = "auto", attention: str = "auto") -> HeadLoss:
     """One dense training step's loss: targets, backbone and fused head loss of a right-padded batch.
 
     Args:
         input_ids, loss_mask, attention_mask: ``[B, S]`` (int64, bool, bool).
         features: ``[B, S, m·d]`` and target_logits ``[B, S, V]`` from one target forward of the batch.
         denominator, num_rows, backend: see :func:`fused_head_loss`.
+        attention: see :func:`dense_backbone`.
     """
     targets = dense_block_targets(input_ids, loss_mask & attention_mask, drafter.config.block_size)
-    h = dense_backbone(drafter, input_ids, features, attention_mask)  # [B, S, γ, d]
+    h = dense_backbone(drafter, input_ids, features, attention_mask, attention=attention)  # [B, S, γ, d]
     return fused_head_loss(drafter, h, targets, target_logits, weights=weights, decay=decay,
                            chunk_elements=chunk_elements, denominator=denominator, num_rows=num_rows,
                            backend=backend)

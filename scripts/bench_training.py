@@ -11,7 +11,9 @@ Both steps train the same drafter on the same batches of self-distilled data, ta
   fused LM head + loss, each target row's softmax shared by its γ slots) with the loss's per-row work in torch
   and over every target row, prompt and padding included;
 * **fast** (the trainer's step): the same, with the per-row work in one Triton kernel on a GPU
-  (``optimized.kernels.distill_loss``) and only the target rows that teach a slot.
+  (``optimized.kernels.distill_loss``) and only the target rows that teach a slot;
+* **fast-flex** (GPU only, not in the default list): ``fast`` with the backbone's block attention as one compiled
+  FlexAttention call (``dense_backbone(attention="flex")``) instead of the materialised two-part scores.
 
 A supervised slot prediction is one valid (block, slot) pair that the loss scores. The report gives each
 step's median time over ``--repeats`` timed steps (after ``--warmup``), slot predictions per step and per
@@ -44,7 +46,7 @@ from scripts.runtime import hardware, resolve_device
 
 log = logging.getLogger("dspark.bench_training")
 
-STEPS = ("reference", "fast-torch", "fast")
+STEPS = ("reference", "fast-torch", "fast", "fast-flex")
 
 
 def reference_step(drafter: DSparkDrafter, target: Target, data: TokenData, idx: list[int], anchors: int,
@@ -78,7 +80,8 @@ def fast_step(drafter: DSparkDrafter, target: Target, data: TokenData, idx: list
     with _autocast(data.device):
         out = dense_step_loss(drafter, b.input_ids, b.loss_mask, b.attention_mask, features, logits_t,
                               weights=weights, num_rows=None if old else b.num_teacher_rows,
-                              backend="torch" if old else "auto")
+                              backend="torch" if old else "auto",
+                              attention="flex" if variant == "fast-flex" else "auto")
     out.loss.backward()
     return out.slot_stats[:, 0].sum()
 
@@ -153,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--steps", default="reference,fast-torch,fast",
                    help="which steps to time: reference (sparse anchors), fast-torch (every anchor, per-row loss work "
-                        "in torch on every row), fast (the trainer's step)")
+                        "in torch on every row), fast (the trainer's step), fast-flex (it with FlexAttention in the "
+                        "backbone; GPU only)")
     p.add_argument("--profile", default=None,
                    help="also profile 3 fast steps (torch.profiler) and write the operator table to this file")
     args = p.parse_args(argv)
@@ -188,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     by_name = {r["step"]: r["slot_predictions_per_s"] for r in results}
     ratio = by_name["fast"] / by_name["reference"] if {"fast", "reference"} <= by_name.keys() else None
-    ratios = {f"{a}/{b}": by_name[a] / by_name[b] for a in by_name for b in by_name if a != b and a == "fast"}
+    ratios = {f"{a}/{b}": by_name[a] / by_name[b] for a in by_name for b in by_name
+              if a != b and (a == "fast" or (a == "fast-flex" and b == "fast"))}
     for k, v in ratios.items():
         log.info("%s: %.2fx supervised slot predictions per second", k, v)
     report = {"benchmark": "training step, supervised slot predictions per second", "hardware": hardware(device),

@@ -128,6 +128,13 @@ def tokenised_prompts(args, target: Target) -> list[tuple[str, list[int]]]:
     return rows
 
 
+def shard_order(num_shards: int, start: int, rank: int, world: int) -> list[int]:
+    """The shards rank ``rank`` of ``world`` generates, in order: every world-th one, from ``start`` on, wrapping."""
+    if not 0 <= start < max(num_shards, 1):
+        raise SystemExit(f"--start-shard {start} is outside the {num_shards} shards of this selection")
+    return [i for i in ((start + j) % num_shards for j in range(num_shards)) if i % world == rank]
+
+
 def settings_split(args) -> str:
     return "prompt-ids" if args.prompt_ids else args.split
 
@@ -199,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=256, help="engine slots: sequences decoded at once")
     p.add_argument("--shard-size", type=int, default=4096, help="prompts per shard (the unit of resumption)")
     p.add_argument("--seed", type=int, default=0, help="root of the engine's random-number contract")
+    p.add_argument("--start-shard", type=int, default=0,
+                   help="generate shards from this index on, wrapping around: a time-limited run that continues "
+                        "an earlier one answers the prompts that run did not reach first")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--time-budget-s", type=float, default=None,
@@ -248,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=t, top_p=args.top_p if t > 0 else 1.0)
               for t in temps]
     num_shards = (len(rows) + args.shard_size - 1) // args.shard_size
-    mine = [i for i in range(num_shards) if i % world == rank]
+    mine = shard_order(num_shards, args.start_shard, rank, world)
     slowest = 0.0  # wall time of the slowest shard of this run, for --time-budget-s
     for i in tqdm(mine, desc=f"shards (rank {rank})", unit="shard", disable=rank != 0):
         path = out / shard_name(i)

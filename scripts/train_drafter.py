@@ -276,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decay", type=float, default=4.0, help="λ of the position weights exp(-(k-1)/λ)")
     p.add_argument("--loss-backend", choices=("auto", "triton", "torch"), default="auto",
                    help="the loss's per-row work: auto = the Triton kernel on CUDA, torch elsewhere")
+    p.add_argument("--attention", choices=("auto", "einsum", "flex"), default="auto",
+                   help="the backbone's block attention (optimized.training.dense_backbone); flex needs a GPU to "
+                        "train (FlexAttention has no backward on a CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--eval-every", type=int, default=500)
@@ -460,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         with autocast(device):
             out_loss = dense_step_loss(drafter, b.input_ids, b.loss_mask, b.attention_mask, features, logits_t,
                                        weights=weights, decay=args.decay, denominator=denominator,
-                                       num_rows=b.num_teacher_rows, backend=args.loss_backend)
+                                       num_rows=b.num_teacher_rows, backend=args.loss_backend,
+                                       attention=args.attention)
         del logits_t, features
         opt.zero_grad(set_to_none=True)
         out_loss.loss.backward()

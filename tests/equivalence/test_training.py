@@ -80,15 +80,17 @@ def test_dense_block_targets_equal_sparse_ones_at_every_eligible_anchor():
         assert not dense.valid[b, others].any()  # prompt, padding and the hole's neighbours are never anchors
 
 
+@pytest.mark.parametrize("attention", ["einsum", "flex"])
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("mask_token_id", [None, 5])
-def test_dense_backbone_equals_the_packed_reference_forward(qk_norm, mask_token_id):
+def test_dense_backbone_equals_the_packed_reference_forward(qk_norm, mask_token_id, attention):
     drafter = _drafter("markov", qk_norm=qk_norm, mask_token_id=mask_token_id)
     ids, _, attn, features, _ = _batch()
     B, S = ids.shape
     pos = torch.arange(S).expand(B, S)
     ref = drafter(ids, pos, features, pos, attn)  # [B, S, γ, d]: the dense mask of the reference
-    fast = dense_backbone(drafter, ids, features, attn)
+    with torch.set_grad_enabled(attention != "flex"):  # FlexAttention has no backward on a CPU (see below)
+        fast = dense_backbone(drafter, ids, features, attn, attention=attention)
     real = attn[:, :, None, None].expand_as(ref)  # anchors on padding are garbage in both (never supervised)
     torch.testing.assert_close(fast[real], ref[real], **TOL)
 
@@ -198,3 +200,23 @@ def test_a_loose_row_bound_changes_nothing():
     torch.testing.assert_close(loose.loss, exact.loss, **TOL)
     torch.testing.assert_close(loose.slot_stats, exact.slot_stats, **TOL)
     torch.testing.assert_close(loose.c_star, exact.c_star, **TOL)
+
+
+def _cuda(drafter):
+    emb, lm = drafter.target_modules()  # shared, not submodules: moved and attached again
+    drafter.cuda().attach_target(emb.cuda(), lm.cuda())
+    return drafter
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's backward needs a GPU")
+def test_flex_attention_backbone_has_the_reference_gradients():
+    ids, lmask, attn, features, target_logits = (t.cuda() for t in _batch())
+    ref_drafter, flex_drafter = (_cuda(_drafter("markov", qk_norm=True)) for _ in range(2))
+    ref = dense_step_loss(ref_drafter, ids, lmask, attn, features, target_logits, attention="einsum")
+    flex = dense_step_loss(flex_drafter, ids, lmask, attn, features, target_logits, attention="flex")
+    torch.testing.assert_close(flex.loss, ref.loss, **TOL)
+    ref.loss.backward()
+    flex.loss.backward()
+    for (name, p_ref), p_flex in zip(ref_drafter.named_parameters(), flex_drafter.parameters()):
+        if p_ref.grad is not None:
+            torch.testing.assert_close(p_flex.grad, p_ref.grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -261,6 +261,15 @@ def test_make_dataset_time_budget_stops_between_shards_and_rerun_completes(workd
     assert manifest["complete"] and manifest["shards_present"] == manifest["num_shards"] == 3
 
 
+def test_shard_order_starts_where_asked_and_covers_every_shard_once():
+    assert make_dataset.shard_order(7, 0, 0, 1) == list(range(7))
+    assert make_dataset.shard_order(7, 5, 0, 1) == [5, 6, 0, 1, 2, 3, 4]
+    ranks = [make_dataset.shard_order(7, 5, r, 3) for r in range(3)]
+    assert ranks[2] == [5, 2] and sorted(i for r in ranks for i in r) == list(range(7))
+    with pytest.raises(SystemExit, match="outside"):
+        make_dataset.shard_order(7, 7, 0, 1)
+
+
 def test_token_data_batches_equal_the_padded_examples(workdir):
     examples = dataset.load_dataset(workdir / "data", limit=10)
     data = dataset.TokenData(examples, max_len=20)
