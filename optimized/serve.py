@@ -4,11 +4,11 @@ With no arguments it serves the default target (SmolLM2-135M-Instruct) with the 
 verification (docs/method.md §5), on CUDA when present and on the CPU otherwise, at http://127.0.0.1:8000. Flags
 take vLLM's names where vLLM has one.
 
-The HTTP server starts at once; ``GET /health`` answers 503 while the engine thread loads the weights, builds the
-engine (static caches, CUDA graphs), measures or loads the step-cost table and warms every kernel up, each stage
-logged with its time, and 200 from then on, so the first request is as fast as the hundredth. SIGTERM (or Ctrl-C)
-stops accepting connections, lets the requests in flight finish (at most ``--shutdown-timeout`` seconds) and exits
-0; a failure of the engine exits 1.
+The HTTP server starts at once; ``GET /health`` answers 503 while the engine thread (with ``--engine-process``, the
+engine process) loads the weights, builds the engine (static caches, CUDA graphs), measures or loads the step-cost
+table and warms every kernel up, each stage logged with its time, and 200 from then on, so the first request is as
+fast as the hundredth. SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish (at most
+``--shutdown-timeout`` seconds), stops the engine and exits 0; a failure of the engine exits 1.
 """
 
 from __future__ import annotations

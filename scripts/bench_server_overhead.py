@@ -24,13 +24,19 @@ concurrency level (closed loop of ``bench_serving``: C users, streaming chat req
 * CPU time per delivered token of the server process and of the client (``/proc``, ``time.process_time``): which
   of the two saturates first.
 
-Two arms per setting, each in its own server process: ``coalesce`` (the server as shipped: the steps that queued up
-for a request while its stream was busy leave as one chunk) and ``per-step`` (one chunk per engine step, always),
-the baseline measured in the same run.
+Arms, each in its own server process: two ways of streaming, ``coalesce`` (the server as shipped: the steps that
+queued up for a request while its stream was busy leave as one chunk) and ``per-step`` (one chunk per engine step,
+always), crossed with two places for the engine (``--engine-modes``): ``thread`` (the engine on a thread of the
+server process, sharing its interpreter lock; these arms keep their names, ``coalesce`` and ``per-step``) and
+``process`` (``optimized.serve --engine-process``: the engine in a child process; arms ``process+coalesce`` and
+``process+per-step``). The server CPU per token is the HTTP process's; the engine process's is reported beside it.
+The engine modes of one streaming arm run side by side and take turns at every level (``--repeats N`` turns each):
+the report keeps each arm's median run per level and, for a process arm, the median of its paired ratios to the
+thread arm measured just before it (robust to a machine whose load drifts).
 
 Usage (any machine; no GPU needed, the target is only used for its tokenizer)::
 
-    python -m scripts.bench_server_overhead --concurrency 1,16,64,256 --tokens-per-step 1,3 \\
+    python -m scripts.bench_server_overhead --concurrency 1,16,64,256 --tokens-per-step 1,3 --repeats 3 \\
         --out docs/benchmarks/server-overhead-cpu.json --plot docs/benchmarks/server-overhead-cpu.png
 
 Names follow ``docs/method.md`` (``τ`` tokens per step).
@@ -328,31 +334,31 @@ def measure_level(server: ServerProcess, prompts: list[str], args: argparse.Name
 
 
 def plot(report: dict, path: Path) -> None:
+    """One panel per tokens-per-step: the client's tokens/s of every arm against the engine alone."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for arm, k in sorted({(r["arm"], r["tokens_per_step"]) for r in report["results"]}):
-        rows = sorted((r for r in report["results"] if (r["arm"], r["tokens_per_step"]) == (arm, k)),
-                      key=lambda r: r["concurrency"])
-        cs, name = [r["concurrency"] for r in rows], f"{arm}, {k} tok/step"
-        line, = ax1.plot(cs, [r["output_tokens_per_s"] for r in rows], "o-", label=f"server ({name})")
-        if arm == "coalesce":  # the engine alone (the same for every arm)
-            ax1.plot(cs, [r["engine_bound_tokens_per_s"] for r in rows], "x:", color=line.get_color(),
-                     label=f"engine alone, {k} tok/step")
-        ax2.plot(cs, [r["server_cpu_us_per_token"] for r in rows], "o-", label=f"server ({name})")
-        ax2.plot(cs, [r["client_cpu_us_per_token"] for r in rows], "x--", color=ax2.lines[-1].get_color(),
-                 label=f"client ({name})")
-    for ax in (ax1, ax2):
+    ks = sorted({r["tokens_per_step"] for r in report["results"]})
+    fig, axes = plt.subplots(1, len(ks), figsize=(5.5 * len(ks), 4.2), squeeze=False)
+    for ax, k in zip(axes[0], ks):
+        rows_k = [r for r in report["results"] if r["tokens_per_step"] == k]
+        arms = list(dict.fromkeys(r["arm"] for r in rows_k))
+        for arm in arms:
+            rows = sorted((r for r in rows_k if r["arm"] == arm), key=lambda r: r["concurrency"])
+            style = "o-" if arm.startswith("process") else "s--"
+            ax.plot([r["concurrency"] for r in rows], [r["output_tokens_per_s"] for r in rows], style, label=arm)
+        rows = sorted((r for r in rows_k if r["arm"] == arms[0]), key=lambda r: r["concurrency"])
+        ax.plot([r["concurrency"] for r in rows], [r["engine_bound_tokens_per_s"] for r in rows], "x:", color="k",
+                label="engine alone")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xlabel("concurrency")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"{k} token{'s' if k > 1 else ''} per request per step", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    ax1.set_yscale("log")
-    ax1.set_ylabel("output tokens/s")
-    ax2.set_ylabel("CPU µs per streamed token")
     s = report["settings"]
     fig.suptitle(f"Server in front of a simulated engine ({s['step_ms']} ms asleep + {s['host_ms']} ms host per "
                  f"step), {report['hardware']}", fontsize=10)
@@ -372,33 +378,71 @@ def run(args: argparse.Namespace) -> int:
         "settings": {k: getattr(args, k) for k in ("step_ms", "host_ms", "max_num_seqs", "output_len",
                                                     "prompts_per_user", "min_requests", "prompts_file")},
         "software": {"python": platform.python_version(), "switch_interval_s": sys.getswitchinterval()},
-        "results": [],
+        "repeats": args.repeats,
+        "load_average_at_start": os.getloadavg(),
+        "results": [],  # per arm and level, the repeat with the median tokens/s
+        "runs": [],  # every repeat
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = Path(args.log_dir or out.parent)
     log_dir.mkdir(parents=True, exist_ok=True)
-    for k, engine, arm in itertools.product(args.tokens_per_step, args.engine_modes, args.arms):
-        label = arm_label(arm, engine)
-        server = ServerProcess(args, arm, engine, k, log_dir / f"server-overhead-{label}-{k}.log")
+    # The engine modes of one arm run side by side (an idle server costs nothing), and every level is measured in
+    # turns, mode after mode, repeat after repeat: on a shared machine whose load drifts, the two modes of a level are
+    # measured seconds apart, and `paired_ratio` compares them repeat by repeat.
+    for k, arm in itertools.product(args.tokens_per_step, args.arms):
+        servers = {}
         try:
-            server.wait_ready()
+            for engine in args.engine_modes:
+                label = arm_label(arm, engine)
+                servers[engine] = ServerProcess(args, arm, engine, k, log_dir / f"server-overhead-{label}-{k}.log")
+            for server in servers.values():
+                server.wait_ready()
             for c in args.concurrency:
-                row = measure_level(server, prompts, args, c)
-                log.info("%s, %d tok/step, C=%4d: %8.0f tok/s (engine alone %8.0f, ×%.2f); step period %.2f ms "
-                         "(simulated %.2f); CPU per token server %.0f µs, client %.0f µs", label, k, c,
-                         row["output_tokens_per_s"],
-                         row["engine_bound_tokens_per_s"], row["server_efficiency"], row["step_period_ms"],
-                         row["simulated_step_ms"], row["server_cpu_us_per_token"], row["client_cpu_us_per_token"])
-                report["results"].append(row)
-                out.write_text(json.dumps(report, indent=1) + "\n")
+                for rep in range(args.repeats):
+                    for server in servers.values():
+                        row = {**measure_level(server, prompts, args, c), "repeat": rep}
+                        log.info("%s, %d tok/step, C=%4d: %8.0f tok/s (engine alone %8.0f, ×%.2f); step period "
+                                 "%.2f ms (simulated %.2f); CPU per token server %.0f µs, client %.0f µs",
+                                 row["arm"], k, c, row["output_tokens_per_s"], row["engine_bound_tokens_per_s"],
+                                 row["server_efficiency"], row["step_period_ms"], row["simulated_step_ms"],
+                                 row["server_cpu_us_per_token"], row["client_cpu_us_per_token"])
+                        report["runs"].append(row)
+                    report["results"] = median_rows(report["runs"])
+                    report["load_average_at_end"] = os.getloadavg()
+                    out.write_text(json.dumps(report, indent=1) + "\n")
         finally:
-            server.stop()
+            for server in servers.values():
+                server.stop()
     if args.plot:
         plot(report, Path(args.plot))
     eff = [r["server_efficiency"] for r in report["results"]]
     log.info("server efficiency median %.2f (min %.2f); wrote %s", statistics.median(eff), min(eff), out)
     return 0
+
+
+def median_rows(runs: list[dict]) -> list[dict]:
+    """Per (tokens per step, arm, concurrency), the run with the median tokens/s (the lower middle one of an even
+    count), with every repeat's tokens/s beside it and, for a process arm, ``paired_ratio``: the median over repeats
+    of its tokens/s over the thread arm's of the same repeat (measured just before it). Sorted by tokens per step,
+    arm (in the order they ran) and concurrency."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["tokens_per_step"], r["arm"], r["concurrency"]), []).append(r)
+    arms = list(dict.fromkeys(r["arm"] for r in runs))
+    rows = []
+    for key in sorted(groups, key=lambda key: (key[0], arms.index(key[1]), key[2])):
+        group = groups[key]
+        ranked = sorted(group, key=lambda r: r["output_tokens_per_s"])
+        row = {**ranked[(len(ranked) - 1) // 2], "repeats_output_tokens_per_s": [r["output_tokens_per_s"]
+                                                                                 for r in group]}
+        thread = {r["repeat"]: r for r in groups.get((key[0], row["chunks_per"], key[2]), [])}
+        pairs = [r["output_tokens_per_s"] / thread[r["repeat"]]["output_tokens_per_s"] for r in group
+                 if row["engine"] == "process" and r["repeat"] in thread]
+        if pairs:
+            row["paired_ratio"] = statistics.median(pairs)
+        rows.append(row)
+    return rows
 
 
 def _engine_modes(text: str) -> list[str]:
@@ -429,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list: thread (the engine on a thread of the server process), process (in its own "
                         "process, optimized.serve --engine-process); each crossed with --arms")
     p.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 16, 64, 256])
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every arm this many times (arms interleaved); the report keeps the median run")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompts-per-user", type=int, default=4)
     p.add_argument("--min-requests", type=int, default=16)

@@ -41,6 +41,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -99,7 +100,17 @@ class EngineProcess(EngineClient):
         if proc is None:
             return
         self._send(None)
-        proc.join(timeout)
+        # Wait, taking what the child still sends (a step in flight, a late ready message): a child blocked on a full
+        # pipe would never see the stop.
+        deadline = time.monotonic() + timeout
+        while proc.is_alive() and time.monotonic() < deadline:
+            try:
+                if self._results is not None and not self._results.closed and self._results.poll(0.05):
+                    self._results.recv()
+                else:
+                    proc.join(0.05)
+            except (EOFError, OSError):
+                proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             log.warning("the engine process did not stop within %.0f s: terminating it", timeout)
             proc.terminate()
