@@ -10,6 +10,7 @@ Drafters the format cannot express are refused with the reason.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,3 +186,12 @@ def test_learned_mask_vector_is_refused(tmp_path, capsys):
 def test_missing_qk_norm_is_refused():
     with pytest.raises(export_speculators.ExportError, match="q/k RMSNorm"):
         export_speculators.check_exportable(tiny_drafter_config(mask_token_id=5, qk_norm=False))
+
+
+def test_the_shipped_drafter_is_exportable():
+    """The drafter in checkpoints/ has a vocabulary-row mask token and q/k RMSNorm: vLLM can serve it."""
+    from reference.config import DrafterConfig
+
+    cfg = json.loads((Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct-dspark"
+                      / "config.json").read_text())["drafter"]
+    export_speculators.check_exportable(DrafterConfig.from_dict(cfg))
