@@ -44,6 +44,16 @@ DISTILL_BLOCK_V = 2048
 
 
 @triton.jit
+def _tile_probs(z_row, t_row, lanes, V, lse_d, lse_t):
+    """One vocabulary tile of a draft row and its teacher row, normalised: ``z``, ``log p_t``, ``p_d``, ``p_t`` (padding
+    lanes: ``z = log p_t = -inf``, ``p_d = p_t = 0``), the lanes and their validity."""
+    ok = lanes < V
+    zt = tl.load(z_row + lanes, mask=ok, other=float("-inf")).to(tl.float32)
+    lpt = tl.load(t_row + lanes, mask=ok, other=float("-inf")).to(tl.float32) - lse_t
+    return zt, lpt, tl.exp(zt - lse_d), tl.exp(lpt), lanes, ok
+
+
+@triton.jit
 def _distill_rows_kernel(z_ptr, t_ptr, label_ptr, weight_ptr, out_ptr, stats_ptr, V, w_ce, w_kl, w_l1,
                          GAMMA: tl.constexpr, HAS_L1: tl.constexpr, BLOCK_V: tl.constexpr):
     m = tl.program_id(0)
@@ -88,13 +98,7 @@ def _distill_rows_kernel(z_ptr, t_ptr, label_ptr, weight_ptr, out_ptr, stats_ptr
     cs = tl.zeros((), tl.float32)    # Σ min(p_d, p_t)
     pds = tl.zeros((), tl.float32)   # Σ p_d s
     for v0 in range(0, V, BLOCK_V):
-        lanes = v0 + lanes0
-        ok = lanes < V
-        zt = tl.load(z_row + lanes, mask=ok, other=neg_inf).to(tl.float32)
-        tt = tl.load(t_row + lanes, mask=ok, other=neg_inf).to(tl.float32)
-        p_d = tl.exp(zt - lse_d)
-        lpt = tt - lse_t
-        p_t = tl.exp(lpt)
+        zt, lpt, p_d, p_t, lanes, ok = _tile_probs(z_row, t_row, v0 + lanes0, V, lse_d, lse_t)
         live = p_t > 0.0
         ent += tl.sum(p_t * tl.where(live, lpt, 0.0), axis=0)  # no 0·(-inf) even in masked lanes
         ptz += tl.sum(p_t * tl.where(live, zt, 0.0), axis=0)
@@ -110,12 +114,7 @@ def _distill_rows_kernel(z_ptr, t_ptr, label_ptr, weight_ptr, out_ptr, stats_ptr
     a = tl.load(weight_ptr + m).to(tl.float32)
     z_y = tl.load(z_row + y).to(tl.float32)  # read before pass 3 may overwrite it
     for v0 in range(0, V, BLOCK_V):
-        lanes = v0 + lanes0
-        ok = lanes < V
-        zt = tl.load(z_row + lanes, mask=ok, other=neg_inf).to(tl.float32)
-        tt = tl.load(t_row + lanes, mask=ok, other=neg_inf).to(tl.float32)
-        p_d = tl.exp(zt - lse_d)
-        p_t = tl.exp(tt - lse_t)
+        zt, lpt, p_d, p_t, lanes, ok = _tile_probs(z_row, t_row, v0 + lanes0, V, lse_d, lse_t)
         g = p_d * (a * (w_ce + w_kl)) - p_t * (a * w_kl)
         if HAS_L1:
             diff = p_d - p_t

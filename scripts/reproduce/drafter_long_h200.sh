@@ -5,7 +5,8 @@
 #      (deterministic from DATA_SEED; START_SHARD makes a loan answer first the prompts an earlier loan did not
 #      reach), and the held-out set (the trainer's curve reads 256 of it, the calibration all of it);
 #   2. profiles the training step (scripts/bench_training.py --profile) at the batch size it trains with (PROFILE=1),
-#      and picks the backbone's attention (ATTENTION=measure: FlexAttention if its GPU test passes and it is faster);
+#      checks the loss kernel on this GPU (the torch loss if its test fails) and picks the backbone's attention
+#      (ATTENTION=measure: FlexAttention if its GPU test passes and it is faster);
 #   3. trains for TRAIN_MIN minutes from INIT_FROM (default: the shipped drafter, which records its step, so the
 #      schedule continues where the last loan stopped; INIT_FROM= starts a new schedule from scratch);
 #   4. calibrates the new drafter (STS + per-slot bias, written into its config.json) and measures τ on
@@ -75,6 +76,8 @@ cp "$DATA/train/manifest.json" "$RES/long-data-manifest.json"
 [ "$PROFILE" = 1 ] && run profile python -m scripts.bench_training --data "$DATA/train" --model "$MODEL" \
   --device "$DEVICE" --tokens-per-batch "$TOKENS" --num-layers "$LAYERS" --steps fast --limit 2048 \
   --json "$RES/training-step-$TOKENS.json" --profile "$RES/training-profile-$TOKENS.txt"
+LOSS_BACKEND=auto   # the Triton loss kernel, unless its GPU test fails here
+run loss-kernel-tests python -m pytest -q tests/equivalence/test_distill_loss.py || LOSS_BACKEND=torch
 if [ "$ATTENTION" = measure ]; then
   ATTENTION=einsum
   if run flex-tests python -m pytest -q tests/equivalence/test_training.py -k "flex" &&
@@ -92,7 +95,8 @@ fi
 run train python -m scripts.train_drafter --data "$DATA/train" --eval-data "$DATA/heldout" --eval-examples 256 \
   --model "$MODEL" --device "$DEVICE" --out "$DATA/run" --num-layers "$LAYERS" --tokens-per-batch "$TOKENS" \
   --steps "$STEPS" --lr "$LR" --warmup-frac "$WARMUP_FRAC" --time-budget-min "$TRAIN_MIN" --eval-every 1000 \
-  --log-every 100 --save-every 1000 --attention "$ATTENTION" --no-resume "${INIT[@]}" "${TRAIN_EXTRA[@]}" || exit 1
+  --log-every 100 --save-every 1000 --attention "$ATTENTION" --loss-backend "$LOSS_BACKEND" --no-resume "${INIT[@]}" \
+  "${TRAIN_EXTRA[@]}" || exit 1
 
 # 4. calibration (into the checkpoint's config.json), then τ on the evaluation prompts: the new drafter greedy and
 #    T = 1, the one it replaces greedy (same run, same engine)
