@@ -196,9 +196,15 @@ def test_the_engine_process_does_not_outlive_a_killed_server():
 
 @pytest.fixture(scope="module")
 def servers(tiny_dirs, tmp_path_factory):
-    """{mode: LiveServer} of the tiny model, started side by side."""
+    """{mode: LiveServer} of the tiny model, started side by side. One given cost table: a sampled request's tokens
+    depend on its verify lengths, which the adaptive scheduler plans from the table (two profiles would differ)."""
+    from reference.cost_model import CostTable
+
     cache = tmp_path_factory.mktemp("cache")
-    started = {mode: LiveServer(tiny_server_args(tiny_dirs, flag), cache, cache / f"server-{mode}.log")
+    table = cache / "cost.json"
+    CostTable.affine(fixed_ms=5.0, per_token_ms=0.3, sizes=list(range(1, 65))).save(table)
+    started = {mode: LiveServer(tiny_server_args(tiny_dirs, flag, "--cost-table", str(table)), cache,
+                                cache / f"server-{mode}.log")
                for mode, flag in (("thread", "--no-engine-process"), ("process", "--engine-process"))}
     try:
         for srv in started.values():
