@@ -10,6 +10,10 @@ proposals: each proposal gives raw confidence logits ``z_1..z_γ`` and prefix-su
 censored (NaN), never labelled 0. For ``k = 1..γ`` in order, ``T_k`` minimises the ECE of
 ``Π_{i≤k} σ(z_i/T_i)`` against ``y_k`` with ``T_1..T_{k-1}`` already fixed. Dividing a logit by a positive
 temperature is monotone, so every slot keeps its ranking.
+
+Two log-loss variants refine it, both strictly increasing in ``z``: :func:`fit_sts_bias` (a temperature and a bias
+per slot, what ``scripts/calibrate.py`` ships) and :func:`fit_sts_beta` (beta calibration, three parameters per slot).
+All three are applied by :func:`apply_sts`.
 """
 
 from __future__ import annotations
@@ -238,6 +242,49 @@ def fit_sts(conf_logits: Tensor, labels: Tensor, *, grid: Tensor | None = None, 
     return temps
 
 
+def _fit_sequential_logloss(conf_logits: Tensor, labels: Tensor, logit, num_params: int, *, min_count: int,
+                            min_each: int, l2: float, max_iter: int, name: str) -> list[Tensor]:
+    """Fit ``ĉ_k = σ(logit(θ_k, z_k))`` slot by slot by the log-loss of the prefix survival (shared by the log-loss
+    methods). For ``k = 1..γ``, with slots ``< k`` fixed, ``θ_k`` minimises the log-loss of ``Π_{i<k} ĉ_i · ĉ_k``
+    against ``y_k`` over the uncensored rows plus ``l2 · |θ_k|²`` (L-BFGS in float64 from ``θ = 0``, which every method
+    makes the identity ``ĉ = σ(z)``; deterministic). A slot with fewer than ``min_count`` verified proposals, or fewer
+    than ``min_each`` accepted or rejected ones, keeps ``θ_k = 0``.
+
+    Returns:
+        γ float64 parameter vectors ``[num_params]``.
+    """
+    _check_logits_labels(conf_logits, labels)
+    z = conf_logits.double()  # [M, γ]
+    a_prev = torch.ones(z.shape[0], dtype=torch.float64, device=z.device)  # [M] Π_{i<k} ĉ_i, fixed so far
+    thetas = []
+    for k in range(z.shape[1]):
+        rows = ~labels[:, k].isnan()
+        positives = int(labels[rows, k].sum())
+        params = torch.zeros(num_params, dtype=torch.float64, device=z.device, requires_grad=True)
+        if int(rows.sum()) < max(min_count, 1) or min(positives, int(rows.sum()) - positives) < min_each:
+            log.warning("%s: slot %d has %d verified proposals, %d accepted (need %d and %d of each); keeping the "
+                        "identity", name, k + 1, int(rows.sum()), positives, max(min_count, 1), min_each)
+        else:
+            y, prev, zk = labels[rows, k].double().to(z.device), a_prev[rows], z[rows, k]
+            opt = torch.optim.LBFGS([params], max_iter=max_iter, line_search_fn="strong_wolfe")
+
+            def closure(y=y, prev=prev, zk=zk, params=params, opt=opt):
+                opt.zero_grad()
+                # log Π_{i≤k} ĉ_i, computed stably; log(1 - a) through log1p(-a) with a < 1
+                log_a = prev.clamp_min(1e-300).log() + torch.nn.functional.logsigmoid(logit(params, zk))
+                log_not_a = torch.log1p(-log_a.exp().clamp(max=1 - 1e-12))
+                loss = -(y * log_a + (1 - y) * log_not_a).mean() + l2 * (params**2).sum()
+                loss.backward()
+                return loss
+
+            with torch.enable_grad():
+                opt.step(closure)
+        theta = params.detach()
+        thetas.append(theta)
+        a_prev = a_prev * torch.sigmoid(logit(theta, z[:, k]))
+    return thetas
+
+
 def fit_sts_bias(conf_logits: Tensor, labels: Tensor, *, min_count: int = 50, min_each: int = 10,
                  l2: float = 1e-3, max_iter: int = 200) -> tuple[list[float], list[float]]:
     """STS with a per-slot bias (sequential Platt scaling): ``ĉ_k = σ(z_k / T_k + b_k)``, fitted slot by slot.
@@ -266,38 +313,51 @@ def fit_sts_bias(conf_logits: Tensor, labels: Tensor, *, min_count: int = 50, mi
     Returns:
         ``([T_1, .., T_γ], [b_1, .., b_γ])`` as Python floats.
     """
-    _check_logits_labels(conf_logits, labels)
-    z = conf_logits.double()  # [M, γ]
-    a_prev = torch.ones(z.shape[0], dtype=torch.float64, device=z.device)  # [M] Π_{i<k} ĉ_i, fixed so far
-    temps, biases = [], []
-    for k in range(z.shape[1]):
-        rows = ~labels[:, k].isnan()
-        positives = int(labels[rows, k].sum())
-        if int(rows.sum()) < max(min_count, 1) or min(positives, int(rows.sum()) - positives) < min_each:
-            log.warning("STS: slot %d has %d verified proposals, %d accepted (need %d and %d of each); keeping T = 1, "
-                        "b = 0", k + 1, int(rows.sum()), positives, max(min_count, 1), min_each)
-            t_k, b_k = 1.0, 0.0
-        else:
-            y, prev, zk = labels[rows, k].double().to(z.device), a_prev[rows], z[rows, k]
-            params = torch.zeros(2, dtype=torch.float64, device=z.device, requires_grad=True)  # (log T, b)
-            opt = torch.optim.LBFGS([params], max_iter=max_iter, line_search_fn="strong_wolfe")
+    thetas = _fit_sequential_logloss(conf_logits, labels, lambda p, z: z / p[0].exp() + p[1], 2, min_count=min_count,
+                                     min_each=min_each, l2=l2, max_iter=max_iter, name="STS")
+    return [float(t[0].exp()) for t in thetas], [float(t[1]) for t in thetas]
 
-            def closure(y=y, prev=prev, zk=zk, params=params, opt=opt):
-                opt.zero_grad()
-                # log Π_{i≤k} ĉ_i, computed stably; log(1 - a) through log1p(-a) with a < 1
-                log_a = prev.clamp_min(1e-300).log() + torch.nn.functional.logsigmoid(zk / params[0].exp() + params[1])
-                log_not_a = torch.log1p(-log_a.exp().clamp(max=1 - 1e-12))
-                loss = -(y * log_a + (1 - y) * log_not_a).mean() + l2 * (params**2).sum()
-                loss.backward()
-                return loss
 
-            with torch.enable_grad():
-                opt.step(closure)
-            t_k, b_k = float(params[0].detach().exp()), float(params[1].detach())
-        temps.append(t_k)
-        biases.append(b_k)
-        a_prev = a_prev * torch.sigmoid(z[:, k] / t_k + b_k)
-    return temps, biases
+def fit_sts_beta(conf_logits: Tensor, labels: Tensor, *, min_count: int = 50, min_each: int = 10,
+                 l2: float = 1e-3, max_iter: int = 200) -> tuple[list[float], list[float], list[float]]:
+    """Beta calibration per slot, fitted slot by slot like :func:`fit_sts_bias`:
+    ``ĉ_k = σ(α_k · log c_k − β_k · log(1 − c_k) + m_k)`` on the raw confidence ``c_k = σ(z_k)``.
+
+    Three parameters per slot instead of two: where STS + bias can only stretch and shift the logit, the two
+    exponents bend the map differently at the confident and the unconfident end (a head whose high confidences
+    are over-confident and whose low ones are about right, say). ``α, β > 0`` make it strictly increasing in
+    ``z``, so the ranking is preserved; ``α = β = 1, m = 0`` is the identity. The fit runs on
+    ``(log α_k, log β_k, m_k)`` from 0 with the penalty ``l2 · |·|²`` of :func:`fit_sts_bias`, so ``α, β`` stay
+    positive by construction.
+
+    Since ``log σ(z) − log σ(−z) = z``, the same map is ``σ(z / T + b + w · log σ(z))`` with ``T = 1/β``,
+    ``b = m``, ``w = α − β``: STS + bias plus one term, which is the form :func:`apply_sts` takes
+    (``log_weights``) and the checkpoint stores (``w = 0`` is STS + bias). On the recorded H200 proposals of
+    ``docs/benchmarks/data/`` (10 random half splits) held-out ECE at slots 1–3 of the two weaker drafters falls
+    by 0.3–0.9 points against STS + bias and is unchanged on the 13,741-proposal set that STS + bias already fits at
+    the noise floor (``scripts/compare_calibration.py``, docs/benchmarks/calibration-methods.json).
+
+    Args:
+        conf_logits: ``[M, γ]`` raw confidence logits z.
+        labels: ``[M, γ]`` prefix-survival labels (:func:`prefix_survival_labels`), NaN = censored.
+        min_count: fewest verified proposals a slot needs to be fitted; below it the slot keeps the identity
+            ``(T_k, b_k, w_k) = (1, 0, 0)``.
+        min_each: fewest accepted and fewest rejected ones it needs, likewise.
+        l2: weight of the penalty on ``(log α_k, log β_k, m_k)``.
+        max_iter: L-BFGS iterations per slot.
+
+    Returns:
+        ``([T_1, .., T_γ], [b_1, .., b_γ], [w_1, .., w_γ])`` as Python floats, for :func:`apply_sts`.
+    """
+    F = torch.nn.functional
+
+    def logit(p, z):  # α·log σ(z) − β·log σ(−z) + m
+        return p[0].exp() * F.logsigmoid(z) - p[1].exp() * F.logsigmoid(-z) + p[2]
+
+    thetas = _fit_sequential_logloss(conf_logits, labels, logit, 3, min_count=min_count, min_each=min_each, l2=l2,
+                                     max_iter=max_iter, name="beta calibration")
+    alpha, beta = [float(t[0].exp()) for t in thetas], [float(t[1].exp()) for t in thetas]
+    return [1.0 / b for b in beta], [float(t[2]) for t in thetas], [a - b for a, b in zip(alpha, beta)]
 
 
 def _check_temperatures(conf_logits: Tensor, temperatures) -> Tensor:
@@ -310,13 +370,18 @@ def _check_temperatures(conf_logits: Tensor, temperatures) -> Tensor:
     return t
 
 
-def apply_sts(conf_logits: Tensor, temperatures, biases=None) -> Tensor:
-    """Calibrated per-slot confidences ``ĉ_k = σ(z_k / T_k + b_k)`` (``b = 0``: the paper's STS).
+def apply_sts(conf_logits: Tensor, temperatures, biases=None, log_weights=None) -> Tensor:
+    """Calibrated per-slot confidences ``ĉ_k = σ(z_k / T_k + b_k + w_k · log σ(z_k))`` (``w = 0``: STS + bias,
+    ``b = w = 0``: the paper's STS; ``w ≠ 0`` comes from :func:`fit_sts_beta`).
+
+    The operations run in this order, in the dtype of ``conf_logits``: ``z / T``, ``+ b``, ``+ w · logsigmoid(z)``,
+    ``sigmoid``; an engine that reproduces the reference's survivals has to follow it.
 
     Args:
         conf_logits: ``[.., γ]`` raw confidence logits.
         temperatures: γ positive temperatures (list or tensor).
         biases: γ finite biases, or ``None`` for none.
+        log_weights: γ finite weights ``w_k > −1/T_k`` (what keeps the map increasing in z), or ``None`` for none.
 
     Returns:
         ``[.., γ]`` confidences in the dtype of ``conf_logits`` (float32 for integer input).
@@ -329,7 +394,21 @@ def apply_sts(conf_logits: Tensor, temperatures, biases=None) -> Tensor:
         if b.numel() != t.numel() or not bool(b.isfinite().all()):
             raise ValueError(f"need one finite bias per slot ({t.numel()}), got {b.tolist()}")
         x = x + b.to(device=conf_logits.device, dtype=dtype)
+    if log_weights is not None:
+        w = _check_log_weights(log_weights, t)
+        z = conf_logits if conf_logits.is_floating_point() else conf_logits.to(dtype)
+        x = x + w.to(device=conf_logits.device, dtype=dtype) * torch.nn.functional.logsigmoid(z)
     return torch.sigmoid(x)
+
+
+def _check_log_weights(log_weights, temperatures: Tensor) -> Tensor:
+    w = torch.as_tensor(log_weights, dtype=torch.float64).flatten()
+    if w.numel() != temperatures.numel() or not bool(w.isfinite().all()):
+        raise ValueError(f"need one finite log weight per slot ({temperatures.numel()}), got {w.tolist()}")
+    if bool((w <= -1.0 / temperatures).any()):
+        raise ValueError(f"log weights must exceed -1/T per slot (else the calibration is not increasing in z), got "
+                         f"{w.tolist()} with temperatures {temperatures.tolist()}")
+    return w
 
 
 def prefix_survival(conf: Tensor) -> Tensor:
@@ -337,8 +416,9 @@ def prefix_survival(conf: Tensor) -> Tensor:
     return torch.cumprod(conf, dim=-1)
 
 
-def calibration_report(conf_logits: Tensor, labels: Tensor, temperatures, num_bins: int = 20, biases=None) -> dict:
-    """Per-slot ECE of the prefix survival before (T = 1) and after STS, JSON-ready.
+def calibration_report(conf_logits: Tensor, labels: Tensor, temperatures, num_bins: int = 20, biases=None,
+                       log_weights=None) -> dict:
+    """Per-slot ECE of the prefix survival before (T = 1) and after the calibration (:func:`apply_sts`), JSON-ready.
 
     Returns:
         ``{"num_bins", "temperatures", "positions": [...]}``, one entry per slot k with ``k``, ``count``
@@ -349,7 +429,7 @@ def calibration_report(conf_logits: Tensor, labels: Tensor, temperatures, num_bi
     t = _check_temperatures(conf_logits, temperatures)
     z = conf_logits.double()
     a_before = prefix_survival(torch.sigmoid(z))  # [M, γ]
-    a_after = prefix_survival(apply_sts(z, t, biases))  # [M, γ]
+    a_after = prefix_survival(apply_sts(z, t, biases, log_weights))  # [M, γ]
     positions = []
     for k in range(z.shape[1]):
         rows = ~labels[:, k].isnan()
@@ -372,6 +452,8 @@ def calibration_report(conf_logits: Tensor, labels: Tensor, temperatures, num_bi
     report = {"num_bins": num_bins, "temperatures": [float(x) for x in t.tolist()], "positions": positions}
     if biases is not None:
         report["biases"] = [float(b) for b in biases]
+    if log_weights is not None:
+        report["log_weights"] = [float(w) for w in log_weights]
     return report
 
 
@@ -383,9 +465,20 @@ def _warn_uncalibrated(mode: str) -> None:
 
 
 def calibrated_survival(config: DrafterConfig, mode: str, conf_logits: Tensor) -> Tensor:
-    """Prefix survivals ``a_k = Π_{i≤k} σ(z_i / T_i + b_i)`` of raw confidence logits ``[.., γ]`` under the
-    checkpoint's calibration for decoding ``mode`` (what the scheduler reads)."""
-    return prefix_survival(apply_sts(conf_logits, temperatures_for(config, mode), biases_for(config, mode)))
+    """Prefix survivals ``a_k = Π_{i≤k} σ(z_i / T_i + b_i + w_i · log σ(z_i))`` of raw confidence logits ``[.., γ]``
+    under the checkpoint's calibration for decoding ``mode`` (what the scheduler reads)."""
+    return prefix_survival(apply_sts(conf_logits, temperatures_for(config, mode), biases_for(config, mode),
+                                     log_weights_for(config, mode)))
+
+
+def log_weights_for(config: DrafterConfig, mode: str) -> list[float] | None:
+    """The beta-calibration log weights ``w_k`` of one decoding mode (:func:`fit_sts_beta`), or ``None`` (STS or
+    STS + bias). Read from ``DrafterConfig.sts_log_weights`` where the configuration has that field; one that does
+    not cannot hold them, and its calibration has none."""
+    if mode not in DECODE_MODES:
+        raise ValueError(f"unknown decoding mode {mode!r}; choose one of {', '.join(DECODE_MODES)}")
+    weights = getattr(config, "sts_log_weights", {}).get(mode)
+    return [float(w) for w in weights] if weights else None
 
 
 def biases_for(config: DrafterConfig, mode: str) -> list[float] | None:

@@ -21,8 +21,11 @@ The calibration is then fitted per mode on one part of the held-out sequences an
 per position on the other part (``--fit-fraction``), so the "after" number is not measured on the data it was
 fitted to. ``--method sts-bias`` (default) fits a temperature and a bias per slot by log-loss
 (``reference.calibration.fit_sts_bias``); ``--method sts`` is the paper's temperature-only ECE grid search
-(``reference.calibration.fit_sts``). The result goes into the checkpoint's ``config.json``
-(``reference.checkpoint.update_sts_temperatures``); a JSON report and a reliability diagram PNG are written.
+(``reference.calibration.fit_sts``); ``--method beta`` fits beta calibration, three parameters per slot, by log-loss
+(``reference.calibration.fit_sts_beta``). The result goes into the checkpoint's ``config.json``
+(``reference.checkpoint.update_sts_temperatures``); a JSON report and a reliability diagram PNG are written. The
+checkpoint stores a beta calibration only where ``DrafterConfig`` has the ``sts_log_weights`` field; without it
+``--method beta`` needs ``--no-write``.
 
 Example::
 
@@ -33,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import random
@@ -47,12 +51,14 @@ from reference.calibration import (
     apply_sts,
     calibration_report,
     fit_sts,
+    fit_sts_beta,
     fit_sts_bias,
     prefix_survival,
     prefix_survival_labels,
     reliability_diagram,
 )
 from reference.checkpoint import load_drafter, read_drafter_config, update_sts_temperatures
+from reference.config import DrafterConfig
 from reference.drafter import DSparkDrafter
 from reference.sampling import logits_to_probs
 from reference.target import DEFAULT_TARGET, Target
@@ -63,6 +69,24 @@ from scripts.runtime import hardware, resolve_device
 log = logging.getLogger("dspark.calibrate")
 
 MODES = {"greedy": 0.0, "sampling": 1.0}  # decoding mode -> draft/target temperature of its proposals
+METHODS = ("sts-bias", "sts", "beta")
+
+
+def checkpoint_stores_log_weights() -> bool:
+    """Whether the checkpoint format can hold a beta calibration's log weights (``DrafterConfig.sts_log_weights``)."""
+    return "sts_log_weights" in {f.name for f in dataclasses.fields(DrafterConfig)}
+
+
+def store_calibration(drafter_dir: str, mode: str, result: dict) -> None:
+    """Write one mode's fitted calibration (a :func:`calibrate_mode` result) into the checkpoint's config.json."""
+    if result["log_weights"] is None:
+        update_sts_temperatures(drafter_dir, mode, result["temperatures"], result["biases"])
+    elif not checkpoint_stores_log_weights():
+        raise ValueError("this checkpoint format has no sts_log_weights field: a beta calibration cannot be stored "
+                         "(use --no-write, or --method sts-bias)")
+    else:
+        update_sts_temperatures(drafter_dir, mode, result["temperatures"], result["biases"],
+                                log_weights=result["log_weights"])
 
 
 def _verify_chunks(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
@@ -177,30 +201,33 @@ def fit_split(sequence: torch.Tensor, fit_fraction: float, seed: int) -> torch.T
 
 def calibrate_mode(proposals: dict[str, torch.Tensor], gamma: int, fit_fraction: float, seed: int,
                    method: str = "sts-bias") -> dict:
-    """Fit the calibration (``method`` "sts-bias" or "sts") on the fit split; report ECE per position on both
-    splits (JSON-ready). ``biases`` is ``None`` for "sts"."""
+    """Fit the calibration (``method`` "sts-bias", "sts" or "beta") on the fit split; report ECE per position on
+    both splits (JSON-ready). ``biases`` is ``None`` for "sts", ``log_weights`` is ``None`` except for "beta"."""
     z, acc = proposals["conf_logits"], proposals["num_accepted"]
     labels = prefix_survival_labels(acc, torch.full_like(acc, gamma), gamma)  # [M, γ], nothing censored
     fit = fit_split(proposals["sequence"], fit_fraction, seed)
     held = ~fit if bool((~fit).any()) else fit  # with --fit-fraction 1 the report is on the fit data itself
+    weights = None
     if method == "sts-bias":
         temps, biases = fit_sts_bias(z[fit], labels[fit])
     elif method == "sts":
         temps, biases = fit_sts(z[fit], labels[fit]), None
+    elif method == "beta":
+        temps, biases, weights = fit_sts_beta(z[fit], labels[fit])
     else:
-        raise ValueError(f"unknown calibration method {method!r}; choose sts-bias or sts")
+        raise ValueError(f"unknown calibration method {method!r}; choose one of {', '.join(METHODS)}")
     return {
-        "method": method, "temperatures": temps, "biases": biases,
+        "method": method, "temperatures": temps, "biases": biases, "log_weights": weights,
         "num_proposals": int(z.shape[0]), "num_fit": int(fit.sum()), "num_report": int(held.sum()),
         "report_on_fit_data": not bool((~fit).any()),
         "mean_accepted_length": float(acc.float().mean() + 1),
         "per_position_acceptance": conditional_acceptance(acc, gamma),
-        "ece_fit": calibration_report(z[fit], labels[fit], temps, biases=biases),
-        "ece_heldout": calibration_report(z[held], labels[held], temps, biases=biases),
+        "ece_fit": calibration_report(z[fit], labels[fit], temps, biases=biases, log_weights=weights),
+        "ece_heldout": calibration_report(z[held], labels[held], temps, biases=biases, log_weights=weights),
         "reliability": {
             "before": [reliability_diagram(prefix_survival(torch.sigmoid(z[held].double()))[:, k], labels[held, k])
                        for k in range(gamma)],
-            "after": [reliability_diagram(prefix_survival(apply_sts(z[held].double(), temps, biases))[:, k],
+            "after": [reliability_diagram(prefix_survival(apply_sts(z[held].double(), temps, biases, weights))[:, k],
                                           labels[held, k]) for k in range(gamma)],
         },
     }
@@ -258,9 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fit-fraction", type=float, default=0.5,
                    help="share of sequences used to fit; ECE is reported on the rest (1 = fit and report on all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--method", default="sts-bias", choices=["sts-bias", "sts"],
+    p.add_argument("--method", default="sts-bias", choices=list(METHODS),
                    help="sts-bias: temperature + bias per slot by log-loss; sts: the paper's temperature-only ECE "
-                        "grid search")
+                        "grid search; beta: beta calibration (3 parameters per slot) by log-loss")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default=None, help="write the report here (default DRAFTER/calibration.json)")
     p.add_argument("--dump-proposals", default=None,
@@ -279,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--modes must name some of {', '.join(MODES)}, got {args.modes!r}")
     if not 0 < args.fit_fraction <= 1:
         raise SystemExit(f"--fit-fraction must lie in (0, 1], got {args.fit_fraction}")
+    if args.method == "beta" and not args.no_write and not checkpoint_stores_log_weights():
+        raise SystemExit("--method beta: this checkpoint format cannot store a beta calibration (no "
+                         "DrafterConfig.sts_log_weights); run with --no-write to fit and report only")
     t0 = time.perf_counter()
     device = resolve_device(args.device)
     cfg = read_drafter_config(args.drafter)
@@ -301,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             dump = Path(args.dump_proposals)
             dump.mkdir(parents=True, exist_ok=True)
             torch.save({"conf_logits": proposals["conf_logits"], "num_accepted": proposals["num_accepted"],
-                        "temperatures": res["temperatures"], "biases": res["biases"], "mode": mode,
+                        "temperatures": res["temperatures"], "biases": res["biases"],
+                        "log_weights": res["log_weights"], "mode": mode,
                         "temperature": temperature, "gamma": cfg.block_size}, dump / f"proposals-{mode}.pt")
         results[mode] = res
         before = [p["ece_before"] for p in res["ece_heldout"]["positions"]]
@@ -312,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s held-out ECE before %s -> after %s (a perfectly calibrated predictor would measure %s)", mode,
                  *(" ".join("-" if e is None else f"{100 * e:.1f}%" for e in v) for v in (before, after, floor)))
         if not args.no_write:
-            update_sts_temperatures(args.drafter, mode, res["temperatures"], res["biases"])
+            store_calibration(args.drafter, mode, res)
     command = " ".join(["scripts/calibrate.py", *(sys.argv[1:] if argv is None else argv)])
     report = {"drafter": str(args.drafter), "data": str(args.data), "model": args.model,
               "num_sequences": len(examples), "anchors_per_seq": args.anchors_per_seq, "seed": args.seed,

@@ -1,5 +1,6 @@
-"""Compare calibration methods on recorded proposals: the paper's STS (temperature per slot, ECE grid search) against
-STS with a per-slot bias (log-loss fit), by held-out ECE per slot averaged over random half splits.
+"""Compare calibration methods on recorded proposals: the paper's STS (temperature per slot, ECE grid search), STS
+with a per-slot bias and beta calibration (both log-loss fits), by held-out ECE per slot averaged over random half
+splits.
 
 Reads ``proposals-<mode>.pt`` files written by ``scripts/calibrate.py --dump-proposals`` (raw confidence logits and
 full-block outcomes), so it runs on a CPU in seconds; the noise floor (what a perfectly calibrated predictor would
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from reference.calibration import calibration_report, fit_sts, fit_sts_bias, prefix_survival_labels
+from reference.calibration import calibration_report, fit_sts, fit_sts_beta, fit_sts_bias, prefix_survival_labels
 from reference.cli import LOG_FORMAT
 
 log = logging.getLogger("dspark.compare_calibration")
@@ -30,16 +31,20 @@ def compare(conf_logits: torch.Tensor, num_accepted: torch.Tensor, gamma: int, s
     """Mean held-out ECE per slot (and its noise floor) of each method over ``splits`` random half splits."""
     m = conf_logits.shape[0]
     labels = prefix_survival_labels(num_accepted, torch.full((m,), gamma), gamma)  # all γ verified: no censoring
-    rows: dict[str, list[list[float]]] = {"before": [], "sts": [], "sts-bias": [], "floor_median": [], "floor_p95": []}
+    rows: dict[str, list[list[float]]] = {"before": [], "sts": [], "sts-bias": [], "beta": [], "floor_median": [],
+                                          "floor_p95": []}
     for s in range(splits):
         perm = torch.randperm(m, generator=torch.Generator().manual_seed(s))
         fit, held = perm[: m // 2], perm[m // 2:]
         sts = calibration_report(conf_logits[held], labels[held], fit_sts(conf_logits[fit], labels[fit]))
         temps, biases = fit_sts_bias(conf_logits[fit], labels[fit])
         biased = calibration_report(conf_logits[held], labels[held], temps, biases=biases)
+        temps, biases, weights = fit_sts_beta(conf_logits[fit], labels[fit])
+        beta = calibration_report(conf_logits[held], labels[held], temps, biases=biases, log_weights=weights)
         rows["before"].append([p["ece_before"] for p in sts["positions"]])
         rows["sts"].append([p["ece_after"] for p in sts["positions"]])
         rows["sts-bias"].append([p["ece_after"] for p in biased["positions"]])
+        rows["beta"].append([p["ece_after"] for p in beta["positions"]])
         rows["floor_median"].append([p["ece_floor_median"] for p in biased["positions"]])
         rows["floor_p95"].append([p["ece_floor_p95"] for p in biased["positions"]])
     return {key: [round(x, 5) for x in torch.tensor(v).mean(dim=0).tolist()] for key, v in rows.items()}
@@ -66,9 +71,9 @@ def main(argv: list[str] | None = None) -> dict:
             result = compare(rec["conf_logits"], rec["num_accepted"], int(rec["gamma"]), args.splits)
             result["num_proposals"] = int(rec["conf_logits"].shape[0])
             report["sets"][f"{Path(directory).name}/{rec['mode']}"] = result
-            log.info("%s %s (%d proposals): STS %s | STS+bias %s | floor p95 %s", Path(directory).name, rec["mode"],
-                     result["num_proposals"], *(" ".join(f"{100 * x:.1f}" for x in result[k])
-                                                for k in ("sts", "sts-bias", "floor_p95")))
+            log.info("%s %s (%d proposals): STS %s | STS+bias %s | beta %s | floor p95 %s", Path(directory).name,
+                     rec["mode"], result["num_proposals"], *(" ".join(f"{100 * x:.1f}" for x in result[k])
+                                                             for k in ("sts", "sts-bias", "beta", "floor_p95")))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
