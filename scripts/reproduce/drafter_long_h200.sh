@@ -9,7 +9,8 @@
 #      (ATTENTION=measure: FlexAttention if its GPU test passes and it is faster);
 #   3. trains for TRAIN_MIN minutes from INIT_FROM (default: the shipped drafter, which records its step, so the
 #      schedule continues where the last loan stopped; INIT_FROM= starts a new schedule from scratch);
-#   4. calibrates the new drafter (STS + per-slot bias, written into its config.json) and measures τ on
+#   4. calibrates the new drafter (STS + per-slot bias, written into its config.json; its proposals are kept in
+#      $RES/proposals for scripts/compare_calibration.py) and measures τ on
 #      docs/benchmarks/eval_prompts.jsonl, greedy and T = 1, with the drafter it replaces measured greedily in the
 #      same run (the baseline);
 #   5. runs the engine benchmark with it at batch 1, 16 and 64 (ENGINE=1);
@@ -101,7 +102,8 @@ run train python -m scripts.train_drafter --data "$DATA/train" --eval-data "$DAT
 # 4. calibration (into the checkpoint's config.json), then τ on the evaluation prompts: the new drafter greedy and
 #    T = 1, the one it replaces greedy (same run, same engine)
 run calibrate python -m scripts.calibrate --drafter "$DATA/run" --data "$DATA/heldout" --model "$MODEL" \
-  --device "$DEVICE" --json "$RES/calibration.json" --plot "$RES/calibration-reliability.png" "${CAL_EXTRA[@]}"
+  --device "$DEVICE" --json "$RES/calibration.json" --plot "$RES/calibration-reliability.png" \
+  --dump-proposals "$RES/proposals" "${CAL_EXTRA[@]}"
 mkdir -p "$RES/run"
 (cd "$DATA/run" && cp -a $(ls | grep -v '^_state$') "$RES/run/")
 for t in 0 1; do
