@@ -43,7 +43,7 @@ from optimized.models.target import OptimizedTarget
 from optimized.ngram import NgramIndex
 from optimized.scheduler import PrefillChunk, StepPlan
 from optimized.sequence import SamplingParams, Sequence, Status
-from reference.calibration import biases_for, temperatures_for
+from reference.calibration import biases_for, log_weights_for, temperatures_for
 from reference.config import SchedulingMode
 from reference.drafter import DSparkDrafter
 from reference.ngram import NgramProposer
@@ -149,6 +149,11 @@ class ModelRunner:
             # b = 0 for a mode calibrated without biases: adding +0.0 leaves every float as the reference has it
             self.sts_bias = {mode: torch.tensor(biases_for(drafter.config, mode) or [0.0] * self.gamma,
                                                 device=self.device) for mode in ("greedy", "sampling")}
+            # beta calibration's w·log σ(z), only where a mode has it: an STS or STS + bias checkpoint keeps the draft
+            # step's kernels as they were (where one mode has weights, the other's w = 0 adds ±0.0: no float changes)
+            weights = {mode: log_weights_for(drafter.config, mode) for mode in ("greedy", "sampling")}
+            self.sts_logw = None if not any(weights.values()) else {
+                mode: torch.tensor(w or [0.0] * self.gamma, device=self.device) for mode, w in weights.items()}
         self._alloc_state(config.max_num_seqs)
         self._owner: list[Sequence | None] = [None] * config.max_num_seqs  # the request whose state a slot holds
         self._placeholders_cache: tuple[int, list[Sequence]] | None = None  # (context length, placeholder sequences)
@@ -420,12 +425,17 @@ class ModelRunner:
         return [len(p) for p in proposals]
 
     def _survival(self, conf_logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-        """Calibrated prefix survivals a_k = Π_{j≤k} σ(c_j / T_j + b_j) with the calibration of each row's mode
-        (the same float32 operations as ``reference.calibration.apply_sts``; a mode without biases adds +0.0, which
-        changes no float: -0.0 becomes +0.0, and σ(±0) is the same)."""
+        """Calibrated prefix survivals a_k = Π_{j≤k} σ(c_j / T_j + b_j + w_j · log σ(c_j)) with the calibration of
+        each row's mode (the same float32 operations, in the same order, as ``reference.calibration.apply_sts``; a
+        mode without biases or log weights adds ±0.0, which changes no float: -0.0 becomes +0.0, and σ(±0) is the
+        same)."""
         greedy = (temperature == 0)[:, None]
-        x = conf_logits.float() / torch.where(greedy, self.sts["greedy"], self.sts["sampling"])  # [R, γ]
+        z = conf_logits.float()  # [R, γ]
+        x = z / torch.where(greedy, self.sts["greedy"], self.sts["sampling"])  # [R, γ]
         x = x + torch.where(greedy, self.sts_bias["greedy"], self.sts_bias["sampling"])
+        if self.sts_logw is not None:
+            w = torch.where(greedy, self.sts_logw["greedy"], self.sts_logw["sampling"])  # [R, γ]
+            x = x + w * torch.nn.functional.logsigmoid(z)
         return torch.cumprod(torch.sigmoid(x), dim=1)
 
     def _bind(self, seq: Sequence) -> None:

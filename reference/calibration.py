@@ -473,11 +473,10 @@ def calibrated_survival(config: DrafterConfig, mode: str, conf_logits: Tensor) -
 
 def log_weights_for(config: DrafterConfig, mode: str) -> list[float] | None:
     """The beta-calibration log weights ``w_k`` of one decoding mode (:func:`fit_sts_beta`), or ``None`` (STS or
-    STS + bias). Read from ``DrafterConfig.sts_log_weights`` where the configuration has that field; one that does
-    not cannot hold them, and its calibration has none."""
+    STS + bias)."""
     if mode not in DECODE_MODES:
         raise ValueError(f"unknown decoding mode {mode!r}; choose one of {', '.join(DECODE_MODES)}")
-    weights = getattr(config, "sts_log_weights", {}).get(mode)
+    weights = config.sts_log_weights.get(mode)
     return [float(w) for w in weights] if weights else None
 
 

@@ -158,15 +158,18 @@ def read_drafter_config(directory: str | os.PathLike) -> DrafterConfig:
 
 
 def update_sts_temperatures(directory: str | os.PathLike, mode: str, temps: list[float],
-                            biases: list[float] | None = None) -> DrafterConfig:
+                            biases: list[float] | None = None, log_weights: list[float] | None = None) -> DrafterConfig:
     """Store the calibration of decoding ``mode`` ("greedy" or "sampling") in place: one temperature per slot and,
-    for ``--method sts-bias``, one bias per slot. ``biases=None`` removes the mode's old biases (they belong to the
-    temperatures they were fitted with)."""
+    for ``--method sts-bias``, one bias per slot, for ``--method beta`` also one log weight per slot. ``None`` removes
+    the mode's old biases or log weights (they belong to the temperatures they were fitted with)."""
     path, config = _read_config_json(directory)
     drafter = dict(config["drafter"])
     drafter["sts_temperatures"] = {**drafter.get("sts_temperatures", {}), mode: [float(t) for t in temps]}
     old_biases = {m: b for m, b in drafter.get("sts_biases", {}).items() if m != mode}
     drafter["sts_biases"] = old_biases if biases is None else {**old_biases, mode: [float(b) for b in biases]}
+    old_weights = {m: w for m, w in drafter.get("sts_log_weights", {}).items() if m != mode}
+    drafter["sts_log_weights"] = (old_weights if log_weights is None
+                                  else {**old_weights, mode: [float(w) for w in log_weights]})
     cfg = DrafterConfig.from_dict(drafter)  # validates the mode and the γ positive temperatures
     config["drafter"] = cfg.to_dict()
     _write_json(path, config)

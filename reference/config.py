@@ -170,6 +170,9 @@ class DrafterConfig:
     sts_biases: dict[str, list[float]] = field(default_factory=dict)  # calibration bias b_k per mode, per slot
     # ĉ_k = σ(z_k / T_k + b_k); a mode without them has b = 0 (the paper's STS). Fitted by scripts/calibrate.py
     # --method sts-bias (reference.calibration.fit_sts_bias).
+    sts_log_weights: dict[str, list[float]] = field(default_factory=dict)  # beta-calibration weight w_k per mode
+    # ĉ_k = σ(z_k / T_k + b_k + w_k · log σ(z_k)) with w_k > -1/T_k (increasing in z); a mode without them has w = 0
+    # (STS + bias). Fitted by scripts/calibrate.py --method beta (reference.calibration.fit_sts_beta).
 
     def __post_init__(self) -> None:
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
@@ -206,6 +209,14 @@ class DrafterConfig:
                 problems.append(f"sts_biases has unknown decoding mode {mode!r}")
             elif len(biases) != self.block_size or any(not math.isfinite(b) for b in biases):
                 problems.append(f"sts_biases[{mode!r}] must hold {self.block_size} finite numbers")
+        for mode, weights in self.sts_log_weights.items():
+            temps = self.sts_temperatures.get(mode)
+            if mode not in ("greedy", "sampling"):
+                problems.append(f"sts_log_weights has unknown decoding mode {mode!r}")
+            elif len(weights) != self.block_size or any(not math.isfinite(w) for w in weights):
+                problems.append(f"sts_log_weights[{mode!r}] must hold {self.block_size} finite numbers")
+            elif not temps or len(temps) != len(weights) or any(w <= -1 / t for w, t in zip(weights, temps)):
+                problems.append(f"sts_log_weights[{mode!r}] needs the mode's temperatures and w_k > -1/T_k")
         if problems:
             raise ValueError("invalid DrafterConfig: " + "; ".join(problems))
 

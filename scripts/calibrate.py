@@ -23,9 +23,7 @@ fitted to. ``--method sts-bias`` (default) fits a temperature and a bias per slo
 (``reference.calibration.fit_sts_bias``); ``--method sts`` is the paper's temperature-only ECE grid search
 (``reference.calibration.fit_sts``); ``--method beta`` fits beta calibration, three parameters per slot, by log-loss
 (``reference.calibration.fit_sts_beta``). The result goes into the checkpoint's ``config.json``
-(``reference.checkpoint.update_sts_temperatures``); a JSON report and a reliability diagram PNG are written. The
-checkpoint stores a beta calibration only where ``DrafterConfig`` has the ``sts_log_weights`` field; without it
-``--method beta`` needs ``--no-write``.
+(``reference.checkpoint.update_sts_temperatures``); a JSON report and a reliability diagram PNG are written.
 
 Example::
 
@@ -36,7 +34,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import random
@@ -58,7 +55,6 @@ from reference.calibration import (
     reliability_diagram,
 )
 from reference.checkpoint import load_drafter, read_drafter_config, update_sts_temperatures
-from reference.config import DrafterConfig
 from reference.drafter import DSparkDrafter
 from reference.sampling import logits_to_probs
 from reference.target import DEFAULT_TARGET, Target
@@ -72,21 +68,9 @@ MODES = {"greedy": 0.0, "sampling": 1.0}  # decoding mode -> draft/target temper
 METHODS = ("sts-bias", "sts", "beta")
 
 
-def checkpoint_stores_log_weights() -> bool:
-    """Whether the checkpoint format can hold a beta calibration's log weights (``DrafterConfig.sts_log_weights``)."""
-    return "sts_log_weights" in {f.name for f in dataclasses.fields(DrafterConfig)}
-
-
 def store_calibration(drafter_dir: str, mode: str, result: dict) -> None:
     """Write one mode's fitted calibration (a :func:`calibrate_mode` result) into the checkpoint's config.json."""
-    if result["log_weights"] is None:
-        update_sts_temperatures(drafter_dir, mode, result["temperatures"], result["biases"])
-    elif not checkpoint_stores_log_weights():
-        raise ValueError("this checkpoint format has no sts_log_weights field: a beta calibration cannot be stored "
-                         "(use --no-write, or --method sts-bias)")
-    else:
-        update_sts_temperatures(drafter_dir, mode, result["temperatures"], result["biases"],
-                                log_weights=result["log_weights"])
+    update_sts_temperatures(drafter_dir, mode, result["temperatures"], result["biases"], result["log_weights"])
 
 
 def _verify_chunks(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
@@ -306,9 +290,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--modes must name some of {', '.join(MODES)}, got {args.modes!r}")
     if not 0 < args.fit_fraction <= 1:
         raise SystemExit(f"--fit-fraction must lie in (0, 1], got {args.fit_fraction}")
-    if args.method == "beta" and not args.no_write and not checkpoint_stores_log_weights():
-        raise SystemExit("--method beta: this checkpoint format cannot store a beta calibration (no "
-                         "DrafterConfig.sts_log_weights); run with --no-write to fit and report only")
     t0 = time.perf_counter()
     device = resolve_device(args.device)
     cfg = read_drafter_config(args.drafter)

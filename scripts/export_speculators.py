@@ -154,7 +154,8 @@ def speculators_config(cfg: DrafterConfig, *, verifier_name_or_path: str, verifi
         },
         # Extra keys (speculators keeps them, vLLM does not read them): our per-slot calibration
         # ĉ_k = σ(z_k / T_k + b_k) per decoding mode (docs/method.md §3) and the source drafter's own config.
-        "sts_calibration": {mode: {"temperatures": list(temps), "biases": list(cfg.sts_biases.get(mode, [0.0] * gamma))}
+        "sts_calibration": {mode: {"temperatures": list(temps), "biases": list(cfg.sts_biases.get(mode, [0.0] * gamma)),
+                                   "log_weights": list(cfg.sts_log_weights.get(mode, [0.0] * gamma))}
                             for mode, temps in cfg.sts_temperatures.items()},
         "source_drafter_config": cfg.to_dict(),
     }

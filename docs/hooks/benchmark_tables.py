@@ -210,13 +210,15 @@ def calibration(page_dir: Path, files: list[str]) -> str:
 
 def calibration_methods(page_dir: Path, files: list[str]) -> str:
     data = _load(page_dir, files[0])
-    header = ["proposals", "decoding", "count", "uncalibrated", "STS (paper)", "STS + bias (shipped)", "floor (p95)"]
+    beta = all("beta" in s for s in data["sets"].values())
+    header = ["proposals", "decoding", "count", "uncalibrated", "STS (paper)", "STS + bias (shipped)",
+              *(["beta"] if beta else []), "floor (p95)"]
     rows = []
     for name, s in data["sets"].items():
         drafter, mode = name.split("/")
         fmt = lambda xs: " ".join(f"{100 * x:.1f}" for x in xs)  # noqa: E731
         rows.append([f"`{drafter}`", mode, f"{s['num_proposals']:,}", fmt(s["before"]), fmt(s["sts"]),
-                     f"**{fmt(s['sts-bias'])}**", fmt(s["floor_p95"])])
+                     f"**{fmt(s['sts-bias'])}**", *([fmt(s["beta"])] if beta else []), fmt(s["floor_p95"])])
     return _table(header, rows) + f"\n{data['metric']}; mean over {data['splits']} random half splits, in %.\n"
 
 

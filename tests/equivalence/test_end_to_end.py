@@ -207,6 +207,25 @@ def test_draft_gate_skips_drafting_identically(temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_beta_calibration_matches(temperature):
+    """Beta calibration (scripts/calibrate.py --method beta): the engine adds w·log σ(z) after the bias, in the same
+    float32 order as the reference, so the survival-driven modes stay identical step for step."""
+    import dataclasses
+
+    target = Target.from_model(tiny_hf_model("llama"))
+    drafter = _drafter(target)
+    gamma = drafter.config.block_size
+    drafter.config = dataclasses.replace(
+        drafter.config, sts_temperatures={"greedy": [1.3] * gamma, "sampling": [0.8] * gamma},
+        sts_biases={"greedy": [0.7, -0.3, 0.2, 0.1][:gamma], "sampling": [0.1] * gamma},
+        sts_log_weights={"greedy": [0.6, -0.2, 1.1, 0.3][:gamma]})  # sampling: STS + bias only
+    prompts = [[5, 9, 3, 17], [2, 40, 41, 42, 43, 7, 8], [60]]
+    gen = GenerationConfig(max_new_tokens=12, temperature=temperature, seed=11, ignore_eos=True)
+    for mode in ("threshold", "adaptive-sync", "adaptive"):
+        _compare(target, drafter, prompts, gen, mode)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_biased_calibration_matches(temperature):
     """STS with per-slot biases (scripts/calibrate.py --method sts-bias): the engine's survivals add the same bias
     in the same float32 order as the reference, so the survival-driven modes stay identical step for step."""

@@ -3,7 +3,6 @@ monotonicity in z, held-out ECE against STS + bias where a two-parameter map can
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 
@@ -140,7 +139,7 @@ def test_json_round_trip_gives_the_same_survivals(beta_fit, tmp_path):
                        prefix_survival(apply_sts(z, temps, biases, weights)))
 
 
-def test_calibrated_survival_reads_log_weights_where_the_config_has_them():
+def test_calibrated_survival_reads_the_configs_log_weights():
     z = torch.randn(5, 3, generator=torch.Generator().manual_seed(6))
     cal = {"sts_temperatures": {"greedy": [1.5, 2.0, 0.5]}, "sts_biases": {"greedy": [0.1, -0.2, 0.3]}}
     cfg = _config(**cal)
@@ -148,18 +147,12 @@ def test_calibrated_survival_reads_log_weights_where_the_config_has_them():
     with pytest.raises(ValueError, match="decoding mode"):
         log_weights_for(cfg, "beam")
 
-    @dataclasses.dataclass
-    class WithLogWeights(DrafterConfig):  # the field a beta calibration is stored in
-        sts_log_weights: dict = dataclasses.field(default_factory=dict)
-
-    cls = DrafterConfig if calibrate.checkpoint_stores_log_weights() else WithLogWeights
-    cfg = cls(**{**dataclasses.asdict(_config(**cal)), "sts_log_weights": {"greedy": [0.4, 0.0, 1.2]}})
+    cfg = _config(**cal, sts_log_weights={"greedy": [0.4, 0.0, 1.2]})
     assert log_weights_for(cfg, "greedy") == [0.4, 0.0, 1.2] and log_weights_for(cfg, "sampling") is None
     assert torch.equal(calibrated_survival(cfg, "greedy", z),
                        prefix_survival(apply_sts(z, [1.5, 2.0, 0.5], [0.1, -0.2, 0.3], [0.4, 0.0, 1.2])))
 
 
-@pytest.mark.skipif(not calibrate.checkpoint_stores_log_weights(), reason="DrafterConfig has no sts_log_weights")
 def test_checkpoint_round_trip(tmp_path):
     from reference.checkpoint import read_drafter_config, save_drafter
     from reference.drafter import DSparkDrafter
@@ -178,13 +171,12 @@ def test_checkpoint_round_trip(tmp_path):
     assert log_weights_for(read_drafter_config(tmp_path), "greedy") is None  # stale weights dropped
 
 
-@pytest.mark.skipif(calibrate.checkpoint_stores_log_weights(), reason="DrafterConfig stores sts_log_weights")
-def test_beta_is_not_written_to_a_checkpoint_that_cannot_hold_it(tmp_path):
-    with pytest.raises(SystemExit, match="--no-write"):
-        calibrate.main(["--drafter", str(tmp_path), "--data", str(tmp_path), "--method", "beta"])
-    with pytest.raises(ValueError, match="sts_log_weights"):
-        calibrate.store_calibration(str(tmp_path), "greedy", {"temperatures": [1.0] * 3, "biases": [0.0] * 3,
-                                                              "log_weights": [0.1] * 3})
+def test_log_weights_that_break_monotonicity_are_refused():
+    """A stored w_k ≤ -1/T_k would make the calibration decrease in z (and reorder the scheduler's ranking)."""
+    with pytest.raises(ValueError, match="w_k > -1/T_k"):
+        _config(sts_temperatures={"greedy": [2.0, 1.0, 1.0]}, sts_log_weights={"greedy": [-0.5, 0.0, 0.0]})
+    with pytest.raises(ValueError, match="w_k > -1/T_k"):  # weights without the temperatures they were fitted with
+        _config(sts_log_weights={"greedy": [0.1, 0.0, 0.0]})
 
 
 def test_calibrate_mode_beta_reports_heldout_ece():

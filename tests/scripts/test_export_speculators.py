@@ -170,7 +170,8 @@ def test_export_matches_speculators_model(smollm2_target, tmp_path, head, factor
     assert torch.equal(tokens, draft.tokens)
     torch.testing.assert_close(confs, draft.conf_logits, rtol=0, atol=CONF_ATOL)
     # Our calibration rides along as an extra key that their config keeps (and vLLM does not read).
-    assert theirs.config.sts_calibration == {"greedy": {"temperatures": [1.5] * 7, "biases": [-0.25] * 7}}
+    assert theirs.config.sts_calibration == {"greedy": {"temperatures": [1.5] * 7, "biases": [-0.25] * 7,
+                                                        "log_weights": [0.0] * 7}}
     assert theirs.config.source_drafter_config == drafter.config.to_dict()
 
 
