@@ -15,8 +15,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -264,11 +266,36 @@ def test_speculation_claim_matches_the_committed_benchmark():
 
 # ---------------------------------------------------------------------------------------------------- references
 
-# What a reader of the repository does not have: the team's own notes and ticket numbers (checked in code too) ...
-INTERNAL_NOTES = [r"design/", r"METHOD\.md", r"ARCHITECTURE\.md", r"SERVING-NOTES", r"\bhouse rule", r"\b[Ii]ssue \d"]
-# ... and, in the docs, the GPU machine's staging paths and the raw run logs that were removed.
+# What a reader of the repository does not have (checked in code too): a Markdown file that is not in the
+# repository (notes kept beside it), ticket numbers, and the team's own shorthand ...
+MARKDOWN_NAME = re.compile(r"[\w-]+\.md\b")
+INTERNAL_NOTES = [r"\bhouse rule", r"\b[Ii]ssue \d"]
+# ... and, in the docs, paths outside the repository, the GPU machine's staging paths and the raw run logs that were
+# removed.
 FORBIDDEN = [*INTERNAL_NOTES, r"/tmp/", r"benchmarks/runs", r"runs/h200", r"\bshared/", r"the issue's"]
 SOURCES = [*DOC_PAGES, *NOTEBOOKS, ROOT / "README.md", ROOT / "mkdocs.yml"]
+
+
+@functools.cache
+def _repository_markdown() -> frozenset[str]:
+    """The names of the Markdown files the repository holds (hidden folders and build outputs left out)."""
+    names = set()
+    for _, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in ("site", "build", "node_modules")]
+        names.update(f for f in filenames if f.endswith(".md"))
+    return frozenset(names)
+
+
+def _foreign_markdown(text: str, known: set[str]) -> list[str]:
+    """Markdown file names cited in ``text`` that no file of the repository has (case matters)."""
+    return sorted({name for name in MARKDOWN_NAME.findall(text) if name not in known})
+
+
+def test_foreign_markdown_names_are_found():
+    known = {"method.md", "architecture.md"}
+    assert _foreign_markdown("see docs/method.md and `architecture.md`", known) == []
+    assert _foreign_markdown("as NOTES.md and notes/PLAN.md say", known) == ["NOTES.md", "PLAN.md"]
+    assert _foreign_markdown("ARCHITECTURE.md", known) == ["ARCHITECTURE.md"]  # another file than architecture.md
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -277,6 +304,8 @@ def test_docs_cite_only_what_the_reader_has(path: Path):
     for pattern in FORBIDDEN:
         hits = [m.group(0) for m in re.finditer(pattern, text)]
         assert not hits, f"{path.relative_to(ROOT)} mentions {hits[0]!r}, which a reader of the repository lacks"
+    foreign = _foreign_markdown(text, _repository_markdown())
+    assert not foreign, f"{path.relative_to(ROOT)} cites {foreign}, which the repository does not have"
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -299,11 +328,13 @@ def test_api_pages_cite_no_new_internal_notes():
     """Docstrings and comments of reference/ and optimized/ are shown on the API pages (docstrings and source
     listings), so they cite nothing a reader lacks either."""
     found = set()
+    known = _repository_markdown()
     for path in [*(ROOT / "reference").rglob("*.py"), *(ROOT / "optimized").rglob("*.py")]:
         text = path.read_text(encoding="utf-8")
         for pattern in INTERNAL_NOTES:
             if re.search(pattern, text):
                 found.add((str(path.relative_to(ROOT)), pattern.replace("\\", "")))
+        found.update((str(path.relative_to(ROOT)), name) for name in _foreign_markdown(text, known))
     new = sorted(found)
     assert not new, f"API pages would cite notes a reader does not have: {new}"
 
