@@ -104,12 +104,6 @@ def dense_backbone(drafter: DSparkDrafter, input_ids: Tensor, features: Tensor, 
         # Block p sees context key c iff c < p (the anchor's own features do not exist at draft time) and c is real.
         sees_ctx = (pos[None, :] < pos[:, None])[None] & attention_mask.bool()[:, None, :]  # [B, S(p), S(c)]
         sees_ctx = sees_ctx[:, None, None, :, None, :]  # [B, 1, 1, S, 1, S] over (Hkv, G, p, slot, c)
-    rope: dict = {}  # RoPE tables by (which, dtype): the same for every layer (one θ, one head size)
-
-    def rope_tables(which: str, positions: Tensor, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        if (which, dtype) not in rope:
-            rope[which, dtype] = rope_cos_sin(positions, D, theta, dtype)
-        return rope[which, dtype]
 
     x = drafter.block_embeddings(input_ids).reshape(B, S * gamma, -1)  # [B, S·γ, d]
     h_ctx = drafter.project_context(features)  # [B, S, d]
@@ -119,10 +113,10 @@ def dense_backbone(drafter: DSparkDrafter, input_ids: Tensor, features: Tensor, 
         q = attn.q_proj(xn).view(B, S * gamma, H, D)  # [B, S·γ, H, D]
         if attn.q_norm is not None:
             q = attn.q_norm(q)
-        cos, sin = rope_tables("block", blk_pos, attn.rope_theta, q.dtype)  # [B, S·γ, D]
+        cos, sin = rope_cos_sin(blk_pos, D, attn.rope_theta, q.dtype)  # [B, S·γ, D]
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, S·γ, D]
-        k_blk, v_blk = _project_kv(attn, xn, rope_tables("block", blk_pos, attn.rope_theta, q.dtype))
-        k_ctx, v_ctx = _project_kv(attn, h_ctx, rope_tables("context", ctx_pos, attn.rope_theta, q.dtype))
+        k_blk, v_blk = attn.project_kv(xn, blk_pos)  # [B, Hkv, S·γ, D] each
+        k_ctx, v_ctx = attn.project_kv(h_ctx, ctx_pos)  # [B, Hkv, S, D] each
         if flex:  # keys [context (S); blocks (S·γ)], queries in block order: one block-sparse attention
             y = _flex_attention(q.is_cuda)(q, torch.cat((k_ctx, k_blk), dim=2), torch.cat((v_ctx, v_blk), dim=2),
                                   block_mask=block_mask, enable_gqa=True)  # [B, H, S·γ, D]
@@ -141,16 +135,6 @@ def dense_backbone(drafter: DSparkDrafter, input_ids: Tensor, features: Tensor, 
         x = x + attn.o_proj(y)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return drafter.final_norm(x).view(B, S, gamma, -1)
-
-
-def _project_kv(attn, x: Tensor, tables: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """``Attention.project_kv`` with the RoPE tables given: keys (RoPE'd) and values ``[B, Hkv, T, D]``."""
-    B, T, _ = x.shape
-    k = attn.k_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim)  # [B, T, Hkv, D]
-    v = attn.v_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim)  # [B, T, Hkv, D]
-    if attn.k_norm is not None:
-        k = attn.k_norm(k)
-    return apply_rope(k.transpose(1, 2), *tables), v.transpose(1, 2)
 
 
 def _block_mask(S: int, gamma: int, device: torch.device):
