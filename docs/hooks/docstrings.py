@@ -1,13 +1,13 @@
 """mkdocs hook: render the project's docstrings cleanly, and keep `mkdocs build --strict` meaningful.
 
-The docstrings are written for readers of the source first (house style), with three habits that Markdown
+The docstrings are written for readers of the source first, with three habits that Markdown
 does not share. This hook adapts the rendered API pages only; the docstrings stay as they are.
 
-1. Shape comments in brackets (``h_k [.., d]``, ``W1[x_{k-1}] [.., r]``, house rule 3). Python-Markdown reads
-   ``[a] [.., r]`` as a reference-style link and mkdocs-autorefs warns that it cannot resolve ``.., r``, which
-   fails the strict build. A shape holds an ellipsis (``..``, ``…``) or is a comma-separated list of names with
-   no dotted Python path among them; exactly those warnings are dropped. An unresolved reference to a real
-   identifier (``reference.verify.rejection_sample``) still fails the build.
+1. Shape comments in brackets (``h_k [.., d]``, ``W1[x_{k-1}] [.., r]``: every tensor's shape beside it).
+   Python-Markdown reads ``[a] [.., r]`` as a reference-style link and mkdocs-autorefs warns that it cannot
+   resolve ``.., r``, which fails the strict build. A shape holds an ellipsis (``..``, ``…``) or is a
+   comma-separated list of names with no dotted Python path among them; exactly those warnings are dropped. An
+   unresolved reference to a real identifier (``reference.verify.rejection_sample``) still fails the build.
 2. Sphinx roles (``:class:`DrafterConfig```): Markdown shows the role name as text, ":class: DrafterConfig".
    The role is removed and the name stays as inline code.
 3. reStructuredText literal-block markers ("Layout of a checkpoint directory::" before an indented block): the

@@ -47,7 +47,7 @@ stamp "start: $NGPU GPU(s), budgets gen $GEN_S s, train $TRAIN_S s, deadline $DE
 python -c "from reference.target import Target; Target.load('$MODEL')" > $RES/logs/cache.log 2>&1
 stamp "model cache ready"
 
-# 1. Self-distillation (METHOD §2) on every GPU: shards are dealt out by RANK; each rank stops starting shards when
+# 1. Self-distillation (docs/method.md §2) on every GPU: shards are dealt out by RANK; each rank stops starting shards when
 #    its budget would run out, the manifest says how many were made.
 for ((g = 0; g < NGPU; g++)); do
   on $g env RANK=$g WORLD_SIZE=$NGPU python scripts/make_dataset.py --out /tmp/sd/train --model "$MODEL" \
