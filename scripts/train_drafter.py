@@ -25,7 +25,11 @@ Resuming. Rerunning the same command resumes from ``OUT/_state`` (safetensors we
 JSON step count and RNG). Across machines, where only the shipped checkpoint travels (bf16 shards ≤ 15 MB),
 ``--init-from DIR`` starts from its weights and its recorded step, so one learning-rate schedule spans
 several machine loans; the AdamW moments restart from zero, and ``--rewarm-steps`` ramps the learning rate
-back up over a few steps while they refill.
+back up over a few steps while they refill. ``--time-budget-min`` then counts this invocation's training (a
+resumed ``OUT/_state`` counts the time already spent, since it continues one invocation), and
+``--anneal-frac F`` decays the learning rate to 0 over the last fraction ``F`` of that budget, so a loan that ends
+mid-schedule still ships an annealed drafter (a warm-stable-decay schedule: the next loan re-warms and continues
+the cosine underneath from the recorded step).
 
 Output in ``--out``: the drafter (``reference.checkpoint`` format, shards ≤ 15 MB) with a README.md,
 ``metrics.jsonl`` (one JSON object per log/eval event) and ``summary.json``.
@@ -83,6 +87,13 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def anneal_factor(frac: float, anneal_frac: float) -> float:
+    """1 until fraction ``1 - anneal_frac`` of the time budget, then a cosine to 0 at its end."""
+    if anneal_frac <= 0 or frac <= 1.0 - anneal_frac:
+        return 1.0
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (frac - (1.0 - anneal_frac)) / anneal_frac)))
+
+
 def loss_weights_at(base: LossWeights, progress: float, l1_ramp: float | None, l1_weight: float) -> LossWeights:
     """``base``, plus the L1 term ramped linearly from 0 at fraction ``l1_ramp`` to ``l1_weight`` at the end."""
     if l1_ramp is None or progress <= l1_ramp:
@@ -91,8 +102,9 @@ def loss_weights_at(base: LossWeights, progress: float, l1_ramp: float | None, l
 
 
 def save_state(path: Path, drafter: DSparkDrafter, opt: torch.optim.Optimizer, step: int, elapsed: float,
-               args) -> None:
-    """Resume state as tensors + JSON (no pickles): fp32 weights, AdamW moments, step, elapsed time, RNG."""
+               budget_elapsed: float, args) -> None:
+    """Resume state as tensors + JSON (no pickles): fp32 weights, AdamW moments, step, elapsed time (in all, and the
+    part the time budget counts), RNG."""
     path.mkdir(parents=True, exist_ok=True)
     names = {id(p): n for n, p in drafter.named_parameters()}
     moments = {}
@@ -107,7 +119,8 @@ def save_state(path: Path, drafter: DSparkDrafter, opt: torch.optim.Optimizer, s
     save_file({k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()},
               str(path / "drafter.safetensors.tmp"))
     save_file(moments, str(path / "optimizer.safetensors.tmp"))
-    meta = {"step": step, "elapsed_s": elapsed, "args": {k: v for k, v in vars(args).items()},
+    meta = {"step": step, "elapsed_s": elapsed, "budget_elapsed_s": budget_elapsed,
+            "args": {k: v for k, v in vars(args).items()},
             "torch_rng": torch.get_rng_state().tolist(), "python_rng": repr(random.getstate())}
     (path / "state.json.tmp").write_text(json.dumps(meta, default=str))
     for name in ("drafter.safetensors", "optimizer.safetensors", "state.json"):  # the JSON last: it marks completion
@@ -131,7 +144,7 @@ def load_state(path: Path, drafter: DSparkDrafter, opt: torch.optim.Optimizer, a
             # AdamW keeps the step as a (device, when fused) float tensor
             st["step"] = moments[f"{n}.step"].reshape(()).to(p.device if getattr(opt, "_fused", False) else "cpu")
     torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
-    return int(meta["step"]), float(meta["elapsed_s"])
+    return int(meta["step"]), float(meta["elapsed_s"]), float(meta.get("budget_elapsed_s", meta["elapsed_s"]))
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -284,7 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--save-every", type=int, default=1000, help="resume-state interval in steps")
     p.add_argument("--time-budget-min", type=float, default=None,
-                   help="stop and save when total wall time reaches this (schedule stays sized by --steps)")
+                   help="stop and save when this invocation's training time reaches this (a resumed OUT/_state "
+                        "counts the time already spent; --init-from does not); the schedule stays sized by --steps")
+    p.add_argument("--anneal-frac", type=float, default=0.0,
+                   help="decay the learning rate to 0 along a cosine over the last fraction F of --time-budget-min "
+                        "(the schedule underneath continues on the next loan, see --init-from)")
     p.add_argument("--stop-after", type=int, default=None,
                    help="end this invocation after N more steps (resume later); splits a run over short device calls")
     p.add_argument("--init-from", default=None,
@@ -379,11 +396,18 @@ def main(argv: list[str] | None = None) -> int:
                             fused=device.type == "cuda")
     if args.steps == 0 and args.time_budget_min is None:
         raise SystemExit("--steps 0 (schedule by time) needs --time-budget-min")
+    if not 0.0 <= args.anneal_frac <= 1.0:
+        raise SystemExit(f"--anneal-frac must lie in [0, 1], got {args.anneal_frac}")
+    if args.anneal_frac > 0 and args.time_budget_min is None:
+        raise SystemExit("--anneal-frac anneals over the time budget: it needs --time-budget-min")
 
-    step, elapsed_before, rewarm_from = 0, 0.0, None
+    # elapsed_before: training time recorded before this invocation (the checkpoint's total wall time);
+    # budget_before: the part of it the time budget counts (a resumed _state continues one invocation, a loan
+    # started --init-from is a new one)
+    step, elapsed_before, budget_before, rewarm_from = 0, 0.0, 0.0, None
     state_dir = out / STATE_DIR
     if (state_dir / "state.json").is_file() and not args.no_resume:
-        step, elapsed_before = load_state(state_dir, drafter, opt, args)
+        step, elapsed_before, budget_before = load_state(state_dir, drafter, opt, args)
         log.info("resumed from %s at step %d (%.1f min already spent)", state_dir, step, elapsed_before / 60)
     elif args.init_from:
         training = json.loads((Path(args.init_from) / "config.json").read_text()).get("extra", {}).get("training", {})
@@ -399,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         base = lr_factor(s, args.steps, warmup) if args.steps else lr_factor(int(frac * 10_000), 10_000, warmup)
         if rewarm_from is not None and s - rewarm_from < args.rewarm_steps:
             base *= (s - rewarm_from + 1) / args.rewarm_steps
-        return base
+        return base * anneal_factor(frac, args.anneal_frac)
 
     if world > 1:  # every rank starts from rank 0's weights (they are equal by seed; this makes it a guarantee)
         for p_ in drafter.parameters():
@@ -431,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     slots_total, t_train = 0, 0.0
     drafter.train()
     while step < stop_at:
-        elapsed = elapsed_before + time.perf_counter() - t_start
+        elapsed = budget_before + time.perf_counter() - t_start
         frac = min(1.0, elapsed / budget_s) if budget_s else 0.0
         progress = frac if not args.steps else step / args.steps
         if budget_s is not None and elapsed >= budget_s:
@@ -510,14 +534,16 @@ def main(argv: list[str] | None = None) -> int:
                      " ".join(f"{x:.3f}" for x in last_eval["greedy_match"]),
                      " ".join(f"{x:.3f}" for x in last_eval["accept_proxy"]))
         if rank == 0 and step % args.save_every == 0:
-            save_state(state_dir, drafter, opt, step, elapsed_before + time.perf_counter() - t_start, args)
+            run_s = time.perf_counter() - t_start
+            save_state(state_dir, drafter, opt, step, elapsed_before + run_s, budget_before + run_s, args)
         if world > 1 and step % args.save_every == 0:
             dist.barrier()
     bar.close()
 
     if rank == 0:
-        wall = elapsed_before + time.perf_counter() - t_start
-        save_state(state_dir, drafter, opt, step, wall, args)
+        run_s = time.perf_counter() - t_start
+        wall = elapsed_before + run_s
+        save_state(state_dir, drafter, opt, step, wall, budget_before + run_s, args)
         if last_eval_step != step:
             last_eval = evaluate(drafter, target, eval_data, eval_batches, args.loss_weights, args.decay, device,
                                  args.loss_backend)

@@ -8,7 +8,9 @@
 #      checks the loss kernel on this GPU (the torch loss if its test fails) and picks the backbone's attention
 #      (ATTENTION=measure: FlexAttention if its GPU test passes and it is faster);
 #   3. trains for TRAIN_MIN minutes from INIT_FROM (default: the shipped drafter, which records its step, so the
-#      schedule continues where the last loan stopped; INIT_FROM= starts a new schedule from scratch);
+#      schedule continues where the last loan stopped; INIT_FROM= starts a new schedule from scratch), annealing the
+#      learning rate to 0 over the last ANNEAL_FRAC of them, so every loan ships an annealed drafter (the next loan
+#      re-warms and continues the cosine of STEPS underneath);
 #   4. calibrates the new drafter (STS + per-slot bias, written into its config.json; its proposals are kept in
 #      $RES/proposals for scripts/compare_calibration.py) and measures τ on
 #      docs/benchmarks/eval_prompts.jsonl, greedy and T = 1, with the drafter it replaces measured greedily in the
@@ -39,6 +41,7 @@ STEPS=${STEPS:-40000}
 LR=${LR:-6e-4}
 WARMUP_FRAC=${WARMUP_FRAC:-0.01}
 TRAIN_MIN=${TRAIN_MIN:-12}
+ANNEAL_FRAC=${ANNEAL_FRAC:-0.4}   # the last 40 % of the loan's training anneals the learning rate to 0
 INIT_FROM=${INIT_FROM-checkpoints/smollm2-135m-instruct-dspark}   # empty: a new schedule from scratch
 PROFILE=${PROFILE:-1}
 ENGINE=${ENGINE:-1}
@@ -95,7 +98,7 @@ fi
 # 3. training, one schedule of STEPS steps across loans
 run train python -m scripts.train_drafter --data "$DATA/train" --eval-data "$DATA/heldout" --eval-examples 256 \
   --model "$MODEL" --device "$DEVICE" --out "$DATA/run" --num-layers "$LAYERS" --tokens-per-batch "$TOKENS" \
-  --steps "$STEPS" --lr "$LR" --warmup-frac "$WARMUP_FRAC" --time-budget-min "$TRAIN_MIN" --eval-every 1000 \
+  --steps "$STEPS" --lr "$LR" --warmup-frac "$WARMUP_FRAC" --time-budget-min "$TRAIN_MIN" --anneal-frac "$ANNEAL_FRAC" --eval-every 1000 \
   --log-every 100 --save-every 1000 --attention "$ATTENTION" --loss-backend "$LOSS_BACKEND" --no-resume "${INIT[@]}" \
   "${TRAIN_EXTRA[@]}" || exit 1
 

@@ -307,6 +307,13 @@ def test_lr_schedule_warms_up_linearly_then_decays_to_zero():
     assert all(a >= b for a, b in zip(f[4:], f[5:]))
 
 
+def test_anneal_factor_holds_then_decays_to_zero_over_the_last_fraction():
+    f = [train_drafter.anneal_factor(x / 100, 0.4) for x in range(101)]
+    assert f[:61] == [1.0] * 61 and abs(f[80] - 0.5) < 1e-12 and f[100] == 0.0
+    assert all(a >= b for a, b in zip(f, f[1:]))
+    assert train_drafter.anneal_factor(0.99, 0.0) == 1.0  # off by default
+
+
 def test_pack_blocks_labels_are_the_next_tokens_of_each_anchor(workdir):
     examples = dataset.load_dataset(workdir / "data", limit=6)
     batch = dataset.collate(examples, 1024)
@@ -501,6 +508,30 @@ def test_init_from_a_checkpoint_continues_its_schedule(workdir, trained):
     assert sorted(lrs) == [10, 12]  # steps 9-12 only: it started at the checkpoint's step 8
     with pytest.raises(SystemExit, match="disagrees"):
         train_drafter.main([*_train_args(workdir, "run_d"), "--init-from", str(trained), "--num-layers", "3"])
+
+
+def test_init_from_counts_only_this_runs_time_and_anneals_to_zero(workdir, trained, tmp_path):
+    """A new loan from a checkpoint that already trained longer than this loan's budget still trains the whole
+    budget (the budget is this invocation's), and --anneal-frac brings the learning rate to ~0 at its end."""
+    import shutil
+
+    init = tmp_path / "long-trained"
+    shutil.copytree(trained, init)
+    config = json.loads((init / "config.json").read_text())
+    config["extra"]["training"]["wall_s"] = 1e6  # far beyond the budget below
+    (init / "config.json").write_text(json.dumps(config))
+    args = _train_args(workdir, "run_anneal")
+    args[args.index("--steps") + 1] = "100000"
+    assert train_drafter.main([*args, "--init-from", str(init), "--rewarm-steps", "1", "--time-budget-min", "0.04",
+                               "--anneal-frac", "0.5", "--log-every", "1"]) == 0
+    summary = json.loads((workdir / "run_anneal" / "summary.json").read_text())
+    assert summary["stop_reason"].startswith("time budget") and summary["steps_done"] > 8 + 2
+    assert summary["wall_s"] > 1e6  # the recorded total still includes the earlier training
+    lrs = [e["lr"] for e in map(json.loads, (workdir / "run_anneal" / "metrics.jsonl").read_text().splitlines())
+           if e["event"] == "train"]
+    assert lrs[-1] < 0.5 * max(lrs)
+    with pytest.raises(SystemExit, match="anneal"):
+        train_drafter.main([*args, "--anneal-frac", "0.5"])  # no time budget to anneal over
 
 
 def test_bench_training_compares_both_steps(workdir, tmp_path):
