@@ -14,7 +14,9 @@ module docstring; in short, for request ``r`` with anchor at position ``P``:
 One program per request row. The scan is serial (γ ≈ 7 scalar loads per row, each slot's accept key hashed
 once); the final categorical draw streams row ``n`` of ``p_t`` (and ``p_d``) once in vocabulary tiles and runs
 *two* races with the same uniforms, one on the residual and one on ``p_t``, so the rounding fallback needs no
-second pass. ``ℓ`` is read from the device inside the kernel: a padded row has ``ℓ = 0`` and draws a bonus
+second pass. With few rows (batch 1 is one program walking 49,152 lanes on one SM) the split variant gives each
+row ``VERIFY_SPLIT_CHUNK``-lane programs that each repeat the cheap scan and race over their chunk, and a second
+launch reduces the chunk winners (``common.race_winner``, the whole-row race's tie rule): the same tokens. ``ℓ`` is read from the device inside the kernel: a padded row has ``ℓ = 0`` and draws a bonus
 from its row 0 (whatever it holds), so nothing on the host needs the lengths.
 
 Unlike the reference, these kernels do not validate values (that would synchronise): a verified draft token
@@ -39,6 +41,7 @@ from optimized.kernels.common import (
     hash_key,
     per_row_words,
     race_update,
+    race_winner,
     resolve_backend,
     split_seed,
     uniform_at,
@@ -52,6 +55,11 @@ __all__ = ["VerifyResult", "greedy_verify", "rejection_sample"]
 # Vocabulary tile of the greedy argmax: as RACE_BLOCK_V (1024 fp32 lanes per step, 4 warps), not yet swept.
 ARGMAX_BLOCK_V = 1024
 PAD_TOKEN_K: tl.constexpr = tl.constexpr(PAD_TOKEN)  # reference.verify.PAD_TOKEN inside kernels
+# rejection_sample(split=None) on CUDA below this many rows gives each row's final draw VERIFY_SPLIT_CHUNK-lane
+# programs (as sampling.sample does): one program per row walked 49,152 lanes in 0.16 ms of a 2.0 ms H200 step at
+# batch 1 (profile adaptive-b1, docs/benchmarks/profile-h200-adaptive-b1.json).
+VERIFY_SPLIT_CHUNK = RACE_BLOCK_V
+VERIFY_SPLIT_MAX_R = 64
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -78,6 +86,39 @@ def _empty_result(R: int, gamma: int, device: torch.device) -> VerifyResult:
 # --------------------------------------------------------------------------- rejection_sample
 
 
+@triton.jit
+def _accept_scan(draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, target_probs_ptr,
+                 stride_tr, stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V, row):
+    """Row ``row``'s serial accept scan and what its final draw reads: ``n`` accepted, whether a verified slot was
+    rejected, the draw's key, the ``p_t`` row ``n`` and the ``p_d`` row it subtracts, and how many lanes of that
+    ``p_d`` row to read (``V`` for a residual, 0 for a bonus)."""
+    ell = tl.load(verify_lens_ptr + row)
+    rid = tl.load(request_ids_ptr + row)
+    anchor = tl.load(anchor_pos_ptr + row)
+    draft_row = draft_probs_ptr + row * stride_dr
+    target_row = target_probs_ptr + row * stride_tr
+    # Slot j (k = j + 1) is tested only while every earlier slot was accepted.
+    n = ell * 0  # int64 accepted count
+    alive = ell >= 0  # True; a tensor so the loop can carry it
+    for j in range(0, gamma):
+        x = tl.load(draft_tokens_ptr + row * gamma + j)
+        live = alive & (j < ell) & (x >= 0) & (x < V)
+        pd_x = tl.load(draft_row + j * stride_dk + x, mask=live, other=1.0).to(tl.float32)
+        pt_x = tl.load(target_row + j * stride_tk + x, mask=live, other=0.0).to(tl.float32)
+        u = uniform_at(hash_key(seed_lo, seed_hi, rid, anchor + j + 1, PURPOSE_ACCEPT), 0)
+        accepted = live & (u * pd_x <= pt_x)
+        n += accepted.to(tl.int64)
+        alive = accepted
+    # One categorical draw from row n: residual if a verified slot was rejected, bonus otherwise.
+    rejected = n < ell
+    purpose = tl.where(rejected, PURPOSE_RESIDUAL, PURPOSE_BONUS)
+    key = hash_key(seed_lo, seed_hi, rid, anchor + n + 1, purpose)
+    pt_ptr = target_row + n * stride_tk
+    pd_ptr = draft_row + tl.minimum(n, gamma - 1) * stride_dk
+    pd_len = tl.where(rejected, V, 0)  # p_d is read only for a residual; as a bound, not a scalar mask
+    return n, rejected, key, pt_ptr, pd_ptr, pd_len
+
+
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def _rejection_sample_kernel(
     tokens_ptr,  # [R, γ+1] int64 out: accepted drafts, the drawn token, PAD
@@ -101,32 +142,9 @@ def _rejection_sample_kernel(
     BLOCK_G: tl.constexpr,  # next power of two >= γ + 1 (output row)
 ):
     row = tl.program_id(0).to(tl.int64)
-    ell = tl.load(verify_lens_ptr + row)
-    rid = tl.load(request_ids_ptr + row)
-    anchor = tl.load(anchor_pos_ptr + row)
-    draft_row = draft_probs_ptr + row * stride_dr
-    target_row = target_probs_ptr + row * stride_tr
-
-    # Serial accept scan: slot j (k = j + 1) is tested only while every earlier slot was accepted.
-    n = ell * 0  # int64 accepted count
-    alive = ell >= 0  # True; a tensor so the loop can carry it
-    for j in range(0, gamma):
-        x = tl.load(draft_tokens_ptr + row * gamma + j)
-        live = alive & (j < ell) & (x >= 0) & (x < V)
-        pd_x = tl.load(draft_row + j * stride_dk + x, mask=live, other=1.0).to(tl.float32)
-        pt_x = tl.load(target_row + j * stride_tk + x, mask=live, other=0.0).to(tl.float32)
-        u = uniform_at(hash_key(seed_lo, seed_hi, rid, anchor + j + 1, PURPOSE_ACCEPT), 0)
-        accepted = live & (u * pd_x <= pt_x)
-        n += accepted.to(tl.int64)
-        alive = accepted
-
-    # One categorical draw from row n: residual if a verified slot was rejected, bonus otherwise.
-    rejected = n < ell
-    purpose = tl.where(rejected, PURPOSE_RESIDUAL, PURPOSE_BONUS)
-    key = hash_key(seed_lo, seed_hi, rid, anchor + n + 1, purpose)
-    pt_ptr = target_row + n * stride_tk
-    pd_ptr = draft_row + tl.minimum(n, gamma - 1) * stride_dk
-    pd_len = tl.where(rejected, V, 0)  # p_d is read only for a residual; as a bound, not a scalar mask
+    n, rejected, key, pt_ptr, pd_ptr, pd_len = _accept_scan(
+        draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, target_probs_ptr, stride_tr,
+        stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V, row)
     res_score = -1.0
     res_index = 0
     res_mass = 0.0  # max of the residual: zero means "all zero", the rounding fallback to p_t
@@ -142,6 +160,73 @@ def _rejection_sample_kernel(
         res_score, res_index = race_update(res_score, res_index, residual, e, lanes, mask)
         pt_score, pt_index = race_update(pt_score, pt_index, p_t, e, lanes, mask)
         res_mass = tl.maximum(res_mass, tl.max(tl.where(mask, residual, 0.0), axis=0))
+    last = tl.where(rejected & (res_mass > 0.0), res_index, pt_index)
+    _store_result(tokens_ptr, num_accepted_ptr, num_emitted_ptr, draft_tokens_ptr, row, gamma, n, last, BLOCK_G)
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+def _rejection_sample_split_kernel(
+    res_score_ptr,  # [R, NB] fp32 out: the residual race's best score in each vocabulary chunk
+    res_index_ptr,  # [R, NB] int64 out: its index
+    res_mass_ptr,  # [R, NB] fp32 out: the residual's largest value in the chunk
+    pt_score_ptr,  # [R, NB] fp32 out: the p_t race's best score in the chunk
+    pt_index_ptr,  # [R, NB] int64 out: its index
+    draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, target_probs_ptr, stride_tr,
+    stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V,
+    NB,  # chunks per row
+    CHUNK: tl.constexpr,  # vocabulary lanes per program (a multiple of BLOCK_V)
+    BLOCK_V: tl.constexpr,
+):
+    """Grid (R, NB): program (r, b) repeats row r's accept scan (γ scalar loads) and runs both races of
+    :func:`_rejection_sample_kernel` over lanes b·CHUNK .. (b+1)·CHUNK-1, tile by tile in ascending order."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    n, rejected, key, pt_ptr, pd_ptr, pd_len = _accept_scan(
+        draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, target_probs_ptr, stride_tr,
+        stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V, row)
+    res_score = -1.0
+    res_index = 0
+    res_mass = 0.0
+    pt_score = -1.0
+    pt_index = 0
+    for start in range(0, CHUNK, BLOCK_V):
+        lanes = chunk * CHUNK + start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        mask = lanes < V
+        p_t = tl.load(pt_ptr + lanes, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_V]
+        p_d = tl.load(pd_ptr + lanes, mask=lanes < pd_len, other=0.0).to(tl.float32)  # [BLOCK_V]
+        residual = tl.maximum(p_t - p_d, 0.0)  # [BLOCK_V]
+        e = exponential_at(key, lanes)  # [BLOCK_V]
+        res_score, res_index = race_update(res_score, res_index, residual, e, lanes, mask)
+        pt_score, pt_index = race_update(pt_score, pt_index, p_t, e, lanes, mask)
+        res_mass = tl.maximum(res_mass, tl.max(tl.where(mask, residual, 0.0), axis=0))
+    out = row * NB + chunk
+    tl.store(res_score_ptr + out, res_score)
+    tl.store(res_index_ptr + out, res_index.to(tl.int64))
+    tl.store(res_mass_ptr + out, res_mass)
+    tl.store(pt_score_ptr + out, pt_score)
+    tl.store(pt_index_ptr + out, pt_index.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+def _rejection_sample_split_reduce_kernel(
+    tokens_ptr, num_accepted_ptr, num_emitted_ptr,  # outputs as in _rejection_sample_kernel
+    res_score_ptr, res_index_ptr, res_mass_ptr, pt_score_ptr, pt_index_ptr,  # [R, NB] chunk partials
+    draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, target_probs_ptr, stride_tr,
+    stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V,
+    NB,
+    BLOCK_NB: tl.constexpr,  # next power of two >= NB
+    BLOCK_G: tl.constexpr,
+):
+    """One program per row: the scan once more (for ``n``), then the two race winners and the residual's mass
+    from the chunk partials, and the row's result exactly as :func:`_rejection_sample_kernel` writes it."""
+    row = tl.program_id(0).to(tl.int64)
+    n, rejected, key, pt_ptr, pd_ptr, pd_len = _accept_scan(
+        draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, target_probs_ptr, stride_tr,
+        stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V, row)
+    res_index = race_winner(res_score_ptr, res_index_ptr, row, NB, BLOCK_NB)
+    pt_index = race_winner(pt_score_ptr, pt_index_ptr, row, NB, BLOCK_NB)
+    blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
+    res_mass = tl.max(tl.load(res_mass_ptr + row * NB + blocks, mask=blocks < NB, other=0.0), axis=0)
     last = tl.where(rejected & (res_mass > 0.0), res_index, pt_index)
     _store_result(tokens_ptr, num_accepted_ptr, num_emitted_ptr, draft_tokens_ptr, row, gamma, n, last, BLOCK_G)
 
@@ -183,6 +268,8 @@ def rejection_sample(
     request_ids: Tensor,
     anchor_positions: Tensor,
     backend: str = "auto",
+    *,
+    split: bool | None = None,
 ) -> VerifyResult:
     """Verify each request's first ``ℓ_r`` drafts; twin of ``reference.verify.rejection_sample``.
 
@@ -195,6 +282,9 @@ def rejection_sample(
         request_ids: ``[R]`` request ids.
         anchor_positions: ``[R]`` absolute anchor positions ``P``.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        split: Triton variant: ``True`` gives each row's final draw ``VERIFY_SPLIT_CHUNK``-lane programs and reduces
+            their winners in a second launch; ``False`` one program per row; ``None`` splits on CUDA below
+            ``VERIFY_SPLIT_MAX_R`` rows. Same tokens either way.
 
     Returns:
         :class:`reference.verify.VerifyResult` (tokens ``[R, γ+1]``, num_accepted ``[R]``, num_emitted ``[R]``).
@@ -217,13 +307,26 @@ def rejection_sample(
         return out
     draft_probs = draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous()
     target_probs = target_probs if target_probs.stride(-1) == 1 else target_probs.contiguous()
-    _rejection_sample_kernel[(R,)](
-        out.tokens, out.num_accepted, out.num_emitted, draft_tokens.contiguous(), verify_lens.contiguous(),
-        draft_probs, draft_probs.stride(0), draft_probs.stride(1),
-        target_probs, target_probs.stride(0), target_probs.stride(1),
-        rid, anchor, lo, hi, gamma, V,
-        BLOCK_V=RACE_BLOCK_V, BLOCK_G=triton.next_power_of_2(gamma + 1),
-    )
+    rows = (draft_tokens.contiguous(), verify_lens.contiguous(), draft_probs, draft_probs.stride(0),
+            draft_probs.stride(1), target_probs, target_probs.stride(0), target_probs.stride(1), rid, anchor, lo, hi,
+            gamma, V)
+    block_g = triton.next_power_of_2(gamma + 1)
+    if split is None:
+        split = target_probs.is_cuda and R < VERIFY_SPLIT_MAX_R
+    if not split:
+        _rejection_sample_kernel[(R,)](out.tokens, out.num_accepted, out.num_emitted, *rows,
+                                       BLOCK_V=RACE_BLOCK_V, BLOCK_G=block_g)
+        return out
+    chunk = VERIFY_SPLIT_CHUNK
+    nb = triton.cdiv(V, chunk)
+    partial = dict(device=dev, dtype=torch.float32)
+    res_score, res_mass, pt_score = (torch.empty(R, nb, **partial) for _ in range(3))  # [R, NB] each
+    res_index, pt_index = (torch.empty(R, nb, dtype=torch.int64, device=dev) for _ in range(2))  # [R, NB] each
+    _rejection_sample_split_kernel[(R, nb)](res_score, res_index, res_mass, pt_score, pt_index, *rows, nb,
+                                            CHUNK=chunk, BLOCK_V=min(RACE_BLOCK_V, chunk))
+    _rejection_sample_split_reduce_kernel[(R,)](out.tokens, out.num_accepted, out.num_emitted, res_score, res_index,
+                                                res_mass, pt_score, pt_index, *rows, nb,
+                                                BLOCK_NB=triton.next_power_of_2(nb), BLOCK_G=block_g, num_warps=1)
     return out
 
 

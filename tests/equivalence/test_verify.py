@@ -22,6 +22,20 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not (DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"),
                                   reason="the Triton kernel on CPU needs TRITON_INTERPRET=1 (the CI command sets it)")
 BACKENDS = [pytest.param("triton", marks=needs_triton), "torch"]
+# rejection_sample also runs its split-vocabulary kernels, with 32-lane chunks so that V = 97 spans 4 of them.
+RS_BACKENDS = [pytest.param("triton", marks=needs_triton), pytest.param("triton-split", marks=needs_triton), "torch"]
+SPLIT_TEST_CHUNK = 32
+
+
+def rejection_sample(*args, backend: str) -> ref.VerifyResult:
+    """``fast.rejection_sample`` with ``backend`` one of RS_BACKENDS (``triton`` is the one-program kernel)."""
+    if backend != "triton-split":
+        return fast.rejection_sample(*args, backend=backend, split=False if backend == "triton" else None)
+    chunk, fast.VERIFY_SPLIT_CHUNK = fast.VERIFY_SPLIT_CHUNK, SPLIT_TEST_CHUNK
+    try:
+        return fast.rejection_sample(*args, backend="triton", split=True)
+    finally:
+        fast.VERIFY_SPLIT_CHUNK = chunk
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1, 1, 97), (6, 4, 97), (3, 7, 130)]  # (R, γ, V): R = 1, γ = 1, V not a power of two
 
@@ -62,27 +76,27 @@ def reference_rejection_sample(drafts, lens, p_d, p_t, seed, rid, anchor) -> ref
 # --------------------------------------------------------------------------- rejection_sample
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", RS_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("R,gamma,V", SHAPES)
 def test_rejection_sample_matches_reference(backend, dtype, R, gamma, V):
     for seed, agreement in ((R + gamma + V, 0.7), (5, 0.97)):  # mostly rejections, then mostly bonus draws
         case = make_case(R, gamma, V, dtype, seed, agreement)
-        got = fast.rejection_sample(*case[:4], 2**40 + seed, *case[4:], backend=backend)
+        got = rejection_sample(*case[:4], 2**40 + seed, *case[4:], backend=backend)
         assert_same(got, reference_rejection_sample(*case[:4], 2**40 + seed, *case[4:]))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", RS_BACKENDS)
 def test_rejection_sample_all_accepted_and_padded(backend):
     # p_t = p_d: every verified draft is accepted, so num_accepted = ℓ and the last token is the bonus.
     drafts, lens, p_d, _, rid, anchor = make_case(5, 3, 97, torch.float32, seed=3)
     p_t = torch.cat([p_d, p_d[:, :1]], dim=1)  # [R, γ+1, V]
-    got = fast.rejection_sample(drafts, lens, p_d, p_t, 11, rid, anchor, backend=backend)
+    got = rejection_sample(drafts, lens, p_d, p_t, 11, rid, anchor, backend=backend)
     assert torch.equal(got.num_accepted, lens)
     assert_same(got, reference_rejection_sample(drafts, lens, p_d, p_t, 11, rid, anchor))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", RS_BACKENDS)
 def test_rejection_sample_residual_rounding_fallback(backend):
     # p_t = p_d / 2 (unnormalised): a rejected slot's residual max(0, p_t - p_d) is all zero, so the
     # recovered token comes from p_t itself, with purpose RESIDUAL.
@@ -90,26 +104,28 @@ def test_rejection_sample_residual_rounding_fallback(backend):
     drafts = drafts.clamp(min=0)
     lens = torch.full((8,), 2, device=DEVICE)
     p_t = torch.cat([p_d, p_d[:, :1]], dim=1) * 0.5
-    got = fast.rejection_sample(drafts, lens, p_d, p_t, 1, rid, anchor, backend=backend)
+    got = rejection_sample(drafts, lens, p_d, p_t, 1, rid, anchor, backend=backend)
     assert bool((got.num_accepted < 2).any())  # the fallback is exercised
     assert_same(got, reference_rejection_sample(drafts, lens, p_d, p_t, 1, rid, anchor))
 
 
 @needs_triton
-def test_rejection_sample_full_vocabulary():
+@pytest.mark.parametrize("split", [False, True])
+def test_rejection_sample_full_vocabulary(split):
+    # The shipped tiles: V = 49152 is 48 one-program tiles, or 48 split chunks of 1024 lanes.
     drafts, lens, p_d, p_t, rid, anchor = make_case(2, 3, 49152, torch.bfloat16, seed=6, agreement=0.5)
-    got = fast.rejection_sample(drafts, lens, p_d, p_t, 2, rid, anchor, backend="triton")
+    got = fast.rejection_sample(drafts, lens, p_d, p_t, 2, rid, anchor, backend="triton", split=split)
     assert_same(got, reference_rejection_sample(drafts, lens, p_d, p_t, 2, rid, anchor))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", RS_BACKENDS)
 def test_rejection_sample_batch_independence(backend):
     case = make_case(6, 4, 97, torch.float32, seed=8)
     drafts, lens, p_d, p_t, rid, anchor = case
-    batch = fast.rejection_sample(*case[:4], 3, *case[4:], backend=backend)
+    batch = rejection_sample(*case[:4], 3, *case[4:], backend=backend)
     for i in range(6):
-        one = fast.rejection_sample(drafts[i:i + 1], lens[i:i + 1], p_d[i:i + 1], p_t[i:i + 1], 3,
-                                    rid[i:i + 1], anchor[i:i + 1], backend=backend)
+        one = rejection_sample(drafts[i:i + 1], lens[i:i + 1], p_d[i:i + 1], p_t[i:i + 1], 3,
+                               rid[i:i + 1], anchor[i:i + 1], backend=backend)
         assert torch.equal(one.tokens[0], batch.tokens[i]) and torch.equal(one.num_accepted[0], batch.num_accepted[i])
 
 
