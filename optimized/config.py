@@ -26,6 +26,10 @@ class EngineConfig:
     # kernel_backend; "torch" keeps the unfused HF-rounding ops on CUDA too (to measure what the fusion buys).
     layer_backend: str | None = None
     seed: int = 0  # root of the random-number contract (reference/sampling.py)
+    # Plan the next step (the draft gate's verdict, the adaptive budget) while the device verifies, instead of
+    # after the token read: the same decisions, off the host's critical path. None: on CUDA, where the device runs
+    # ahead of the host (on the CPU the forward has finished by then, so it would only move the work).
+    plan_ahead: bool | None = None
     device: str = "cpu"  # where the caches, graphs and kernels live: "cpu" or "cuda[:N]" (the target's device)
     dtype: torch.dtype = torch.float32  # the caches' dtype = the target's (bfloat16 on a GPU, float32 for exact tests)
 

@@ -27,6 +27,7 @@ Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix sur
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -157,6 +158,7 @@ class ModelRunner:
         self._alloc_state(config.max_num_seqs)
         self._owner: list[Sequence | None] = [None] * config.max_num_seqs  # the request whose state a slot holds
         self._placeholders_cache: tuple[int, list[Sequence]] | None = None  # (context length, placeholder sequences)
+        self._drafts_copied: torch.cuda.Event | None = None  # recorded after the last non-blocking survivals copy
         self._capture_graphs()
 
     # ------------------------------------------------------------------------------------------------ start-up
@@ -287,8 +289,11 @@ class ModelRunner:
         # sync: threshold and adaptive-sync are synchronous by definition (the paper's Algorithm 1 reads the current a).
         return self.survival[rows].cpu()  # sync: synchronous policies only (see above)
 
-    def verify(self, plan: StepPlan) -> StageOutput:
-        """Verify the plan's decoding requests: layout, verify graph, p_t, rejection sampling, the one token read."""
+    def verify(self, plan: StepPlan, while_device_runs: Callable[[], None] | None = None) -> StageOutput:
+        """Verify the plan's decoding requests: layout, verify graph, p_t, rejection sampling, the one token read.
+
+        ``while_device_runs`` is called after every launch and before the token read: host work placed there overlaps
+        with the device's verify (on CUDA; on the CPU the forward has already run)."""
         decoding, dev, g = plan.decoding, self.device, self.gamma
         rows = torch.tensor([s.slot for s in decoding], dtype=torch.long, device=dev)  # [R] slot of each row
         r = len(decoding)
@@ -339,6 +344,8 @@ class ModelRunner:
         self.anchor_pos[rows] += n_emitted
         if plan.mode is SchedulingMode.ORACLE:
             lens = torch.clamp(n_emitted, max=g)  # verify exactly the accepted prefix + the rejected slot
+        if while_device_runs is not None:
+            while_device_runs()
         # sync: the one host read per step — emitted tokens drive finishing, streaming and stop strings.
         host = torch.cat([emitted, n_emitted[:, None], lens[:, None]], 1).cpu()  # sync: the one read per step
         logp_host = logp.cpu() if any(s.params.logprobs for s in decoding) else None  # sync: same read, if asked
@@ -396,7 +403,20 @@ class ModelRunner:
         self.draft_tokens[rows] = tokens
         self.draft_probs[rows] = probs
         self.survival[rows] = survival
-        return survival.to("cpu", non_blocking=not blocking)  # sync: only when blocking (staleness 0)
+        host = survival.to("cpu", non_blocking=not blocking)  # sync: only when blocking (staleness 0)
+        if dev.type == "cuda" and not blocking:
+            self._drafts_copied = torch.cuda.Event()
+            self._drafts_copied.record()  # after the copy: wait_for_drafts waits for exactly this much of the stream
+        return host
+
+    def wait_for_drafts(self) -> None:
+        """Wait until the last draft's host copy of the survivals has landed (it was issued without waiting).
+
+        The next token read waits for it anyway (the copy precedes the verify in the stream); this waits for the
+        draft alone, so that host work can read the survivals while the device still verifies."""
+        if self._drafts_copied is not None:
+            self._drafts_copied.synchronize()  # sync: the draft's copy only, not the verify queued behind it
+            self._drafts_copied = None
 
     def propose(self, seqs: list[Sequence]) -> list[int]:
         """The n-gram proposer's draft stage for ``seqs``: the host lookup (``optimized/ngram.py``) in each request's

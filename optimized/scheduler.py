@@ -240,24 +240,31 @@ class DraftGate:
 
     def decide(self, seqs: list[Sequence]) -> bool:
         """Whether ``seqs`` (the next step's decoding requests) draft; counts the plain steps."""
-        cfg = self.config
         if not self.active:
             return True
-        key = (tuple([s.request_id for s in seqs]), tuple([len(s.survivals) for s in seqs]))
-        cached = self._cache if self._cache is not None and self._cache[0] == key else None
-        if cached is None:
-            recent = self.recent_survivals(seqs)  # [R, γ] host float32, or None
-            verdict = None if recent is None else self.planner.speculation_pays(recent, len(seqs), None,
-                                                                                  cfg.gate_margin, check=False)
-            cached = self._cache = (key, recent, verdict)
-        _, recent, verdict = cached
+        recent, verdict = self._evaluate(seqs)
         # The reference's ``draft_forced(...) or verdict`` in the other order (the same boolean): a paying verdict
         # drafts whatever draft_forced says, so its rules (a few torch ops) run only when the cost says no, or
         # nothing is known yet.
-        drafts = verdict or draft_forced(cfg, None if recent is None else torch.from_numpy(recent),
+        drafts = verdict or draft_forced(self.config, None if recent is None else torch.from_numpy(recent),
                                          self.steps_without_draft)
         self.steps_without_draft = 0 if drafts else self.steps_without_draft + 1
         return drafts
+
+    def prepare(self, seqs: list[Sequence]) -> bool | None:
+        """The cost's verdict for ``seqs`` ahead of :meth:`decide` (which then reuses it if the same requests hold the
+        same drafts): whether speculation pays, None when the gate is off or nobody has drafted. Changes no count."""
+        return self._evaluate(seqs)[1] if self.active else None
+
+    def _evaluate(self, seqs: list[Sequence]) -> tuple[np.ndarray | None, bool | None]:
+        """The recent survivals of ``seqs`` and the cost's verdict on them, cached while the inputs repeat."""
+        key = (tuple([s.request_id for s in seqs]), tuple([len(s.survivals) for s in seqs]))
+        if self._cache is None or self._cache[0] != key:
+            recent = self.recent_survivals(seqs)  # [R, γ] host float32, or None
+            verdict = None if recent is None else self.planner.speculation_pays(recent, len(seqs), None,
+                                                                                  self.config.gate_margin, check=False)
+            self._cache = (key, recent, verdict)
+        return self._cache[1], self._cache[2]
 
     def recent_survivals(self, seqs: list[Sequence]) -> np.ndarray | None:
         """Each request's moving average of its drafts' survivals (``reference.scheduler.fold_recent``), kept per slot
@@ -323,6 +330,9 @@ class Scheduler:
         self.policy = self._policy()
         self.gate = DraftGate(config, gamma, max_num_seqs, self.planner)
         self._nan_row = np.full(gamma, np.nan, dtype=np.float32)  # [γ] the stale row of a request too new for one
+        # The next step's budget, planned ahead by plan_ahead: ((request id, drafts held) of each request, B)
+        self._ahead: tuple[tuple[tuple[int, int], ...], int] | None = None
+        self.ahead_hits = 0  # steps whose budget was planned ahead (for tests and benchmarks)
 
     # ------------------------------------------------------------------------------------------------ configuration
 
@@ -338,12 +348,12 @@ class Scheduler:
         return self.policy is not None
 
     def set_cost_table(self, cost: CostTable) -> None:
-        self.cost, self.planner = cost, BudgetPlanner(cost)
+        self.cost, self.planner, self._ahead = cost, BudgetPlanner(cost), None
         self.policy = self._policy()
         self.gate.reset(self.config, self.planner)
 
     def set_config(self, config: SchedulerConfig) -> None:
-        self.config = config
+        self.config, self._ahead = config, None
         self.policy = self._policy()
         self.gate.reset(config, self.planner)
 
@@ -399,11 +409,15 @@ class Scheduler:
 
     def _plan_verify(self, chunks: list[PrefillChunk], decoding: list[Sequence]) -> StepPlan:
         r, mode = len(decoding), self.config.mode
+        ahead, self._ahead = self._ahead, None  # a budget planned ahead lives until the very next schedule
         if not decoding:
             return StepPlan(chunks, decoding, mode)
         if not (mode.drafts and self.drafted):  # no drafter, or the draft gate closed: ordinary decoding
             return StepPlan(chunks, decoding, SchedulingMode.NONE, lengths=[0] * r)
         if mode is SchedulingMode.ADAPTIVE:
+            if ahead is not None and ahead[0] == self._holdings(decoding):  # planned during the last verify
+                self.ahead_hits += 1
+                return StepPlan(chunks, decoding, mode, budget=ahead[1])
             stale = self._stale_survivals(decoding)  # [R, γ] host copy, NaN rows = too new
             # The engine's own survivals (no range or monotonicity check: they hold by construction).
             budget = self.planner.budget(stale, num_anchor_tokens=r, num_requests=r, check=False)
@@ -422,11 +436,35 @@ class Scheduler:
         lengths = self.policy.lengths(a_current, a_stale=None, num_anchor_tokens=r)  # [R] host
         plan.lengths = lengths.tolist()  # sync: none, a_current is on the host (runner.current_survivals waited)
 
-    def _stale_survivals(self, decoding: list[Sequence]) -> np.ndarray:
-        """``[R, γ]``: each request's survivals ``staleness`` drafts before its current one (NaN when too new)."""
-        k = self.config.staleness
+    def _stale_survivals(self, decoding: list[Sequence], ahead: int = 0) -> np.ndarray:
+        """``[R, γ]``: each request's survivals ``staleness`` drafts before its current one (NaN when too new), or,
+        with ``ahead = 1``, what that will be once every request has drafted once more."""
+        k = self.config.staleness - ahead
         # seq.survivals[-1] is the current draft (k = 0 reads it); the reference appends it after reading the stale row.
         return np.array([s.survivals[-(k + 1)] if len(s.survivals) > k else self._nan_row for s in decoding])
+
+    @staticmethod
+    def _holdings(decoding: list[Sequence], ahead: int = 0) -> tuple[tuple[int, int], ...]:
+        """What a budget is planned from: each request and how many drafts it holds (``ahead`` more)."""
+        return tuple([(s.request_id, len(s.survivals) + ahead) for s in decoding])
+
+    def plan_ahead(self) -> None:
+        """Plan while the device verifies (the host would otherwise wait for the token read): the draft gate's
+        verdict for the requests decoding now and, where they will draft, the next step's budget — from survivals
+        already on the host (the runner waited for the last draft's copy). Both are pure functions of inputs that
+        the verify does not change, so :meth:`drafters` and the next :meth:`schedule` reuse them exactly when their
+        inputs are these (nobody finished, nobody new): the same decisions, off the critical path."""
+        self._ahead = None
+        seqs = self.decoding()
+        if not seqs or not self.config.mode.drafts:
+            return
+        verdict = self.gate.prepare(seqs)  # cached for drafters(); None: gate off, or nothing known yet
+        # The budget reads drafts `staleness` old, so with staleness ≥ 1 it is known before the next draft lands.
+        if self.config.mode is SchedulingMode.ADAPTIVE and self.config.staleness > 0 and verdict is not False:
+            stale = self._stale_survivals(seqs, ahead=1)  # [R, γ] the next step's stale rows
+            r = len(seqs)
+            self._ahead = (self._holdings(seqs, ahead=1),
+                           self.planner.budget(stale, num_anchor_tokens=r, num_requests=r, check=False))
 
     # ------------------------------------------------------------------------------------------------ after the device
 

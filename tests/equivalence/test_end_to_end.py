@@ -105,6 +105,50 @@ def test_engine_continuous_batching_matches_alone():
         assert len(out) == engine.sequence(rid).params.max_new_tokens
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("draft_ms", [0.0, 40.0])  # a drafter that pays, and one the gate keeps closing on
+def test_planning_ahead_changes_no_decision(temperature, draft_ms):
+    """The adaptive budget and the draft gate's verdict planned while the device verifies (``plan_ahead``): the same
+    tokens, verify lengths and drafting steps as planning after the token read, with requests joining, finishing at
+    different steps and aborted; the budget planned ahead is used at most steps and dropped when the requests
+    changed."""
+    target = Target.from_model(tiny_hf_model("llama"))
+    drafter = _drafter(target)
+    cost = CostTable.affine(fixed_ms=5.0, per_token_ms=0.3, draft_fixed_ms=draft_ms, sizes=list(range(1, 129)))
+    prompts = {0: [5, 6, 7, 8, 9, 10, 11], 1: [3], 2: [40, 41], 3: [7, 7, 7], 4: [9, 1]}
+    lengths = {0: 21, 1: 6, 2: 13, 3: 9, 4: 30}
+    runs = {}
+    for ahead in (False, True):
+        engine = Engine(target, drafter, EngineConfig(max_num_seqs=3, max_seq_len=128, prefill_chunk=5, seed=5,
+                                                      plan_ahead=ahead),
+                        SchedulerConfig(mode="adaptive", probe_every=3), cost)
+        params = {rid: SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True)
+                  for rid, n in lengths.items()}
+        for rid in (0, 1, 2):
+            engine.add_request(prompts[rid], params[rid], request_id=rid)
+        steps, drafted = 0, []
+        while engine.has_unfinished():
+            engine.step()
+            drafted.append(engine.last_step_stats().drafted)
+            steps += 1
+            if steps == 3:
+                engine.add_request(prompts[3], params[3], request_id=3)
+                engine.add_request(prompts[4], params[4], request_id=4)
+            if steps == 8:
+                engine.abort(4)
+        runs[ahead] = ([(engine.sequence(r).output_ids, engine.sequence(r).verify_lengths) for r in prompts], drafted,
+                       engine.scheduler.ahead_hits, engine.stats["host_ahead_s"], steps)
+    assert runs[True][:2] == runs[False][:2]
+    hits, ahead_s, steps = runs[True][2:]
+    assert runs[False][2] == 0 and runs[False][3] == 0.0  # off: nothing planned ahead
+    budgets = sum(runs[True][1])  # steps that drafted, so that the next one plans a budget
+    assert ahead_s > 0
+    if draft_ms == 0:
+        assert 0 < hits < budgets  # used, and dropped at least once (a request finished or left)
+    else:
+        assert budgets < steps / 2  # the gate kept closing (no budget ahead while it says no), and identically
+
+
 def test_engine_abort_frees_the_slot():
     target = Target.from_model(tiny_hf_model("llama"))
     engine = Engine(target, _drafter(target), EngineConfig(max_num_seqs=1, max_seq_len=64),
