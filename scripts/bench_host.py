@@ -3,7 +3,10 @@
 The engine times its host planning in ``Engine.step`` (``stats["host_schedule_s"]``): ``Scheduler.schedule`` (admission,
 prefill chunks and the verify budget B of the stale survivals, ``BudgetPlanner.budget``) plus ``Scheduler.drafters``
 (the draft gate: the moving average of each request's survivals, then ``speculation_pays``). On a GPU that is time the
-device may wait for, so it should stay a small share of a step. This script measures it with the tiny random models
+device may wait for, so it should stay a small share of a step. With ``--plan-ahead`` (``EngineConfig.plan_ahead``, the
+engine's default on CUDA) the gate's verdict and the next budget are planned while the device verifies: ``host_us``
+then counts what is left on the critical path and ``ahead_us`` what moved off it (``stats["host_ahead_s"]``; on the
+CPU the forward has already run by then, so there it is moved, not hidden). This script measures it with the tiny random models
 of ``reference.testing`` on the CPU, at R = 1, 4, 16, 64, 256 decoding requests (one engine per R, ``max_num_seqs =
 R``), and, for a same-run baseline, the reference twins on the very same survivals:
 
@@ -120,10 +123,11 @@ def measure(target: Target, drafter, r: int, args: argparse.Namespace) -> dict[s
                             sizes=list(range(1, args.max_tokens + 1)))
     max_seq_len = PROMPT_LEN + (args.warmup + args.steps + 2) * (args.gamma + 1) + args.gamma + 2
     engine = Engine(target, drafter, EngineConfig(max_num_seqs=r, max_seq_len=max_seq_len, kernel_backend="torch",
-                                                  seed=0), SchedulerConfig(mode="adaptive"), cost)
+                                                  seed=0, plan_ahead=args.plan_ahead),
+                    SchedulerConfig(mode="adaptive"), cost)
     params = SamplingParams(max_new_tokens=max_seq_len, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(r)
-    host_us, step_us, ref_us, drafted, agree, steps = [], [], [], 0, 0, 0
+    host_us, ahead_us, step_us, ref_us, drafted, agree, steps = [], [], [], [], 0, 0, 0
     for _ in range(args.repeats):
         rids = [engine.add_request(torch.randint(2, target.vocab_size, (PROMPT_LEN,), generator=gen).tolist(), params)
                 for _ in range(r)]
@@ -139,6 +143,7 @@ def measure(target: Target, drafter, r: int, args: argparse.Namespace) -> dict[s
             history.append((plans, before, after, st))
         stats = engine.stats
         host_us.append(1e6 * stats["host_schedule_s"] / stats["steps"])
+        ahead_us.append(1e6 * stats["host_ahead_s"] / stats["steps"])
         step_us.append(1e6 * stats["step_s"] / stats["steps"])
         drafted += stats["draft_steps"]
         twin, ref_s = ReferenceTwin(engine, cost), 0.0
@@ -158,7 +163,8 @@ def measure(target: Target, drafter, r: int, args: argparse.Namespace) -> dict[s
                      steps)
     host, ref = statistics.median(host_us), statistics.median(ref_us)
     return {"R": r, "host_us": round(host, 1), "host_us_min": round(min(host_us), 1),
-            "host_us_max": round(max(host_us), 1), "reference_us": round(ref, 1),
+            "host_us_max": round(max(host_us), 1), "ahead_us": round(statistics.median(ahead_us), 1),
+            "reference_us": round(ref, 1),
             "speedup_vs_reference": round(ref / host, 2), "step_us": round(statistics.median(step_us), 1),
             "host_share_pct": round(100 * host / statistics.median(step_us), 2),
             "drafted_steps": drafted, "steps": steps, "agree": agree, "runs_host_us": [round(x, 1) for x in host_us]}
@@ -174,6 +180,7 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict[str, Any]:
         "software": {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__},
         "settings": {"gamma": args.gamma, "repeats": args.repeats, "warmup": args.warmup, "steps": args.steps,
                      "model": "reference.testing tiny llama (2 layers)", "mode": "adaptive (gate on)",
+                     "plan_ahead": args.plan_ahead,
                      "cost": {"fixed_ms": args.fixed_ms, "per_token_ms": args.per_token_ms,
                               "draft_fixed_ms": args.draft_ms, "sizes": f"1..{args.max_tokens}"}},
         "results": [],
@@ -182,9 +189,9 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict[str, Any]:
     for r in args.batches:
         row = measure(target, drafter, r, args)
         report["results"].append(row)
-        log.info("R=%4d  host %7.1f µs/step (%5.1f .. %5.1f)  reference %7.1f µs  ×%.1f  agree %d/%d", r,
-                 row["host_us"], row["host_us_min"], row["host_us_max"], row["reference_us"],
-                 row["speedup_vs_reference"], row["agree"], row["steps"])
+        log.info("R=%4d  host %7.1f µs/step (%5.1f .. %5.1f)  ahead %7.1f µs  reference %7.1f µs  ×%.1f  "
+                 "agree %d/%d", r, row["host_us"], row["host_us_min"], row["host_us_max"], row["ahead_us"],
+                 row["reference_us"], row["speedup_vs_reference"], row["agree"], row["steps"])
         out.write_text(json.dumps(report, indent=2) + "\n")
     try:
         plot(report, out.with_suffix(".png"))
@@ -233,6 +240,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--per-token-ms", type=float, default=0.002, help="synthetic cost table: verify ms per token")
     p.add_argument("--draft-ms", type=float, default=0.5, help="synthetic cost table: drafter ms per step")
     p.add_argument("--max-tokens", type=int, default=2048, help="synthetic cost table: sizes 1..max")
+    p.add_argument("--plan-ahead", action=argparse.BooleanOptionalAction, default=False,
+                   help="EngineConfig.plan_ahead: plan while the device verifies (the engine's default on CUDA); "
+                        "host_us then counts the critical path only and ahead_us what moved off it (on the CPU the "
+                        "forward has run by then, so it is moved, not hidden)")
     p.add_argument("--tag", default="cpu", help="output name host-<tag>.json")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

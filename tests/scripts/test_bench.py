@@ -139,7 +139,10 @@ def test_bench_host_times_the_planning_and_agrees_with_the_reference(tmp_path):
         assert r["steps"] == 2 * 3 and r["agree"] == r["steps"], "the engine decided as the reference twins"
         assert r["drafted_steps"] == r["steps"], "the gate stays open: every timed step is a full adaptive step"
         assert 0 < r["host_us_min"] <= r["host_us"] <= r["host_us_max"] and r["reference_us"] > 0
-        assert len(r["runs_host_us"]) == 2
+        assert len(r["runs_host_us"]) == 2 and r["ahead_us"] == 0  # planning ahead is off unless asked
+    ahead = bench_host.main(["--batches", "3", "--gamma", "3", "--repeats", "1", "--warmup", "3", "--steps", "3",
+                             "--plan-ahead", "--out", str(tmp_path / "host-ahead.json")])["results"][0]
+    assert ahead["agree"] == ahead["steps"] == 3 and ahead["ahead_us"] > 0  # the same decisions, planned ahead
 
 
 def test_bench_kernels_all_ops_on_cpu(tmp_path):
