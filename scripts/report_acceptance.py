@@ -53,19 +53,27 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     temps = sorted({t for arm in runs.values() for t in arm})
-    fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), squeeze=False)
-    for ax, t in zip(axes[0], temps):
-        for arm, per_t in runs.items():
+    # One colour per arm across the panels and one legend below them (arm names are long): "arm (τ T=0 / T=1)".
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 4.2 + 0.25 * len(runs)), squeeze=False)
+    handles = []
+    for i, (arm, per_t) in enumerate(runs.items()):
+        style = {"color": colours[i % len(colours)], "marker": "os^Dv<>"[i // len(colours) % 7]}
+        for ax, t in zip(axes[0], temps):
             if t not in per_t:
                 continue
             acc = [x if x is not None else float("nan") for x in per_t[t]["per_position_acceptance"]]
-            ax.plot(range(1, len(acc) + 1), acc, marker="o",
-                    label=f"{arm} (τ = {per_t[t]['mean_accepted_length']:.3f})")
+            line, = ax.plot(range(1, len(acc) + 1), acc, **style)
+        taus = ", ".join(f"{t}: {per_t[t]['mean_accepted_length']:.3f}" for t in temps if t in per_t)
+        line.set_label(f"{arm} (τ at {taus})")
+        handles.append(line)
+    for ax, t in zip(axes[0], temps):
         ax.set_title(f"P(slot k accepted | slots < k accepted), {t}")
         ax.set_xlabel("draft slot k")
         ax.set_ylim(0, 1)
-        ax.legend()
-    fig.tight_layout()
+        ax.grid(alpha=0.3)
+    fig.legend(handles=handles, loc="lower center", fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 * len(runs) / 2 + 0.02, 1, 1))
     fig.savefig(out.with_suffix(".png"), dpi=120)
     for arm, per_t in runs.items():
         print(arm, {t: round(v["mean_accepted_length"], 3) for t, v in per_t.items()})

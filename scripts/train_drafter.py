@@ -290,8 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-backend", choices=("auto", "triton", "torch"), default="auto",
                    help="the loss's per-row work: auto = the Triton kernel on CUDA, torch elsewhere")
     p.add_argument("--attention", choices=("auto", "einsum", "flex"), default="auto",
-                   help="the backbone's block attention (optimized.training.dense_backbone); flex needs a GPU to "
-                        "train (FlexAttention has no backward on a CPU)")
+                   help="the backbone's block attention (optimized.training.dense_backbone): auto = flex on CUDA, "
+                        "einsum elsewhere (FlexAttention has no backward on a CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--eval-every", type=int, default=500)
