@@ -298,7 +298,7 @@ class ModelRunner:
         rows = torch.tensor([s.slot for s in decoding], dtype=torch.long, device=dev)  # [R] slot of each row
         r = len(decoding)
         if plan.budget is not None:  # ℓ = top-B of the current survivals, on the device
-            lens = allocate_top_b(self.survival[rows], plan.budget)  # [R]
+            lens = allocate_top_b(self.survival, plan.budget, self.config.kernel_backend, rows=rows)  # [R]
         elif plan.mode is SchedulingMode.NONE:
             lens = torch.zeros(r, dtype=torch.long, device=dev)  # [R]
         else:
