@@ -1,6 +1,6 @@
 """Offline studies of recorded drafter proposals: STS calibration, per-position acceptance, threshold sweep.
 
-Input: the ``proposals-<mode>.pt`` files that ``scripts/calibrate.py --dump-proposals DIR`` writes (raw
+Input: the ``proposals-<mode>.safetensors`` files that ``scripts/calibrate.py --dump-proposals DIR`` writes (raw
 confidence logits ``z_1..z_γ`` of every held-out proposal and how many of its drafts the target accepted
 under full-block verification). Because a verified slot's outcome does not depend on how many later slots
 are verified (the random-number contract keys every draw by position), any verify-length policy can be
@@ -29,6 +29,7 @@ from reference.calibration import apply_sts, prefix_survival
 from reference.checkpoint import update_sts_temperatures
 from reference.cli import LOG_FORMAT
 from scripts.calibrate import calibrate_mode, conditional_acceptance, plot_reliability
+from scripts.proposals import load_proposals
 
 log = logging.getLogger("dspark.analyze_proposals")
 
@@ -51,7 +52,7 @@ def threshold_sweep(conf_logits: torch.Tensor, num_accepted: torch.Tensor, tempe
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     p = argparse.ArgumentParser(prog="python -m scripts.analyze_proposals", description=__doc__.split("\n")[0])
-    p.add_argument("--proposals", required=True, help="directory holding proposals-<mode>.pt")
+    p.add_argument("--proposals", required=True, help="directory holding proposals-<mode>.safetensors")
     p.add_argument("--drafter", default=None, help="checkpoint whose config.json receives the temperatures")
     p.add_argument("--write", action="store_true", help="write the fitted STS temperatures into --drafter")
     p.add_argument("--fit-fraction", type=float, default=0.5)
@@ -64,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write and not args.drafter:
         raise SystemExit("--write needs --drafter")
     results, report = {}, {"source": args.source, "modes": {}}
-    for path in sorted(Path(args.proposals).glob("proposals-*.pt")):
-        rec = torch.load(path, weights_only=True)  # tensors, a mode string and γ: no pickled objects
+    for rec in load_proposals(args.proposals):
         mode, gamma = rec["mode"], int(rec["gamma"])
         proposals = {"conf_logits": rec["conf_logits"], "num_accepted": rec["num_accepted"],
                      "sequence": torch.arange(rec["num_accepted"].shape[0])}
@@ -80,8 +80,6 @@ def main(argv: list[str] | None = None) -> int:
                  (rec["num_accepted"].float() + 1).mean().item(), " ".join(f"{t:.3f}" for t in res["temperatures"]))
         if args.write:
             update_sts_temperatures(args.drafter, mode, res["temperatures"], res["biases"])
-    if not results:
-        raise SystemExit(f"no proposals-*.pt in {args.proposals}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")

@@ -6,9 +6,9 @@ prefill chunks and the verify budget B of the stale survivals, ``BudgetPlanner.b
 device may wait for, so it should stay a small share of a step. With ``--plan-ahead`` (``EngineConfig.plan_ahead``, the
 engine's default on CUDA) the gate's verdict and the next budget are planned while the device verifies: ``host_us``
 then counts what is left on the critical path and ``ahead_us`` what moved off it (``stats["host_ahead_s"]``; on the
-CPU the forward has already run by then, so there it is moved, not hidden). This script measures it with the tiny random models
-of ``reference.testing`` on the CPU, at R = 1, 4, 16, 64, 256 decoding requests (one engine per R, ``max_num_seqs =
-R``), and, for a same-run baseline, the reference twins on the very same survivals:
+CPU the forward has already run by then, so there it is moved, not hidden). This script measures it with the tiny
+random models of ``reference.testing`` on the CPU, at R = 1, 4, 16, 64, 256 decoding requests (one engine per R,
+``max_num_seqs = R``), and, for a same-run baseline, the reference twins on the very same survivals:
 
 * engine: ``--repeats`` runs per R; each admits R fresh requests, runs ``--warmup`` untimed steps (so that every
   request has its stale survivals), then ``--steps`` timed steps; the run's µs per step is ``host_schedule_s /

@@ -60,6 +60,7 @@ from reference.sampling import logits_to_probs
 from reference.target import DEFAULT_TARGET, Target
 from reference.verify import rejection_sample
 from scripts.dataset import Example, collate, load_dataset, pack_blocks, token_budget_batches
+from scripts.proposals import save_proposals
 from scripts.runtime import hardware, resolve_device
 
 log = logging.getLogger("dspark.calibrate")
@@ -275,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default=None, help="write the report here (default DRAFTER/calibration.json)")
     p.add_argument("--dump-proposals", default=None,
-                   help="directory for proposals-<mode>.pt (raw confidence logits + accepted counts)")
+                   help="directory for proposals-<mode>.safetensors (raw confidence logits + accepted counts, "
+                        "scripts/proposals.py)")
     p.add_argument("--plot", default=None, help="reliability diagram PNG (default DRAFTER/reliability.png)")
     p.add_argument("--no-write", action="store_true", help="do not update the checkpoint's config.json")
     return p
@@ -309,12 +311,9 @@ def main(argv: list[str] | None = None) -> int:
             # Raw proposals (logits + full-block outcomes) for offline studies: the static-threshold sweep
             # (scripts/threshold_sweep.py) simulates any policy exactly from these, since a verified slot's
             # outcome does not depend on how many later slots were verified.
-            dump = Path(args.dump_proposals)
-            dump.mkdir(parents=True, exist_ok=True)
-            torch.save({"conf_logits": proposals["conf_logits"], "num_accepted": proposals["num_accepted"],
-                        "temperatures": res["temperatures"], "biases": res["biases"],
-                        "log_weights": res["log_weights"], "mode": mode,
-                        "temperature": temperature, "gamma": cfg.block_size}, dump / f"proposals-{mode}.pt")
+            save_proposals(args.dump_proposals, mode, proposals["conf_logits"], proposals["num_accepted"],
+                           gamma=cfg.block_size, temperature=temperature,
+                           calibration={k: res[k] for k in ("temperatures", "biases", "log_weights")})
         results[mode] = res
         before = [p["ece_before"] for p in res["ece_heldout"]["positions"]]
         after = [p["ece_after"] for p in res["ece_heldout"]["positions"]]

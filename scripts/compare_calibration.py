@@ -2,9 +2,10 @@
 with a per-slot bias and beta calibration (both log-loss fits), by held-out ECE per slot averaged over random half
 splits.
 
-Reads ``proposals-<mode>.pt`` files written by ``scripts/calibrate.py --dump-proposals`` (raw confidence logits and
-full-block outcomes), so it runs on a CPU in seconds; the noise floor (what a perfectly calibrated predictor would
-measure on the same held-out half, ``reference.calibration.ece_noise_floor``) is reported alongside.
+Reads ``proposals-<mode>.safetensors`` files written by ``scripts/calibrate.py --dump-proposals`` (raw confidence
+logits and full-block outcomes, ``scripts/proposals.py``), so it runs on a CPU in seconds; the noise floor (what a
+perfectly calibrated predictor would measure on the same held-out half, ``reference.calibration.ece_noise_floor``) is
+reported alongside.
 
     python -m scripts.compare_calibration --proposals docs/benchmarks/data/dspark \\
         docs/benchmarks/data/markov-620steps --out docs/benchmarks/calibration-methods.json
@@ -23,6 +24,7 @@ import torch
 
 from reference.calibration import calibration_report, fit_sts, fit_sts_beta, fit_sts_bias, prefix_survival_labels
 from reference.cli import LOG_FORMAT
+from scripts.proposals import load_proposals
 
 log = logging.getLogger("dspark.compare_calibration")
 
@@ -53,7 +55,7 @@ def compare(conf_logits: torch.Tensor, num_accepted: torch.Tensor, gamma: int, s
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     p = argparse.ArgumentParser(prog="python -m scripts.compare_calibration", description=__doc__.split("\n")[0])
-    p.add_argument("--proposals", nargs="+", required=True, help="directories holding proposals-<mode>.pt")
+    p.add_argument("--proposals", nargs="+", required=True, help="directories holding proposals-<mode>.safetensors")
     p.add_argument("--splits", type=int, default=10, help="random half splits averaged")
     p.add_argument("--out", required=True, help="JSON report path")
     args = p.parse_args(argv)
@@ -63,11 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
               "splits": args.splits, "metric": "held-out ECE of the prefix survival per slot (20 bins), mean over "
               "splits; floor = what a perfectly calibrated predictor would measure on the same half", "sets": {}}
     for directory in args.proposals:
-        files = sorted(Path(directory).glob("proposals-*.pt"))
-        if not files:
-            raise SystemExit(f"no proposals-*.pt in {directory}")
-        for path in files:
-            rec = torch.load(path, weights_only=True)  # tensors, a mode string and γ: no pickled objects
+        for rec in load_proposals(directory):
             result = compare(rec["conf_logits"], rec["num_accepted"], int(rec["gamma"]), args.splits)
             result["num_proposals"] = int(rec["conf_logits"].shape[0])
             report["sets"][f"{Path(directory).name}/{rec['mode']}"] = result

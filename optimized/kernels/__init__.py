@@ -4,7 +4,7 @@
 |---|---|---|---|
 | ``sampling`` | ``hash_uniform``, ``sample`` | ``reference/sampling.py`` | random-number contract |
 | ``verify`` | ``rejection_sample``, ``greedy_verify`` | ``reference/verify.py`` | §4 |
-| ``allocate`` | ``allocate_top_b`` (one launch: a rank count per request; torch sort fallback) | ``reference/scheduler.py`` | §5 |
+| ``allocate`` | ``allocate_top_b`` (rank counting; torch sort fallback) | ``reference/scheduler.py`` | §5 |
 | ``draft_head`` | ``sample_draft_block``, ``sample_block`` | ``DSparkDrafter.sample_block`` | §1 |
 | ``attention`` | ``varlen_attention`` | naive attention | §1, §4 |
 | ``layer_ops`` | ``rms_norm``, ``rope_append_kv``, ``silu_mul`` | their torch definitions (HF's rounding) | §1, §4 |

@@ -20,8 +20,8 @@ candidates counts the candidates ranked before it (larger survival, or equal sur
 all ``R·γ`` of them (``γ × R·γ`` comparisons per program), and ``ℓ_r`` is how many of those counts are below ``B``.
 An adaptive step launches it outside the CUDA graphs, before the verify: at batch 1 on an H200 the sort's eight
 launches were the kernels an adaptive step launched beyond a fixed-K step. It also reads the rows of a larger
-survival buffer directly (``rows``), which saves the gather. The count is exact for the survivals the engine produces (finite, in [0, 1]); NaN is not validated (that
-would synchronise) and ranks arbitrarily.
+survival buffer directly (``rows``), which saves the gather. The count is exact for the survivals the engine
+produces (finite, in [0, 1]); NaN is not validated (that would synchronise) and ranks arbitrarily.
 """
 
 from __future__ import annotations

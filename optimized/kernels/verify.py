@@ -16,8 +16,9 @@ once); the final categorical draw streams row ``n`` of ``p_t`` (and ``p_d``) onc
 *two* races with the same uniforms, one on the residual and one on ``p_t``, so the rounding fallback needs no
 second pass. With few rows (batch 1 is one program walking 49,152 lanes on one SM) the split variant gives each
 row ``VERIFY_SPLIT_CHUNK``-lane programs that each repeat the cheap scan and race over their chunk, and a second
-launch reduces the chunk winners (``common.race_winner``, the whole-row race's tie rule): the same tokens. ``ℓ`` is read from the device inside the kernel: a padded row has ``ℓ = 0`` and draws a bonus
-from its row 0 (whatever it holds), so nothing on the host needs the lengths.
+launch reduces the chunk winners (``common.race_winner``, the whole-row race's tie rule): the same tokens.
+``ℓ`` is read from the device inside the kernel: a padded row has ``ℓ = 0`` and draws a bonus from its row 0
+(whatever it holds), so nothing on the host needs the lengths.
 
 Unlike the reference, these kernels do not validate values (that would synchronise): a verified draft token
 outside ``[0, V)`` is treated as rejected instead of raising, and non-finite probabilities give undefined

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from scripts import compare_calibration
+from scripts.proposals import load_proposals, save_proposals
 
 
 def test_compare_calibration_report(tmp_path):
@@ -17,8 +19,8 @@ def test_compare_calibration_report(tmp_path):
     accepted = torch.rand(m, gamma, generator=g) < torch.sigmoid(u)
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
     for mode in ("greedy", "sampling"):
-        torch.save({"conf_logits": u + 1.0, "num_accepted": num_accepted, "mode": mode, "gamma": gamma,
-                    "temperatures": [1.0] * gamma, "temperature": 0.0}, tmp_path / f"proposals-{mode}.pt")
+        save_proposals(tmp_path, mode, u + 1.0, num_accepted, gamma=gamma, temperature=0.0 if mode == "greedy" else 1.0,
+                       calibration={"temperatures": [1.0] * gamma})
     out = tmp_path / "methods.json"
     report = compare_calibration.main(["--proposals", str(tmp_path), "--splits", "2", "--out", str(out)])
     assert json.loads(out.read_text()) == report
@@ -26,3 +28,19 @@ def test_compare_calibration_report(tmp_path):
     assert res["num_proposals"] == m and all(len(res[k]) == gamma for k in ("before", "sts", "sts-bias", "floor_p95"))
     assert res["sts-bias"][0] < res["sts"][0] < res["before"][0]  # the +1 offset: only a bias removes it
     assert res["sts-bias"][0] < 2 * res["floor_p95"][0]
+
+
+def test_proposals_round_trip_as_safetensors(tmp_path):
+    conf = torch.randn(5, 3)
+    acc = torch.tensor([0, 3, 1, 2, 0])
+    path = save_proposals(tmp_path, "sampling", conf, acc, gamma=3, temperature=1.0,
+                          calibration={"temperatures": [1.1, 1.2, 1.3], "biases": None})
+    assert path.name == "proposals-sampling.safetensors"
+    (rec,) = load_proposals(tmp_path)
+    assert torch.equal(rec["conf_logits"], conf) and torch.equal(rec["num_accepted"], acc)
+    assert (rec["mode"], rec["gamma"], rec["temperature"]) == ("sampling", 3, 1.0)
+    assert rec["temperatures"] == [1.1, 1.2, 1.3] and rec["biases"] is None
+    with pytest.raises(ValueError, match="expected conf_logits"):
+        save_proposals(tmp_path, "greedy", conf, acc[:4], gamma=3, temperature=0.0)
+    with pytest.raises(SystemExit, match="no proposals"):
+        load_proposals(tmp_path / "empty")

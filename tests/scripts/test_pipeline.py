@@ -423,7 +423,8 @@ def test_calibrate_writes_temperatures_report_and_plot(workdir, trained, tmp_pat
             (ckpt / f.name).write_bytes(f.read_bytes())
     rc = calibrate.main(["--drafter", str(ckpt), "--data", str(workdir / "data"), "--model", str(workdir / "target"),
                          "--device", "cpu", "--anchors-per-seq", "6", "--tokens-per-batch", "512",
-                         "--method", "sts"])  # the paper's ECE grid search: never worse than T = 1 on its fit data
+                         "--method", "sts",  # the paper's ECE grid search: never worse than T = 1 on its fit data
+                         "--dump-proposals", str(tmp_path / "proposals")])
     assert rc == 0
     temps = json.loads((ckpt / "config.json").read_text())["drafter"]["sts_temperatures"]
     assert set(temps) == {"greedy", "sampling"}
@@ -438,6 +439,18 @@ def test_calibrate_writes_temperatures_report_and_plot(workdir, trained, tmp_pat
         # STS minimises ECE slot by slot on the fit data, and T = 1 is in its grid: never worse there.
         assert all(p["ece_after"] <= p["ece_before"] + 1e-12 for p in pos if p["count"])
     assert (ckpt / "reliability.png").stat().st_size > 10_000
+    # The recorded proposals (safetensors) carry what was fitted, and the offline tools read them.
+    from scripts import analyze_proposals
+    from scripts.proposals import load_proposals
+
+    records = {r["mode"]: r for r in load_proposals(tmp_path / "proposals")}
+    assert set(records) == {"greedy", "sampling"}
+    for mode, rec in records.items():
+        assert rec["conf_logits"].shape == (report["modes"][mode]["num_proposals"], GAMMA)
+        assert rec["temperatures"] == temps[mode] and rec["gamma"] == GAMMA
+    assert analyze_proposals.main(["--proposals", str(tmp_path / "proposals"), "--method", "sts",
+                                   "--out", str(tmp_path / "analysis")]) == 0
+    assert set(json.loads((tmp_path / "analysis.json").read_text())["modes"]) == {"greedy", "sampling"}
 
 
 # --------------------------------------------------------------------------- eval_acceptance.py
