@@ -8,7 +8,8 @@ back:
               token and append their features to the drafter context
     verify    one varlen target forward over [x_0, x_1..x_ℓ] of every decoding request (CUDA graph per token bucket;
               the graph also appends the verified features to the drafter context), ℓ_r = top-B of the *current*
-              survivals on the device (or the plan's lengths), then rejection sampling, then the one token read
+              survivals on the device (or the plan's lengths), then rejection sampling (greedy verification from the
+              logits when every request is greedy: the same tokens without p_t), then the one token read
     draft     backbone over [x_0, M, …, M]; fused sequential-head sampling + confidence; STS → survivals for the next
               step (one graph per request bucket for the Markov head)
     propose   the n-gram proposer's draft stage instead (reference/ngram.py): a lookup on the host in each request's
@@ -38,7 +39,7 @@ from optimized.kernels.allocate import allocate_top_b
 from optimized.kernels.draft_head import sample_block
 from optimized.kernels.layout import verify_layout
 from optimized.kernels.sampling import sample
-from optimized.kernels.verify import rejection_sample
+from optimized.kernels.verify import greedy_verify, rejection_sample
 from optimized.models.drafter import OptimizedDrafter
 from optimized.models.target import OptimizedTarget
 from optimized.ngram import NgramIndex
@@ -313,27 +314,40 @@ class ModelRunner:
         cu = b.cu[: r + 1].long()  # [R+1]
         slot_of = b.token_slot[:n_pad]  # [N_pad] slot of each packed token, -1 for padding
         (logits,) = self.verify_graphs.run(n_pad)  # [N_pad, V]; also appends drafter context (see _capture_graphs)
-        # p_t at every verified position, laid out [R, γ+1, V] for the verifier by one gather: row j of request r
-        # is packed token cu[r] + j. Rows past ℓ_r repeat row ℓ_r (the verifier never reads them), so nothing
-        # is zero-filled or scattered.
-        probs = self._target_probs(logits, slot_of, decoding)  # [N_pad, V]
+        # Row j of request r is packed token cu[r] + j. Rows past ℓ_r repeat row ℓ_r (the verifier never reads
+        # them), so the verifier's [R, γ+1, ...] layout is one gather, and nothing is zero-filled or scattered.
         j = torch.arange(g + 1, device=dev)
         src = cu[:r, None] + torch.minimum(j[None, :], lens[:, None])  # [R, γ+1] packed row of each (r, j)
-        target_probs = probs[src]  # [R, γ+1, V]
-        if g:
-            result = rejection_sample(self.draft_tokens[rows], lens, self.draft_probs[rows], target_probs,
-                                      self.config.seed, self.request_id[rows], self.anchor_pos[rows],
-                                      backend=self.config.kernel_backend)
-            emitted, n_emitted = result.tokens, result.num_emitted
-        else:
-            bonus = sample(target_probs[:, 0], self.config.seed, self.request_id[rows], self.anchor_pos[rows] + 1,
-                           int(Purpose.BONUS), backend=self.config.kernel_backend)
-            emitted, n_emitted = bonus[:, None], torch.ones(r, dtype=torch.long, device=dev)
-        # log p_t of every emitted token (logprobs are returned with speculation on).
-        e = emitted.shape[1]
-        safe = emitted.clamp(min=0)
-        logp = torch.log(target_probs[:, :e].gather(2, safe[..., None])[..., 0].clamp_min(1e-30))  # [R, E]
         want = extra_logprob_rows(decoding)
+        if not want and all(s.params.temperature == 0 for s in decoding):
+            # Every request greedy: p_t is the one-hot of the argmax, with which rejection sampling accepts a draft
+            # iff it is the argmax and otherwise draws the argmax (uniforms lie in (0, 1)), and log p_t of every
+            # emitted token is log 1 = 0. Verify from the logits directly: no softmax, no one-hot, the same tokens.
+            if g:
+                result = greedy_verify(self.draft_tokens[rows], lens, logits[src], backend=self.config.kernel_backend)
+                emitted, n_emitted = result.tokens, result.num_emitted
+            else:
+                emitted = logits[src[:, 0]].argmax(dim=-1, keepdim=True)  # [R, 1] lowest index on ties, as the race
+                n_emitted = torch.ones(r, dtype=torch.long, device=dev)
+            logp = torch.zeros(emitted.shape, dtype=torch.float32, device=dev)  # [R, E]
+            target_probs = None
+        else:
+            # p_t at every verified position, laid out [R, γ+1, V] for the verifier.
+            probs = self._target_probs(logits, slot_of, decoding)  # [N_pad, V]
+            target_probs = probs[src]  # [R, γ+1, V]
+            if g:
+                result = rejection_sample(self.draft_tokens[rows], lens, self.draft_probs[rows], target_probs,
+                                          self.config.seed, self.request_id[rows], self.anchor_pos[rows],
+                                          backend=self.config.kernel_backend)
+                emitted, n_emitted = result.tokens, result.num_emitted
+            else:
+                bonus = sample(target_probs[:, 0], self.config.seed, self.request_id[rows], self.anchor_pos[rows] + 1,
+                               int(Purpose.BONUS), backend=self.config.kernel_backend)
+                emitted, n_emitted = bonus[:, None], torch.ones(r, dtype=torch.long, device=dev)
+            # log p_t of every emitted token (logprobs are returned with speculation on).
+            emitted_p = target_probs[:, :emitted.shape[1]].gather(2, emitted.clamp(min=0)[..., None])[..., 0]  # [R, E]
+            logp = torch.log(emitted_p.clamp_min(1e-30))  # [R, E]
+        e = emitted.shape[1]
         top = None
         if want:  # raw log-probabilities / alternatives, from the same packed logits rows as p_t
             idx = torch.tensor(want, device=dev)
