@@ -120,7 +120,7 @@ def test_planning_ahead_changes_no_decision(temperature, draft_ms):
     runs = {}
     for ahead in (False, True):
         engine = Engine(target, drafter, EngineConfig(max_num_seqs=3, max_seq_len=128, prefill_chunk=5, seed=5,
-                                                      plan_ahead=ahead),
+                                                      kernel_backend="torch", plan_ahead=ahead),  # decisions only
                         SchedulerConfig(mode="adaptive", probe_every=3), cost)
         params = {rid: SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True)
                   for rid, n in lengths.items()}
