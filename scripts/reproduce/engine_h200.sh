@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The engine results on one H200 (≈ 12 min): where a step's time goes (docs/benchmarks/profile-h200-*.json, with and
-# without the fused layer ops), the kernels alone on the GPU (kernels-h200.json), the engine benchmark with the shipped
-# drafter (engine-h200.json), and the GPU equivalence run of the remaining modes. Run on a copy of the repo with the
+# The engine results on one H200 (≈ 15 min): where a step's time goes (docs/benchmarks/profile-h200-*.json, with and
+# without the fused layer ops; Chrome traces of adaptive and fixed K = 7 at batch 1), the kernels alone on the GPU
+# (kernels-h200.json), the engine benchmark with the shipped drafter (engine-h200.json), the GPU equivalence run of
+# the remaining modes, and the sampling-side kernels' equivalence tests compiled for the GPU. Run on a copy of the repo with the
 # target and ShareGPT staged under /tmp/stage, in the background, and collect with scripts/reproduce/pack_results.sh:
 #
 #   cp -a . /tmp/work && cd /tmp/work && setsid nohup bash scripts/reproduce/engine_h200.sh > /tmp/run.log 2>&1 &
@@ -32,13 +33,16 @@ stamp "model cache ready"
 if [[ " $PARTS " == *" timed "* ]]; then
 # 1. Where the time goes: batch 1 and 64, no speculation and fixed K = 3, with the fused layer ops (the default on
 #    CUDA) and, at batch 1, with the unfused torch ops (what the fusion buys) (≈ 2 min).
+#    Adaptive against fixed K = 7 at batch 1 (the same verify length, adaptive's step is slower: its verify size changes
+#    from step to step) also with a Chrome trace each, to see where the difference goes.
 for cfg in "none 1 default" "none 1 torch" "fixed:3 1 default" "fixed:3 1 torch" "none 64 default" \
-           "fixed:3 64 default"; do
+           "fixed:3 64 default" "fixed:7 1 default" "adaptive 1 default"; do
   set -- $cfg
   name="${1/:/}-b$2$([ "$3" = torch ] && echo -unfused)"
   layer=(); [ "$3" = torch ] && layer=(--layer-backend torch)
+  trace=(); [[ "$1" == fixed:7 || "$1" == adaptive ]] && trace=(--trace "$RES/trace-$name.json")
   timeout 120 python -m scripts.profile_engine --model "$MODEL" --drafter "$DRAFTER" --sharegpt-file "$SHAREGPT" \
-    --mode "$1" --batch-size "$2" "${layer[@]}" --out "$RES/profile-$name.json" "${PROFILE_EXTRA[@]}" \
+    --mode "$1" --batch-size "$2" "${layer[@]}" "${trace[@]}" --out "$RES/profile-$name.json" "${PROFILE_EXTRA[@]}" \
     > "$RES/logs/profile-$name.log" 2>&1
   stamp "profile $name (rc $?): $(grep -m1 '^step' "$RES/logs/profile-$name.log")"
 done
@@ -63,5 +67,9 @@ timeout 300 python -m scripts.gpu_equivalence --model "$MODEL" --drafter "$DRAFT
 stamp "gpu_equivalence (rc $?)"
 timeout 300 python -m pytest -q -m gpu tests/ -p no:cacheprovider > $RES/logs/pytest-gpu.log 2>&1
 stamp "pytest -m gpu: $(tail -n 1 $RES/logs/pytest-gpu.log)"
+# The sampling-side kernels' equivalence tests compiled for this GPU (on CUDA they run there, not interpreted).
+timeout 300 python -m pytest -q tests/equivalence/test_allocate.py tests/equivalence/test_verify.py \
+  tests/equivalence/test_sampling.py -p no:cacheprovider > $RES/logs/pytest-kernels.log 2>&1
+stamp "kernel equivalence on the GPU: $(tail -n 1 $RES/logs/pytest-kernels.log)"
 stamp "DONE"
 touch $RES/DONE
