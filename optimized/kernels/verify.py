@@ -120,6 +120,29 @@ def _accept_scan(draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, 
     return n, rejected, key, pt_ptr, pd_ptr, pd_len
 
 
+@triton.jit
+def _races(pt_ptr, pd_ptr, pd_len, key, first, count, V, BLOCK_V: tl.constexpr):
+    """The final draw's two races over lanes ``first .. first + count - 1`` (below ``V``), tile by tile in ascending
+    order with the same uniforms: the residual ``max(0, p_t - p_d)`` and ``p_t`` itself. Returns each race's best
+    score and index, and the residual's largest value (zero means "all zero": the rounding fallback to ``p_t``)."""
+    res_score = -1.0
+    res_index = 0
+    res_mass = 0.0
+    pt_score = -1.0
+    pt_index = 0
+    for start in range(0, count, BLOCK_V):
+        lanes = first + start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        mask = lanes < V
+        p_t = tl.load(pt_ptr + lanes, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_V]
+        p_d = tl.load(pd_ptr + lanes, mask=lanes < pd_len, other=0.0).to(tl.float32)  # [BLOCK_V]
+        residual = tl.maximum(p_t - p_d, 0.0)  # [BLOCK_V]
+        e = exponential_at(key, lanes)  # [BLOCK_V] the same uniforms serve both races
+        res_score, res_index = race_update(res_score, res_index, residual, e, lanes, mask)
+        pt_score, pt_index = race_update(pt_score, pt_index, p_t, e, lanes, mask)
+        res_mass = tl.maximum(res_mass, tl.max(tl.where(mask, residual, 0.0), axis=0))
+    return res_score, res_index, res_mass, pt_score, pt_index
+
+
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def _rejection_sample_kernel(
     tokens_ptr,  # [R, γ+1] int64 out: accepted drafts, the drawn token, PAD
@@ -146,21 +169,7 @@ def _rejection_sample_kernel(
     n, rejected, key, pt_ptr, pd_ptr, pd_len = _accept_scan(
         draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, target_probs_ptr, stride_tr,
         stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V, row)
-    res_score = -1.0
-    res_index = 0
-    res_mass = 0.0  # max of the residual: zero means "all zero", the rounding fallback to p_t
-    pt_score = -1.0
-    pt_index = 0
-    for start in range(0, V, BLOCK_V):
-        lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-        mask = lanes < V
-        p_t = tl.load(pt_ptr + lanes, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_V]
-        p_d = tl.load(pd_ptr + lanes, mask=lanes < pd_len, other=0.0).to(tl.float32)  # [BLOCK_V]
-        residual = tl.maximum(p_t - p_d, 0.0)  # [BLOCK_V]
-        e = exponential_at(key, lanes)  # [BLOCK_V] the same uniforms serve both races
-        res_score, res_index = race_update(res_score, res_index, residual, e, lanes, mask)
-        pt_score, pt_index = race_update(pt_score, pt_index, p_t, e, lanes, mask)
-        res_mass = tl.maximum(res_mass, tl.max(tl.where(mask, residual, 0.0), axis=0))
+    res_score, res_index, res_mass, pt_score, pt_index = _races(pt_ptr, pd_ptr, pd_len, key, 0, V, V, BLOCK_V)
     last = tl.where(rejected & (res_mass > 0.0), res_index, pt_index)
     _store_result(tokens_ptr, num_accepted_ptr, num_emitted_ptr, draft_tokens_ptr, row, gamma, n, last, BLOCK_G)
 
@@ -185,21 +194,8 @@ def _rejection_sample_split_kernel(
     n, rejected, key, pt_ptr, pd_ptr, pd_len = _accept_scan(
         draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, target_probs_ptr, stride_tr,
         stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V, row)
-    res_score = -1.0
-    res_index = 0
-    res_mass = 0.0
-    pt_score = -1.0
-    pt_index = 0
-    for start in range(0, CHUNK, BLOCK_V):
-        lanes = chunk * CHUNK + start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-        mask = lanes < V
-        p_t = tl.load(pt_ptr + lanes, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_V]
-        p_d = tl.load(pd_ptr + lanes, mask=lanes < pd_len, other=0.0).to(tl.float32)  # [BLOCK_V]
-        residual = tl.maximum(p_t - p_d, 0.0)  # [BLOCK_V]
-        e = exponential_at(key, lanes)  # [BLOCK_V]
-        res_score, res_index = race_update(res_score, res_index, residual, e, lanes, mask)
-        pt_score, pt_index = race_update(pt_score, pt_index, p_t, e, lanes, mask)
-        res_mass = tl.maximum(res_mass, tl.max(tl.where(mask, residual, 0.0), axis=0))
+    res_score, res_index, res_mass, pt_score, pt_index = _races(pt_ptr, pd_ptr, pd_len, key, chunk * CHUNK, CHUNK,
+                                                                V, BLOCK_V)
     out = row * NB + chunk
     tl.store(res_score_ptr + out, res_score)
     tl.store(res_index_ptr + out, res_index.to(tl.int64))
@@ -308,14 +304,14 @@ def rejection_sample(
         return out
     draft_probs = draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous()
     target_probs = target_probs if target_probs.stride(-1) == 1 else target_probs.contiguous()
-    rows = (draft_tokens.contiguous(), verify_lens.contiguous(), draft_probs, draft_probs.stride(0),
-            draft_probs.stride(1), target_probs, target_probs.stride(0), target_probs.stride(1), rid, anchor, lo, hi,
-            gamma, V)
+    inputs = (draft_tokens.contiguous(), verify_lens.contiguous(), draft_probs, draft_probs.stride(0),
+              draft_probs.stride(1), target_probs, target_probs.stride(0), target_probs.stride(1), rid, anchor, lo, hi,
+              gamma, V)  # what every variant's kernels read
     block_g = triton.next_power_of_2(gamma + 1)
     if split is None:
         split = target_probs.is_cuda and R < VERIFY_SPLIT_MAX_R
     if not split:
-        _rejection_sample_kernel[(R,)](out.tokens, out.num_accepted, out.num_emitted, *rows,
+        _rejection_sample_kernel[(R,)](out.tokens, out.num_accepted, out.num_emitted, *inputs,
                                        BLOCK_V=RACE_BLOCK_V, BLOCK_G=block_g)
         return out
     chunk = VERIFY_SPLIT_CHUNK
@@ -323,10 +319,10 @@ def rejection_sample(
     partial = dict(device=dev, dtype=torch.float32)
     res_score, res_mass, pt_score = (torch.empty(R, nb, **partial) for _ in range(3))  # [R, NB] each
     res_index, pt_index = (torch.empty(R, nb, dtype=torch.int64, device=dev) for _ in range(2))  # [R, NB] each
-    _rejection_sample_split_kernel[(R, nb)](res_score, res_index, res_mass, pt_score, pt_index, *rows, nb,
+    _rejection_sample_split_kernel[(R, nb)](res_score, res_index, res_mass, pt_score, pt_index, *inputs, nb,
                                             CHUNK=chunk, BLOCK_V=min(RACE_BLOCK_V, chunk))
     _rejection_sample_split_reduce_kernel[(R,)](out.tokens, out.num_accepted, out.num_emitted, res_score, res_index,
-                                                res_mass, pt_score, pt_index, *rows, nb,
+                                                res_mass, pt_score, pt_index, *inputs, nb,
                                                 BLOCK_NB=triton.next_power_of_2(nb), BLOCK_G=block_g, num_warps=1)
     return out
 
