@@ -319,6 +319,8 @@ class ModelRunner:
         j = torch.arange(g + 1, device=dev)
         src = cu[:r, None] + torch.minimum(j[None, :], lens[:, None])  # [R, γ+1] packed row of each (r, j)
         want = extra_logprob_rows(decoding)
+        asked = any(s.params.logprobs for s in decoding)  # log p_t is computed only for a request that reads it
+        logp = None
         if not want and all(s.params.temperature == 0 for s in decoding):
             # Every request greedy: p_t is the one-hot of the argmax, with which rejection sampling accepts a draft
             # iff it is the argmax and otherwise draws the argmax (uniforms lie in (0, 1)), and log p_t of every
@@ -329,8 +331,8 @@ class ModelRunner:
             else:
                 emitted = logits[src[:, 0]].argmax(dim=-1, keepdim=True)  # [R, 1] lowest index on ties, as the race
                 n_emitted = torch.ones(r, dtype=torch.long, device=dev)
-            logp = torch.zeros(emitted.shape, dtype=torch.float32, device=dev)  # [R, E]
-            target_probs = None
+            if asked:
+                logp = torch.zeros(emitted.shape, dtype=torch.float32, device=dev)  # [R, E]
         else:
             # p_t at every verified position, laid out [R, γ+1, V] for the verifier.
             probs = self._target_probs(logits, slot_of, decoding)  # [N_pad, V]
@@ -344,9 +346,9 @@ class ModelRunner:
                 bonus = sample(target_probs[:, 0], self.config.seed, self.request_id[rows], self.anchor_pos[rows] + 1,
                                int(Purpose.BONUS), backend=self.config.kernel_backend)
                 emitted, n_emitted = bonus[:, None], torch.ones(r, dtype=torch.long, device=dev)
-            # log p_t of every emitted token (logprobs are returned with speculation on).
-            emitted_p = target_probs[:, :emitted.shape[1]].gather(2, emitted.clamp(min=0)[..., None])[..., 0]  # [R, E]
-            logp = torch.log(emitted_p.clamp_min(1e-30))  # [R, E]
+            if asked:  # log p_t of every emitted token (logprobs are returned with speculation on)
+                emitted_p = target_probs[:, :emitted.shape[1]].gather(2, emitted.clamp(min=0)[..., None])[..., 0]
+                logp = torch.log(emitted_p.clamp_min(1e-30))  # [R, E]
         e = emitted.shape[1]
         top = None
         if want:  # raw log-probabilities / alternatives, from the same packed logits rows as p_t
@@ -362,7 +364,7 @@ class ModelRunner:
             while_device_runs()
         # sync: the one host read per step — emitted tokens drive finishing, streaming and stop strings.
         host = torch.cat([emitted, n_emitted[:, None], lens[:, None]], 1).cpu()  # sync: the one read per step
-        logp_host = logp.cpu() if any(s.params.logprobs for s in decoding) else None  # sync: same read, if asked
+        logp_host = logp.cpu() if logp is not None else None  # sync: same read, if asked
         # One conversion to Python lists per step: per-row tensor indexing costs ~1 ms of host time at R = 64.
         host_rows = host.tolist()  # sync: host tensor already
         logp_rows = logp_host.tolist() if logp_host is not None else None  # sync: host tensor already

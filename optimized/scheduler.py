@@ -206,6 +206,12 @@ class BudgetPlanner:
         return arr
 
 
+def holdings(seqs: list[Sequence], ahead: int = 0) -> tuple[tuple[int, int], ...]:
+    """What the gate's verdict and a budget are planned from: each request and how many drafts it holds (``ahead``
+    more). Equal holdings mean equal inputs, so a decision computed earlier for them is the decision now."""
+    return tuple([(s.request_id, len(s.survivals) + ahead) for s in seqs])
+
+
 class DraftGate:
     """Whether the next step drafts (``adaptive`` mode's draft gate): the reference's ``Scheduler.should_draft`` —
     :func:`reference.scheduler.draft_forced`, then ``speculation_pays`` through the :class:`BudgetPlanner` — on each
@@ -258,7 +264,7 @@ class DraftGate:
 
     def _evaluate(self, seqs: list[Sequence]) -> tuple[np.ndarray | None, bool | None]:
         """The recent survivals of ``seqs`` and the cost's verdict on them, cached while the inputs repeat."""
-        key = (tuple([s.request_id for s in seqs]), tuple([len(s.survivals) for s in seqs]))
+        key = holdings(seqs)
         if self._cache is None or self._cache[0] != key:
             recent = self.recent_survivals(seqs)  # [R, γ] host float32, or None
             verdict = None if recent is None else self.planner.speculation_pays(recent, len(seqs), None,
@@ -415,7 +421,7 @@ class Scheduler:
         if not (mode.drafts and self.drafted):  # no drafter, or the draft gate closed: ordinary decoding
             return StepPlan(chunks, decoding, SchedulingMode.NONE, lengths=[0] * r)
         if mode is SchedulingMode.ADAPTIVE:
-            if ahead is not None and ahead[0] == self._holdings(decoding):  # planned during the last verify
+            if ahead is not None and ahead[0] == holdings(decoding):  # planned during the last verify
                 self.ahead_hits += 1
                 return StepPlan(chunks, decoding, mode, budget=ahead[1])
             stale = self._stale_survivals(decoding)  # [R, γ] host copy, NaN rows = too new
@@ -443,11 +449,6 @@ class Scheduler:
         # seq.survivals[-1] is the current draft (k = 0 reads it); the reference appends it after reading the stale row.
         return np.array([s.survivals[-(k + 1)] if len(s.survivals) > k else self._nan_row for s in decoding])
 
-    @staticmethod
-    def _holdings(decoding: list[Sequence], ahead: int = 0) -> tuple[tuple[int, int], ...]:
-        """What a budget is planned from: each request and how many drafts it holds (``ahead`` more)."""
-        return tuple([(s.request_id, len(s.survivals) + ahead) for s in decoding])
-
     def plan_ahead(self) -> None:
         """Plan while the device verifies (the host would otherwise wait for the token read): the draft gate's
         verdict for the requests decoding now and, where they will draft, the next step's budget — from survivals
@@ -463,7 +464,7 @@ class Scheduler:
         if self.config.mode is SchedulingMode.ADAPTIVE and self.config.staleness > 0 and verdict is not False:
             stale = self._stale_survivals(seqs, ahead=1)  # [R, γ] the next step's stale rows
             r = len(seqs)
-            self._ahead = (self._holdings(seqs, ahead=1),
+            self._ahead = (holdings(seqs, ahead=1),
                            self.planner.budget(stale, num_anchor_tokens=r, num_requests=r, check=False))
 
     # ------------------------------------------------------------------------------------------------ after the device
