@@ -79,19 +79,23 @@ ARCH_ARGS = ("head", "num_layers", "markov_rank", "markov_factored", "qk_norm", 
 # --------------------------------------------------------------------------- schedule, state
 
 
+def cosine_decay(progress: float) -> float:
+    """From 1 at ``progress`` 0 to 0 at 1 along a half cosine (clamped to [0, 1])."""
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, max(0.0, progress))))
+
+
 def lr_factor(step: int, total: int, warmup: int) -> float:
     """Linear warm-up over ``warmup`` steps, then cosine from 1 to 0 at ``total`` (docs/method.md §2)."""
     if step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cosine_decay((step - warmup) / max(1, total - warmup))
 
 
 def anneal_factor(frac: float, anneal_frac: float) -> float:
     """1 until fraction ``1 - anneal_frac`` of the time budget, then a cosine to 0 at its end."""
     if anneal_frac <= 0 or frac <= 1.0 - anneal_frac:
         return 1.0
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (frac - (1.0 - anneal_frac)) / anneal_frac)))
+    return cosine_decay((frac - (1.0 - anneal_frac)) / anneal_frac)
 
 
 def loss_weights_at(base: LossWeights, progress: float, l1_ramp: float | None, l1_weight: float) -> LossWeights:
