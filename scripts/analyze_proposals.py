@@ -26,18 +26,18 @@ from pathlib import Path
 import torch
 
 from reference.calibration import apply_sts, prefix_survival
-from reference.checkpoint import update_sts_temperatures
 from reference.cli import LOG_FORMAT
-from scripts.calibrate import calibrate_mode, conditional_acceptance, plot_reliability
+from scripts.calibrate import METHODS, calibrate_mode, conditional_acceptance, plot_reliability, store_calibration
 from scripts.proposals import load_proposals
 
 log = logging.getLogger("dspark.analyze_proposals")
 
 
 def threshold_sweep(conf_logits: torch.Tensor, num_accepted: torch.Tensor, temperatures: list[float],
-                    thresholds: list[float], biases: list[float] | None = None) -> list[dict]:
+                    thresholds: list[float], biases: list[float] | None = None,
+                    log_weights: list[float] | None = None) -> list[dict]:
     """τ and verified tokens per step of the static-threshold policy, simulated from full-block outcomes."""
-    a = prefix_survival(apply_sts(conf_logits.float(), temperatures, biases))  # [M, γ]
+    a = prefix_survival(apply_sts(conf_logits.float(), temperatures, biases, log_weights))  # [M, γ]
     rows = []
     for theta in thresholds:
         lens = (a >= theta).sum(dim=1)  # [M] ℓ: a is non-increasing, so the count is the prefix length
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help="write the fitted STS temperatures into --drafter")
     p.add_argument("--fit-fraction", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--method", default="sts-bias", choices=["sts-bias", "sts"],
+    p.add_argument("--method", default="sts-bias", choices=list(METHODS),
                    help="calibration fitted (scripts/calibrate.py --method)")
     p.add_argument("--source", default="", help="free text recorded in the JSON (hardware, command of the dump)")
     p.add_argument("--out", required=True, help="output prefix: writes OUT.json, OUT-reliability.png, OUT-sweep.png")
@@ -73,13 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         res["temperature"] = rec["temperature"]
         results[mode] = res
         sweep = threshold_sweep(rec["conf_logits"], rec["num_accepted"], res["temperatures"],
-                                [round(0.05 * i, 2) for i in range(0, 20)], res["biases"])
+                                [round(0.05 * i, 2) for i in range(0, 20)], res["biases"], res["log_weights"])
         report["modes"][mode] = {**res, "conditional_acceptance": conditional_acceptance(rec["num_accepted"], gamma),
                                  "threshold_sweep": sweep}
         log.info("%s: %d proposals, τ(full block) = %.3f, T = %s", mode, rec["num_accepted"].shape[0],
                  (rec["num_accepted"].float() + 1).mean().item(), " ".join(f"{t:.3f}" for t in res["temperatures"]))
         if args.write:
-            update_sts_temperatures(args.drafter, mode, res["temperatures"], res["biases"])
+            store_calibration(args.drafter, mode, res)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")

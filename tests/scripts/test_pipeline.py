@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from reference.calibration import apply_sts, prefix_survival
 from reference.losses import teacher_rows
 from reference.target import Target
 from scripts import calibrate, data, dataset, eval_acceptance, make_dataset, train_drafter
@@ -451,6 +452,22 @@ def test_calibrate_writes_temperatures_report_and_plot(workdir, trained, tmp_pat
     assert analyze_proposals.main(["--proposals", str(tmp_path / "proposals"), "--method", "sts",
                                    "--out", str(tmp_path / "analysis")]) == 0
     assert set(json.loads((tmp_path / "analysis.json").read_text())["modes"]) == {"greedy", "sampling"}
+    assert analyze_proposals.main(["--proposals", str(tmp_path / "proposals"), "--method", "beta",
+                                   "--out", str(tmp_path / "beta")]) == 0  # every calibrate method refits here too
+
+
+def test_threshold_sweep_applies_the_whole_calibration():
+    """analyze_proposals' static-threshold simulation reads the survivals through every fitted term (beta
+    calibration's log weights included): a log weight that lowers the survivals shortens the verified prefix."""
+    from scripts.analyze_proposals import threshold_sweep
+
+    z = torch.linspace(-3, 3, 40)[:, None].expand(40, 3).contiguous()  # [M, γ]
+    accepted = torch.full((40,), 3)
+    plain = threshold_sweep(z, accepted, [1.0] * 3, [0.5], [0.0] * 3)[0]
+    weighted = threshold_sweep(z, accepted, [1.0] * 3, [0.5], [0.0] * 3, [0.8] * 3)[0]  # + 0.8·log σ(z) ≤ 0
+    a = prefix_survival(apply_sts(z, [1.0] * 3, [0.0] * 3, [0.8] * 3))
+    assert weighted["mean_verify_length"] == pytest.approx(float((a >= 0.5).sum(1).float().mean()))
+    assert weighted["mean_verify_length"] < plain["mean_verify_length"]
 
 
 # --------------------------------------------------------------------------- eval_acceptance.py
