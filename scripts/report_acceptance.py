@@ -59,14 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     handles = []
     for i, (arm, per_t) in enumerate(runs.items()):
         style = {"color": colours[i % len(colours)], "marker": "os^Dv<>"[i // len(colours) % 7]}
+        lines = []
         for ax, t in zip(axes[0], temps):
-            if t not in per_t:
-                continue
-            acc = [x if x is not None else float("nan") for x in per_t[t]["per_position_acceptance"]]
-            line, = ax.plot(range(1, len(acc) + 1), acc, **style)
-        taus = ", ".join(f"{t}: {per_t[t]['mean_accepted_length']:.3f}" for t in temps if t in per_t)
-        line.set_label(f"{arm} (τ at {taus})")
-        handles.append(line)
+            if t in per_t:
+                acc = [x if x is not None else float("nan") for x in per_t[t]["per_position_acceptance"]]
+                lines += ax.plot(range(1, len(acc) + 1), acc, **style)
+        if lines:  # one legend entry per arm, whichever panels it appears in
+            taus = ", ".join(f"{t}: {per_t[t]['mean_accepted_length']:.3f}" for t in temps if t in per_t)
+            lines[0].set_label(f"{arm} (τ at {taus})")
+            handles.append(lines[0])
     for ax, t in zip(axes[0], temps):
         ax.set_title(f"P(slot k accepted | slots < k accepted), {t}")
         ax.set_xlabel("draft slot k")
