@@ -15,9 +15,14 @@ Method, per configuration (engine × mode × batch size):
   server with a fixed ``max_num_seqs`` would;
 * the cost table is profiled once on the drafter engine's runner (``optimized.cost_model.cached_profile``: graph
   replays, medians, cached under a fingerprint), logged, and written into the JSON with the results;
-* ``--warmup`` untimed runs, then ``--repeats`` timed runs of the whole batch (prefill included, EOS ignored, each
+* ``--warmup`` untimed runs, then ``--repeats`` timed runs of the whole workload (prefill included, EOS ignored, each
   request emits exactly ``--max-new-tokens``); the median tokens/s is reported, where tokens/s = generated tokens /
-  wall time of the batch;
+  wall time of the workload;
+* the workload at batch size B: with ``--requests-per-slot 1`` (the default) a closed batch of B requests that start
+  together, so the run lasts as long as its slowest request; with ``--requests-per-slot N``, B·N requests of which at
+  most B are in flight, the next admitted as soon as one finishes (its prefill joins the running decode steps): the
+  steady state of a server at ``max_num_seqs = B``. With speculation the two differ: requests accept at different
+  rates, and a closed batch ends in a tail of a few slow requests at a small batch;
 * ``τ`` = tokens emitted by verify steps / verify steps (summed over requests), the host scheduling share =
   ``engine.stats["host_schedule_s"] / engine.stats["step_s"]``.
 
@@ -73,6 +78,7 @@ class BenchConfig:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 256])
     modes: list[str] = field(default_factory=lambda: DEFAULT_MODES.split(","))  # "none", "fixed:K", "ngram:fixed:K", …
     max_new_tokens: int = 128  # emitted per request (EOS ignored)
+    requests_per_slot: int = 1  # B·N requests at batch size B, at most B in flight (1: a closed batch of B)
     warmup: int = 1  # untimed runs per configuration (Triton JIT of prefill shapes, allocator)
     repeats: int = 3  # timed runs per configuration; the median is reported
     hf_max_batch: int = 256  # HF generate only up to this batch size (it is slow); 0 = never
@@ -90,8 +96,10 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be positive integers, got {self.batch_sizes}")
-        if self.max_new_tokens < 1 or self.warmup < 0 or self.repeats < 1 or self.hf_repeats < 1:
-            raise ValueError("need max_new_tokens ≥ 1, warmup ≥ 0, repeats ≥ 1 and hf_repeats ≥ 1")
+        if (self.max_new_tokens < 1 or self.warmup < 0 or self.repeats < 1 or self.hf_repeats < 1
+                or self.requests_per_slot < 1):
+            raise ValueError("need max_new_tokens ≥ 1, warmup ≥ 0, repeats ≥ 1, hf_repeats ≥ 1 and "
+                             "requests_per_slot ≥ 1")
         NgramConfig(self.ngram_gamma, self.ngram_max_n, self.ngram_min_n)  # validates the n-gram fields
         for m in self.modes:
             parse_config(m, gamma=None, ngram_gamma=self.ngram_gamma)
@@ -103,16 +111,23 @@ class BenchConfig:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict[str, float]:
-    """Decode the whole batch once; wall time, tokens and the per-step statistics."""
+def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
+               concurrency: int | None = None) -> dict[str, float]:
+    """Decode every prompt once, at most ``concurrency`` in flight (None: all at once, a closed batch); wall time,
+    tokens and the per-step statistics."""
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    in_flight = len(prompts) if concurrency is None else min(concurrency, len(prompts))
     engine.reset_stats()
     sync(engine.device)
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(p, params, request_id=i)
+    for i in range(in_flight):
+        engine.add_request(prompts[i], params, request_id=i)
+    admitted = in_flight
     while engine.has_unfinished():
-        engine.step()
+        for out in engine.step():
+            if out.finished and admitted < len(prompts):  # a slot freed: the next request takes it
+                engine.add_request(prompts[admitted], params, request_id=admitted)
+                admitted += 1
     sync(engine.device)
     wall = time.perf_counter() - t0
     seqs = [engine.sequence(i) for i in range(len(prompts))]
@@ -187,8 +202,9 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     uses_ngram = any(kind is ProposerKind.NGRAM for _, kind, _, _ in modes)
     if not prompts or any(not p for p in prompts):
         raise ValueError("need at least one non-empty tokenised prompt")
-    if len(prompts) < max(cfg.batch_sizes):
-        log.warning("%d prompts for batch size %d: prompts are reused", len(prompts), max(cfg.batch_sizes))
+    most = max(cfg.batch_sizes) * cfg.requests_per_slot  # requests of the largest workload
+    if len(prompts) < most:
+        log.warning("%d prompts for %d requests: prompts are reused", len(prompts), most)
     report: dict[str, Any] = {
         "hardware": hardware_name(device),
         "command": command,
@@ -209,7 +225,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
 
     # Engines, sized once for the largest batch.
     max_b = max(cfg.batch_sizes)
-    longest = max(len(p) for p in prompts[:max_b])
+    longest = max(len(p) for p in prompts[:most])
     scratch = max(gamma, ngram.gamma if uses_ngram else 0)  # the largest block of any engine
     max_seq_len = max(longest + cfg.max_new_tokens, cfg.context_len) + 2 * scratch + 8
     econf = dict(max_num_seqs=max_b, max_seq_len=max_seq_len, device=str(device), dtype=target.dtype,
@@ -241,7 +257,8 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
             report["stopped_early"] = f"time budget of {cfg.time_budget_s:.0f} s spent before {label} at batch {b}"
             log.warning("%s; writing what was measured", report["stopped_early"])
             break
-        batch = [prompts[i % len(prompts)] for i in range(b)]
+        batch = [prompts[i % len(prompts)] for i in range(b)]  # HF: a closed batch of B
+        workload = [prompts[i % len(prompts)] for i in range(b * cfg.requests_per_slot)]
         t_cfg = time.perf_counter()
         if label == "hf":
             row = _measure_hf(target, batch, cfg, device)
@@ -250,7 +267,8 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
             sched = SchedulerConfig(mode=mode, k=k if k is not None else engine.gamma,
                                     draft_gate=label != "adaptive:nogate")
             engine.set_scheduler(sched)
-            row = _measure(lambda e=engine, p=batch: run_engine(e, p, cfg.max_new_tokens), cfg.warmup, cfg.repeats)
+            row = _measure(lambda e=engine, p=workload, c=b: run_engine(e, p, cfg.max_new_tokens, c), cfg.warmup,
+                           cfg.repeats)
             row = {"engine": "optimized", "proposer": kind if mode.drafts else None, "mode": mode, "label": label,
                    "k": _k_of(sched, b), **row}
         row.update({"batch_size": b, "elapsed_s": round(time.perf_counter() - t_cfg, 3)})
@@ -445,6 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ngram-min-n", type=int, default=NgramConfig.min_n, help="n-gram proposer: shortest match")
     p.add_argument("--max-new-tokens", type=int, default=128)
     add_engine_source_args(p)
+    p.add_argument("--requests-per-slot", type=int, default=1,
+                   help="N: B·N requests at batch size B, at most B in flight (1: a closed batch of B requests)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hf-max-batch", type=int, default=256, help="skip HF generate above this batch size")
@@ -465,7 +485,8 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     args = build_parser().parse_args(argv)
     cfg = BenchConfig(batch_sizes=[int(b) for b in args.batch_sizes.split(",")], modes=args.modes.split(","),
-                      max_new_tokens=args.max_new_tokens, warmup=args.warmup, repeats=args.repeats,
+                      max_new_tokens=args.max_new_tokens, requests_per_slot=args.requests_per_slot,
+                      warmup=args.warmup, repeats=args.repeats,
                       hf_max_batch=args.hf_max_batch, hf_repeats=args.hf_repeats, time_budget_s=args.time_budget_s,
                       enforce_eager=args.enforce_eager, layer_backend=args.layer_backend, context_len=args.context_len,
                       cost_cache_dir=args.cost_cache_dir, seed=args.seed, ngram_gamma=args.ngram_gamma,
@@ -483,7 +504,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
         drafter = load_or_init_drafter(path, target, None, args.seed)
         drafter_name = path if Path(path).exists() else f"RANDOM INIT (seed {args.seed}; no checkpoint at {path})"
     if prompt_ids is None:
-        prompt_ids = load_prompts(args, target, max(cfg.batch_sizes))
+        prompt_ids = load_prompts(args, target, max(cfg.batch_sizes) * cfg.requests_per_slot)
     device = torch.device(target.device)
     tag = args.tag or default_tag(device)
     out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"engine-{tag}.json"

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from optimized.engine import Engine, EngineConfig
+from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
 from reference.target import Target
 from reference.testing import tiny_drafter, tiny_hf_model
@@ -105,6 +107,39 @@ def test_bench_engine_ngram_modes_without_a_drafter(models, tmp_path):
         assert 1.0 <= r["mean_accepted_length"] <= 1 + r["mean_verify_length"] + 1e-9
     assert report["summary"]["2"]["best_ngram"].startswith("ngram:")
     assert report["settings"]["ngram_gamma"] == 3
+
+
+def test_bench_engine_steady_state_keeps_the_batch_full(models, tmp_path):
+    """``--requests-per-slot N``: B·N requests, at most B in flight, each freed slot refilled at once; the same
+    greedy tokens per prompt as a closed batch, and every request emits exactly --max-new-tokens."""
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(max_num_seqs=4, max_seq_len=64, seed=0),
+                    SchedulerConfig(mode="fixed", k=2))
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(7)]
+    in_flight, step = [], engine.step
+
+    def counting_step():
+        in_flight.append(len(engine.scheduler.running) + len(engine.scheduler.waiting))
+        return step()
+
+    engine.step = counting_step
+    stats = bench_engine.run_engine(engine, prompts, 6, concurrency=3)
+    assert stats["tokens"] == 7 * 6 and max(in_flight) == 3
+    assert in_flight.count(3) > len(in_flight) // 2, "freed slots are refilled: the batch stays full"
+    steady = [engine.sequence(i).output_ids for i in range(7)]
+    engine.step = step
+    bench_engine.run_engine(engine, prompts, 6)  # a closed batch of all 7
+    assert [engine.sequence(i).output_ids for i in range(7)] == steady
+
+    report, _ = _run(models, tmp_path, "--requests-per-slot", "3", "--hf-max-batch", "0")
+    assert report["settings"]["requests_per_slot"] == 3
+    for r in report["results"]:
+        assert r["tokens"] == 3 * r["batch_size"] * 10
+        assert r["per_request_tokens_per_s"] == r["output_tokens_per_s"] / r["batch_size"]
+    with pytest.raises(SystemExit):
+        _run(models, tmp_path, "--requests-per-slot", "zero")
+    with pytest.raises(ValueError, match="requests_per_slot"):
+        bench_engine.BenchConfig(requests_per_slot=0)
 
 
 def test_parse_config_of_the_ngram_modes():
