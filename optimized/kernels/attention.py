@@ -23,6 +23,8 @@ Two implementations with one signature:
   accumulators. Every per-request length is read from device tensors; the grid depends only on host constants
   (R, Hkv, and the upper bound ``max_q_len``), so it is CUDA-graph capturable. Programs whose tile starts past
   their request's ``q_len`` exit at once, so padded rows (``q_len = 0``) cost one launch slot and compute nothing.
+  One extra row of programs (``r = R``) writes the zeros of the rows past ``cu_seqlens_q[R]``, so the output needs
+  no zero-fill launch before the kernel (one fewer node per layer in a CUDA graph).
 * ``_varlen_attention_torch``: per-request masked SDPA in fp32. It reads the lengths on the host, so it is the
   CPU path (there the "device" is the host) and never runs under a CUDA graph.
 
@@ -52,7 +54,7 @@ if HAS_TRITON:
         q_ptr,  # [N, H, D] queries, last dim contiguous
         k_ptr,  # [S, T, Hkv, D] key cache of one layer
         v_ptr,  # [S, T, Hkv, D] value cache of one layer
-        o_ptr,  # [N, H, D] output (pre-zeroed)
+        o_ptr,  # [N, H, D] output; every row is written (rows of no request get zeros)
         cu_ptr,  # [R + 1] int32 query start offsets, non-decreasing
         kv_len_ptr,  # [R] int32 visible keys per request (the new tokens included)
         slot_ptr,  # [R] int32 cache slot of each request
@@ -60,6 +62,8 @@ if HAS_TRITON:
         stride_ks, stride_kt, stride_kh,  # k cache strides over slots, positions, heads
         stride_vs, stride_vt, stride_vh,  # v cache strides over slots, positions, heads
         stride_on, stride_oh,  # o strides over tokens and heads
+        num_requests,  # R: programs with r = R zero the rows past cu[R]
+        num_tokens,  # N
         qk_scale,  # softmax scale · log2(e): the kernel works in base 2 (exp2 is the fast instruction)
         GROUP: tl.constexpr,  # G = H / Hkv query heads per KV head
         CAUSAL: tl.constexpr,  # causal (target verify/prefill) or full (drafter block) visibility
@@ -73,6 +77,20 @@ if HAS_TRITON:
         kv_head = tl.program_id(1)
         tile = tl.program_id(2)
         QUERIES_PER_TILE: tl.constexpr = BLOCK_M // GROUP
+        rows = tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < HEAD_DIM
+
+        if r == num_requests:  # the rows of no request (a graph bucket's padding): zeros, strided over the tiles
+            head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
+            zeros = tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(o_ptr.dtype.element_ty)
+            step = tl.num_programs(2) * QUERIES_PER_TILE
+            for first in range(tl.load(cu_ptr + num_requests) + tile * QUERIES_PER_TILE, num_tokens, step):
+                token = (first + rows // GROUP).to(tl.int64)  # [BLOCK_M]
+                ok = (rows < QUERIES_PER_TILE * GROUP) & (token < num_tokens)
+                tl.store(o_ptr + token[:, None] * stride_on + head[:, None] * stride_oh + dims[None, :], zeros,
+                         mask=ok[:, None] & dim_ok[None, :])
+            return
 
         q_start = tl.load(cu_ptr + r)
         q_len = tl.load(cu_ptr + r + 1) - q_start
@@ -82,12 +100,9 @@ if HAS_TRITON:
         kv_len = tl.load(kv_len_ptr + r)
         slot = tl.load(slot_ptr + r).to(tl.int64)
 
-        rows = tl.arange(0, BLOCK_M)
         q_idx = first_q + rows // GROUP  # [BLOCK_M] query index inside the request
         head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
         row_ok = (rows < QUERIES_PER_TILE * GROUP) & (q_idx < q_len)
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < HEAD_DIM
         token = (q_start + q_idx).to(tl.int64)
         q = tl.load(q_ptr + token[:, None] * stride_qn + head[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
@@ -154,14 +169,16 @@ def _check_inputs(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids) -> None:
         raise ValueError("q, k_cache and v_cache need a contiguous last (head) dimension")
 
 
-def _varlen_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal, scale, max_q_len):
+def _varlen_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal, scale, max_q_len, out):
     num_tokens, num_heads, head_dim = q.shape
     num_requests = kv_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    o = torch.zeros_like(q)  # [N, H, D]; rows of no request stay zero
-    if num_requests == 0 or num_tokens == 0:
-        return o
+    if num_tokens == 0:
+        return torch.empty_like(q) if out is None else out
+    if num_requests == 0:
+        return torch.zeros_like(q) if out is None else out.zero_()
+    o = torch.empty_like(q) if out is None else out  # [N, H, D]; the kernel writes every row
     # Tile sizes: 16 is tl.dot's minimum M/N/K. A tile holds up to 64 (query, head) rows: decode/verify steps
     # (max_q_len ≤ γ+1 = 8, G ≤ 8) fit in one tile, long prefill chunks split into 64-row tiles so the
     # accumulator stays in registers (64 × D fp32).
@@ -174,13 +191,15 @@ def _varlen_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_id
         # so fp32 (the exactness runs, not serving) takes 64-key tiles over 2 stages (≤ 64 KB).
         block_n, num_stages = 64, 2
     queries_per_tile = block_m // group
-    grid = (num_requests, num_kv_heads, triton.cdiv(max(max_q_len, 1), queries_per_tile))
+    # One more request row of programs zeroes the rows of no request (see the kernel).
+    grid = (num_requests + 1, num_kv_heads, triton.cdiv(max(max_q_len, 1), queries_per_tile))
     _varlen_attention_kernel[grid](
         q, k_cache, v_cache, o, cu_seqlens_q, kv_lens, slot_ids,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         o.stride(0), o.stride(1),
+        num_requests, num_tokens,
         scale * math.log2(math.e),
         GROUP=group, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -200,10 +219,10 @@ def _key_tile(head_dim: int, block_m: int, max_q_len: int) -> tuple[int, int]:
     return 64, 4
 
 
-def _varlen_attention_torch(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal, scale):
+def _varlen_attention_torch(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal, scale, out):
     num_heads = q.shape[1]
     group = num_heads // k_cache.shape[2]
-    o = torch.zeros_like(q)  # [N, H, D]
+    o = torch.zeros_like(q) if out is None else out.zero_()  # [N, H, D]
     # sync: the per-request loop needs the lengths on the host; this is the CPU path, where host and device are
     # the same memory, and it is never captured in a CUDA graph (the Triton kernel is).
     cu, kv, slots = cu_seqlens_q.tolist(), kv_lens.tolist(), slot_ids.tolist()  # sync: CPU path only, never graphed
@@ -238,6 +257,7 @@ def varlen_attention(
     scale: float,
     max_q_len: int | None = None,
     backend: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed ragged queries against per-slot KV caches.
 
@@ -255,18 +275,24 @@ def varlen_attention(
         max_q_len: host-side upper bound on every ``q_len`` (sizes the Triton grid: keep it constant under CUDA
             graphs, e.g. γ+1 for verify steps); ``None`` uses N, always a valid bound.
         backend: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton on CUDA tensors, torch otherwise).
+        out: optional ``[N, H, D]`` buffer of q's dtype and device to write into; every row of it is written.
 
     Returns:
-        ``[N, H, D]`` attention output in q's dtype; rows that belong to no request are zero.
+        ``[N, H, D]`` attention output in q's dtype (``out`` when given); rows that belong to no request are zero.
     """
     _check_inputs(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device
+                            or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor on {q.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if backend == "auto":
         backend = "triton" if (q.is_cuda and HAS_TRITON) else "torch"
     if backend == "triton":
         if not HAS_TRITON:
             raise RuntimeError("backend='triton' but triton is not installed (pip install triton)")
         bound = q.shape[0] if max_q_len is None else int(max_q_len)
-        return _varlen_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal, scale, bound)
+        return _varlen_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal, scale, bound,
+                                        out)
     if backend == "torch":
-        return _varlen_attention_torch(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal, scale)
+        return _varlen_attention_torch(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal, scale, out)
     raise ValueError(f"unknown attention backend {backend!r}; choose 'auto', 'triton' or 'torch'")
