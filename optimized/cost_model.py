@@ -5,16 +5,20 @@ count too; drafter cost keyed by request count; forced monotone, a staircase ove
 docs/method.md §5); this file fills it with times
 measured on the model runner of the engine that will serve (``engine.runner``):
 
-* **After graph capture, through the serving path.** A verify sample is one ``ModelRunner.dummy_verify`` call: the
-  runner's own ``verify`` stage on placeholder requests — layout on the device, the verify graph of that bucket,
-  ``p_t``, rejection sampling and the one token read (the scheduler's host commit is not included). A drafter
-  sample is one ``ModelRunner.dummy_draft`` call: the backbone graph, the fused sequential head and STS. So the
-  table prices what a step's device work really costs, and the drafter curve comes from graph replays only.
+* **After graph capture, through the serving path.** A verify sample is the stage that
+  ``ModelRunner.prepare_dummy_verify`` returns: the runner's own ``verify`` stage on placeholder requests — layout on
+  the device, the verify graph of that bucket, ``p_t``, rejection sampling and the one token read (the scheduler's
+  host commit is not included). A drafter sample is the stage ``ModelRunner.prepare_dummy_draft`` returns: the
+  backbone graph, the fused sequential head and STS. Putting the placeholders into their slots (a few small copies
+  per request, which a real request pays once at admission) happens before the clock starts. Timed with it, the
+  set-up added tens of µs per request on the H200: a one-token verify of 64 requests was priced at 6.5 ms while a
+  whole plain-decoding step of 64 requests took 1.9 ms in the same run. So the table
+  prices what a step's device work really costs, and the drafter curve comes from graph replays only.
 * **Layout.** The token curve carries ``n`` verify tokens by ``min(n, max_num_seqs)`` requests with the drafts
   spread evenly (1..γ+1 tokens each): exact for every no-speculation step and for every step at the largest batch,
   but in between it counts more requests than a real step of ``n`` tokens has, and per-request work (KV reads, the
-  token read) is a large part of a small model's step (on the H200, 8 one-token requests cost 2.61 ms against
-  1.95 ms for one, while one request's 8 tokens cost about what 1 does). So with a drafter the table also holds
+  token read) is a large part of a small model's step (one request's 8 tokens cost about what 1 does; 8 requests'
+  8 tokens cost more). So with a drafter the table also holds
   curves keyed by request count: for ``r`` in 1, 2, 4, … up to ``max_num_seqs``, ``n`` tokens of ``r`` requests for
   ``n`` in ``r..r·(γ+1)`` (``REQUEST_CURVE_POINTS`` says how many, spread over the verify buckets), and the
   scheduler prices a step of ``R`` requests on the curve of the smallest ``r ≥ R``
@@ -62,7 +66,7 @@ log = logging.getLogger("dspark.cost_model")
 DEFAULT_CONTEXT_LEN = 256  # keys per placeholder request: a short ShareGPT turn plus its answer so far
 RECHECK_TOLERANCE = 0.25  # re-profile a cached table when a re-timed size differs by more than this fraction
 EAGER_MAX_SIZES = {"cpu": 8, "cuda": 16}  # sizes per curve without graphs: smooth curves, short start-up
-FINGERPRINT_VERSION = 3  # bump when the profiling method changes, so old cached tables stop matching
+FINGERPRINT_VERSION = 4  # bump when the profiling method changes, so old cached tables stop matching
 # Request-count curves: (request counts, token counts per curve) measured at most, with CUDA graphs and without
 # (eager steps are smooth and slow to time, so fewer points do).
 REQUEST_CURVE_POINTS = {True: (None, 6), False: (4, 3)}
@@ -106,10 +110,10 @@ def profile_engine(runner: ModelRunner, *, context_len: int = DEFAULT_CONTEXT_LE
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else None  # sync: profiling, off the step loop
     t0 = time.perf_counter()
     table = measure_cost_table(
-        lambda n: runner.dummy_verify(n, context_len), lambda r: runner.dummy_draft(r, context_len),
+        lambda n: runner.prepare_dummy_verify(n, context_len), lambda r: runner.prepare_dummy_draft(r, context_len),
         token_counts, request_counts, repeats=repeats, warmup=warmup, synchronize=sync,
         hardware=hardware_name(runner.device), graph_max_tokens=max(token_counts), progress=progress,
-        verify_requests_fn=lambda r, n: runner.dummy_verify(n, context_len, num_requests=r),
+        verify_requests_fn=lambda r, n: runner.prepare_dummy_verify(n, context_len, num_requests=r),
         tokens_by_requests=tokens_by_requests)
     table.meta.update({
         "context_len": context_len, "max_num_seqs": runner.config.max_num_seqs, "gamma": runner.gamma,
@@ -260,9 +264,10 @@ def recheck_table(runner: ModelRunner, table: CostTable, *, tolerance: float = R
         runner.dummy_verify(n, context_len)  # warm-up
         samples = []
         for _ in range(repeats):
+            step = runner.prepare_dummy_verify(n, context_len)  # untimed: the placeholders' slot set-up
             sync()
             start = time.perf_counter()
-            runner.dummy_verify(n, context_len)
+            step()
             sync()
             samples.append((time.perf_counter() - start) * 1e3)
         now, then = statistics.median(samples), table.verify_ms[n]

@@ -495,6 +495,13 @@ class ModelRunner:
         evenly — the top-B allocation of equal survivals — so every query length is 1..γ+1 as in serving. It runs
         :meth:`verify` itself: layout, graph replay, p_t, rejection sampling, the token read. Needs an idle runner.
         """
+        self.prepare_dummy_verify(num_tokens, context_len, temperature, num_requests)()
+
+    @torch.inference_mode()
+    def prepare_dummy_verify(self, num_tokens: int, context_len: int, temperature: float = 0.0,
+                             num_requests: int | None = None) -> Callable[[], None]:
+        """:meth:`dummy_verify` in two parts: place the placeholder requests in their slots now (what a request's
+        admission does once, not every step), and return the verify stage itself, which a profile times alone."""
         r = min(num_tokens, self.config.max_num_seqs) if num_requests is None else num_requests
         if not 1 <= r <= self.config.max_num_seqs:
             raise ValueError(f"num_requests must lie in 1..{self.config.max_num_seqs}, got {r}")
@@ -506,16 +513,23 @@ class ModelRunner:
             plan = StepPlan([], seqs, SchedulingMode.ADAPTIVE, budget=num_tokens - r)
         else:
             plan = StepPlan([], seqs, SchedulingMode.NONE, lengths=[0] * r)
-        self.verify(plan)
+        return torch.inference_mode()(lambda: self.verify(plan))
 
     @torch.inference_mode()
     def dummy_draft(self, num_requests: int, context_len: int, temperature: float = 0.0) -> None:
         """One drafter stage (backbone graph + fused head + STS) for ``num_requests`` placeholder requests."""
+        self.prepare_dummy_draft(num_requests, context_len, temperature)()
+
+    @torch.inference_mode()
+    def prepare_dummy_draft(self, num_requests: int, context_len: int,
+                            temperature: float = 0.0) -> Callable[[], None]:
+        """:meth:`dummy_draft` in two parts: the placeholders' slot set-up now, the drafter stage returned."""
         if self.drafter is None:
             raise RuntimeError("this runner has no drafter (mode none)")
         if not 1 <= num_requests <= self.config.max_num_seqs:
             raise ValueError(f"num_requests must lie in 1..{self.config.max_num_seqs}, got {num_requests}")
-        self.draft(self._placeholder_decoding(num_requests, context_len, temperature))
+        seqs = self._placeholder_decoding(num_requests, context_len, temperature)
+        return torch.inference_mode()(lambda: self.draft(seqs))
 
     @torch.inference_mode()
     def warmup(self) -> None:

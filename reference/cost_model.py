@@ -296,22 +296,25 @@ def default_bucket_sizes(max_tokens: int) -> list[int]:
     return sizes
 
 
-def measure_cost_table(verify_fn: Callable[[int], None], draft_fn: Callable[[int], None],
+def measure_cost_table(verify_fn: Callable[[int], Callable[[], None] | None],
+                       draft_fn: Callable[[int], Callable[[], None] | None],
                        token_counts: Sequence[int], request_counts: Sequence[int], *, repeats: int = 5,
                        warmup: int = 2, synchronize: Callable[[], None] | None = None, hardware: str = "",
                        graph_max_tokens: int | None = None, progress: bool = True,
-                       verify_requests_fn: Callable[[int, int], None] | None = None,
+                       verify_requests_fn: Callable[[int, int], Callable[[], None] | None] | None = None,
                        tokens_by_requests: dict[int, Sequence[int]] | None = None) -> CostTable:
     """Profile dummy steps and return a monotone cost table.
 
     Each size is run ``warmup`` times untimed (allocator, autotuning, lazy graph capture), then ``repeats``
     times timed with ``time.perf_counter``; the median is kept because step times have a long right tail
     (the odd host hiccup) that a mean would absorb. ``synchronize`` (``torch.cuda.synchronize`` on a GPU)
-    runs before and after each timed call, since CUDA launches return before the work is done.
+    runs before and after each timed call, since CUDA launches return before the work is done. A function that
+    returns a callable has only prepared the step (placeholder requests put in their slots: what admission does once
+    per request, not every step), and only the returned step is timed; one that returns ``None`` is timed whole.
 
     Args:
-        verify_fn: runs one dummy verify forward of the given total token count.
-        draft_fn: runs one dummy drafter step for the given number of requests.
+        verify_fn: runs (or prepares and returns) one dummy verify forward of the given total token count.
+        draft_fn: runs (or prepares and returns) one dummy drafter step for the given number of requests.
         token_counts: verify sizes to measure (the engine's bucket sizes, plus eager sizes if any).
         request_counts: request counts to measure the drafter at (may be empty: drafter not modelled).
         repeats: timed calls per size.
@@ -320,22 +323,29 @@ def measure_cost_table(verify_fn: Callable[[int], None], draft_fn: Callable[[int
         hardware: device name recorded in the table.
         graph_max_tokens: largest captured graph size (must be among ``token_counts``), ``None`` if all are.
         progress: show a tqdm bar.
-        verify_requests_fn: runs one dummy verify forward of ``n`` tokens carried by ``r`` requests, called as
-            ``verify_requests_fn(r, n)``; with ``tokens_by_requests`` it fills ``verify_ms_by_requests``.
+        verify_requests_fn: runs (or prepares and returns) one dummy verify of ``n`` tokens carried by ``r``
+            requests, called as ``verify_requests_fn(r, n)``; with ``tokens_by_requests`` it fills
+            ``verify_ms_by_requests``.
         tokens_by_requests: request count ``r`` -> the token counts (each ≥ r) to measure it at.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats ≥ 1 and warmup ≥ 0, got repeats={repeats}, warmup={warmup}")
     sync = synchronize or (lambda: None)
 
-    def median_ms(fn: Callable[[int], None], size: int) -> float:
+    def median_ms(fn: Callable[[int], Callable[[], None] | None], size: int) -> float:
         for _ in range(warmup):
-            fn(size)
+            step = fn(size)
+            if callable(step):
+                step()
         samples = []
         for _ in range(repeats):
             sync()
             start = time.perf_counter()
-            fn(size)
+            step = fn(size)  # the whole step, or its preparation (untimed) returning the step
+            if callable(step):
+                sync()
+                start = time.perf_counter()
+                step()
             sync()
             samples.append((time.perf_counter() - start) * 1e3)
         return statistics.median(samples)

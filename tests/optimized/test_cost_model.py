@@ -156,3 +156,17 @@ def test_dummy_verify_checks_its_layout(models):
         runner.dummy_verify(1, 8, num_requests=2)  # fewer tokens than requests
     with pytest.raises(ValueError, match="num_requests"):
         runner.dummy_verify(5, 8, num_requests=5)  # more requests than slots
+
+
+def test_prepared_dummy_stages_run_only_when_called(models):
+    """The profile times the returned stage alone: preparing places the placeholders (anchors at the context
+    length), and only calling the stage verifies (the anchors advance) or drafts (the survivals are written)."""
+    runner = _engine(models).runner
+    verify = runner.prepare_dummy_verify(4 * (GAMMA + 1), 8)  # 4 placeholder requests, every draft verified
+    assert runner.anchor_pos[:4].tolist() == [8] * 4
+    verify()
+    assert all(p > 8 for p in runner.anchor_pos[:4].tolist())
+    draft = runner.prepare_dummy_draft(3, 8)
+    runner.survival[:3] = -1.0
+    draft()
+    assert ((runner.survival[:3] >= 0) & (runner.survival[:3] <= 1)).all()

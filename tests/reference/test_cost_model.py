@@ -164,6 +164,30 @@ def test_measure_cost_table_takes_medians_with_a_fake_clock(monkeypatch):
     assert table.hardware == "fake"
 
 
+def test_measure_cost_table_times_only_the_step_a_preparation_returns(monkeypatch):
+    """A function that returns a callable has prepared the step (placeholders into their slots, once per request at
+    admission in serving): its own time stays out of the table, and the returned step runs once per call."""
+    clock, steps = [0.0], []
+
+    def prepare(cost_of_setup, cost_of_step):
+        def fn(size):
+            clock[0] += cost_of_setup(size) / 1e3  # e.g. per-request slot writes: not a cost of the step
+
+            def step():
+                steps.append(size)
+                clock[0] += cost_of_step(size) / 1e3
+            return step
+        return fn
+
+    monkeypatch.setattr(cost_model.time, "perf_counter", lambda: clock[0])
+    table = measure_cost_table(prepare(lambda n: 100.0 * n, lambda n: 2.0 + n),
+                               prepare(lambda r: 50.0 * r, lambda r: 1.0),
+                               [1, 8], [1, 4], repeats=3, warmup=1, progress=False)
+    assert table.verify_ms == pytest.approx({1: 3.0, 8: 10.0}, rel=1e-9)
+    assert table.draft_ms == pytest.approx({1: 1.0, 4: 1.0}, rel=1e-9)
+    assert sorted(steps) == sorted([1] * 4 + [8] * 4 + [1] * 4 + [4] * 4)  # warm-up + timed, each step run once
+
+
 def test_measure_cost_table_forces_monotone(monkeypatch):
     clock = [0.0]
     cost = {1: 5.0, 2: 4.0, 4: 6.0}
