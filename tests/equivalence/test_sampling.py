@@ -143,8 +143,8 @@ def test_split_race_equals_one_program_race(split, R, V):
     if V > 1024:
         probs[:, :1024] = 0.0  # a chunk of zeros: its winner scores 0 and must not win over later chunks
     rid, pos = torch.arange(R, device=DEVICE) + 7, torch.arange(R, device=DEVICE) + 1000
-    got = fast.sample(probs.to(DEVICE), 13, rid, pos, 2, backend="triton", split=split)
-    want = ref.sample(probs, 13, rid.cpu(), pos.cpu(), 2)
+    got = fast.sample(probs, 13, rid, pos, 2, backend="triton", split=split)
+    want = ref.sample(probs.cpu(), 13, rid.cpu(), pos.cpu(), 2)  # the reference on the CPU (probs live on DEVICE)
     assert torch.equal(got.cpu(), want)
     if V > 1024:
         assert bool((got >= 1024).all())
