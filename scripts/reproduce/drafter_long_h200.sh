@@ -19,9 +19,10 @@
 #   6. leaves the checkpoint (bf16 shards ≤ 15 MB) in $RES/run for the trip back (scripts/reproduce/pack.sh).
 # Pass the same STEPS, LR, LAYERS and TOKENS on every loan of one schedule. The shipped schedule so far: loan 1 (from
 # scratch, DATA_SEED=0, prompt shards 0-19, 10 min, einsum attention), loan 2 (DATA_SEED=1 START_SHARD=20, which
-# reached shards 20-27 and 0-7, TRAIN_MIN=11, FlexAttention). Its next loan, with the attention already measured (its
-# time goes to training) and a profile of the FlexAttention step:
-#   DATA_SEED=2 START_SHARD=8 TRAIN_MIN=13 ATTENTION=flex bash scripts/reproduce/drafter_long_h200.sh
+# reached shards 20-27 and 0-7, TRAIN_MIN=11, FlexAttention), loan 3 (DATA_SEED=2 START_SHARD=8 TRAIN_MIN=13
+# ATTENTION=flex PROFILE=0: shards 8-19, 21 and 22, steps 7,253-12,938; the whole script took 23 minutes). Its next
+# loan starts at the shard loan 3 did not reach:
+#   DATA_SEED=3 START_SHARD=20 TRAIN_MIN=13 ATTENTION=flex PROFILE=0 bash scripts/reproduce/drafter_long_h200.sh
 # Needs the target at $MODEL and ShareGPT at $SHAREGPT (docs/training.md, "Reproduction scripts on a GPU machine").
 # A CPU dry run: MODEL=smollm2-135m-instruct SHAREGPT= DEVICE=cpu GEN_PROCS=1 GEN_EXTRA="--limit 8 --max-new-tokens 16"
 #   HELD_EXTRA="--limit 8 --max-new-tokens 16" TRAIN_EXTRA="--stop-after 2 --eval-examples 4" TOKENS=1024
