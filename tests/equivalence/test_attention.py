@@ -88,17 +88,24 @@ def test_triton_kernel_matches_naive_fp32(case, causal):
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
 
 
-@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_interpreter), "torch"])
+@pytest.mark.parametrize("backend", [
+    pytest.param("triton", marks=needs_interpreter), "torch",
+    pytest.param("triton-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not (HAS_TRITON and torch.cuda.is_available()), reason="needs a CUDA device")])])
 @pytest.mark.parametrize("extra_rows", [1, 21])  # 21 padding rows: more than one tile's queries per program
 def test_rows_of_no_request_are_zeroed_in_a_dirty_buffer(backend, extra_rows):
     # Under a CUDA graph the output is whatever the pool held: the kernel itself must write the padding rows' zeros.
-    q, k, v, cu, kv_lens, slots = ragged_case(*CASES[0], dtype=torch.float32, extra_rows=extra_rows)
+    case = ragged_case(*CASES[0], dtype=torch.float32, extra_rows=extra_rows)
+    if backend == "triton-cuda":  # the compiled kernel (the interpreter runs the same code on the CPU)
+        backend, case = "triton", tuple(t.cuda() for t in case)
+    q, k, v, cu, kv_lens, slots = case
     dirty = torch.full_like(q, float("nan"))
     out = varlen_attention(q, k, v, cu, kv_lens, slots, causal=True, scale=0.25, backend=backend, max_q_len=8,
                            out=dirty)
     assert out is dirty
-    expected = naive_attention(q, k, v, cu, kv_lens, slots, True, 0.25)
-    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
+    expected = naive_attention(*(t.cpu() for t in case), True, 0.25)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=TOLERANCE[torch.float32],
+                               rtol=TOLERANCE[torch.float32])
     assert torch.equal(out[int(cu[-1]):], torch.zeros_like(out[int(cu[-1]):]))
     with pytest.raises(ValueError, match="out must be"):
         varlen_attention(q, k, v, cu, kv_lens, slots, causal=True, scale=0.25, backend=backend, out=dirty[1:])
