@@ -30,6 +30,11 @@ class EngineConfig:
     # after the token read: the same decisions, off the host's critical path. None: on CUDA, where the device runs
     # ahead of the host (on the CPU the forward has finished by then, so it would only move the work).
     plan_ahead: bool | None = None
+    # With plan_ahead: when the gate's verdict planned ahead says the requests decoding now draft, launch the
+    # drafter for them before the token read, so that the device drafts while the host commits the tokens. Drafts of
+    # requests that finish in the step are dropped (their slots are freed); the decisions and tokens are unchanged
+    # (tests/equivalence/test_end_to_end.py). Off by default until its GPU test and benchmark have run on a GPU.
+    draft_ahead: bool = False
     device: str = "cpu"  # where the caches, graphs and kernels live: "cpu" or "cuda[:N]" (the target's device)
     dtype: torch.dtype = torch.float32  # the caches' dtype = the target's (bfloat16 on a GPU, float32 for exact tests)
 

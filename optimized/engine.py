@@ -79,6 +79,8 @@ class Engine:
         self._verified: StageOutput | None = None  # this step's verify result, if any request decoded
         self._survivals: list[np.ndarray | None] = []  # [γ] host survivals of each verified request's draft
         self._ahead_on = config.plan_ahead if config.plan_ahead is not None else self.runner.device.type == "cuda"
+        self._draft_ahead_on = self._ahead_on and config.draft_ahead
+        self._drafted_ahead: tuple[list[Sequence], torch.Tensor] | None = None  # this step's early draft, if any
         self.reset_stats()
 
     @property
@@ -187,9 +189,12 @@ class Engine:
             predicted_survival=predicted, request_ids=[s.request_id for s in plan.decoding])
 
     def reset_stats(self) -> None:
-        """Zero the cumulative counters in ``stats``: steps, drafting steps, seconds of step, of host planning on the
-        critical path (``host_schedule_s``) and of planning done while the device verified (``host_ahead_s``)."""
-        self.stats = {"steps": 0, "draft_steps": 0, "host_schedule_s": 0.0, "host_ahead_s": 0.0, "step_s": 0.0}
+        """Zero the cumulative counters in ``stats``: steps, drafting steps (of which ``draft_ahead_steps`` drafted
+        before the token read, see ``EngineConfig.draft_ahead``; ``drafts_dropped`` counts early drafts that nobody
+        kept: the gate closed once some requests had finished), seconds of step, of host planning on the critical path
+        (``host_schedule_s``) and of planning done while the device verified (``host_ahead_s``)."""
+        self.stats = {"steps": 0, "draft_steps": 0, "draft_ahead_steps": 0, "drafts_dropped": 0,
+                      "host_schedule_s": 0.0, "host_ahead_s": 0.0, "step_s": 0.0}
 
     # ------------------------------------------------------------------------------------------------------
     # One step
@@ -205,7 +210,9 @@ class Engine:
         t2 = time.perf_counter()
         drafters = self.scheduler.drafters()  # the draft gate: who drafts for the next step
         t3 = time.perf_counter()
-        if drafters:
+        if self._drafted_ahead is not None:  # the drafter already ran, before the token read
+            self._keep_early_drafts(drafters)
+        elif drafters:
             self._draft(drafters)
         self._account(plan, t0, (t1 - t0) + (t3 - t2), bool(drafters))
         return outputs
@@ -214,7 +221,7 @@ class Engine:
         if not self.scheduler.ready:
             raise RuntimeError(f"mode '{self.sched_config.mode}' needs a cost table: call set_cost_table (e.g. with "
                                "optimized.cost_model.cached_profile(engine.runner)) before stepping")
-        self._verified, self._survivals = None, []
+        self._verified, self._survivals, self._drafted_ahead = None, [], None
         return self.scheduler.schedule()
 
     def _prefill(self, plan: StepPlan) -> list[StepOutput]:
@@ -238,11 +245,43 @@ class Engine:
 
     def _plan_ahead(self) -> None:
         """While the device verifies: the next step's planning (``Scheduler.plan_ahead``), once the last draft's
-        survivals have landed on the host. Timed apart from ``host_schedule_s``: it is off the critical path."""
+        survivals have landed on the host, and, when the planned verdict is that the requests decoding now draft,
+        their drafter stage (``EngineConfig.draft_ahead``). Timed apart from ``host_schedule_s``: it is off the
+        critical path."""
         t0 = time.perf_counter()
         self.runner.wait_for_drafts()
-        self.scheduler.plan_ahead()
+        verdict = self.scheduler.plan_ahead()
+        if self._draft_ahead_on and verdict:
+            self._draft_ahead()
         self.stats["host_ahead_s"] += time.perf_counter() - t0
+
+    def _draft_ahead(self) -> None:
+        """Launch the next block's draft for every request decoding now, queued behind this step's token copy: the
+        device drafts while the host waits for the tokens and commits them. The drafter reads only device state the
+        verify has already written (anchors, positions, the drafter's context), so each request's block is the one
+        it would draft after the read. Not when a request may run out of slot this step (its block would not fit:
+        the read decides) or when the draft must block (staleness 0) or is the n-gram lookup (host)."""
+        seqs = self.scheduler.decoding()
+        if (not seqs or self.runner.proposer is not None or self.sched_config.staleness == 0
+                or any(s.anchor_pos + 2 * self.gamma + 3 >= self.config.max_seq_len for s in seqs)):
+            return
+        self._drafted_ahead = (seqs, self.runner.draft(seqs, blocking=False))
+
+    def _keep_early_drafts(self, drafters: list[Sequence]) -> None:
+        """Commit the early draft for the requests the gate lets draft, after the read: all of them, or those that
+        did not finish (their rows of it), or nobody (then the device's draft buffers are simply never read: the next
+        step verifies no drafts, and a later draft overwrites them)."""
+        seqs, survivals = self._drafted_ahead
+        self.stats["draft_ahead_steps"] += 1
+        if not drafters:
+            self.stats["drafts_dropped"] += 1
+            return
+        if len(drafters) == len(seqs) and all(a is b for a, b in zip(drafters, seqs)):  # nobody finished
+            self.scheduler.record_drafts(seqs, survivals)
+            return
+        index = {s.request_id: i for i, s in enumerate(seqs)}
+        rows = survivals.numpy()  # sync: none, a view; the copy may still be landing (nobody reads it before then)
+        self.scheduler.record_drafts(drafters, [rows[index[s.request_id]] for s in drafters])
 
     def _draft(self, seqs: list[Sequence]) -> None:
         """The next step's blocks: the n-gram lookup (host), or the drafter (device; survivals copied back)."""

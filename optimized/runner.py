@@ -293,8 +293,10 @@ class ModelRunner:
     def verify(self, plan: StepPlan, while_device_runs: Callable[[], None] | None = None) -> StageOutput:
         """Verify the plan's decoding requests: layout, verify graph, p_t, rejection sampling, the one token read.
 
-        ``while_device_runs`` is called after every launch and before the token read: host work placed there overlaps
-        with the device's verify (on CUDA; on the CPU the forward has already run)."""
+        ``while_device_runs`` is called after every launch of the verify and the (non-blocking) copy of its tokens to
+        the host, before the host waits for that copy: host work placed there overlaps with the device's verify (on
+        CUDA; on the CPU the forward has already run), and device work it launches (the next block's draft) runs
+        after the copy without delaying it."""
         decoding, dev, g = plan.decoding, self.device, self.gamma
         rows = torch.tensor([s.slot for s in decoding], dtype=torch.long, device=dev)  # [R] slot of each row
         r = len(decoding)
@@ -360,11 +362,18 @@ class ModelRunner:
         self.anchor_pos[rows] += n_emitted
         if plan.mode is SchedulingMode.ORACLE:
             lens = torch.clamp(n_emitted, max=g)  # verify exactly the accepted prefix + the rejected slot
+        # The one host read per step — emitted tokens drive finishing, streaming and stop strings — issued without
+        # waiting, so that work launched by while_device_runs queues behind the copy, not in front of it.
+        host = torch.cat([emitted, n_emitted[:, None], lens[:, None]], 1).to("cpu", non_blocking=True)
+        logp_host = logp.to("cpu", non_blocking=True) if logp is not None else None
+        copied = None
+        if dev.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
         if while_device_runs is not None:
             while_device_runs()
-        # sync: the one host read per step — emitted tokens drive finishing, streaming and stop strings.
-        host = torch.cat([emitted, n_emitted[:, None], lens[:, None]], 1).cpu()  # sync: the one read per step
-        logp_host = logp.cpu() if logp is not None else None  # sync: same read, if asked
+        if copied is not None:
+            copied.synchronize()  # sync: the one read per step (the copies above, not what was launched since)
         # One conversion to Python lists per step: per-row tensor indexing costs ~1 ms of host time at R = 64.
         host_rows = host.tolist()  # sync: host tensor already
         logp_rows = logp_host.tolist() if logp_host is not None else None  # sync: host tensor already

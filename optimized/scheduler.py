@@ -449,16 +449,19 @@ class Scheduler:
         # seq.survivals[-1] is the current draft (k = 0 reads it); the reference appends it after reading the stale row.
         return np.array([s.survivals[-(k + 1)] if len(s.survivals) > k else self._nan_row for s in decoding])
 
-    def plan_ahead(self) -> None:
+    def plan_ahead(self) -> bool:
         """Plan while the device verifies (the host would otherwise wait for the token read): the draft gate's
         verdict for the requests decoding now and, where they will draft, the next step's budget — from survivals
         already on the host (the runner waited for the last draft's copy). Both are pure functions of inputs that
         the verify does not change, so :meth:`drafters` and the next :meth:`schedule` reuse them exactly when their
-        inputs are these (nobody finished, nobody new): the same decisions, off the critical path."""
+        inputs are these (nobody finished, nobody new): the same decisions, off the critical path.
+
+        Returns whether the requests decoding now will draft after this step unless some of them finish in it: the
+        mode drafts and the gate is off or its cost says speculation pays (not when only a probe would draft)."""
         self._ahead = None
         seqs = self.decoding()
         if not seqs or not self.config.mode.drafts:
-            return
+            return False
         verdict = self.gate.prepare(seqs)  # cached for drafters(); None: gate off, or nothing known yet
         # The budget reads drafts `staleness` old, so with staleness ≥ 1 it is known before the next draft lands.
         if self.config.mode is SchedulingMode.ADAPTIVE and self.config.staleness > 0 and verdict is not False:
@@ -466,6 +469,7 @@ class Scheduler:
             r = len(seqs)
             self._ahead = (holdings(seqs, ahead=1),
                            self.planner.budget(stale, num_anchor_tokens=r, num_requests=r, check=False))
+        return verdict is True or not self.gate.active
 
     # ------------------------------------------------------------------------------------------------ after the device
 
@@ -523,13 +527,14 @@ class Scheduler:
         return seqs if self.drafted else []
 
     @staticmethod
-    def record_drafts(seqs: list[Sequence], survivals: torch.Tensor) -> None:
+    def record_drafts(seqs: list[Sequence], survivals: torch.Tensor | list[np.ndarray]) -> None:
         """Keep each request's host copy ``[γ]`` of its new draft's survivals (for the stale budget and the gate).
 
-        Kept as NumPy row views of the ``[R, γ]`` host tensor: the planning reads them with NumPy, and a view neither
-        copies nor reads the data, which with a non-blocking copy may still be landing (it has by the next step's
-        token read, before anything reads it)."""
-        for seq, row in zip(seqs, survivals.numpy()):  # R row views of the one [R, γ] array
+        Kept as NumPy row views of the ``[R, γ]`` host tensor (or the given rows): the planning reads them with
+        NumPy, and a view neither copies nor reads the data, which with a non-blocking copy may still be landing (it
+        has by the next step's token read, before anything reads it)."""
+        rows = survivals.numpy() if isinstance(survivals, torch.Tensor) else survivals
+        for seq, row in zip(seqs, rows):  # R row views of the one [R, γ] array
             seq.survivals.append(row)
 
     @staticmethod

@@ -4,7 +4,9 @@ One run measures, at each batch size, the optimized engine in every requested mo
 ``fixed`` K, ``dsd``, ``adaptive``, …) and HF ``model.generate`` (greedy, left-padded, ``min_new_tokens =
 max_new_tokens``) as the named baseline. Modes prefixed ``ngram:`` (``ngram:fixed:K``, ``ngram:dsd``) draft with the
 training-free n-gram proposer (``reference/ngram.py``, block ``--ngram-gamma``) instead of the DSpark drafter: the
-free baseline a trained drafter must beat, measured in the same run. Names follow ``docs/method.md`` (``p_t`` target,
+free baseline a trained drafter must beat, measured in the same run. A DSpark mode suffixed ``+ahead``
+(``adaptive+ahead``, ``fixed:7+ahead``) runs on a second engine built with ``EngineConfig.draft_ahead`` (the next
+block drafted before the token read), beside the same mode without it. Names follow ``docs/method.md`` (``p_t`` target,
 ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``τ`` emitted tokens per verify step).
 
 Method, per configuration (engine × mode × batch size):
@@ -102,8 +104,19 @@ class BenchConfig:
                              "requests_per_slot ≥ 1")
         NgramConfig(self.ngram_gamma, self.ngram_max_n, self.ngram_min_n)  # validates the n-gram fields
         for m in self.modes:
-            parse_config(m, gamma=None, ngram_gamma=self.ngram_gamma)
+            base, ahead = split_ahead(m)
+            kind, mode, _ = parse_config(base, gamma=None, ngram_gamma=self.ngram_gamma)
+            if ahead and (kind is not ProposerKind.DSPARK or not mode.drafts):
+                raise ValueError(f"mode {m!r}: '+ahead' drafts ahead with the DSpark drafter; it needs a drafting mode")
         self.batch_sizes = sorted(set(self.batch_sizes))
+
+
+def split_ahead(spec: str) -> tuple[str, bool]:
+    """``"adaptive+ahead"`` -> ("adaptive", True): the mode, and whether it runs with ``EngineConfig.draft_ahead``."""
+    base, plus, rest = spec.partition("+")
+    if plus and rest != "ahead":
+        raise ValueError(f"mode {spec!r}: the only suffix is '+ahead'")
+    return base, bool(plus)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -147,6 +160,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
         "host_ahead_ms": 1e3 * stats["host_ahead_s"] / max(stats["steps"], 1),
         # steps that ran the drafter (the adaptive draft gate skips some); 0 for no speculation
         "draft_step_fraction": stats["draft_steps"] / max(stats["steps"], 1),
+        # steps whose draft was launched before the token read (EngineConfig.draft_ahead; the "+ahead" modes)
+        "draft_ahead_fraction": stats["draft_ahead_steps"] / max(stats["steps"], 1),
     }
 
 
@@ -195,7 +210,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     out = Path(out)
     device = torch.device(target.device)
     gamma = drafter.config.block_size if drafter is not None else 0
-    modes = [(spec, *parse_config(spec, gamma or None, cfg.ngram_gamma)) for spec in cfg.modes]
+    modes = [(spec, *parse_config(split_ahead(spec)[0], gamma or None, cfg.ngram_gamma)) for spec in cfg.modes]
     if drafter is None and any(kind is ProposerKind.DSPARK and m.drafts for _, kind, m, _ in modes):
         raise ValueError("speculative modes need a drafter")
     ngram = NgramConfig(cfg.ngram_gamma, cfg.ngram_max_n, cfg.ngram_min_n)
@@ -242,6 +257,9 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
         table = cached_profile(spec.runner, cache_dir=cfg.cost_cache_dir, context_len=cfg.context_len)
         spec.set_cost_table(table)
         engines["spec"] = spec
+        if any(split_ahead(label)[1] for label, *_ in modes):  # the same engine, drafting before the token read
+            engines["spec+ahead"] = Engine(target, drafter, EngineConfig(**econf, plan_ahead=True, draft_ahead=True),
+                                           SchedulerConfig(mode="fixed", k=gamma), table)
         report["cost_table"] = table.to_dict()
         log.info("cost table (%s): verify ms %s | draft ms %s", table.hardware, _brief(table.verify_ms),
                  _brief(table.draft_ms))
@@ -263,9 +281,10 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
         if label == "hf":
             row = _measure_hf(target, batch, cfg, device)
         else:
-            engine = engines["none" if not mode.drafts else "ngram" if kind is ProposerKind.NGRAM else "spec"]
+            engine = engines["none" if not mode.drafts else "ngram" if kind is ProposerKind.NGRAM
+                             else "spec+ahead" if split_ahead(label)[1] else "spec"]
             sched = SchedulerConfig(mode=mode, k=k if k is not None else engine.gamma,
-                                    draft_gate=label != "adaptive:nogate")
+                                    draft_gate=split_ahead(label)[0] != "adaptive:nogate")
             engine.set_scheduler(sched)
             row = _measure(lambda e=engine, p=workload, c=b: run_engine(e, p, cfg.max_new_tokens, c), cfg.warmup,
                            cfg.repeats)
@@ -336,7 +355,7 @@ def summarize(results: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for b, rows in sorted(by_b.items()):
         tps = {label: r["output_tokens_per_s"] for label, r in rows.items()}
-        fixed = {label: v for label, v in tps.items() if label.startswith("fixed")}
+        fixed = {label: v for label, v in tps.items() if label.startswith("fixed") and not split_ahead(label)[1]}
         s: dict[str, Any] = {"tokens_per_s": {k: round(v, 2) for k, v in tps.items()}}
         ngram = {label: v for label, v in tps.items() if label.startswith("ngram:")}
         if fixed:
@@ -355,6 +374,8 @@ def summarize(results: list[dict]) -> dict[str, Any]:
             s["adaptive_over_best_ngram"] = round(adaptive / ngram[s["best_ngram"]], 3)
         if ngram and fixed:
             s["best_fixed_over_best_ngram"] = round(fixed[s["best_fixed"]] / ngram[s["best_ngram"]], 3)
+        if tps.get("adaptive+ahead") and adaptive:
+            s["adaptive_ahead_over_adaptive"] = round(tps["adaptive+ahead"] / adaptive, 3)
         if tps.get("adaptive:nogate") and none:
             s["adaptive_nogate_over_none"] = round(tps["adaptive:nogate"] / none, 3)
         if "none" in rows and "host_schedule_fraction" in rows["none"]:
@@ -499,7 +520,8 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
         model_name = target.name
     drafter_name = None
     if drafter is None and any(kind is ProposerKind.DSPARK and mode.drafts
-                               for kind, mode, _ in (parse_config(m, None, cfg.ngram_gamma) for m in cfg.modes)):
+                               for kind, mode, _ in (parse_config(split_ahead(m)[0], None, cfg.ngram_gamma)
+                                                     for m in cfg.modes)):
         path = args.drafter or str(DEFAULT_DRAFTER)
         drafter = load_or_init_drafter(path, target, None, args.seed)
         drafter_name = path if Path(path).exists() else f"RANDOM INIT (seed {args.seed}; no checkpoint at {path})"

@@ -57,11 +57,12 @@ MEMCPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy", "cuMemcpyAsync", "cudaMemsetAsy
 
 def build_engine(target: Target, drafter: DSparkDrafter | None, mode: SchedulingMode, k: int | None,
                  batch_size: int, max_seq_len: int, enforce_eager: bool, context_len: int, cost_cache_dir: str | None,
-                 seed: int, layer_backend: str | None = None) -> Engine:
+                 seed: int, layer_backend: str | None = None, draft_ahead: bool = False) -> Engine:
     """An engine sized for ``batch_size`` slots in one policy; adaptive policies get a profiled cost table."""
     sched = SchedulerConfig(mode=mode) if k is None else SchedulerConfig(mode=mode, k=k)
     cfg = EngineConfig(max_num_seqs=batch_size, max_seq_len=max_seq_len, device=str(target.device),
-                       dtype=target.dtype, enforce_eager=enforce_eager, seed=seed, layer_backend=layer_backend)
+                       dtype=target.dtype, enforce_eager=enforce_eager, seed=seed, layer_backend=layer_backend,
+                       plan_ahead=True if draft_ahead else None, draft_ahead=draft_ahead)
     engine = Engine(target, drafter if mode.drafts else None, cfg, sched)
     if mode.needs_cost_table:
         engine.set_cost_table(cached_profile(engine.runner, cache_dir=cost_cache_dir, context_len=context_len))
@@ -131,7 +132,8 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
     max_new = total_steps * (gamma + 1) + 8
     max_seq_len = max(len(p) for p in batch) + max_new + 2 * gamma + 8
     engine = build_engine(target, drafter, mode, k, args.batch_size, max(max_seq_len, args.context_len + 2 * gamma + 8),
-                          args.enforce_eager, args.context_len, args.cost_cache_dir, args.seed, args.layer_backend)
+                          args.enforce_eager, args.context_len, args.cost_cache_dir, args.seed, args.layer_backend,
+                          args.draft_ahead)
     params = SamplingParams(max_new_tokens=max_new, temperature=args.temperature, ignore_eos=True)
     for i, p in enumerate(batch):
         engine.add_request(p, params, request_id=i)
@@ -157,7 +159,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
         "settings": {"mode": args.mode, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
                      "temperature": args.temperature, "enforce_eager": args.enforce_eager,
                      "layer_backend": args.layer_backend or "default",
-                     "draft_head_in_graph": engine.runner.head_in_graph,
+                     "draft_head_in_graph": engine.runner.head_in_graph, "draft_ahead": args.draft_ahead,
                      "dtype": str(target.dtype), "prefill_steps": prefill_steps, "gamma": gamma},
         "step_ms_median": statistics.median(timed) if timed else None,
         "step_ms_all": [round(t, 3) for t in timed],
@@ -202,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="decoding steps timed, and as many profiled")
     p.add_argument("--warmup", type=int, default=5, help="decoding steps before timing")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--draft-ahead", action="store_true",
+                   help="EngineConfig.draft_ahead: the next block drafted before the token read")
     add_engine_source_args(p)
     p.add_argument("--context-len", type=int, default=DEFAULT_CONTEXT_LEN, help="KV length of the cost profile")
     p.add_argument("--cost-cache-dir", default=None)

@@ -149,6 +149,59 @@ def test_planning_ahead_changes_no_decision(temperature, draft_ms):
         assert budgets < steps / 2  # the gate kept closing (no budget ahead while it says no), and identically
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("mode,draft_ms", [("fixed", 0.0), ("adaptive", 0.0), ("adaptive", 40.0)])
+def test_drafting_ahead_changes_no_decision(mode, draft_ms, temperature, monkeypatch):
+    """The next block drafted before the token read (``draft_ahead``) for every request decoding now: the same tokens,
+    verify and accepted lengths and drafting steps as drafting after it — when requests finish in the step (their
+    rows of the early draft are dropped), when the gate then closes for the rest (the whole early draft is dropped),
+    and when a request nears the end of its slot (no early draft that step)."""
+    target = Target.from_model(tiny_hf_model("llama"))
+    drafter = _drafter(target)
+    cost = CostTable.affine(fixed_ms=5.0, per_token_ms=0.3, draft_fixed_ms=draft_ms, sizes=list(range(1, 129)))
+    prompts = {0: [5, 6, 7, 8, 9, 10, 11], 1: [3], 2: [40, 41], 3: [7, 7, 7] * 9, 4: [9, 1]}
+    lengths = {0: 21, 1: 6, 2: 13, 3: 40, 4: 30}  # request 3 runs into the end of its 64-position slot
+    kept = []  # (requests that drafted early, requests that kept their rows) per step that drafted early
+    keep = Engine._keep_early_drafts
+
+    def spy(self, drafters):
+        kept.append((len(self._drafted_ahead[0]), len(drafters)))
+        return keep(self, drafters)
+
+    monkeypatch.setattr(Engine, "_keep_early_drafts", spy)
+    runs = {}
+    for early in (False, True):
+        kept.clear()
+        engine = Engine(target, drafter, EngineConfig(max_num_seqs=3, max_seq_len=64, prefill_chunk=5, seed=5,
+                                                      kernel_backend="torch", plan_ahead=True, draft_ahead=early),
+                        SchedulerConfig(mode=mode, k=4, probe_every=3), cost)
+        params = {rid: SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True)
+                  for rid, n in lengths.items()}
+        for rid in (0, 1, 2):
+            engine.add_request(prompts[rid], params[rid], request_id=rid)
+        steps, drafted = 0, []
+        while engine.has_unfinished():
+            engine.step()
+            drafted.append(engine.last_step_stats().drafted)
+            steps += 1
+            if steps == 3:
+                engine.add_request(prompts[3], params[3], request_id=3)
+                engine.add_request(prompts[4], params[4], request_id=4)
+        runs[early] = [(engine.sequence(r).output_ids, engine.sequence(r).verify_lengths,
+                        engine.sequence(r).accepted_lengths, engine.sequence(r).finish_reason) for r in prompts]
+        runs[early].append(drafted)
+        stats = dict(engine.stats)
+    assert runs[True] == runs[False]
+    assert engine.sequence(3).finish_reason == "length" and len(engine.sequence(3).output_ids) < lengths[3]
+    assert stats["draft_ahead_steps"] == len(kept)
+    if draft_ms == 0:  # speculation pays: most drafting steps drafted early
+        assert sum(runs[True][-1]) / 2 < len(kept) <= sum(runs[True][-1]) + stats["drafts_dropped"]
+        assert any(n_kept < n for n, n_kept in kept), "a request finished in a step that drafted early"
+        assert any(n_kept == n for n, n_kept in kept)
+    else:  # the gate closes: only its probes draft, and a probe is never launched ahead
+        assert not kept
+
+
 def test_engine_abort_frees_the_slot():
     target = Target.from_model(tiny_hf_model("llama"))
     engine = Engine(target, _drafter(target), EngineConfig(max_num_seqs=1, max_seq_len=64),

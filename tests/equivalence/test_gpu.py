@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from optimized.engine import EngineConfig
+from optimized.engine import Engine, EngineConfig, SamplingParams
 from optimized.generate import generate as opt_generate
 from reference.checkpoint import read_drafter_config
 from reference.cli import DEFAULT_DRAFTER, load_or_init_drafter
@@ -85,6 +85,29 @@ def test_graphs_equal_eager_token_for_token(temperature):
             assert b.token_ids == a.token_ids, f"{mode}: tokens differ"
             assert b.accepted_lengths == a.accepted_lengths, f"{mode}: accepted lengths differ"
             assert b.verify_lengths == a.verify_lengths, f"{mode}: verify lengths differ"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafting_ahead_equals_drafting_after_the_read(temperature):
+    """``draft_ahead`` on CUDA with graphs: the drafter launched behind the token copy, before the host waits for it,
+    gives the same tokens and per-step lengths as drafting after the read; requests finish at different steps."""
+    target, drafter = _cuda_models("llama")
+    lengths = [9, 17, 13]
+    out, ahead = {}, {}
+    for early in (False, True):
+        cfg = EngineConfig(max_num_seqs=len(PROMPTS), seed=99, kernel_backend="triton", device="cuda",
+                           dtype=torch.float32, plan_ahead=True, draft_ahead=early)
+        engine = Engine(target, drafter, cfg, SchedulerConfig(mode="adaptive"), _cost())
+        for i, (prompt, n) in enumerate(zip(PROMPTS, lengths)):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True),
+                               request_id=i)
+        while engine.has_unfinished():
+            engine.step()
+        out[early] = [(engine.sequence(i).output_ids, engine.sequence(i).verify_lengths,
+                       engine.sequence(i).accepted_lengths) for i in range(len(PROMPTS))]
+        ahead[early] = engine.stats["draft_ahead_steps"]
+    assert out[True] == out[False]
+    assert ahead[False] == 0 < ahead[True]
 
 
 def test_gpu_equivalence_script_on_cuda(tmp_path):

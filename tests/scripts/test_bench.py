@@ -142,6 +142,26 @@ def test_bench_engine_steady_state_keeps_the_batch_full(models, tmp_path):
         bench_engine.BenchConfig(requests_per_slot=0)
 
 
+def test_bench_engine_draft_ahead_modes_run_beside_the_plain_ones(models, tmp_path):
+    """``MODE+ahead`` runs the same mode on an engine that drafts before the token read; only those rows do."""
+    report, _ = _run(models, tmp_path, "--modes", "none,fixed:2,fixed:2+ahead,adaptive,adaptive+ahead",
+                     "--batch-sizes", "2", "--hf-max-batch", "0")
+    rows = {r["label"]: r for r in report["results"]}
+    assert set(rows) == {"none", "fixed:2", "fixed:2+ahead", "adaptive", "adaptive+ahead"}
+    assert rows["fixed:2+ahead"]["draft_ahead_fraction"] > 0 and rows["fixed:2"]["draft_ahead_fraction"] == 0
+    assert rows["fixed:2+ahead"]["mode"] == "fixed" and rows["fixed:2+ahead"]["k"] == 2
+    # Drafting ahead changes no decision: the same accepted and verify lengths (greedy, same prompts).
+    for mode in ("fixed:2", "adaptive"):
+        for key in ("mean_accepted_length", "mean_verify_length", "engine_steps", "tokens"):
+            assert rows[mode + "+ahead"][key] == rows[mode][key], (mode, key)
+    summary = report["summary"]["2"]
+    assert summary["best_fixed"] == "fixed:2" and "adaptive_ahead_over_adaptive" in summary
+    with pytest.raises(ValueError, match="ahead"):
+        bench_engine.BenchConfig(modes=["none+ahead"])
+    with pytest.raises(ValueError, match="suffix"):
+        bench_engine.BenchConfig(modes=["fixed:2+later"])
+
+
 def test_parse_config_of_the_ngram_modes():
     assert parse_config("fixed:3", 7) == ("dspark", "fixed", 3)
     assert parse_config("ngram:fixed:3", None, 5) == ("ngram", "fixed", 3)
