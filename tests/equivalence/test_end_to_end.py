@@ -105,6 +105,27 @@ def test_engine_continuous_batching_matches_alone():
         assert len(out) == engine.sequence(rid).params.max_new_tokens
 
 
+def _run_with_arrivals(engine: Engine, prompts: dict[int, list[int]], lengths: dict[int, int], temperature: float,
+                       abort_at: int | None = None) -> tuple[list[bool], int]:
+    """Requests 0-2 from the start, 3 and 4 joining after step 3, request 4 aborted after step ``abort_at``; each
+    emits ``lengths[rid]`` tokens (EOS ignored). Returns whether each step drafted, and the step count."""
+    params = {rid: SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True)
+              for rid, n in lengths.items()}
+    for rid in (0, 1, 2):
+        engine.add_request(prompts[rid], params[rid], request_id=rid)
+    steps, drafted = 0, []
+    while engine.has_unfinished():
+        engine.step()
+        drafted.append(engine.last_step_stats().drafted)
+        steps += 1
+        if steps == 3:
+            engine.add_request(prompts[3], params[3], request_id=3)
+            engine.add_request(prompts[4], params[4], request_id=4)
+        if steps == abort_at:
+            engine.abort(4)
+    return drafted, steps
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("draft_ms", [0.0, 40.0])  # a drafter that pays, and one the gate keeps closing on
 def test_planning_ahead_changes_no_decision(temperature, draft_ms):
@@ -122,20 +143,7 @@ def test_planning_ahead_changes_no_decision(temperature, draft_ms):
         engine = Engine(target, drafter, EngineConfig(max_num_seqs=3, max_seq_len=128, prefill_chunk=5, seed=5,
                                                       kernel_backend="torch", plan_ahead=ahead),  # decisions only
                         SchedulerConfig(mode="adaptive", probe_every=3), cost)
-        params = {rid: SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True)
-                  for rid, n in lengths.items()}
-        for rid in (0, 1, 2):
-            engine.add_request(prompts[rid], params[rid], request_id=rid)
-        steps, drafted = 0, []
-        while engine.has_unfinished():
-            engine.step()
-            drafted.append(engine.last_step_stats().drafted)
-            steps += 1
-            if steps == 3:
-                engine.add_request(prompts[3], params[3], request_id=3)
-                engine.add_request(prompts[4], params[4], request_id=4)
-            if steps == 8:
-                engine.abort(4)
+        drafted, steps = _run_with_arrivals(engine, prompts, lengths, temperature, abort_at=8)
         runs[ahead] = ([(engine.sequence(r).output_ids, engine.sequence(r).verify_lengths) for r in prompts], drafted,
                        engine.scheduler.ahead_hits, engine.stats["host_ahead_s"], steps)
     assert runs[True][:2] == runs[False][:2]
@@ -175,18 +183,7 @@ def test_drafting_ahead_changes_no_decision(mode, draft_ms, temperature, monkeyp
         engine = Engine(target, drafter, EngineConfig(max_num_seqs=3, max_seq_len=64, prefill_chunk=5, seed=5,
                                                       kernel_backend="torch", plan_ahead=True, draft_ahead=early),
                         SchedulerConfig(mode=mode, k=4, probe_every=3), cost)
-        params = {rid: SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True)
-                  for rid, n in lengths.items()}
-        for rid in (0, 1, 2):
-            engine.add_request(prompts[rid], params[rid], request_id=rid)
-        steps, drafted = 0, []
-        while engine.has_unfinished():
-            engine.step()
-            drafted.append(engine.last_step_stats().drafted)
-            steps += 1
-            if steps == 3:
-                engine.add_request(prompts[3], params[3], request_id=3)
-                engine.add_request(prompts[4], params[4], request_id=4)
+        drafted, _ = _run_with_arrivals(engine, prompts, lengths, temperature)
         runs[early] = [(engine.sequence(r).output_ids, engine.sequence(r).verify_lengths,
                         engine.sequence(r).accepted_lengths, engine.sequence(r).finish_reason) for r in prompts]
         runs[early].append(drafted)
