@@ -293,7 +293,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
         row.update({"batch_size": b, "elapsed_s": round(time.perf_counter() - t_cfg, 3)})
         row["per_request_tokens_per_s"] = row["output_tokens_per_s"] / b
         report["results"].append(row)
-        log.info("batch %4d %-9s %9.1f tokens/s  τ = %.2f  %s", b, label, row["output_tokens_per_s"],
+        log.info("batch %4d %-14s %9.1f tokens/s  τ = %.2f  %s", b, label, row["output_tokens_per_s"],
                  row["mean_accepted_length"],
                  f"host {100 * row['host_schedule_fraction']:.1f}% of {row['step_ms']:.2f} ms/step"
                  if "step_ms" in row else "")

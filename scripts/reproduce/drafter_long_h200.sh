@@ -15,7 +15,8 @@
 #      $RES/proposals for scripts/compare_calibration.py) and measures τ on
 #      docs/benchmarks/eval_prompts.jsonl, greedy and T = 1, with the drafter it replaces measured greedily in the
 #      same run (the baseline);
-#   5. runs the engine benchmark with it at batch 1, 16 and 64 (ENGINE=1);
+#   5. runs the engine benchmark with it at batch 1, 16 and 64 (ENGINE=1): closed batches, then (STEADY=1) a server's
+#      steady state (--requests-per-slot 4) with the next block drafted before the token read beside it (+ahead);
 #   6. leaves the checkpoint (bf16 shards ≤ 15 MB) in $RES/run for the trip back (scripts/reproduce/pack.sh).
 # Pass the same STEPS, LR, LAYERS and TOKENS on every loan of one schedule. The shipped schedule so far: loan 1 (from
 # scratch, DATA_SEED=0, prompt shards 0-19, 10 min, einsum attention), loan 2 (DATA_SEED=1 START_SHARD=20, which
@@ -49,6 +50,8 @@ ANNEAL_FRAC=${ANNEAL_FRAC:-0.4}   # the last 40 % of the loan's training anneals
 INIT_FROM=${INIT_FROM-checkpoints/smollm2-135m-instruct-dspark}   # empty: a new schedule from scratch
 PROFILE=${PROFILE:-1}
 ENGINE=${ENGINE:-1}
+STEADY=${STEADY:-1}
+STEADY_S=${STEADY_S:-90}
 ATTENTION=${ATTENTION:-measure}   # einsum | flex | measure (step 2 decides)
 SHIPPED=${SHIPPED:-checkpoints/smollm2-135m-instruct-dspark}
 EVAL_PROMPTS=${EVAL_PROMPTS:-docs/benchmarks/eval_prompts.jsonl}
@@ -126,5 +129,9 @@ run tau-shipped python -m scripts.eval_acceptance --drafter "$SHIPPED" --prompts
 [ "$ENGINE" = 1 ] && run bench-engine python scripts/bench_engine.py --model "$MODEL" "${SOURCE[@]}" \
   --drafter "$DATA/run" --modes none,fixed:3,fixed:7,adaptive --batch-sizes 1,16,64 --repeats 2 \
   --time-budget-s 150 --out "$RES/engine-h200-3layer.json"
+[ "$ENGINE" = 1 ] && [ "$STEADY" = 1 ] && run bench-engine-steady python scripts/bench_engine.py --model "$MODEL" \
+  "${SOURCE[@]}" --drafter "$DATA/run" --modes none,fixed:7,adaptive,adaptive+ahead --batch-sizes 1,16,64 \
+  --requests-per-slot 4 --repeats 2 --hf-max-batch 0 --time-budget-s "$STEADY_S" \
+  --out "$RES/engine-h200-steady.json"
 stamp DONE
 touch "$RES/DONE"
