@@ -35,6 +35,11 @@ class EngineConfig:
     # requests that finish in the step are dropped (their slots are freed); the decisions and tokens are unchanged
     # (tests/equivalence/test_end_to_end.py). Off by default until its GPU test and benchmark have run on a GPU.
     draft_ahead: bool = False
+    # Plain decoding (mode none) one step ahead: step n+1's verify is launched before step n's tokens are read (the
+    # token each request feeds next is already on the device), so the host's commit and the next launch overlap the
+    # device's forward. Outputs come back one step later; a request that finished at step n has run one wasted row
+    # in step n+1, whose token is dropped. Off by default until measured on a GPU. Ignored when the mode drafts.
+    async_decode: bool = False
     device: str = "cpu"  # where the caches, graphs and kernels live: "cpu" or "cuda[:N]" (the target's device)
     dtype: torch.dtype = torch.float32  # the caches' dtype = the target's (bfloat16 on a GPU, float32 for exact tests)
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from optimized.config import EngineConfig
-from optimized.runner import ModelRunner, StageOutput
+from optimized.runner import LaunchedVerify, ModelRunner, StageOutput
 from optimized.scheduler import Scheduler, StepPlan
 from optimized.sequence import SamplingParams, Sequence, Status, StepOutput
 from reference.config import SchedulerConfig, SchedulingMode
@@ -81,6 +81,8 @@ class Engine:
         self._ahead_on = config.plan_ahead if config.plan_ahead is not None else self.runner.device.type == "cuda"
         self._draft_ahead_on = self._ahead_on and config.draft_ahead
         self._drafted_ahead: tuple[list[Sequence], torch.Tensor] | None = None  # this step's early draft, if any
+        # Plain decoding one step ahead (EngineConfig.async_decode): the launched verify whose tokens are unread.
+        self._in_flight: tuple[StepPlan, LaunchedVerify] | None = None
         self.reset_stats()
 
     @property
@@ -127,7 +129,7 @@ class Engine:
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def sequence(self, request_id: int) -> Sequence:
         return self._ids[request_id]
@@ -200,9 +202,16 @@ class Engine:
     # One step
     # ------------------------------------------------------------------------------------------------------
 
+    @property
+    def _async(self) -> bool:
+        """Whether steps run one ahead of their token reads (``EngineConfig.async_decode``, plain decoding only)."""
+        return self.config.async_decode and not self.sched_config.mode.drafts
+
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """One engine step: schedule (host), run (device, one token read), postprocess (host), draft (device)."""
+        if self._async:
+            return self._step_one_ahead()
         t0 = time.perf_counter()
         plan = self._schedule()
         t1 = time.perf_counter()
@@ -216,6 +225,45 @@ class Engine:
             self._draft(drafters)
         self._account(plan, t0, (t1 - t0) + (t3 - t2), bool(drafters))
         return outputs
+
+    def _step_one_ahead(self) -> list[StepOutput]:
+        """Plain decoding with the token read one step behind: plan and launch this step's verify (each request's
+        next input token is on the device already), then read and commit the previous step's tokens while the device
+        runs it. The plan is made before the previous step's tokens are committed, so a request that finished in
+        that step is verified once more here; its row is dropped when this step is read."""
+        t0 = time.perf_counter()
+        plan = self._schedule()
+        if self._in_flight is not None and plan.decoding:  # not who will surely have finished in the step in flight
+            flying = {id(s) for s in self._in_flight[0].decoding}
+            keep = [s for s in plan.decoding if id(s) not in flying or not self._last_token_in_flight(s)]
+            if len(keep) < len(plan.decoding):
+                plan = StepPlan(plan.prefill, keep, plan.mode, lengths=[0] * len(keep))
+        t1 = time.perf_counter()
+        outputs = self._prefill(plan)  # its read waits for the step in flight too (one stream)
+        launched = self.runner.launch_verify(plan) if plan.decoding else None
+        previous, self._in_flight = self._in_flight, (plan, launched) if launched is not None else None
+        if previous is not None:
+            done_plan, done = previous
+            out = self.runner.collect_verify(done)
+            self._verified, self._survivals = out, [None] * len(out.seqs)
+            live = [i for i, s in enumerate(out.seqs) if not s.finished]  # finished (or aborted) since its launch
+
+            def pick(rows: list | None) -> list | None:
+                return None if rows is None else [rows[i] for i in live]
+
+            outputs += self.scheduler.postprocess([out.seqs[i] for i in live], pick(out.tokens), pick(out.logprobs),
+                                                  pick(out.verified), pick(out.top_logprobs))
+        # The statistics describe the step whose tokens were read (none: only this step's prefill, if any).
+        self._account(done_plan if previous is not None else StepPlan(plan.prefill, [], plan.mode), t0, t1 - t0,
+                      False)
+        return outputs
+
+    def _last_token_in_flight(self, seq: Sequence) -> bool:
+        """Whether the token ``seq`` has in flight finishes it by length (its limit, or the end of its slot), as the
+        scheduler's commit will find: then it needs no further step. (EOS and stop strings cannot be known before
+        the read: such a request runs one dropped row.)"""
+        return (len(seq.output_ids) + 1 >= seq.params.max_new_tokens
+                or seq.anchor_pos + 1 + self.gamma + 2 >= self.config.max_seq_len)
 
     def _schedule(self) -> StepPlan:
         if not self.scheduler.ready:

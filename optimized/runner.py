@@ -72,6 +72,19 @@ class StageOutput:
     top_logprobs: list[list[list[tuple[int, float]]] | None] | None = None
 
 
+@dataclass
+class LaunchedVerify:
+    """A verify stage whose device work and token copy are queued and whose tokens the host has not read yet."""
+
+    seqs: list[Sequence]  # the plan's decoding requests, in batch order
+    host: torch.Tensor  # [R, E + 2] emitted tokens, their count and ℓ, on the host once ``copied`` has completed
+    logp_host: torch.Tensor | None  # [R, E] log p_t of the emitted tokens, if a request asked
+    copied: torch.cuda.Event | None  # recorded after the copies (CUDA); None on the CPU, where they are done
+    want: list[int]  # rows that asked for raw or top logprobs
+    top: tuple[torch.Tensor, torch.Tensor] | None  # their top alternatives, on the device
+    num_tokens: int  # N = R + Σℓ
+
+
 def extra_logprob_rows(seqs: list[Sequence]) -> list[int]:
     """Rows whose request asked for raw or top log-probabilities (known on the host from the parameters)."""
     return [i for i, s in enumerate(seqs) if s.params.logprobs and (s.params.raw_logprobs or s.params.top_logprobs)]
@@ -297,6 +310,14 @@ class ModelRunner:
         the host, before the host waits for that copy: host work placed there overlaps with the device's verify (on
         CUDA; on the CPU the forward has already run), and device work it launches (the next block's draft) runs
         after the copy without delaying it."""
+        launched = self.launch_verify(plan)
+        if while_device_runs is not None:
+            while_device_runs()
+        return self.collect_verify(launched)
+
+    def launch_verify(self, plan: StepPlan) -> LaunchedVerify:
+        """The verify stage up to its token copy, which is issued without waiting: every launch, no host read. The
+        device state the next stage needs (each request's anchor and its position) is updated on the device."""
         decoding, dev, g = plan.decoding, self.device, self.gamma
         rows = torch.tensor([s.slot for s in decoding], dtype=torch.long, device=dev)  # [R] slot of each row
         r = len(decoding)
@@ -370,10 +391,14 @@ class ModelRunner:
         if dev.type == "cuda":
             copied = torch.cuda.Event()
             copied.record()
-        if while_device_runs is not None:
-            while_device_runs()
-        if copied is not None:
-            copied.synchronize()  # sync: the one read per step (the copies above, not what was launched since)
+        return LaunchedVerify(decoding, host, logp_host, copied, want, top, n_tokens)
+
+    def collect_verify(self, launched: LaunchedVerify) -> StageOutput:
+        """Wait for a launched verify's token copy (not for anything queued after it) and return its tokens."""
+        decoding, host, logp_host, want, top = (launched.seqs, launched.host, launched.logp_host, launched.want,
+                                                launched.top)
+        if launched.copied is not None:
+            launched.copied.synchronize()  # sync: the one read per step (its copies, not what was launched since)
         # One conversion to Python lists per step: per-row tensor indexing costs ~1 ms of host time at R = 64.
         host_rows = host.tolist()  # sync: host tensor already
         logp_rows = logp_host.tolist() if logp_host is not None else None  # sync: host tensor already
@@ -381,7 +406,7 @@ class ModelRunner:
         logprobs = None if logp_rows is None else [lp[:len(t)] for lp, t in zip(logp_rows, tokens)]
         top_rows = top_to_host(decoding, want, top)  # sync: only when a request asked for top logprobs
         top_rows = [t[:len(tok)] if t else None for t, tok in zip(top_rows, tokens)]
-        return StageOutput(decoding, tokens, logprobs, [row[-1] for row in host_rows], n_tokens, top_rows)
+        return StageOutput(decoding, tokens, logprobs, [row[-1] for row in host_rows], launched.num_tokens, top_rows)
 
     def _target_probs(self, logits: torch.Tensor, slot_of: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """p_t rows at the request's temperature; the reference ``logits_to_probs`` only where filters are on.

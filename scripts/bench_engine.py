@@ -6,8 +6,10 @@ max_new_tokens``) as the named baseline. Modes prefixed ``ngram:`` (``ngram:fixe
 training-free n-gram proposer (``reference/ngram.py``, block ``--ngram-gamma``) instead of the DSpark drafter: the
 free baseline a trained drafter must beat, measured in the same run. A DSpark mode suffixed ``+ahead``
 (``adaptive+ahead``, ``fixed:7+ahead``) runs on a second engine built with ``EngineConfig.draft_ahead`` (the next
-block drafted before the token read), beside the same mode without it. Names follow ``docs/method.md`` (``p_t`` target,
-``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``τ`` emitted tokens per verify step).
+block drafted before the token read), and ``none+async`` on one built with ``EngineConfig.async_decode`` (plain
+decoding with the token read one step behind), each beside the same mode without it. Names follow
+``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``τ`` emitted tokens
+per verify step).
 
 Method, per configuration (engine × mode × batch size):
 
@@ -104,19 +106,25 @@ class BenchConfig:
                              "requests_per_slot ≥ 1")
         NgramConfig(self.ngram_gamma, self.ngram_max_n, self.ngram_min_n)  # validates the n-gram fields
         for m in self.modes:
-            base, ahead = split_ahead(m)
+            base, variant = split_variant(m)
             kind, mode, _ = parse_config(base, gamma=None, ngram_gamma=self.ngram_gamma)
-            if ahead and (kind is not ProposerKind.DSPARK or not mode.drafts):
+            if variant == "ahead" and (kind is not ProposerKind.DSPARK or not mode.drafts):
                 raise ValueError(f"mode {m!r}: '+ahead' drafts ahead with the DSpark drafter; it needs a drafting mode")
+            if variant == "async" and mode.drafts:
+                raise ValueError(f"mode {m!r}: '+async' is plain decoding one step ahead; use it with mode none")
         self.batch_sizes = sorted(set(self.batch_sizes))
 
 
-def split_ahead(spec: str) -> tuple[str, bool]:
-    """``"adaptive+ahead"`` -> ("adaptive", True): the mode, and whether it runs with ``EngineConfig.draft_ahead``."""
+VARIANTS = ("ahead", "async")  # the "+" suffixes: EngineConfig.draft_ahead, EngineConfig.async_decode
+
+
+def split_variant(spec: str) -> tuple[str, str | None]:
+    """``"adaptive+ahead"`` -> ("adaptive", "ahead"), ``"none"`` -> ("none", None): the mode, and the engine variant
+    it runs on (``ahead``: ``EngineConfig.draft_ahead``; ``async``: ``EngineConfig.async_decode``)."""
     base, plus, rest = spec.partition("+")
-    if plus and rest != "ahead":
-        raise ValueError(f"mode {spec!r}: the only suffix is '+ahead'")
-    return base, bool(plus)
+    if plus and rest not in VARIANTS:
+        raise ValueError(f"mode {spec!r}: the suffix is '+ahead' or '+async'")
+    return base, rest or None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -210,7 +218,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     out = Path(out)
     device = torch.device(target.device)
     gamma = drafter.config.block_size if drafter is not None else 0
-    modes = [(spec, *parse_config(split_ahead(spec)[0], gamma or None, cfg.ngram_gamma)) for spec in cfg.modes]
+    modes = [(spec, *parse_config(split_variant(spec)[0], gamma or None, cfg.ngram_gamma)) for spec in cfg.modes]
     if drafter is None and any(kind is ProposerKind.DSPARK and m.drafts for _, kind, m, _ in modes):
         raise ValueError("speculative modes need a drafter")
     ngram = NgramConfig(cfg.ngram_gamma, cfg.ngram_max_n, cfg.ngram_min_n)
@@ -249,6 +257,9 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     t_build = time.perf_counter()
     if any(not m.drafts for _, _, m, _ in modes):
         engines["none"] = Engine(target, None, EngineConfig(**econf), SchedulerConfig(mode="none"))
+    if any(split_variant(label)[1] == "async" for label, *_ in modes):  # plain decoding, the read one step behind
+        engines["none+async"] = Engine(target, None, EngineConfig(**econf, async_decode=True),
+                                       SchedulerConfig(mode="none"))
     if uses_ngram:  # no drafter, no cost table: the fixed and dsd modes need neither
         engines["ngram"] = Engine(target, NgramProposer(ngram), EngineConfig(**econf),
                                   SchedulerConfig(mode="fixed", k=ngram.gamma))
@@ -257,7 +268,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
         table = cached_profile(spec.runner, cache_dir=cfg.cost_cache_dir, context_len=cfg.context_len)
         spec.set_cost_table(table)
         engines["spec"] = spec
-        if any(split_ahead(label)[1] for label, *_ in modes):  # the same engine, drafting before the token read
+        if any(split_variant(label)[1] == "ahead" for label, *_ in modes):  # drafting before the token read
             engines["spec+ahead"] = Engine(target, drafter, EngineConfig(**econf, plan_ahead=True, draft_ahead=True),
                                            SchedulerConfig(mode="fixed", k=gamma), table)
         report["cost_table"] = table.to_dict()
@@ -281,10 +292,11 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
         if label == "hf":
             row = _measure_hf(target, batch, cfg, device)
         else:
-            engine = engines["none" if not mode.drafts else "ngram" if kind is ProposerKind.NGRAM
-                             else "spec+ahead" if split_ahead(label)[1] else "spec"]
+            base, variant = split_variant(label)
+            name = "ngram" if kind is ProposerKind.NGRAM else "spec" if mode.drafts else "none"
+            engine = engines[name if variant is None else f"{name}+{variant}"]
             sched = SchedulerConfig(mode=mode, k=k if k is not None else engine.gamma,
-                                    draft_gate=split_ahead(label)[0] != "adaptive:nogate")
+                                    draft_gate=base != "adaptive:nogate")
             engine.set_scheduler(sched)
             row = _measure(lambda e=engine, p=workload, c=b: run_engine(e, p, cfg.max_new_tokens, c), cfg.warmup,
                            cfg.repeats)
@@ -355,7 +367,7 @@ def summarize(results: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for b, rows in sorted(by_b.items()):
         tps = {label: r["output_tokens_per_s"] for label, r in rows.items()}
-        fixed = {label: v for label, v in tps.items() if label.startswith("fixed") and not split_ahead(label)[1]}
+        fixed = {label: v for label, v in tps.items() if label.startswith("fixed") and not split_variant(label)[1]}
         s: dict[str, Any] = {"tokens_per_s": {k: round(v, 2) for k, v in tps.items()}}
         ngram = {label: v for label, v in tps.items() if label.startswith("ngram:")}
         if fixed:
@@ -374,6 +386,8 @@ def summarize(results: list[dict]) -> dict[str, Any]:
             s["adaptive_over_best_ngram"] = round(adaptive / ngram[s["best_ngram"]], 3)
         if ngram and fixed:
             s["best_fixed_over_best_ngram"] = round(fixed[s["best_fixed"]] / ngram[s["best_ngram"]], 3)
+        if tps.get("none+async") and none:
+            s["none_async_over_none"] = round(tps["none+async"] / none, 3)
         if tps.get("adaptive+ahead") and adaptive:
             s["adaptive_ahead_over_adaptive"] = round(tps["adaptive+ahead"] / adaptive, 3)
         if tps.get("adaptive:nogate") and none:
@@ -520,7 +534,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
         model_name = target.name
     drafter_name = None
     if drafter is None and any(kind is ProposerKind.DSPARK and mode.drafts
-                               for kind, mode, _ in (parse_config(split_ahead(m)[0], None, cfg.ngram_gamma)
+                               for kind, mode, _ in (parse_config(split_variant(m)[0], None, cfg.ngram_gamma)
                                                      for m in cfg.modes)):
         path = args.drafter or str(DEFAULT_DRAFTER)
         drafter = load_or_init_drafter(path, target, None, args.seed)

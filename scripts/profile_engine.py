@@ -57,12 +57,13 @@ MEMCPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy", "cuMemcpyAsync", "cudaMemsetAsy
 
 def build_engine(target: Target, drafter: DSparkDrafter | None, mode: SchedulingMode, k: int | None,
                  batch_size: int, max_seq_len: int, enforce_eager: bool, context_len: int, cost_cache_dir: str | None,
-                 seed: int, layer_backend: str | None = None, draft_ahead: bool = False) -> Engine:
+                 seed: int, layer_backend: str | None = None, draft_ahead: bool = False,
+                 async_decode: bool = False) -> Engine:
     """An engine sized for ``batch_size`` slots in one policy; adaptive policies get a profiled cost table."""
     sched = SchedulerConfig(mode=mode) if k is None else SchedulerConfig(mode=mode, k=k)
     cfg = EngineConfig(max_num_seqs=batch_size, max_seq_len=max_seq_len, device=str(target.device),
                        dtype=target.dtype, enforce_eager=enforce_eager, seed=seed, layer_backend=layer_backend,
-                       plan_ahead=True if draft_ahead else None, draft_ahead=draft_ahead)
+                       plan_ahead=True if draft_ahead else None, draft_ahead=draft_ahead, async_decode=async_decode)
     engine = Engine(target, drafter if mode.drafts else None, cfg, sched)
     if mode.needs_cost_table:
         engine.set_cost_table(cached_profile(engine.runner, cache_dir=cost_cache_dir, context_len=context_len))
@@ -133,7 +134,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
     max_seq_len = max(len(p) for p in batch) + max_new + 2 * gamma + 8
     engine = build_engine(target, drafter, mode, k, args.batch_size, max(max_seq_len, args.context_len + 2 * gamma + 8),
                           args.enforce_eager, args.context_len, args.cost_cache_dir, args.seed, args.layer_backend,
-                          args.draft_ahead)
+                          args.draft_ahead, args.async_decode)
     params = SamplingParams(max_new_tokens=max_new, temperature=args.temperature, ignore_eos=True)
     for i, p in enumerate(batch):
         engine.add_request(p, params, request_id=i)
@@ -160,6 +161,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
                      "temperature": args.temperature, "enforce_eager": args.enforce_eager,
                      "layer_backend": args.layer_backend or "default",
                      "draft_head_in_graph": engine.runner.head_in_graph, "draft_ahead": args.draft_ahead,
+                     "async_decode": args.async_decode,
                      "dtype": str(target.dtype), "prefill_steps": prefill_steps, "gamma": gamma},
         "step_ms_median": statistics.median(timed) if timed else None,
         "step_ms_all": [round(t, 3) for t in timed],
@@ -206,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--draft-ahead", action="store_true",
                    help="EngineConfig.draft_ahead: the next block drafted before the token read")
+    p.add_argument("--async-decode", action="store_true",
+                   help="EngineConfig.async_decode: plain decoding with the token read one step behind (mode none)")
     add_engine_source_args(p)
     p.add_argument("--context-len", type=int, default=DEFAULT_CONTEXT_LEN, help="KV length of the cost profile")
     p.add_argument("--cost-cache-dir", default=None)

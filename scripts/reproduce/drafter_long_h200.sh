@@ -130,7 +130,7 @@ run tau-shipped python -m scripts.eval_acceptance --drafter "$SHIPPED" --prompts
   --drafter "$DATA/run" --modes none,fixed:3,fixed:7,adaptive --batch-sizes 1,16,64 --repeats 2 \
   --time-budget-s 150 --out "$RES/engine-h200-3layer.json"
 [ "$ENGINE" = 1 ] && [ "$STEADY" = 1 ] && run bench-engine-steady python scripts/bench_engine.py --model "$MODEL" \
-  "${SOURCE[@]}" --drafter "$DATA/run" --modes none,fixed:7,adaptive,adaptive+ahead --batch-sizes 1,16,64 \
+  "${SOURCE[@]}" --drafter "$DATA/run" --modes none,none+async,fixed:7,adaptive,adaptive+ahead --batch-sizes 1,16,64 \
   --requests-per-slot 4 --repeats 2 --hf-max-batch 0 --time-budget-s "$STEADY_S" \
   --out "$RES/engine-h200-steady.json"
 stamp DONE

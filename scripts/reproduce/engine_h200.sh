@@ -38,10 +38,11 @@ if [[ " $PARTS " == *" timed "* ]]; then
 #    Adaptive against fixed K = 7 at batch 1 (the same verify length, adaptive's step is slower: its verify size changes
 #    from step to step) also with a Chrome trace each, to see where the difference goes.
 for cfg in "none 1 default" "none 1 torch" "fixed:3 1 default" "fixed:3 1 torch" "none 64 default" \
-           "fixed:3 64 default" "fixed:7 1 default" "adaptive 1 default" "adaptive 1 ahead"; do
+           "fixed:3 64 default" "fixed:7 1 default" "adaptive 1 default" "adaptive 1 ahead" "none 1 async"; do
   set -- $cfg
-  name="${1/:/}-b$2$([ "$3" = torch ] && echo -unfused)$([ "$3" = ahead ] && echo -ahead)"
+  name="${1/:/}-b$2$([ "$3" = torch ] && echo -unfused)$([ "$3" = ahead ] && echo -ahead)$([ "$3" = async ] && echo -async)"
   layer=(); [ "$3" = torch ] && layer=(--layer-backend torch); [ "$3" = ahead ] && layer=(--draft-ahead)
+  [ "$3" = async ] && layer=(--async-decode)
   trace=(); [[ "$1" == fixed:7 || "$1" == adaptive ]] && trace=(--trace "$RES/trace-$name.json")
   timeout 120 python -m scripts.profile_engine --model "$MODEL" --drafter "$DRAFTER" --sharegpt-file "$SHAREGPT" \
     --mode "$1" --batch-size "$2" "${layer[@]}" "${trace[@]}" --out "$RES/profile-$name.json" "${PROFILE_EXTRA[@]}" \
@@ -62,7 +63,7 @@ stamp "bench_engine (rc $?)"
 # 3b. The same modes in the steady state of a server at max_num_seqs = B (4·B requests, a freed slot refilled at
 #     once): a closed batch ends in a tail of its slowest requests, which speculation makes uneven.
 timeout $((STEADY_S + 90)) python -m scripts.bench_engine --model "$MODEL" --sharegpt-file "$SHAREGPT" \
-  --drafter "$DRAFTER" --modes none,fixed:3,fixed:7,adaptive,adaptive+ahead --batch-sizes 1,16,64,256 --requests-per-slot 4 \
+  --drafter "$DRAFTER" --modes none,none+async,fixed:3,fixed:7,adaptive,adaptive+ahead --batch-sizes 1,16,64,256 --requests-per-slot 4 \
   --hf-max-batch 0 --repeats 2 --time-budget-s "$STEADY_S" --out $RES/engine-h200-steady.json "${BENCH_EXTRA[@]}" \
   > $RES/logs/bench_engine_steady.log 2>&1
 stamp "bench_engine steady state (rc $?)"

@@ -12,6 +12,7 @@ import torch
 
 from optimized.engine import Engine, EngineConfig, SamplingParams
 from optimized.generate import generate as opt_generate
+from optimized.runner import ModelRunner
 from reference.config import GenerationConfig, SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
@@ -197,6 +198,57 @@ def test_drafting_ahead_changes_no_decision(mode, draft_ms, temperature, monkeyp
         assert any(n_kept == n for n, n_kept in kept)
     else:  # the gate closes: only its probes draft, and a probe is never launched ahead
         assert not kept
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_plain_decoding_one_step_ahead_equals_the_reference(temperature, monkeypatch):
+    """``async_decode``: step n+1 launched before step n's tokens are read. The same tokens, finish reasons and
+    logprobs as the synchronous engine and as the reference run alone, with requests joining, one running into the
+    end of its slot (known before the read: no extra row) and one aborted while a step of it is in flight: that
+    row is dropped, so it keeps one token fewer than when the abort comes after the read."""
+    target = Target.from_model(tiny_hf_model("llama"))
+    prompts = {0: [5, 6, 7, 8, 9, 10, 11], 1: [3], 2: [40, 41], 3: [7, 7, 7] * 9, 4: [9, 1]}
+    lengths = {0: 21, 1: 6, 2: 13, 3: 40, 4: 30}  # request 3 runs into the end of its 64-position slot
+    rows = []
+    launch = ModelRunner.launch_verify
+
+    def spy(self, plan):
+        rows.append(len(plan.decoding))
+        return launch(self, plan)
+
+    monkeypatch.setattr(ModelRunner, "launch_verify", spy)
+    runs = {}
+    for one_ahead in (False, True):
+        rows.clear()
+        engine = Engine(target, None, EngineConfig(max_num_seqs=3, max_seq_len=64, prefill_chunk=5, seed=5,
+                                                   async_decode=one_ahead), SchedulerConfig(mode="none"))
+        params = {rid: SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True, logprobs=rid == 2)
+                  for rid, n in lengths.items()}
+        for rid in (0, 1, 2):
+            engine.add_request(prompts[rid], params[rid], request_id=rid)
+        steps, streamed = 0, {rid: [] for rid in prompts}
+        while engine.has_unfinished():
+            for out in engine.step():
+                streamed[out.request_id] += out.new_token_ids
+            steps += 1
+            if steps == 3:
+                engine.add_request(prompts[3], params[3], request_id=3)
+                engine.add_request(prompts[4], params[4], request_id=4)
+            if steps == 6:
+                assert engine.abort(0)  # decoding; with async_decode a step of it is in flight
+        seqs = [engine.sequence(r) for r in prompts]
+        assert [streamed[r] for r in prompts] == [s.output_ids for s in seqs], "streamed = committed"
+        runs[one_ahead] = ([s.output_ids for s in seqs], [s.finish_reason for s in seqs], seqs[2].logprobs,
+                           sum(rows), engine.stats["steps"])
+    (sync_out, sync_reasons, sync_lp, sync_rows, sync_steps) = runs[False]
+    (out, reasons, lp, n_rows, n_steps) = runs[True]
+    assert out[1:] == sync_out[1:] and reasons == sync_reasons and lp == sync_lp
+    assert out[0] == sync_out[0][:-1], "the aborted request's in-flight token was dropped"
+    assert reasons[0] == "abort" and reasons[3] == "length" and len(out[3]) < lengths[3]
+    assert n_rows == sync_rows and sync_steps <= n_steps <= sync_steps + 1
+    gen = GenerationConfig(max_new_tokens=lengths[2], temperature=temperature, seed=5, ignore_eos=True)
+    alone = ref_generate(target, None, [prompts[2]], gen, SchedulerConfig(mode="none"))[0].token_ids
+    assert out[2] == alone
 
 
 def test_engine_abort_frees_the_slot():

@@ -110,6 +110,27 @@ def test_drafting_ahead_equals_drafting_after_the_read(temperature):
     assert ahead[False] == 0 < ahead[True]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_plain_decoding_one_step_ahead_on_cuda(temperature):
+    """``async_decode`` with CUDA graphs: step n+1 launched before step n's tokens are read gives the reference's
+    tokens (each request's next input token is read on the device, not from the host)."""
+    target, _ = _cuda_models("llama")
+    lengths = [9, 17, 13]
+    out = {}
+    for one_ahead in (False, True):
+        cfg = EngineConfig(max_num_seqs=len(PROMPTS), seed=99, kernel_backend="triton", device="cuda",
+                           dtype=torch.float32, async_decode=one_ahead)
+        engine = Engine(target, None, cfg, SchedulerConfig(mode="none"))
+        for i, (prompt, n) in enumerate(zip(PROMPTS, lengths)):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True),
+                               request_id=i)
+        while engine.has_unfinished():
+            engine.step()
+        out[one_ahead] = [engine.sequence(i).output_ids for i in range(len(PROMPTS))]
+    assert out[True] == out[False]
+    assert [len(t) for t in out[True]] == lengths
+
+
 def test_gpu_equivalence_script_on_cuda(tmp_path):
     """The equivalence script, tiny models: graphs on, Triton kernels, every request identical, graphs replayed."""
     out = tmp_path / "gpu-equivalence.json"

@@ -142,12 +142,15 @@ def test_bench_engine_steady_state_keeps_the_batch_full(models, tmp_path):
         bench_engine.BenchConfig(requests_per_slot=0)
 
 
-def test_bench_engine_draft_ahead_modes_run_beside_the_plain_ones(models, tmp_path):
-    """``MODE+ahead`` runs the same mode on an engine that drafts before the token read; only those rows do."""
-    report, _ = _run(models, tmp_path, "--modes", "none,fixed:2,fixed:2+ahead,adaptive,adaptive+ahead",
+def test_bench_engine_variant_modes_run_beside_the_plain_ones(models, tmp_path):
+    """``MODE+ahead`` runs the same mode on an engine that drafts before the token read (only those rows do), and
+    ``none+async`` plain decoding with the read one step behind: the same tokens, one more step at the end."""
+    report, _ = _run(models, tmp_path, "--modes", "none,none+async,fixed:2,fixed:2+ahead,adaptive,adaptive+ahead",
                      "--batch-sizes", "2", "--hf-max-batch", "0")
     rows = {r["label"]: r for r in report["results"]}
-    assert set(rows) == {"none", "fixed:2", "fixed:2+ahead", "adaptive", "adaptive+ahead"}
+    assert set(rows) == {"none", "none+async", "fixed:2", "fixed:2+ahead", "adaptive", "adaptive+ahead"}
+    assert rows["none+async"]["tokens"] == rows["none"]["tokens"] and rows["none+async"]["mode"] == "none"
+    assert rows["none"]["engine_steps"] <= rows["none+async"]["engine_steps"] <= rows["none"]["engine_steps"] + 1
     assert rows["fixed:2+ahead"]["draft_ahead_fraction"] > 0 and rows["fixed:2"]["draft_ahead_fraction"] == 0
     assert rows["fixed:2+ahead"]["mode"] == "fixed" and rows["fixed:2+ahead"]["k"] == 2
     # Drafting ahead changes no decision: the same accepted and verify lengths (greedy, same prompts).
@@ -156,8 +159,11 @@ def test_bench_engine_draft_ahead_modes_run_beside_the_plain_ones(models, tmp_pa
             assert rows[mode + "+ahead"][key] == rows[mode][key], (mode, key)
     summary = report["summary"]["2"]
     assert summary["best_fixed"] == "fixed:2" and "adaptive_ahead_over_adaptive" in summary
+    assert "none_async_over_none" in summary
     with pytest.raises(ValueError, match="ahead"):
         bench_engine.BenchConfig(modes=["none+ahead"])
+    with pytest.raises(ValueError, match="async"):
+        bench_engine.BenchConfig(modes=["fixed:2+async"])
     with pytest.raises(ValueError, match="suffix"):
         bench_engine.BenchConfig(modes=["fixed:2+later"])
 
