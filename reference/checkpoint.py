@@ -214,7 +214,7 @@ def _check_target(cfg: DrafterConfig, target: Any, directory: Path) -> None:
         raise ValueError(f"drafter {directory} does not match the target: " + "; ".join(problems))
 
 
-def load_drafter(directory: str | os.PathLike, target: Any = None, *, device: str | torch.device = "cpu",
+def load_drafter(directory: str | os.PathLike, target: Any = None, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None) -> DSparkDrafter:
     """Load a drafter saved by :func:`save_drafter`.
 
@@ -222,8 +222,10 @@ def load_drafter(directory: str | os.PathLike, target: Any = None, *, device: st
         directory: the checkpoint directory.
         target: optional target (with ``embed_tokens``, ``lm_head``, ``vocab_size``, ``hidden_size``,
             ``num_layers``): validated against the checkpoint and attached.
-        device: where to put the drafter.
-        dtype: parameter dtype; None keeps the stored one.
+        device: where to put the drafter; None: the target's device, or the CPU without a target.
+        dtype: parameter dtype; None: the target's dtype (the drafter shares its embedding and LM head, and a
+            bfloat16 checkpoint beside a float32 target would run its own layers in another precision), or the
+            stored one without a target.
 
     Returns:
         The drafter in eval mode.
@@ -260,7 +262,11 @@ def load_drafter(directory: str | os.PathLike, target: Any = None, *, device: st
     if absent:
         raise ValueError(f"tensors {absent} are listed in {INDEX_FILE} but absent from their shards")
     drafter.load_state_dict(state, strict=True)
-    drafter = drafter.to(device=device, dtype=dtype or stored_dtype).eval()
+    if device is None:
+        device = getattr(target, "device", None) or "cpu"
+    if dtype is None:
+        dtype = getattr(target, "dtype", None) or stored_dtype
+    drafter = drafter.to(device=device, dtype=dtype).eval()
     if target is not None:
         drafter.attach_target(target.embed_tokens, target.lm_head)
     return drafter

@@ -127,6 +127,18 @@ def test_dtypes(tmp_path):
     assert all(p.dtype == torch.float32 for p in as_fp32.parameters())
 
 
+def test_a_target_sets_the_default_dtype(tmp_path):
+    """Beside a target, a bfloat16 checkpoint loads in the target's dtype (its layers would otherwise run in another
+    precision than the shared embedding and LM head, and than the engine, which casts to the target's dtype)."""
+    from reference.target import Target
+    from tests.conftest import tiny_hf_model
+
+    target = Target.from_model(tiny_hf_model("qwen3", vocab_size=V), layer_ids=(0, 1, 2))  # float32
+    save_drafter(make_drafter(make_config("markov", qk_norm=True)).to(torch.bfloat16), tmp_path)
+    assert all(p.dtype == torch.float32 for p in load_drafter(tmp_path, target).parameters())
+    assert all(p.dtype == torch.bfloat16 for p in load_drafter(tmp_path, target, dtype=torch.bfloat16).parameters())
+
+
 def test_sts_temperatures(saved):
     _, directory = saved
     cfg = update_sts_temperatures(directory, "greedy", [1.0, 1.5, 2.0, 2.5])
