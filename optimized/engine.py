@@ -262,8 +262,7 @@ class Engine:
         """Whether the token ``seq`` has in flight finishes it by length (its limit, or the end of its slot), as the
         scheduler's commit will find: then it needs no further step. (EOS and stop strings cannot be known before
         the read: such a request runs one dropped row.)"""
-        return (len(seq.output_ids) + 1 >= seq.params.max_new_tokens
-                or seq.anchor_pos + 1 + self.gamma + 2 >= self.config.max_seq_len)
+        return len(seq.output_ids) + 1 >= seq.params.max_new_tokens or self.scheduler.slot_full(seq.anchor_pos + 1)
 
     def _schedule(self) -> StepPlan:
         if not self.scheduler.ready:
@@ -311,7 +310,7 @@ class Engine:
         the read decides) or when the draft must block (staleness 0) or is the n-gram lookup (host)."""
         seqs = self.scheduler.decoding()
         if (not seqs or self.runner.proposer is not None or self.sched_config.staleness == 0
-                or any(s.anchor_pos + 2 * self.gamma + 3 >= self.config.max_seq_len for s in seqs)):
+                or any(self.scheduler.slot_full(s.anchor_pos + self.gamma + 1) for s in seqs)):  # ≤ γ+1 emitted
             return
         self._drafted_ahead = (seqs, self.runner.draft(seqs, blocking=False))
 

@@ -506,7 +506,7 @@ class Scheduler:
                 reason = "stop"
             elif len(seq.output_ids) >= seq.params.max_new_tokens:
                 reason = "length"
-            elif seq.anchor_pos + self.gamma + 2 >= self.max_seq_len:
+            elif self.slot_full(seq.anchor_pos):
                 reason = "length"  # the next block would not fit the slot
             if reason is None and seq.params.stop and self.tokenizer is not None and self._hit_stop(seq):
                 reason = "stop"
@@ -514,6 +514,11 @@ class Scheduler:
                 self.finish(seq, reason)
                 break
         return StepOutput(seq.request_id, new, seq.finished, seq.finish_reason, new_lp, new_top)
+
+    def slot_full(self, anchor_pos: int) -> bool:
+        """Whether a request whose anchor sits at ``anchor_pos`` is finished by its slot: the next block (the anchor and
+        γ drafts, then the bonus position) would not fit in ``max_seq_len``."""
+        return anchor_pos + self.gamma + 2 >= self.max_seq_len
 
     def _hit_stop(self, seq: Sequence) -> bool:
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)

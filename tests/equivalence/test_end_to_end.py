@@ -106,6 +106,17 @@ def test_engine_continuous_batching_matches_alone():
         assert len(out) == engine.sequence(rid).params.max_new_tokens
 
 
+def _spy(monkeypatch, owner: type, name: str, record) -> None:
+    """Replace method ``owner.name`` by one that first passes its arguments to ``record``, then runs it."""
+    original = getattr(owner, name)
+
+    def wrapper(self, *args):
+        record(self, *args)
+        return original(self, *args)
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
 def _run_with_arrivals(engine: Engine, prompts: dict[int, list[int]], lengths: dict[int, int], temperature: float,
                        abort_at: int | None = None) -> tuple[list[bool], int]:
     """Requests 0-2 from the start, 3 and 4 joining after step 3, request 4 aborted after step ``abort_at``; each
@@ -171,13 +182,8 @@ def test_drafting_ahead_changes_no_decision(mode, draft_ms, temperature, monkeyp
     prompts = {0: [5, 6, 7, 8, 9, 10, 11], 1: [3], 2: [40, 41], 3: [7, 7, 7] * 9, 4: [9, 1]}
     lengths = {0: 21, 1: 6, 2: 13, 3: 40, 4: 30}  # request 3 runs into the end of its 64-position slot
     kept = []  # (requests that drafted early, requests that kept their rows) per step that drafted early
-    keep = Engine._keep_early_drafts
-
-    def spy(self, drafters):
-        kept.append((len(self._drafted_ahead[0]), len(drafters)))
-        return keep(self, drafters)
-
-    monkeypatch.setattr(Engine, "_keep_early_drafts", spy)
+    _spy(monkeypatch, Engine, "_keep_early_drafts",
+         lambda engine, drafters: kept.append((len(engine._drafted_ahead[0]), len(drafters))))
     runs = {}
     for early in (False, True):
         kept.clear()
@@ -209,14 +215,8 @@ def test_plain_decoding_one_step_ahead_equals_the_reference(temperature, monkeyp
     target = Target.from_model(tiny_hf_model("llama"))
     prompts = {0: [5, 6, 7, 8, 9, 10, 11], 1: [3], 2: [40, 41], 3: [7, 7, 7] * 9, 4: [9, 1]}
     lengths = {0: 21, 1: 6, 2: 13, 3: 40, 4: 30}  # request 3 runs into the end of its 64-position slot
-    rows = []
-    launch = ModelRunner.launch_verify
-
-    def spy(self, plan):
-        rows.append(len(plan.decoding))
-        return launch(self, plan)
-
-    monkeypatch.setattr(ModelRunner, "launch_verify", spy)
+    rows = []  # requests of every verify launched
+    _spy(monkeypatch, ModelRunner, "launch_verify", lambda runner, plan: rows.append(len(plan.decoding)))
     runs = {}
     for one_ahead in (False, True):
         rows.clear()
