@@ -20,6 +20,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # slots of the static KV caches = the largest decoding batch
     max_seq_len: int = 2048  # positions per slot (prompt + output + γ scratch for the drafter block)
     prefill_chunk: int = 8192  # prompt tokens per step over all prefilling requests (chunked prefill)
+    # The longest prefill step (prompt tokens over its chunks, at most 16 prompts) that replays a CUDA graph; longer
+    # chunks run eagerly, where the launches of 30 layers cost milliseconds whatever the length. 0: prefill eagerly.
+    prefill_graph_tokens: int = 2048
     enforce_eager: bool = False  # True: no CUDA graphs (the same code path, launched eagerly)
     kernel_backend: str = "auto"  # "auto" (Triton on CUDA or under TRITON_INTERPRET=1, else torch), "triton", "torch"
     # The element-wise layer ops (RMSNorm, RoPE + KV append, SiLU·up; optimized/kernels/layer_ops.py): None follows
@@ -50,3 +53,5 @@ class EngineConfig:
             raise ValueError(f"layer_backend must be None, auto, triton or torch, got {self.layer_backend!r}")
         if self.max_num_seqs < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1:
             raise ValueError("max_num_seqs, max_seq_len and prefill_chunk must be positive")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be ≥ 0 (0: eager prefill), got {self.prefill_graph_tokens}")

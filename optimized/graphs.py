@@ -8,8 +8,15 @@ The row dimension of every graph is ``max_num_seqs``: unused rows are
 padding (zero queries, slot -1), with query offsets filled by the exact total so they stay non-decreasing
 (the attention kernel reads its row bounds from them).
 
+A prefill graph runs the target over ``n`` packed prompt tokens of at most ``PrefillBuffers.max_rows`` prompts
+(chunks of any length: the query-length bound is the bucket size), computes the logits of each chunk's last token
+and appends the features to the drafter's context. Prefill has its own buffers and coarser buckets: a prompt arrives
+once, so padding costs little, while an eager prefill costs several milliseconds of kernel launches — in a server's
+steady state, where some request is always being admitted, more than the decode step itself. A prefill never runs in
+a decode graph (their query-length bounds differ).
+
 With ``enforce_eager`` (or on CPU) the same functions run without graphs, so both paths execute the same
-code. Prefill never runs here: a prefill or mixed batch must not run in a decode graph.
+code.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -35,6 +43,17 @@ def bucket_sizes(max_tokens: int) -> list[int]:
     if max_tokens not in sizes:
         sizes.append(max_tokens)
     return sorted(set(s for s in sizes if s <= max_tokens))
+
+
+def prefill_bucket_sizes(max_tokens: int) -> list[int]:
+    """Prefill token buckets: multiples of 16 growing by about 1.25× (16, 32, 48, 64, 80, 96, 112, 128, 160, ...)
+    up to ``max_tokens`` — at most 25% padding, about 20 graphs for 2,048 tokens."""
+    sizes, n = [], 16
+    while n < max_tokens:
+        sizes.append(n)
+        n = max(n + 16, int(n * 1.25) // 16 * 16)
+    sizes.append(max_tokens)
+    return sorted(set(s for s in sizes if 1 <= s <= max_tokens))
 
 
 class GraphRunner:
@@ -131,3 +150,56 @@ class StaticBuffers:
             self.draft_request_id[:r].copy_(request_ids)
             self.draft_temperature[r:r_pad].zero_()
             self.draft_request_id[r:r_pad].zero_()
+
+
+class PrefillBuffers:
+    """The static inputs of the prefill graphs: up to ``max_rows`` prompt chunks of ``max_tokens`` tokens in all.
+
+    The int64 inputs are views of one device tensor and the int32 ones of another, so a step loads them with two
+    host→device copies, each covering the whole buffer (its padding included, so no state survives a step).
+    """
+
+    def __init__(self, max_rows: int, max_tokens: int, device: torch.device, vocab_size: int) -> None:
+        self.max_rows, self.max_tokens = max_rows, max_tokens
+        p, r = max_tokens, max_rows
+        self._host64 = np.zeros(3 * p + r, dtype=np.int64)
+        self._host32 = np.zeros(3 * r + 1, dtype=np.int32)
+        self._flat64 = torch.zeros(3 * p + r, dtype=torch.long, device=device)
+        self._flat32 = torch.zeros(3 * r + 1, dtype=torch.int32, device=device)
+        self.input_ids = self._flat64[:p]  # [P]
+        self.positions = self._flat64[p:2 * p]  # [P]
+        self.token_slot = self._flat64[2 * p:3 * p]  # [P] drafter append slot, -1 for padding
+        self.last_rows = self._flat64[3 * p:]  # [Rp] logits rows: the last token of each completed chunk first
+        self.cu = self._flat32[:r + 1]  # [Rp+1]
+        self.kv_lens = self._flat32[r + 1:2 * r + 1]  # [Rp]
+        self.slot_ids = self._flat32[2 * r + 1:]  # [Rp], -1 for padding
+        self.slot_ids.fill_(-1)
+        self.token_slot.fill_(-1)
+        # [Rp, V] fp32 logits of the last rows: the one output buffer of every prefill graph.
+        self.logits = torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device)
+
+    def load(self, tokens: list[int], positions: list[int], cu: list[int], kv_lens: list[int], slots: list[int],
+             last_rows: list[int]) -> None:
+        """Write one step's chunks (host lists, as ``ModelRunner.prefill`` builds them); the rest becomes padding:
+        tokens 0 at position 0 in slot -1 (the trash slot), rows of length 0 (the offset repeated), logits row 0."""
+        p, r = self.max_tokens, self.max_rows
+        n, rows = len(tokens), len(slots)
+        if n > p or rows > r:
+            raise ValueError(f"{rows} chunks of {n} tokens exceed the prefill buffers ({r} chunks, {p} tokens)")
+        h64, h32 = self._host64, self._host32
+        h64[:] = 0
+        h64[2 * p:3 * p] = -1
+        h64[:n] = tokens
+        h64[p:p + n] = positions
+        h64[2 * p:2 * p + n] = np.repeat(np.asarray(slots, dtype=np.int64), np.diff(cu))
+        h64[3 * p:3 * p + len(last_rows)] = last_rows
+        h32[:rows + 1] = cu
+        h32[rows + 1:r + 1] = cu[-1]
+        h32[r + 1:2 * r + 1] = 0
+        h32[r + 1:r + 1 + rows] = kv_lens
+        h32[2 * r + 1:] = -1
+        h32[2 * r + 1:2 * r + 1 + rows] = slots
+        # Pageable sources: each copy stages the host array before returning, so the arrays may be rewritten next
+        # step while the device has not yet run the copy.
+        self._flat64.copy_(torch.from_numpy(h64), non_blocking=True)
+        self._flat32.copy_(torch.from_numpy(h32), non_blocking=True)

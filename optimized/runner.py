@@ -4,8 +4,8 @@ The same method as ``reference/generate.py`` (docs/method.md §1–§5), batched
 public method that takes host objects in (sequences, a :class:`optimized.scheduler.StepPlan`) and gives host lists
 back:
 
-    prefill   prompt chunks through the target (eager, never in a decode graph); finished prompts sample their first
-              token and append their features to the drafter context
+    prefill   prompt chunks through the target (a prefill graph per token bucket, eager past the largest; never in a
+              decode graph); finished prompts sample their first token; the features go to the drafter context
     verify    one varlen target forward over [x_0, x_1..x_ℓ] of every decoding request (CUDA graph per token bucket;
               the graph also appends the verified features to the drafter context), ℓ_r = top-B of the *current*
               survivals on the device (or the plan's lengths), then rejection sampling (greedy verification from the
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from optimized.config import EngineConfig
-from optimized.graphs import GraphRunner, StaticBuffers, bucket_sizes
+from optimized.graphs import GraphRunner, PrefillBuffers, StaticBuffers, bucket_sizes, prefill_bucket_sizes
 from optimized.kernels.allocate import allocate_top_b
 from optimized.kernels.draft_head import sample_block
 from optimized.kernels.layout import verify_layout
@@ -53,6 +53,9 @@ from reference.sampling import Purpose, logits_to_probs
 from reference.target import Target
 
 log = logging.getLogger("dspark.runner")
+
+# Prompt chunks one prefill graph takes at most (more in one step run as several graph launches).
+PREFILL_GRAPH_ROWS = 16
 
 # Placeholder requests of the warm-up: how many prompt tokens each carries. 72 > 64 so that a chunk spans more than
 # one 64-row query tile of the attention kernel (its tile choice depends on the chunk length), as long prompts do.
@@ -220,6 +223,27 @@ class ModelRunner:
 
         self.verify_graphs = GraphRunner("verify", verify_fn, bucket_sizes(max_tokens), use_graphs)
         self.verify_graphs.capture()
+
+        # Prefill: the last token of each chunk gets logits (only completed prompts' rows are read).
+        pb = self.prefill_buffers = PrefillBuffers(min(PREFILL_GRAPH_ROWS, cfg.max_num_seqs),
+                                                   max(1, min(cfg.prefill_graph_tokens, cfg.prefill_chunk)),
+                                                   self.device, self.target.lm_head.shape[0])
+
+        def prefill_fn(n: int):
+            logits, features = self.target.forward(pb.input_ids[:n], pb.positions[:n], pb.cu, pb.kv_lens, pb.slot_ids,
+                                                   pb.last_rows, max_q_len=n, logits_out=pb.logits)
+            if self.drafter is not None:
+                self.drafter.append_context(features, pb.positions[:n], pb.token_slot[:n])
+            return (logits,)
+
+        self.prefill_graphs = GraphRunner("prefill", prefill_fn, prefill_bucket_sizes(pb.max_tokens),
+                                          use_graphs and cfg.prefill_graph_tokens > 0, pool=self.verify_graphs.pool)
+        try:
+            self.prefill_graphs.capture()
+        except RuntimeError as err:  # keep serving: the same function then runs eagerly, as with enforce_eager
+            log.warning("capturing the prefill graphs failed (%s); prefill runs eagerly", err)
+            torch.cuda.synchronize()  # sync: start-up capture, off the step loop
+            self.prefill_graphs.graphs.clear()
         self.draft_graphs = None
         if self.drafter is not None:
             self.draft_graphs = GraphRunner("draft", draft_fn, bucket_sizes(cfg.max_num_seqs), use_graphs,
@@ -251,33 +275,31 @@ class ModelRunner:
     def prefill(self, chunks: list[PrefillChunk]) -> StageOutput:
         """Run prompt chunks; sequences whose prompt completes get their first token (a bonus draw).
 
-        A sequence's first chunk loads its sampling parameters into its slot.
+        A sequence's first chunk loads its sampling parameters into its slot. Chunks run in groups that fit the
+        prefill graphs (``PREFILL_GRAPH_ROWS`` chunks, ``EngineConfig.prefill_graph_tokens`` tokens); a chunk longer
+        than that runs eagerly on its own.
         """
-        dev = self.device
-        tokens, positions, cu, kv_lens, slots, last_rows, done = [], [], [0], [], [], [], []
-        for seq, start, n in chunks:
+        dev, pb = self.device, self.prefill_buffers
+        for seq, start, _ in chunks:
             if start == 0:
                 self._bind(seq)
-            tokens += seq.prompt_ids[start:start + n]
-            positions += range(start, start + n)
-            cu.append(cu[-1] + n)
-            kv_lens.append(start + n)
-            slots.append(seq.slot)
-            if start + n == len(seq.prompt_ids):
-                last_rows.append(cu[-1] - 1)
-                done.append(seq)
-        tok = torch.tensor(tokens, dtype=torch.long, device=dev)  # [N]
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)  # [N]
-        cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)  # [R+1]
-        kv_t = torch.tensor(kv_lens, dtype=torch.int32, device=dev)  # [R]
-        slot_t = torch.tensor(slots, dtype=torch.int32, device=dev)  # [R]
-        rows = torch.tensor(last_rows, dtype=torch.long, device=dev)  # [M]
-        logits, features = self.target.forward(tok, pos, cu_t, kv_t, slot_t, logits_rows=rows)  # [M, V], [N, m*d]
-        if self.drafter is not None:
-            slot_of_token = torch.repeat_interleave(slot_t.long(), torch.diff(cu_t).long())  # [N]
-            self.drafter.append_context(features, pos, slot_of_token)
+        groups: list[list[PrefillChunk]] = []
+        for c in chunks:
+            if (groups and len(groups[-1]) < pb.max_rows and c.length <= pb.max_tokens
+                    and sum(g.length for g in groups[-1]) + c.length <= pb.max_tokens):
+                groups[-1].append(c)
+            else:
+                groups.append([c])
+        done, logits = [], []
+        for group in groups:
+            group_done, group_logits = self._prefill_forward(group)
+            done += group_done
+            if group_done:
+                # a graph's logits buffer is rewritten by the next group's replay: keep this group's rows
+                logits.append(group_logits.clone() if len(groups) > 1 else group_logits)
         if not done:
             return StageOutput([], [], None)
+        logits = logits[0] if len(logits) == 1 else torch.cat(logits)  # [M, V] the completed prompts' last rows
         done_slots = torch.tensor([s.slot for s in done], dtype=torch.long, device=dev)
         p_t = logits_to_probs(logits, self.temperature[done_slots], self.top_p[done_slots], self.top_k[done_slots])
         positions_first = torch.tensor([len(s.prompt_ids) for s in done], dtype=torch.long, device=dev)
@@ -296,6 +318,38 @@ class ModelRunner:
         top_host = top_to_host(done, want, top)  # sync: only when a request asked for top logprobs
         return StageOutput(done, [[t] for t in first_host], [[lp] for lp in logp_host],
                            top_logprobs=[t[:1] if t else None for t in top_host])
+
+    def _prefill_forward(self, chunks: list[PrefillChunk]) -> tuple[list[Sequence], torch.Tensor]:
+        """One target forward over ``chunks`` (their features appended to the drafter context). Returns the sequences
+        whose prompt these chunks complete and the ``[M, V]`` logits of their last prompt token."""
+        tokens, positions, cu, kv_lens, slots, last_rows, done = [], [], [0], [], [], [], []
+        for seq, start, n in chunks:
+            tokens += seq.prompt_ids[start:start + n]
+            positions += range(start, start + n)
+            cu.append(cu[-1] + n)
+            kv_lens.append(start + n)
+            slots.append(seq.slot)
+            if start + n == len(seq.prompt_ids):
+                last_rows.append(cu[-1] - 1)
+                done.append(seq)
+        pb = self.prefill_buffers
+        if self.config.prefill_graph_tokens and len(chunks) <= pb.max_rows and len(tokens) <= pb.max_tokens:
+            # the static buffers and a prefill graph (eager on the CPU or with enforce_eager: the same function)
+            pb.load(tokens, positions, cu, kv_lens, slots, last_rows)
+            (logits,) = self.prefill_graphs.run(self.prefill_graphs.padded(len(tokens)))  # [Rp, V]
+            return done, logits[:len(done)]
+        dev = self.device  # a chunk longer than the largest prefill graph (or none): eagerly, over exactly its tokens
+        tok = torch.tensor(tokens, dtype=torch.long, device=dev)  # [N]
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)  # [N]
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)  # [R+1]
+        kv_t = torch.tensor(kv_lens, dtype=torch.int32, device=dev)  # [R]
+        slot_t = torch.tensor(slots, dtype=torch.int32, device=dev)  # [R]
+        rows = torch.tensor(last_rows, dtype=torch.long, device=dev)  # [M]
+        logits, features = self.target.forward(tok, pos, cu_t, kv_t, slot_t, logits_rows=rows)  # [M, V], [N, m*d]
+        if self.drafter is not None:
+            slot_of_token = torch.repeat_interleave(slot_t.long(), torch.diff(cu_t).long())  # [N]
+            self.drafter.append_context(features, pos, slot_of_token)
+        return done, logits
 
     def current_survivals(self, seqs: list[Sequence]) -> torch.Tensor:
         """``[R, γ]`` host copy of the survivals of the drafts ``seqs`` hold now, for a synchronous policy."""

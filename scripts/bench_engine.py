@@ -89,6 +89,7 @@ class BenchConfig:
     hf_repeats: int = 1  # HF runs take seconds each and vary little; one timed run after a short warm-up
     time_budget_s: float | None = None  # start no new configuration after this many seconds (model load included)
     enforce_eager: bool = False  # engine without CUDA graphs
+    prefill_graph_tokens: int = EngineConfig.prefill_graph_tokens  # 0: every prefill eager (the A/B of prefill graphs)
     layer_backend: str | None = None  # EngineConfig.layer_backend (None: fused Triton layer ops on CUDA)
     context_len: int = DEFAULT_CONTEXT_LEN  # KV length the cost table is profiled at
     cost_cache_dir: str | None = None  # default $DSPARK_CACHE/cost or ~/.cache/dspark/cost
@@ -252,7 +253,8 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     scratch = max(gamma, ngram.gamma if uses_ngram else 0)  # the largest block of any engine
     max_seq_len = max(longest + cfg.max_new_tokens, cfg.context_len) + 2 * scratch + 8
     econf = dict(max_num_seqs=max_b, max_seq_len=max_seq_len, device=str(device), dtype=target.dtype,
-                 enforce_eager=cfg.enforce_eager, layer_backend=cfg.layer_backend, seed=cfg.seed)
+                 enforce_eager=cfg.enforce_eager, layer_backend=cfg.layer_backend, seed=cfg.seed,
+                 prefill_graph_tokens=cfg.prefill_graph_tokens)
     engines: dict[str, Engine] = {}
     t_build = time.perf_counter()
     if any(not m.drafts for _, _, m, _ in modes):
@@ -523,7 +525,8 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
                       max_new_tokens=args.max_new_tokens, requests_per_slot=args.requests_per_slot,
                       warmup=args.warmup, repeats=args.repeats,
                       hf_max_batch=args.hf_max_batch, hf_repeats=args.hf_repeats, time_budget_s=args.time_budget_s,
-                      enforce_eager=args.enforce_eager, layer_backend=args.layer_backend, context_len=args.context_len,
+                      enforce_eager=args.enforce_eager, prefill_graph_tokens=args.prefill_graph_tokens,
+                      layer_backend=args.layer_backend, context_len=args.context_len,
                       cost_cache_dir=args.cost_cache_dir, seed=args.seed, ngram_gamma=args.ngram_gamma,
                       ngram_max_n=args.ngram_max_n, ngram_min_n=args.ngram_min_n)
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")

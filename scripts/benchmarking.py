@@ -12,6 +12,7 @@ import argparse
 
 import torch
 
+from optimized.config import EngineConfig
 from reference.config import SCHEDULER_MODES, NgramConfig, ProposerKind, SchedulingMode
 from reference.ngram import check_mode
 from reference.target import Target
@@ -62,6 +63,8 @@ def add_engine_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--prefill-graph-tokens", type=int, default=EngineConfig.prefill_graph_tokens,
+                   help="longest prefill step that replays a CUDA graph (0: every prefill eager, to measure them)")
     p.add_argument("--layer-backend", default=None, choices=["auto", "triton", "torch"],
                    help="element-wise layer ops (RMSNorm, RoPE+append, SiLU): default the kernel backend (fused Triton "
                         "on CUDA); torch = the unfused ops, to measure the fusion")

@@ -579,7 +579,8 @@ def parse_modes(text: str, gamma: int) -> list[ModeSpec]:
 
 @contextlib.contextmanager
 def count_graph_runs():
-    """Count, per graph runner ("verify", "draft"), the runs replayed from a captured CUDA graph and the eager ones."""
+    """Count, per graph runner ("verify", "prefill", "draft"), the runs replayed from a captured CUDA graph and the
+    eager ones."""
     counts: dict[str, dict[str, int]] = {}
     original = GraphRunner.run
 

@@ -58,12 +58,13 @@ MEMCPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy", "cuMemcpyAsync", "cudaMemsetAsy
 def build_engine(target: Target, drafter: DSparkDrafter | None, mode: SchedulingMode, k: int | None,
                  batch_size: int, max_seq_len: int, enforce_eager: bool, context_len: int, cost_cache_dir: str | None,
                  seed: int, layer_backend: str | None = None, draft_ahead: bool = False,
-                 async_decode: bool = False) -> Engine:
+                 async_decode: bool = False, prefill_graph_tokens: int = EngineConfig.prefill_graph_tokens) -> Engine:
     """An engine sized for ``batch_size`` slots in one policy; adaptive policies get a profiled cost table."""
     sched = SchedulerConfig(mode=mode) if k is None else SchedulerConfig(mode=mode, k=k)
     cfg = EngineConfig(max_num_seqs=batch_size, max_seq_len=max_seq_len, device=str(target.device),
                        dtype=target.dtype, enforce_eager=enforce_eager, seed=seed, layer_backend=layer_backend,
-                       plan_ahead=True if draft_ahead else None, draft_ahead=draft_ahead, async_decode=async_decode)
+                       plan_ahead=True if draft_ahead else None, draft_ahead=draft_ahead, async_decode=async_decode,
+                       prefill_graph_tokens=prefill_graph_tokens)
     engine = Engine(target, drafter if mode.drafts else None, cfg, sched)
     if mode.needs_cost_table:
         engine.set_cost_table(cached_profile(engine.runner, cache_dir=cost_cache_dir, context_len=context_len))
@@ -134,7 +135,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
     max_seq_len = max(len(p) for p in batch) + max_new + 2 * gamma + 8
     engine = build_engine(target, drafter, mode, k, args.batch_size, max(max_seq_len, args.context_len + 2 * gamma + 8),
                           args.enforce_eager, args.context_len, args.cost_cache_dir, args.seed, args.layer_backend,
-                          args.draft_ahead, args.async_decode)
+                          args.draft_ahead, args.async_decode, args.prefill_graph_tokens)
     params = SamplingParams(max_new_tokens=max_new, temperature=args.temperature, ignore_eos=True)
     for i, p in enumerate(batch):
         engine.add_request(p, params, request_id=i)

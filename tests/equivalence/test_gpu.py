@@ -4,7 +4,7 @@ Level 3 of the equivalence contract on the device: the comparison of ``test_end_
 token ids, per-step accepted and verify lengths, finish reasons) with the tiny Llama and Qwen3 targets moved to CUDA
 in float32 with TF32 off, the engine capturing its verify and draft graphs (``enforce_eager=False``) and running every
 op on its Triton kernel; every mode, greedy and seeded sampling. Then the graph path against the eager path of the
-same engine, token for token, and the GPU equivalence script on CUDA. The full-size run on the real target is
+same engine (prefill graphs included), token for token, and the GPU equivalence script on CUDA. The full-size run on the real target is
 ``python -m scripts.gpu_equivalence`` (``docs/benchmarks/gpu-equivalence.json``).
 Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
 
@@ -61,9 +61,10 @@ def test_cuda_graphs_reference_equals_optimized_every_mode(family, temperature):
     with ge.count_graph_runs() as runs:
         for mode in MODES:
             _compare(target, drafter, PROMPTS, _gen(temperature), mode, backend="triton")
-    # Every verify (≤ 3·(γ+1) = 15 tokens) and draft (≤ 3 requests) fits a captured bucket: nothing ran eagerly.
-    assert runs["verify"]["graph"] > 0 and runs["verify"]["eager"] == 0, runs
-    assert runs["draft"]["graph"] > 0 and runs["draft"]["eager"] == 0, runs
+    # Every verify (≤ 3·(γ+1) = 15 tokens), prefill (3 prompts of ≤ 7 tokens) and draft (≤ 3 requests) fits a
+    # captured bucket: nothing ran eagerly.
+    for stage in ("verify", "prefill", "draft"):
+        assert runs[stage]["graph"] > 0 and runs[stage]["eager"] == 0, runs
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -81,6 +82,7 @@ def test_graphs_equal_eager_token_for_token(temperature):
                 out[eager] = opt_generate(target, drafter, PROMPTS, gen, sched, _cost(), engine_config=cfg)
             runs[eager] = counts
         assert runs[False]["verify"]["graph"] > 0 and runs[True]["verify"]["graph"] == 0, runs
+        assert runs[False]["prefill"]["graph"] > 0 and runs[True]["prefill"]["graph"] == 0, runs
         for a, b in zip(out[True], out[False]):
             assert b.token_ids == a.token_ids, f"{mode}: tokens differ"
             assert b.accepted_lengths == a.accepted_lengths, f"{mode}: accepted lengths differ"

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from optimized.engine import Engine, EngineConfig, SamplingParams, StepStats
+from optimized.graphs import PrefillBuffers, prefill_bucket_sizes
 from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
 from reference.target import Target
 from reference.testing import tiny_drafter, tiny_hf_model
+from scripts.equivalence import count_graph_runs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[5, 9, 3, 17], [2, 40, 41, 42, 43, 7, 8], [60]]
@@ -125,3 +127,50 @@ def test_release_forgets_finished_requests_only(models):
     assert engine.abort(running)
     engine.release(running)
     assert not engine.has_unfinished()
+
+
+def test_prefill_buffers_pad_every_row_and_token():
+    """One step's chunks in the prefill graphs' buffers; everything past them is padding that writes to the trash slot
+    and reads nothing (zero-length rows, the offset repeated), and a second, smaller load leaves nothing behind."""
+    pb = PrefillBuffers(max_rows=4, max_tokens=10, device=torch.device("cpu"), vocab_size=7)
+    pb.load([1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 0, 1], [0, 5, 7], [5, 2], [2, 0], [6])
+    assert pb.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 0, 0, 0]
+    assert pb.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 0, 0, 0]
+    assert pb.token_slot.tolist() == [2, 2, 2, 2, 2, 0, 0, -1, -1, -1]
+    assert pb.cu.tolist() == [0, 5, 7, 7, 7] and pb.kv_lens.tolist() == [5, 2, 0, 0]
+    assert pb.slot_ids.tolist() == [2, 0, -1, -1] and pb.last_rows.tolist() == [6, 0, 0, 0]
+    pb.load([9], [3], [0, 1], [4], [1], [0])
+    assert pb.token_slot.tolist() == [1] + [-1] * 9 and pb.cu.tolist() == [0, 1, 1, 1, 1]
+    assert pb.slot_ids.tolist() == [1, -1, -1, -1] and pb.kv_lens.tolist() == [4, 0, 0, 0]
+    with pytest.raises(ValueError, match="exceed"):
+        pb.load(list(range(11)), list(range(11)), [0, 11], [11], [0], [10])
+    assert prefill_bucket_sizes(10) == [10] and prefill_bucket_sizes(2048)[-1] == 2048
+    sizes = prefill_bucket_sizes(2048)
+    assert all(b / a <= 2 and b % 16 == 0 for a, b in zip(sizes, sizes[1:])) and len(sizes) <= 24
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_prefill_in_groups_equals_one_eager_prefill(models, temperature):
+    """Twenty prompts admitted together: with small prefill graphs (16 chunks, 10 tokens) the step's chunks run in
+    several groups through the graphs' buffers and the longer ones eagerly alone; the tokens, verify and accepted
+    lengths equal those of one eager forward per step (``prefill_graph_tokens=0``)."""
+    target, drafter = models
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 90, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 14, (20,), generator=gen)]
+    out, runs = {}, {}
+    for graph_tokens in (0, 10):
+        cfg = EngineConfig(max_num_seqs=20, max_seq_len=64, prefill_chunk=120, prefill_graph_tokens=graph_tokens,
+                           kernel_backend="torch", seed=3)
+        engine = Engine(target, drafter, cfg, SchedulerConfig(mode="fixed", k=3))
+        params = SamplingParams(max_new_tokens=6, temperature=temperature, ignore_eos=True)
+        with count_graph_runs() as counts:
+            rids = [engine.add_request(p, params) for p in prompts]
+            while engine.has_unfinished():
+                engine.step()
+        out[graph_tokens] = [(engine.sequence(r).output_ids, engine.sequence(r).verify_lengths,
+                              engine.sequence(r).accepted_lengths) for r in rids]
+        runs[graph_tokens] = counts.get("prefill", {"graph": 0, "eager": 0})
+    assert runs[0]["eager"] == 0  # no prefill through the graphs' function at all
+    assert runs[10]["eager"] >= 3  # 20 prompts of ≤ 13 tokens: several groups (and the long prompts alone)
+    assert out[10] == out[0]
