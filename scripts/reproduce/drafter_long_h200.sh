@@ -16,14 +16,16 @@
 #      docs/benchmarks/eval_prompts.jsonl, greedy and T = 1, with the drafter it replaces measured greedily in the
 #      same run (the baseline);
 #   5. runs the engine benchmark with it at batch 1, 16 and 64 (ENGINE=1): closed batches, then (STEADY=1) a server's
-#      steady state (--requests-per-slot 4) with the next block drafted before the token read beside it (+ahead);
+#      steady state (--requests-per-slot 4) with the next block drafted before the token read beside it (+ahead),
+#      and that steady state again with every prefill eager (--prefill-graph-tokens 0, batch 16 and 64);
 #   6. leaves the checkpoint (bf16 shards ≤ 15 MB) in $RES/run for the trip back (scripts/reproduce/pack.sh).
 # Pass the same STEPS, LR, LAYERS and TOKENS on every loan of one schedule. The shipped schedule so far: loan 1 (from
 # scratch, DATA_SEED=0, prompt shards 0-19, 10 min, einsum attention), loan 2 (DATA_SEED=1 START_SHARD=20, which
 # reached shards 20-27 and 0-7, TRAIN_MIN=11, FlexAttention), loan 3 (DATA_SEED=2 START_SHARD=8 TRAIN_MIN=13
-# ATTENTION=flex PROFILE=0: shards 8-19, 21 and 22, steps 7,253-12,938; the whole script took 23 minutes). Its next
-# loan starts at the shard loan 3 did not reach:
-#   DATA_SEED=3 START_SHARD=20 TRAIN_MIN=13 ATTENTION=flex PROFILE=0 bash scripts/reproduce/drafter_long_h200.sh
+# ATTENTION=flex PROFILE=0: shards 8-19, 21 and 22, steps 7,253-12,938; the whole script took 23 minutes), loan 4
+# (DATA_SEED=3 START_SHARD=20, the same settings: shards 20-27 and 0-7, steps 12,938-19,126; 24 minutes with the
+# steady-state benchmark). Its next loan starts at the shard loan 4 did not reach:
+#   DATA_SEED=4 START_SHARD=8 TRAIN_MIN=13 ATTENTION=flex PROFILE=0 bash scripts/reproduce/drafter_long_h200.sh
 # Needs the target at $MODEL and ShareGPT at $SHAREGPT (docs/training.md, "Reproduction scripts on a GPU machine").
 # A CPU dry run: MODEL=smollm2-135m-instruct SHAREGPT= DEVICE=cpu GEN_PROCS=1 GEN_EXTRA="--limit 8 --max-new-tokens 16"
 #   HELD_EXTRA="--limit 8 --max-new-tokens 16" TRAIN_EXTRA="--stop-after 2 --eval-examples 4" TOKENS=1024
@@ -133,5 +135,10 @@ run tau-shipped python -m scripts.eval_acceptance --drafter "$SHIPPED" --prompts
   "${SOURCE[@]}" --drafter "$DATA/run" --modes none,none+async,fixed:7,adaptive,adaptive+ahead --batch-sizes 1,16,64 \
   --requests-per-slot 4 --repeats 2 --hf-max-batch 0 --time-budget-s "$STEADY_S" \
   --out "$RES/engine-h200-steady.json"
+# The same steady state with every prefill eager (EngineConfig.prefill_graph_tokens=0): what the prefill graphs buy.
+[ "$ENGINE" = 1 ] && [ "$STEADY" = 1 ] && run bench-engine-steady-eager-prefill python scripts/bench_engine.py \
+  --model "$MODEL" "${SOURCE[@]}" --drafter "$DATA/run" --modes none,fixed:7,adaptive --batch-sizes 16,64 \
+  --requests-per-slot 4 --repeats 2 --hf-max-batch 0 --time-budget-s 60 --prefill-graph-tokens 0 \
+  --out "$RES/engine-h200-steady-eager-prefill.json"
 stamp DONE
 touch "$RES/DONE"
