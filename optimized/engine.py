@@ -194,9 +194,11 @@ class Engine:
         """Zero the cumulative counters in ``stats``: steps, drafting steps (of which ``draft_ahead_steps`` drafted
         before the token read, see ``EngineConfig.draft_ahead``; ``drafts_dropped`` counts early drafts that nobody
         kept: the gate closed once some requests had finished), seconds of step, of host planning on the critical path
-        (``host_schedule_s``) and of planning done while the device verified (``host_ahead_s``)."""
+        (``host_schedule_s``) and of planning done while the device verified (``host_ahead_s``), steps that ran prompt
+        chunks (``prefill_steps``) and the seconds of their prefill stage (``prefill_s``: launch to the read of the
+        first tokens, which waits for the prefill's device work when a prompt completes)."""
         self.stats = {"steps": 0, "draft_steps": 0, "draft_ahead_steps": 0, "drafts_dropped": 0,
-                      "host_schedule_s": 0.0, "host_ahead_s": 0.0, "step_s": 0.0}
+                      "host_schedule_s": 0.0, "host_ahead_s": 0.0, "step_s": 0.0, "prefill_steps": 0, "prefill_s": 0.0}
 
     # ------------------------------------------------------------------------------------------------------
     # One step
@@ -274,7 +276,10 @@ class Engine:
     def _prefill(self, plan: StepPlan) -> list[StepOutput]:
         if not plan.prefill:
             return []
+        t0 = time.perf_counter()
         out = self.runner.prefill(plan.prefill)
+        self.stats["prefill_steps"] += 1
+        self.stats["prefill_s"] += time.perf_counter() - t0
         return self.scheduler.postprocess(out.seqs, out.tokens, out.logprobs, top_logprobs=out.top_logprobs)
 
     def _verify(self, plan: StepPlan) -> list[StepOutput]:

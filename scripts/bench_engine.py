@@ -171,6 +171,9 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
         "draft_step_fraction": stats["draft_steps"] / max(stats["steps"], 1),
         # steps whose draft was launched before the token read (EngineConfig.draft_ahead; the "+ahead" modes)
         "draft_ahead_fraction": stats["draft_ahead_steps"] / max(stats["steps"], 1),
+        # steps that ran prompt chunks, and the mean time of their prefill stage (with its first-token read)
+        "prefill_step_fraction": stats["prefill_steps"] / max(stats["steps"], 1),
+        "prefill_ms": 1e3 * stats["prefill_s"] / max(stats["prefill_steps"], 1),
     }
 
 
@@ -309,7 +312,8 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
         report["results"].append(row)
         log.info("batch %4d %-14s %9.1f tokens/s  τ = %.2f  %s", b, label, row["output_tokens_per_s"],
                  row["mean_accepted_length"],
-                 f"host {100 * row['host_schedule_fraction']:.1f}% of {row['step_ms']:.2f} ms/step"
+                 f"host {100 * row['host_schedule_fraction']:.1f}% of {row['step_ms']:.2f} ms/step, prefill in "
+                 f"{100 * row['prefill_step_fraction']:.0f}% of steps ({row['prefill_ms']:.2f} ms)"
                  if "step_ms" in row else "")
         report["summary"] = summarize(report["results"])
         save()

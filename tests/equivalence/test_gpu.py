@@ -2,10 +2,10 @@
 
 Level 3 of the equivalence contract on the device: the comparison of ``test_end_to_end.py`` (its ``_compare``:
 token ids, per-step accepted and verify lengths, finish reasons) with the tiny Llama and Qwen3 targets moved to CUDA
-in float32 with TF32 off, the engine capturing its verify and draft graphs (``enforce_eager=False``) and running every
-op on its Triton kernel; every mode, greedy and seeded sampling. Then the graph path against the eager path of the
-same engine (prefill graphs included), token for token, and the GPU equivalence script on CUDA. The full-size run on the real target is
-``python -m scripts.gpu_equivalence`` (``docs/benchmarks/gpu-equivalence.json``).
+in float32 with TF32 off, the engine capturing its verify, prefill and draft graphs (``enforce_eager=False``) and
+running every op on its Triton kernel; every mode, greedy and seeded sampling. Then the graph path against the eager
+path of the same engine, token for token, and the GPU equivalence script on CUDA. The full-size run on the real
+target is ``python -m scripts.gpu_equivalence`` (``docs/benchmarks/gpu-equivalence.json``).
 Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
 
 Every test is marked ``gpu`` and skipped where CUDA is not available.

@@ -170,6 +170,8 @@ def test_prefill_in_groups_equals_one_eager_prefill(models, temperature):
                 engine.step()
         out[graph_tokens] = [(engine.sequence(r).output_ids, engine.sequence(r).verify_lengths,
                               engine.sequence(r).accepted_lengths) for r in rids]
+        # 20 prompts of ≤ 13 tokens, 120 prompt tokens a step: two prefill steps whatever the grouping
+        assert engine.stats["prefill_steps"] == 2 and engine.stats["prefill_s"] > 0
         runs[graph_tokens] = counts.get("prefill", {"graph": 0, "eager": 0})
     assert runs[0]["eager"] == 0  # no prefill through the graphs' function at all
     assert runs[10]["eager"] >= 3  # 20 prompts of ≤ 13 tokens: several groups (and the long prompts alone)
