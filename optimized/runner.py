@@ -277,19 +277,13 @@ class ModelRunner:
 
         A sequence's first chunk loads its sampling parameters into its slot. Chunks run in groups that fit the
         prefill graphs (``PREFILL_GRAPH_ROWS`` chunks, ``EngineConfig.prefill_graph_tokens`` tokens); a chunk longer
-        than that runs eagerly on its own.
+        than that runs eagerly on its own, and with ``prefill_graph_tokens=0`` all of them in one eager forward.
         """
-        dev, pb = self.device, self.prefill_buffers
+        dev = self.device
         for seq, start, _ in chunks:
             if start == 0:
                 self._bind(seq)
-        groups: list[list[PrefillChunk]] = []
-        for c in chunks:
-            if (groups and len(groups[-1]) < pb.max_rows and c.length <= pb.max_tokens
-                    and sum(g.length for g in groups[-1]) + c.length <= pb.max_tokens):
-                groups[-1].append(c)
-            else:
-                groups.append([c])
+        groups = self._prefill_groups(chunks)
         done, logits = [], []
         for group in groups:
             group_done, group_logits = self._prefill_forward(group)
@@ -318,6 +312,23 @@ class ModelRunner:
         top_host = top_to_host(done, want, top)  # sync: only when a request asked for top logprobs
         return StageOutput(done, [[t] for t in first_host], [[lp] for lp in logp_host],
                            top_logprobs=[t[:1] if t else None for t in top_host])
+
+    def _prefill_groups(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+        """The step's chunks in launch order: groups that fit the prefill buffers (a chunk longer than they hold alone),
+        or all of them in one eager forward when prefill graphs are off (``prefill_graph_tokens=0``)."""
+        if not self.config.prefill_graph_tokens:
+            return [chunks]
+        pb = self.prefill_buffers
+        groups: list[list[PrefillChunk]] = []
+        tokens = 0  # in the last group
+        for c in chunks:
+            if groups and len(groups[-1]) < pb.max_rows and tokens + c.length <= pb.max_tokens:
+                groups[-1].append(c)
+                tokens += c.length
+            else:
+                groups.append([c])
+                tokens = c.length
+        return groups
 
     def _prefill_forward(self, chunks: list[PrefillChunk]) -> tuple[list[Sequence], torch.Tensor]:
         """One target forward over ``chunks`` (their features appended to the drafter context). Returns the sequences

@@ -8,6 +8,7 @@ import torch
 
 from optimized.engine import Engine, EngineConfig, SamplingParams, StepStats
 from optimized.graphs import PrefillBuffers, prefill_bucket_sizes
+from optimized.runner import ModelRunner
 from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
 from reference.target import Target
@@ -150,7 +151,7 @@ def test_prefill_buffers_pad_every_row_and_token():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_prefill_in_groups_equals_one_eager_prefill(models, temperature):
+def test_prefill_in_groups_equals_one_eager_prefill(models, temperature, monkeypatch):
     """Twenty prompts admitted together: with small prefill graphs (16 chunks, 10 tokens) the step's chunks run in
     several groups through the graphs' buffers and the longer ones eagerly alone; the tokens, verify and accepted
     lengths equal those of one eager forward per step (``prefill_graph_tokens=0``)."""
@@ -158,7 +159,14 @@ def test_prefill_in_groups_equals_one_eager_prefill(models, temperature):
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, 90, (int(n),), generator=gen).tolist()
                for n in torch.randint(1, 14, (20,), generator=gen)]
-    out, runs = {}, {}
+    out, runs, forwards = {}, {}, {}
+    forward = ModelRunner._prefill_forward
+
+    def counting_forward(runner, chunks):
+        forwards[graph_tokens] = forwards.get(graph_tokens, 0) + 1
+        return forward(runner, chunks)
+
+    monkeypatch.setattr(ModelRunner, "_prefill_forward", counting_forward)
     for graph_tokens in (0, 10):
         cfg = EngineConfig(max_num_seqs=20, max_seq_len=64, prefill_chunk=120, prefill_graph_tokens=graph_tokens,
                            kernel_backend="torch", seed=3)
@@ -174,5 +182,6 @@ def test_prefill_in_groups_equals_one_eager_prefill(models, temperature):
         assert engine.stats["prefill_steps"] == 2 and engine.stats["prefill_s"] > 0
         runs[graph_tokens] = counts.get("prefill", {"graph": 0, "eager": 0})
     assert runs[0]["eager"] == 0  # no prefill through the graphs' function at all
+    assert forwards[0] == 2 < forwards[10]  # without prefill graphs: one forward per step, as before them
     assert runs[10]["eager"] >= 3  # 20 prompts of ≤ 13 tokens: several groups (and the long prompts alone)
     assert out[10] == out[0]

@@ -20,6 +20,8 @@ from reference.checkpoint import (
 )
 from reference.config import DrafterConfig
 from reference.drafter import DSparkDrafter
+from reference.target import Target
+from reference.testing import tiny_hf_model
 from tests.conftest import TINY_D, TINY_GAMMA, TINY_TAPS, TINY_V, tiny_drafter_config
 
 V, D_MODEL, GAMMA, TAPS = TINY_V, TINY_D, TINY_GAMMA, TINY_TAPS
@@ -130,9 +132,6 @@ def test_dtypes(tmp_path):
 def test_a_target_sets_the_default_dtype(tmp_path):
     """Beside a target, a bfloat16 checkpoint loads in the target's dtype (its layers would otherwise run in another
     precision than the shared embedding and LM head, and than the engine, which casts to the target's dtype)."""
-    from reference.target import Target
-    from tests.conftest import tiny_hf_model
-
     target = Target.from_model(tiny_hf_model("qwen3", vocab_size=V), layer_ids=(0, 1, 2))  # float32
     save_drafter(make_drafter(make_config("markov", qk_norm=True)).to(torch.bfloat16), tmp_path)
     assert all(p.dtype == torch.float32 for p in load_drafter(tmp_path, target).parameters())
@@ -226,9 +225,6 @@ def test_target_mismatch(saved):
 
 def test_with_real_target_features(tmp_path):
     """Integration with reference/target.py: its features feed the loaded drafter through the cache."""
-    from reference.target import Target
-    from tests.conftest import tiny_hf_model
-
     target = Target.from_model(tiny_hf_model("qwen3", vocab_size=V), layer_ids=(0, 1, 2))
     drafter = make_drafter(make_config("markov", qk_norm=True))
     save_drafter(drafter, tmp_path)
