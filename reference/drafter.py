@@ -20,7 +20,7 @@ the context cache and finally :class:`DSparkDrafter`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -602,3 +602,30 @@ class DSparkDrafter(nn.Module):
     def num_parameters(self) -> int:
         """Trainable parameters owned by the drafter (the shared embedding and LM head excluded)."""
         return sum(p.numel() for p in self.parameters())
+
+    def deepened(self, num_layers: int) -> DSparkDrafter:
+        """This drafter with ``num_layers`` backbone layers, computing exactly what it computes.
+
+        The new layers go after the trained ones, freshly initialised except for their two output projections
+        (``self_attn.o_proj`` and ``mlp.down_proj``), which start at zero: each new layer then adds nothing to the
+        residual stream, so the deeper drafter's logits and confidences equal this one's, and training continues
+        from the trained drafter with more capacity instead of from scratch. The zeroed projections get a
+        gradient from the first step (it is the layer's branch input times the upstream gradient), and the
+        rest of the layer learns through them, as a zero-initialised residual branch does.
+        """
+        have = self.config.num_layers
+        if num_layers < have:
+            raise ValueError(f"cannot deepen a {have}-layer drafter to {num_layers} layers (it only adds layers)")
+        config = replace(self.config, num_layers=num_layers)
+        param = next(self.parameters())
+        grown = DSparkDrafter(config).to(device=param.device, dtype=param.dtype)
+        missing, unexpected = grown.load_state_dict(self.state_dict(), strict=False)
+        new_layers = {f"layers.{i}." for i in range(have, num_layers)}
+        assert not unexpected and all(k.startswith(tuple(new_layers)) for k in missing), (missing, unexpected)
+        with torch.no_grad():
+            for layer in grown.layers[have:]:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+        if self._target is not None:
+            grown.attach_target(*self._target)
+        return grown.train(self.training)

@@ -211,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "an earlier one answers the prompts that run did not reach first")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--prefill-graph-tokens", type=int, default=EngineConfig.prefill_graph_tokens,
+                   help="largest prompt chunk group run in a CUDA graph (EngineConfig.prefill_graph_tokens; 0: every "
+                        "prefill eager)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="start no new shard once the run (model load included) would pass this many seconds, "
                         "judged by the slowest shard so far; the manifest then says complete: false, and rerunning "
@@ -253,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(len(p) for _, p in rows)
     engine = Engine(target, None, EngineConfig(max_num_seqs=args.batch_size, max_seq_len=longest + args.max_new_tokens
                                                + 2, device=str(device), dtype=dtype,
-                                               enforce_eager=args.enforce_eager, seed=args.seed),
+                                               enforce_eager=args.enforce_eager, seed=args.seed,
+                                               prefill_graph_tokens=args.prefill_graph_tokens),
                     SchedulerConfig(mode="none"))
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=t, top_p=args.top_p if t > 0 else 1.0)
               for t in temps]

@@ -209,6 +209,11 @@ def write_readme(out: Path, args, summary: dict) -> None:
            if data.get("response_tokens") else "") + " |",
         f"| held-out eval | {summary['eval_examples']} sequences |",
         f"| steps | {summary['steps_done']} of {args.steps} planned ({summary['stop_reason']}) |",
+    ]
+    if summary.get("deepened_from_layers"):
+        lines += [f"| deepened | from the {summary['deepened_from_layers']} layers of `{args.init_from}` "
+                  f"(the new layers started as the identity) |"]
+    lines += [
         f"| batch | ≤ {args.tokens_per_batch} padded tokens per rank, every response position an anchor, "
         f"{summary['world_size']} rank(s) |",
         f"| supervised slot predictions | {summary['slot_predictions']:,} "
@@ -265,7 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target: 'smollm2-135m-instruct', a .gguf file or a local HF model directory")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (under torchrun: cuda:LOCAL_RANK)")
     p.add_argument("--head", choices=("markov", "rnn", "none"), default="markov", help="sequential head")
-    p.add_argument("--num-layers", type=int, default=2, help="backbone depth")
+    p.add_argument("--num-layers", type=int, default=2,
+                   help="backbone depth; with --init-from, more layers than the checkpoint has deepen it (the new "
+                        "layers start as the identity: DSparkDrafter.deepened)")
     p.add_argument("--markov-rank", type=int, default=64, help="r of W1/W2")
     p.add_argument("--markov-factored", action=argparse.BooleanOptionalAction, default=True,
                    help="factor W1/W2 through the target's frozen embedding / LM head (2·d·r instead of 2·V·r "
@@ -376,14 +383,24 @@ def main(argv: list[str] | None = None) -> int:
              data.num_response_tokens, len(eval_data))
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank and in every arm of a comparison
+    grown_from = None  # the layer count of an --init-from drafter deepened to --num-layers
     if args.init_from:
         drafter = load_drafter(args.init_from, device=device, dtype=torch.float32)
         config = drafter.config
-        got = {"head": config.head, "num_layers": config.num_layers, "markov_rank": config.markov_rank,
-               "markov_factored": config.markov_factored, "qk_norm": config.qk_norm, "gamma": config.block_size}
+        got = {"head": config.head, "markov_rank": config.markov_rank, "markov_factored": config.markov_factored,
+               "qk_norm": config.qk_norm, "gamma": config.block_size}
         clash = {k: (v, getattr(args, k)) for k, v in got.items() if v != getattr(args, k)}
+        if args.num_layers < config.num_layers:
+            clash["num_layers"] = (config.num_layers, args.num_layers)
         if clash:
             raise SystemExit(f"--init-from {args.init_from} disagrees with the arguments: {clash}")
+        if args.num_layers > config.num_layers:
+            # More capacity without starting over: the new layers begin as the identity (DSparkDrafter.deepened)
+            log.info("deepening the %d-layer drafter of %s to %d layers (the new layers start as the identity)",
+                     config.num_layers, args.init_from, args.num_layers)
+            grown_from = config.num_layers
+            drafter = drafter.deepened(args.num_layers)
+            config = drafter.config
     else:
         mask_id = pick_mask_token(args.mask_token_id, target, data)
         config = DrafterConfig.from_target_config(
@@ -561,14 +578,15 @@ def main(argv: list[str] | None = None) -> int:
             "train_examples": len(data), "train_response_tokens": data.num_response_tokens,
             "eval_examples": len(eval_data), "parameters": drafter.num_parameters(),
             "slot_predictions": slots_total, "slot_predictions_per_s": slots_total / max(t_train, 1e-9),
-            "final_eval": last_eval,
+            "final_eval": last_eval, "deepened_from_layers": grown_from,
             "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
             "data_manifest": json.loads(manifest_path.read_text()) if manifest_path.is_file() else None,
         }
         if summary["data_manifest"]:
             summary["data_manifest"].pop("shards", None)  # per-shard detail stays in the data directory
-        save_drafter(export.to(getattr(torch, args.save_dtype)), out, extra={"training": {k: summary[k] for k in (
-            "steps_done", "stop_reason", "wall_s", "hardware", "command", "train_examples")}})
+        provenance = {k: summary[k] for k in ("steps_done", "stop_reason", "wall_s", "hardware", "command",
+                                              "train_examples", "deepened_from_layers") if summary[k] is not None}
+        save_drafter(export.to(getattr(torch, args.save_dtype)), out, extra={"training": provenance})
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
         write_readme(out, args, summary)
         log.info("saved drafter to %s after %d steps (%.1f min)", out, step, wall / 60)

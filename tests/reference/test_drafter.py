@@ -315,6 +315,35 @@ def test_fresh_heads_start_parallel_and_get_gradients():
     assert drafter.context_proj.weight.grad.abs().max() > 0
 
 
+@pytest.mark.parametrize("head,qk_norm", [("markov", True), ("rnn", False)])
+def test_deepened_drafter_computes_the_same_and_trains_its_new_layers(head, qk_norm):
+    drafter = make_drafter(make_config(head, qk_norm))
+    deep = drafter.deepened(drafter.config.num_layers + 2)
+    assert deep.config.num_layers == drafter.config.num_layers + 2 and deep.config.head == head
+    assert all(a is b for a, b in zip(deep.target_modules(), drafter.target_modules(), strict=True))
+    assert not deep.training
+    for name, tensor in drafter.state_dict().items():  # the trained weights, untouched
+        assert torch.equal(deep.state_dict()[name], tensor)
+
+    features, positions, valid = make_context(B=2, S=10)
+    anchor_ids, anchor_pos = torch.tensor([[3, 4], [5, 6]]), torch.tensor([[4, 9], [2, 7]])
+    h = drafter(anchor_ids, anchor_pos, features, positions, valid)
+    h_deep = deep(anchor_ids, anchor_pos, features, positions, valid)
+    assert torch.equal(h, h_deep)  # the new layers add exact zeros to the residual stream
+    prev = torch.randint(0, V, (2, 2, GAMMA))
+    for a, b in zip(drafter.head_logits(h, prev), deep.head_logits(h_deep, prev), strict=True):
+        assert torch.equal(a, b)
+
+    # The zeroed output projections get a gradient at once, and through them the new layers learn.
+    draft, conf = deep.head_logits(deep(anchor_ids, anchor_pos, features, positions, valid), prev)
+    (draft.logsumexp(-1).sum() - draft[..., 0].sum() + conf.sum()).backward()
+    new = deep.layers[-1]
+    assert new.self_attn.o_proj.weight.grad.abs().max() > 0 and new.mlp.down_proj.weight.grad.abs().max() > 0
+    assert new.self_attn.q_proj.weight.grad is not None
+    with pytest.raises(ValueError, match="only adds layers"):
+        drafter.deepened(drafter.config.num_layers - 1)
+
+
 def test_bad_inputs_fail_fast():
     drafter = DSparkDrafter(make_config())
     features, positions, valid = make_context(B=1, S=5)

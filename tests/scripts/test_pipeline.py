@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from reference.calibration import apply_sts, prefix_survival
+from reference.checkpoint import load_drafter
 from reference.losses import teacher_rows
 from reference.target import Target
 from scripts import calibrate, data, dataset, eval_acceptance, make_dataset, train_drafter
@@ -363,7 +364,6 @@ def test_training_overfits_a_fixed_batch(workdir):
 
 
 def test_training_writes_a_loadable_checkpoint_and_logs(trained):
-    from reference.checkpoint import load_drafter
 
     cfg = json.loads((trained / "config.json").read_text())
     assert cfg["drafter"]["block_size"] == GAMMA and cfg["drafter"]["head"] == "markov"
@@ -397,7 +397,6 @@ def test_resumed_training_equals_uninterrupted_training(workdir, trained):
 
 
 def test_greedy_proposal_labels_match_an_independent_target_check(workdir, trained):
-    from reference.checkpoint import load_drafter
 
     target = Target.load(str(workdir / "target"))
     drafter = load_drafter(trained, target)
@@ -537,7 +536,23 @@ def test_init_from_a_checkpoint_continues_its_schedule(workdir, trained):
            if e["event"] == "train"}
     assert sorted(lrs) == [10, 12]  # steps 9-12 only: it started at the checkpoint's step 8
     with pytest.raises(SystemExit, match="disagrees"):
-        train_drafter.main([*_train_args(workdir, "run_d"), "--init-from", str(trained), "--num-layers", "3"])
+        train_drafter.main([*_train_args(workdir, "run_d"), "--init-from", str(trained), "--markov-rank", "8"])
+    with pytest.raises(SystemExit, match="disagrees"):  # a checkpoint is deepened, never cut
+        train_drafter.main([*_train_args(workdir, "run_d"), "--init-from", str(trained), "--num-layers", "1"])
+
+
+def test_init_from_with_more_layers_deepens_the_checkpoint(workdir, trained):
+    """--num-layers above the checkpoint's continues its schedule with new layers that start as the identity."""
+    args = _train_args(workdir, "run_deep", "--num-layers", "3")
+    args[args.index("--steps") + 1] = "10"
+    assert train_drafter.main([*args, "--init-from", str(trained), "--rewarm-steps", "1"]) == 0
+    summary = json.loads((workdir / "run_deep" / "summary.json").read_text())
+    assert summary["steps_done"] == 10 and summary["deepened_from_layers"] == 2
+    config = json.loads((workdir / "run_deep" / "config.json").read_text())
+    assert config["drafter"]["num_layers"] == 3 and config["extra"]["training"]["deepened_from_layers"] == 2
+    assert "deepened" in (workdir / "run_deep" / "README.md").read_text()
+    deep = load_drafter(workdir / "run_deep")
+    assert deep.layers[2].self_attn.o_proj.weight.abs().max() > 0  # trained away from zero
 
 
 def test_init_from_counts_only_this_runs_time_and_anneals_to_zero(workdir, trained, tmp_path):
