@@ -10,12 +10,21 @@ Layout of a checkpoint directory::
     config.json                     {"format": "dspark-drafter", "format_version": 1,
                                      "drafter": DrafterConfig.to_dict(),
                                      "target": {"name", "num_layers", "hidden_size", "vocab_size"},
-                                     "dtype": "float32" | "bfloat16" | ..., "extra": {...} (optional)}
+                                     "dtype": "float32" | "bfloat16" | ...,
+                                     "quantization": {"method": "int8-per-row", "tensors": [...]} (optional),
+                                     "extra": {...} (optional)}
     model.safetensors               when everything fits in one shard, otherwise
     model-00001-of-0000N.safetensors ... + model.safetensors.index.json  {"metadata": {...}, "weight_map": {...}}
 
 Shards hold at most 15 MB by default so that checkpoints can live in the repository without Git LFS.
 Every loading problem fails fast with a message naming the file or key.
+
+Weights can be stored in 8 bits (``save_drafter(..., weights="int8")``): each large weight matrix ``W`` as int8
+``Q`` with one float32 scale per row, ``W ≈ Q · s`` with ``s = max|W_row| / 127`` (symmetric, rounded to nearest),
+under its own name and ``<name>_scale``; norms, biases, the learned mask vector and the one-row confidence head keep
+``dtype``. That halves a bfloat16
+checkpoint; :func:`load_drafter` dequantizes, so everything downstream sees an ordinary drafter (the rounding error
+is at most 0.4 % of a row's largest weight; docs/models.md gives the measured effect on acceptance).
 """
 
 from __future__ import annotations
@@ -38,7 +47,10 @@ CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 15_000_000  # the repository's per-file limit for shipped checkpoints
-_TOP_LEVEL_KEYS = {"format", "format_version", "drafter", "target", "dtype", "extra"}
+_TOP_LEVEL_KEYS = {"format", "format_version", "drafter", "target", "dtype", "quantization", "extra"}
+WEIGHT_FORMATS = ("full", "int8")
+INT8_METHOD = "int8-per-row"
+SCALE_SUFFIX = "_scale"
 # Upper bound of the safetensors header per tensor (name, dtype, shape, offsets as JSON) plus the file's
 # 8-byte length prefix and alignment padding; real entries are ~100 bytes, the file size is checked anyway.
 _HEADER_BYTES_PER_TENSOR = 256
@@ -66,8 +78,23 @@ def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list
     return shards
 
 
+def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W [R, C]`` → ``(Q int8 [R, C], s float32 [R])`` with ``W ≈ Q · s[:, None]``: per-row symmetric absmax,
+    round to nearest. An all-zero row gets scale 1 (and Q = 0), so dequantizing never divides by zero."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 weight ``Q · s[:, None]`` of :func:`quantize_int8_rows`."""
+    return q.float() * scale.float()[:, None]
+
+
 def save_drafter(drafter: DSparkDrafter, directory: str | os.PathLike, *, max_shard_bytes: int = MAX_SHARD_BYTES,
-                 extra: dict[str, Any] | None = None) -> Path:
+                 extra: dict[str, Any] | None = None, weights: str = "full") -> Path:
     """Write ``drafter`` to ``directory`` (created if needed; old weight files there are replaced).
 
     Args:
@@ -75,10 +102,15 @@ def save_drafter(drafter: DSparkDrafter, directory: str | os.PathLike, *, max_sh
         directory: destination directory.
         max_shard_bytes: upper bound on each safetensors file's size.
         extra: JSON-serialisable metadata stored under ``"extra"`` (training run, data, step, ...).
+        weights: ``"full"`` stores every tensor in the drafter's dtype; ``"int8"`` stores each weight matrix (but
+            the confidence head's single row) as int8 with a float32 scale per row (about half a bfloat16
+            checkpoint).
 
     Returns:
         The directory as a Path.
     """
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in drafter.state_dict().items()}
@@ -86,6 +118,13 @@ def save_drafter(drafter: DSparkDrafter, directory: str | os.PathLike, *, max_sh
     if len(dtypes) != 1:
         raise ValueError(f"drafter parameters mix dtypes {sorted(map(str, dtypes))}; cast it to one dtype first")
     dtype = str(dtypes.pop()).removeprefix("torch.")
+    quantized = []
+    if weights == "int8":
+        for name in list(tensors):
+            t = tensors[name]
+            if t.dim() == 2 and t.shape[0] > 1 and name.endswith("weight"):  # not the one-row confidence head
+                tensors[name], tensors[name + SCALE_SUFFIX] = quantize_int8_rows(t)
+                quantized.append(name)
     cfg = drafter.config
     config = {
         "format": FORMAT,
@@ -95,6 +134,8 @@ def save_drafter(drafter: DSparkDrafter, directory: str | os.PathLike, *, max_sh
                    "vocab_size": cfg.vocab_size},
         "dtype": dtype,
     }
+    if quantized:
+        config["quantization"] = {"method": INT8_METHOD, "tensors": quantized}
     if extra:
         config["extra"] = extra
     # Stale weight files from an earlier save would otherwise be mixed with the new ones.
@@ -196,6 +237,25 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+def _quantized_tensors(config: dict[str, Any], expected: dict[str, torch.Tensor], directory: Path) -> list[str]:
+    """The names config.json's ``quantization`` section says are stored in int8 (validated), or []."""
+    quant = config.get("quantization")
+    if quant is None:
+        return []
+    where = directory / CONFIG_FILE
+    if not isinstance(quant, dict) or quant.get("method") != INT8_METHOD:
+        found = quant.get("method") if isinstance(quant, dict) else quant
+        raise ValueError(f"{where}: quantization method {found!r} is not supported (this code reads "
+                         f"{INT8_METHOD!r})")
+    names = quant.get("tensors")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{where}: quantization.tensors must be a list of tensor names")
+    bad = sorted(n for n in names if n not in expected or expected[n].dim() != 2)
+    if bad:
+        raise ValueError(f"{where}: quantization.tensors names {bad}, which are not weight matrices of this drafter")
+    return names
+
+
 def _check_target(cfg: DrafterConfig, target: Any, directory: Path) -> None:
     problems = []
     if target.hidden_size != cfg.hidden_size:
@@ -241,26 +301,37 @@ def load_drafter(directory: str | os.PathLike, target: Any = None, *, device: st
 
     drafter = DSparkDrafter(cfg)
     expected = drafter.state_dict()
+    quantized = _quantized_tensors(config, expected, directory)
     files = _weight_files(directory)
-    missing = sorted(set(expected) - set(files))
-    unexpected = sorted(set(files) - set(expected))
+    stored = set(expected) | {name + SCALE_SUFFIX for name in quantized}
+    missing = sorted(stored - set(files))
+    unexpected = sorted(set(files) - stored)
     if missing or unexpected:
         raise ValueError(f"checkpoint {directory} does not fit its config: missing tensors {missing}, "
                          f"unexpected tensors {unexpected}")
-    state: dict[str, torch.Tensor] = {}
+    raw: dict[str, torch.Tensor] = {}
     for path in sorted(set(files.values())):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if files.get(name) != path:
                     raise ValueError(f"tensor {name!r} found in {path.name}, the index places it elsewhere")
                 t = f.get_tensor(name)
-                if t.shape != expected[name].shape:
+                want = ([expected[name.removesuffix(SCALE_SUFFIX)].shape[0]] if name not in expected
+                        else list(expected[name].shape))
+                if list(t.shape) != want:
                     raise ValueError(f"tensor {name!r} in {path.name} has shape {list(t.shape)}, "
-                                     f"the config implies {list(expected[name].shape)}")
-                state[name] = t
-    absent = sorted(set(files) - set(state))
+                                     f"the config implies {want}")
+                raw[name] = t
+    absent = sorted(set(files) - set(raw))
     if absent:
         raise ValueError(f"tensors {absent} are listed in {INDEX_FILE} but absent from their shards")
+    state = {name: raw[name] for name in expected}
+    for name in quantized:
+        q, scale = raw[name], raw[name + SCALE_SUFFIX]
+        if q.dtype != torch.int8 or scale.dtype != torch.float32:
+            raise ValueError(f"{directory}: quantized tensor {name!r} must be int8 with a float32 scale, found "
+                             f"{str(q.dtype).removeprefix('torch.')} and {str(scale.dtype).removeprefix('torch.')}")
+        state[name] = dequantize_int8_rows(q, scale)
     drafter.load_state_dict(state, strict=True)
     if device is None:
         device = getattr(target, "device", None) or "cpu"

@@ -59,7 +59,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from optimized.training import STAT_NAMES, dense_step_loss, weight_sum
-from reference.checkpoint import load_drafter, save_drafter
+from reference.checkpoint import WEIGHT_FORMATS, load_drafter, save_drafter
 from reference.config import DrafterConfig
 from reference.drafter import DSparkDrafter
 from reference.losses import LossWeights, dense_block_targets
@@ -323,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "refill")
     p.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="bfloat16",
                    help="dtype of the saved drafter")
+    p.add_argument("--save-weights", choices=WEIGHT_FORMATS, default="full",
+                   help="int8: weight matrices in 8 bits with a scale per row, half the size of bfloat16 "
+                        "(reference.checkpoint; the resume state keeps float32)")
     p.add_argument("--no-resume", action="store_true", help="ignore OUT/_state and start fresh")
     return p
 
@@ -586,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
             summary["data_manifest"].pop("shards", None)  # per-shard detail stays in the data directory
         provenance = {k: summary[k] for k in ("steps_done", "stop_reason", "wall_s", "hardware", "command",
                                               "train_examples", "deepened_from_layers") if summary[k] is not None}
-        save_drafter(export.to(getattr(torch, args.save_dtype)), out, extra={"training": provenance})
+        save_drafter(export.to(getattr(torch, args.save_dtype)), out, extra={"training": provenance},
+                     weights=args.save_weights)
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
         write_readme(out, args, summary)
         log.info("saved drafter to %s after %d steps (%.1f min)", out, step, wall / 60)

@@ -13,7 +13,10 @@ from safetensors.torch import load_file, save_file
 from reference.checkpoint import (
     INDEX_FILE,
     MAX_SHARD_BYTES,
+    SCALE_SUFFIX,
+    dequantize_int8_rows,
     load_drafter,
+    quantize_int8_rows,
     read_drafter_config,
     save_drafter,
     update_sts_temperatures,
@@ -252,3 +255,74 @@ def test_sts_biases_are_stored_with_their_temperatures_and_dropped_without(saved
     assert load_drafter(directory).config.sts_biases == {"sampling": [0.1] * GAMMA}
     with pytest.raises(ValueError, match="sts_biases"):
         update_sts_temperatures(directory, "greedy", [1.0] * GAMMA, [float("nan")] * GAMMA)
+
+
+def test_int8_rows_round_to_nearest_within_half_a_step():
+    w = torch.randn(5, 40) * torch.tensor([1e-3, 0.1, 1.0, 30.0, 0.0])[:, None]  # rows of very different scale
+    q, scale = quantize_int8_rows(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (5,)
+    assert q[:4].abs().amax(dim=1).tolist() == [127] * 4  # each row's largest weight uses the full range
+    assert torch.equal(q[4], torch.zeros(40, dtype=torch.int8)) and scale[4] == 1.0  # an all-zero row
+    err = (dequantize_int8_rows(q, scale) - w).abs()
+    assert (err <= scale[:, None] / 2 * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_int8_weights_round_trip(tmp_path, head):
+    drafter = make_drafter(make_config(head, qk_norm=True)).to(torch.bfloat16)
+    save_drafter(drafter, tmp_path / "full")
+    save_drafter(drafter, tmp_path / "int8", weights="int8")
+    config = json.loads((tmp_path / "int8" / "config.json").read_text())
+    names = config["quantization"]["tensors"]
+    assert config["quantization"]["method"] == "int8-per-row" and config["dtype"] == "bfloat16"
+    assert "conf_head.weight" not in names and "layers.0.mlp.down_proj.weight" in names
+    stored = load_file(tmp_path / "int8" / "model.safetensors")
+    assert all(stored[n].dtype == torch.int8 and stored[n + SCALE_SUFFIX].dtype == torch.float32 for n in names)
+    assert stored["conf_head.weight"].dtype == torch.bfloat16
+    size = {k: (tmp_path / k / "model.safetensors").stat().st_size for k in ("full", "int8")}
+    assert size["int8"] < 0.62 * size["full"]
+
+    loaded = load_drafter(tmp_path / "int8", fake_target(), dtype=torch.float32)
+    original = drafter.float().state_dict()
+    for name, t in loaded.state_dict().items():
+        if name in names:  # within half a quantisation step of the bfloat16 weight
+            step = original[name].abs().amax(dim=1, keepdim=True) / 127
+            assert ((t - original[name]).abs() <= step / 2 + 1e-6).all(), name
+        else:
+            assert torch.equal(t, original[name]), name
+    # the drafter computes nearly what it did (and ``full`` exactly)
+    exact = load_drafter(tmp_path / "full", fake_target(), dtype=torch.float32)
+    for a, b, c in zip(outputs(drafter.float()), outputs(exact), outputs(loaded), strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(c, a, atol=0.05 * a.abs().max().item(), rtol=0)
+
+
+def test_int8_checkpoint_failures(tmp_path):
+    drafter = make_drafter(make_config())
+    with pytest.raises(ValueError, match="weights must be one of"):
+        save_drafter(drafter, tmp_path / "x", weights="fp4")
+    directory = save_drafter(drafter, tmp_path / "q", weights="int8")
+    config_path = directory / "config.json"
+    good = json.loads(config_path.read_text())
+    for edit, message in (
+        (lambda c: c["quantization"].update(method="nf4"), "method 'nf4' is not supported"),
+        (lambda c: c["quantization"].update(tensors="all"), "must be a list"),
+        (lambda c: c["quantization"]["tensors"].append("final_norm.weight"), "not weight matrices"),
+        (lambda c: c.pop("quantization"), "unexpected tensors"),  # the scales no longer fit the config
+    ):
+        bad = json.loads(json.dumps(good))
+        edit(bad)
+        config_path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=message):
+            load_drafter(directory)
+    config_path.write_text(json.dumps(good))
+    tensors = load_file(directory / "model.safetensors")
+    name = good["quantization"]["tensors"][0]
+    tensors[name] = tensors[name].float()  # dequantized by someone, config not updated
+    save_file(tensors, str(directory / "model.safetensors"))
+    with pytest.raises(ValueError, match="must be int8 with a float32 scale"):
+        load_drafter(directory)
+    tensors[name + SCALE_SUFFIX] = tensors[name + SCALE_SUFFIX][:-1]
+    save_file(tensors, str(directory / "model.safetensors"))
+    with pytest.raises(ValueError, match="has shape"):
+        load_drafter(directory)

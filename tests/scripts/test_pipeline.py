@@ -20,7 +20,7 @@ from reference.calibration import apply_sts, prefix_survival
 from reference.checkpoint import load_drafter
 from reference.losses import teacher_rows
 from reference.target import Target
-from scripts import calibrate, data, dataset, eval_acceptance, make_dataset, train_drafter
+from scripts import calibrate, data, dataset, eval_acceptance, make_dataset, quantize_drafter, train_drafter
 
 GAMMA = 4
 VOCAB = 96
@@ -543,13 +543,14 @@ def test_init_from_a_checkpoint_continues_its_schedule(workdir, trained):
 
 def test_init_from_with_more_layers_deepens_the_checkpoint(workdir, trained):
     """--num-layers above the checkpoint's continues its schedule with new layers that start as the identity."""
-    args = _train_args(workdir, "run_deep", "--num-layers", "3")
+    args = _train_args(workdir, "run_deep", "--num-layers", "3", "--save-weights", "int8")
     args[args.index("--steps") + 1] = "10"
     assert train_drafter.main([*args, "--init-from", str(trained), "--rewarm-steps", "1"]) == 0
     summary = json.loads((workdir / "run_deep" / "summary.json").read_text())
     assert summary["steps_done"] == 10 and summary["deepened_from_layers"] == 2
     config = json.loads((workdir / "run_deep" / "config.json").read_text())
     assert config["drafter"]["num_layers"] == 3 and config["extra"]["training"]["deepened_from_layers"] == 2
+    assert "layers.2.mlp.down_proj.weight" in config["quantization"]["tensors"]  # --save-weights int8
     assert "deepened" in (workdir / "run_deep" / "README.md").read_text()
     deep = load_drafter(workdir / "run_deep")
     assert deep.layers[2].self_attn.o_proj.weight.abs().max() > 0  # trained away from zero
@@ -641,3 +642,31 @@ def test_make_dataset_on_two_ranks_writes_the_shards_of_one(workdir, tmp_path, m
         (a, ida), (b, idb) = _shard(out / dataset.shard_name(i)), _shard(workdir / "data" / dataset.shard_name(i))
         assert ida == idb and torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["loss_mask"], b["loss_mask"])
     assert json.loads((out / make_dataset.MANIFEST).read_text())["complete"]
+
+
+# --------------------------------------------------------------------------- quantize_drafter.py
+
+
+def test_quantize_drafter_writes_an_int8_copy_and_measures_it(workdir, trained, tmp_path):
+    pf = tmp_path / "prompts.jsonl"
+    pf.write_text((workdir / "prompts.jsonl").read_text())
+    out, report = tmp_path / "q", tmp_path / "report.json"
+    assert quantize_drafter.main(["--drafter", str(trained), "--out", str(out), "--check", "--model",
+                                  str(workdir / "target"), "--prompts-file", str(pf), "--limit", "3",
+                                  "--max-new-tokens", "8", "--device", "cpu", "--json", str(report)]) == 0
+    r = json.loads(report.read_text())
+    assert r["weight_bytes"]["int8"] < 0.75 * r["weight_bytes"]["original"]  # float32 → int8 (+ small tensors)
+    for temp in ("T=0", "T=1"):
+        res = r["results"][temp]
+        assert len(res["sum_min_int8"]) == GAMMA and sum(res["slots"]) > 0
+        assert all(a >= 0.9 for a in res["argmax_agree"]) and all(t < 0.05 for t in res["tv"])
+        assert all(abs(a - b) < 0.02 for a, b in zip(res["sum_min_int8"], res["sum_min_original"], strict=True))
+    config = json.loads((out / "config.json").read_text())
+    original = json.loads((trained / "config.json").read_text())
+    assert config["quantization"]["tensors"] and config["extra"] == original["extra"]
+    assert config["drafter"] == original["drafter"] and (out / "README.md").is_file()
+    # in place, without --check
+    copy = tmp_path / "inplace"
+    quantize_drafter.main(["--drafter", str(trained), "--out", str(copy)])
+    assert quantize_drafter.main(["--drafter", str(copy), "--out", str(copy)]) == 0
+    assert json.loads((copy / "config.json").read_text())["quantization"] == config["quantization"]
