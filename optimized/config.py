@@ -36,13 +36,15 @@ class EngineConfig:
     # With plan_ahead: when the gate's verdict planned ahead says the requests decoding now draft, launch the
     # drafter for them before the token read, so that the device drafts while the host commits the tokens. Drafts of
     # requests that finish in the step are dropped (their slots are freed); the decisions and tokens are unchanged
-    # (tests/equivalence/test_end_to_end.py). Off by default until its GPU test and benchmark have run on a GPU.
-    draft_ahead: bool = False
+    # (tests/equivalence/test_end_to_end.py). None: wherever plan_ahead is on (1.02-1.13x adaptive's tokens/s in a
+    # steady state on an H200, docs/benchmarks/index.md).
+    draft_ahead: bool | None = None
     # Plain decoding (mode none) one step ahead: step n+1's verify is launched before step n's tokens are read (the
     # token each request feeds next is already on the device), so the host's commit and the next launch overlap the
     # device's forward. Outputs come back one step later; a request that finished at step n has run one wasted row
-    # in step n+1, whose token is dropped. Off by default until measured on a GPU. Ignored when the mode drafts.
-    async_decode: bool = False
+    # in step n+1, whose token is dropped. Ignored when the mode drafts. None: on CUDA (1.06-1.13x plain decoding's
+    # tokens/s on an H200); on the CPU the forward has finished before the read, so there is nothing to overlap.
+    async_decode: bool | None = None
     device: str = "cpu"  # where the caches, graphs and kernels live: "cpu" or "cuda[:N]" (the target's device)
     dtype: torch.dtype = torch.float32  # the caches' dtype = the target's (bfloat16 on a GPU, float32 for exact tests)
 

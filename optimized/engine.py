@@ -79,7 +79,9 @@ class Engine:
         self._verified: StageOutput | None = None  # this step's verify result, if any request decoded
         self._survivals: list[np.ndarray | None] = []  # [γ] host survivals of each verified request's draft
         self._ahead_on = config.plan_ahead if config.plan_ahead is not None else self.runner.device.type == "cuda"
-        self._draft_ahead_on = self._ahead_on and config.draft_ahead
+        self._draft_ahead_on = self._ahead_on and config.draft_ahead is not False
+        self._async_on = (config.async_decode if config.async_decode is not None
+                          else self.runner.device.type == "cuda")
         self._drafted_ahead: tuple[list[Sequence], torch.Tensor] | None = None  # this step's early draft, if any
         # Plain decoding one step ahead (EngineConfig.async_decode): the launched verify whose tokens are unread.
         self._in_flight: tuple[StepPlan, LaunchedVerify] | None = None
@@ -93,6 +95,12 @@ class Engine:
     def gamma(self) -> int:
         """γ, the drafter's block size (0 without a drafter)."""
         return self.runner.gamma
+
+    @property
+    def pipelining(self) -> dict[str, bool]:
+        """The host/device overlap switches as resolved for this engine's device (``EngineConfig.plan_ahead``,
+        ``draft_ahead``, ``async_decode``; None there means on CUDA, off on the CPU)."""
+        return {"plan_ahead": self._ahead_on, "draft_ahead": self._draft_ahead_on, "async_decode": self._async_on}
 
     @property
     def sched_config(self) -> SchedulerConfig:
@@ -207,7 +215,7 @@ class Engine:
     @property
     def _async(self) -> bool:
         """Whether steps run one ahead of their token reads (``EngineConfig.async_decode``, plain decoding only)."""
-        return self.config.async_decode and not self.sched_config.mode.drafts
+        return self._async_on and not self.sched_config.mode.drafts
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:

@@ -248,9 +248,10 @@ def build_runtime(sa: ServeArgs):
             engine.set_cost_table(cached_profile(engine.runner, context_len=context))
     with _stage("kernel warm-up", times):
         engine.warmup()
-    log.info("start-up: ready in %.2f s (%s); mode %s, γ = %d, %d slots, max model len %d, %s %s",
+    log.info("start-up: ready in %.2f s (%s); mode %s, γ = %d, %d slots, max model len %d, %s %s, overlap %s",
              time.perf_counter() - t0, ", ".join(f"{k} {v:.2f} s" for k, v in times.items()), sched.mode, gamma,
-             sa.max_num_seqs, args.max_model_len, sa.device, str(sa.dtype).removeprefix("torch."))
+             sa.max_num_seqs, args.max_model_len, sa.device, str(sa.dtype).removeprefix("torch."),
+             ", ".join(k for k, on in engine.pipelining.items() if on) or "off")
     if target.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer: the server needs one")
     return Runtime(engine, target.tokenizer, target.vocab_size, gamma, drafter is not None)

@@ -7,7 +7,8 @@ training-free n-gram proposer (``reference/ngram.py``, block ``--ngram-gamma``) 
 free baseline a trained drafter must beat, measured in the same run. A DSpark mode suffixed ``+ahead``
 (``adaptive+ahead``, ``fixed:7+ahead``) runs on a second engine built with ``EngineConfig.draft_ahead`` (the next
 block drafted before the token read), and ``none+async`` on one built with ``EngineConfig.async_decode`` (plain
-decoding with the token read one step behind), each beside the same mode without it. Names follow
+decoding with the token read one step behind), each beside the same mode without it (the plain modes run with
+both switches off, although on CUDA the engine's defaults turn them on). Names follow
 ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``τ`` emitted tokens
 per verify step).
 
@@ -27,6 +28,11 @@ Method, per configuration (engine × mode × batch size):
   most B are in flight, the next admitted as soon as one finishes (its prefill joins the running decode steps): the
   steady state of a server at ``max_num_seqs = B``. With speculation the two differ: requests accept at different
   rates, and a closed batch ends in a tail of a few slow requests at a small batch;
+* ``--output-len-spread F`` (0 by default) gives request i its own length, drawn once from the seed uniformly in
+  ``[(1 - F) · --max-new-tokens, --max-new-tokens]`` and the same in every mode: with equal lengths plain decoding's
+  requests finish and are refilled together (a prompt step every ~N steps) while speculative requests finish at
+  different steps (a prompt in nearly every step), which favours plain decoding in the steady state; varied lengths,
+  as a server's requests have, desynchronise both alike. Hugging Face's closed batches keep the fixed length;
 * ``τ`` = tokens emitted by verify steps / verify steps (summed over requests), the host scheduling share =
   ``engine.stats["host_schedule_s"] / engine.stats["step_s"]``.
 
@@ -46,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import platform
 import shlex
 import statistics
@@ -83,6 +90,7 @@ class BenchConfig:
     modes: list[str] = field(default_factory=lambda: DEFAULT_MODES.split(","))  # "none", "fixed:K", "ngram:fixed:K", …
     max_new_tokens: int = 128  # emitted per request (EOS ignored)
     requests_per_slot: int = 1  # B·N requests at batch size B, at most B in flight (1: a closed batch of B)
+    output_len_spread: float = 0.0  # request lengths uniform in [(1 - F)·max_new_tokens, max_new_tokens] (0: equal)
     warmup: int = 1  # untimed runs per configuration (Triton JIT of prefill shapes, allocator)
     repeats: int = 3  # timed runs per configuration; the median is reported
     hf_max_batch: int = 256  # HF generate only up to this batch size (it is slow); 0 = never
@@ -105,6 +113,8 @@ class BenchConfig:
                 or self.requests_per_slot < 1):
             raise ValueError("need max_new_tokens ≥ 1, warmup ≥ 0, repeats ≥ 1, hf_repeats ≥ 1 and "
                              "requests_per_slot ≥ 1")
+        if not 0.0 <= self.output_len_spread < 1.0:
+            raise ValueError(f"output_len_spread must lie in [0, 1), got {self.output_len_spread}")
         NgramConfig(self.ngram_gamma, self.ngram_max_n, self.ngram_min_n)  # validates the n-gram fields
         for m in self.modes:
             base, variant = split_variant(m)
@@ -133,22 +143,35 @@ def split_variant(spec: str) -> tuple[str, str | None]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
+def request_lengths(n: int, max_new_tokens: int, spread: float, seed: int) -> list[int]:
+    """Output length of each of ``n`` requests: ``max_new_tokens`` each (spread 0), or drawn uniformly in
+    ``[(1 - spread) · max_new_tokens, max_new_tokens]`` from ``seed``, the same for every mode of a run."""
+    if spread == 0:
+        return [max_new_tokens] * n
+    g = torch.Generator().manual_seed(seed)
+    low = max(1, math.ceil((1 - spread) * max_new_tokens))
+    return torch.randint(low, max_new_tokens + 1, (n,), generator=g).tolist()
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int | list[int],
                concurrency: int | None = None) -> dict[str, float]:
-    """Decode every prompt once, at most ``concurrency`` in flight (None: all at once, a closed batch); wall time,
-    tokens and the per-step statistics."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    """Decode every prompt once (``max_new_tokens``: one length for all, or one per prompt; EOS ignored), at most
+    ``concurrency`` in flight (None: all at once, a closed batch); wall time, tokens and the per-step statistics."""
+    lengths = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+    if len(lengths) != len(prompts):
+        raise ValueError(f"{len(lengths)} lengths for {len(prompts)} prompts")
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
     in_flight = len(prompts) if concurrency is None else min(concurrency, len(prompts))
     engine.reset_stats()
     sync(engine.device)
     t0 = time.perf_counter()
     for i in range(in_flight):
-        engine.add_request(prompts[i], params, request_id=i)
+        engine.add_request(prompts[i], params[i], request_id=i)
     admitted = in_flight
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished and admitted < len(prompts):  # a slot freed: the next request takes it
-                engine.add_request(prompts[admitted], params, request_id=admitted)
+                engine.add_request(prompts[admitted], params[admitted], request_id=admitted)
                 admitted += 1
     sync(engine.device)
     wall = time.perf_counter() - t0
@@ -255,15 +278,17 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     longest = max(len(p) for p in prompts[:most])
     scratch = max(gamma, ngram.gamma if uses_ngram else 0)  # the largest block of any engine
     max_seq_len = max(longest + cfg.max_new_tokens, cfg.context_len) + 2 * scratch + 8
+    # The plain modes run with both pipelining switches off, whatever the defaults, so that "+ahead" and "+async"
+    # are each one switch against the same engine
     econf = dict(max_num_seqs=max_b, max_seq_len=max_seq_len, device=str(device), dtype=target.dtype,
                  enforce_eager=cfg.enforce_eager, layer_backend=cfg.layer_backend, seed=cfg.seed,
-                 prefill_graph_tokens=cfg.prefill_graph_tokens)
+                 prefill_graph_tokens=cfg.prefill_graph_tokens, draft_ahead=False, async_decode=False)
     engines: dict[str, Engine] = {}
     t_build = time.perf_counter()
     if any(not m.drafts for _, _, m, _ in modes):
         engines["none"] = Engine(target, None, EngineConfig(**econf), SchedulerConfig(mode="none"))
     if any(split_variant(label)[1] == "async" for label, *_ in modes):  # plain decoding, the read one step behind
-        engines["none+async"] = Engine(target, None, EngineConfig(**econf, async_decode=True),
+        engines["none+async"] = Engine(target, None, EngineConfig(**{**econf, "async_decode": True}),
                                        SchedulerConfig(mode="none"))
     if uses_ngram:  # no drafter, no cost table: the fixed and dsd modes need neither
         engines["ngram"] = Engine(target, NgramProposer(ngram), EngineConfig(**econf),
@@ -274,8 +299,8 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
         spec.set_cost_table(table)
         engines["spec"] = spec
         if any(split_variant(label)[1] == "ahead" for label, *_ in modes):  # drafting before the token read
-            engines["spec+ahead"] = Engine(target, drafter, EngineConfig(**econf, plan_ahead=True, draft_ahead=True),
-                                           SchedulerConfig(mode="fixed", k=gamma), table)
+            ahead = EngineConfig(**{**econf, "draft_ahead": True}, plan_ahead=True)
+            engines["spec+ahead"] = Engine(target, drafter, ahead, SchedulerConfig(mode="fixed", k=gamma), table)
         report["cost_table"] = table.to_dict()
         log.info("cost table (%s): verify ms %s | draft ms %s", table.hardware, _brief(table.verify_ms),
                  _brief(table.draft_ms))
@@ -303,7 +328,8 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
             sched = SchedulerConfig(mode=mode, k=k if k is not None else engine.gamma,
                                     draft_gate=base != "adaptive:nogate")
             engine.set_scheduler(sched)
-            row = _measure(lambda e=engine, p=workload, c=b: run_engine(e, p, cfg.max_new_tokens, c), cfg.warmup,
+            lengths = request_lengths(len(workload), cfg.max_new_tokens, cfg.output_len_spread, cfg.seed)
+            row = _measure(lambda e=engine, p=workload, n=lengths, c=b: run_engine(e, p, n, c), cfg.warmup,
                            cfg.repeats)
             row = {"engine": "optimized", "proposer": kind if mode.drafts else None, "mode": mode, "label": label,
                    "k": _k_of(sched, b), **row}
@@ -506,6 +532,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_source_args(p)
     p.add_argument("--requests-per-slot", type=int, default=1,
                    help="N: B·N requests at batch size B, at most B in flight (1: a closed batch of B requests)")
+    p.add_argument("--output-len-spread", type=float, default=0.0,
+                   help="F: request lengths uniform in [(1-F)·max-new-tokens, max-new-tokens], the same in every "
+                        "mode (0: all equal); with --requests-per-slot, varied lengths desynchronise plain decoding's "
+                        "refills as a server's traffic does")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hf-max-batch", type=int, default=256, help="skip HF generate above this batch size")
@@ -527,6 +557,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     args = build_parser().parse_args(argv)
     cfg = BenchConfig(batch_sizes=[int(b) for b in args.batch_sizes.split(",")], modes=args.modes.split(","),
                       max_new_tokens=args.max_new_tokens, requests_per_slot=args.requests_per_slot,
+                      output_len_spread=args.output_len_spread,
                       warmup=args.warmup, repeats=args.repeats,
                       hf_max_batch=args.hf_max_batch, hf_repeats=args.hf_repeats, time_budget_s=args.time_budget_s,
                       enforce_eager=args.enforce_eager, prefill_graph_tokens=args.prefill_graph_tokens,

@@ -253,10 +253,10 @@ def test_speculation_claim_matches_the_committed_benchmark():
     """when-speculation-helps.md says plainly where speculation pays on the H200 with the shipped drafter: at batch 1,
     and not from batch 64 up. If a new engine benchmark says otherwise, this fails: update the page's warning."""
     hook = _hook("benchmark_tables")
-    bench = json.loads((ROOT / "docs" / "benchmarks" / "engine-h200-3layer.json").read_text())
+    bench = json.loads((ROOT / "docs" / "benchmarks" / "engine-h200-shipped.json").read_text())
     page = (ROOT / "docs" / "when-speculation-helps.md").read_text()
     assert "speculation pays at batch 1 and loses to plain decoding from batch 64 up" in page
-    assert "engine-h200-3layer.json" in page
+    assert "engine-h200-shipped.json" in page
     for row in hook.frontier(bench):
         if row["batch"] == 1:
             assert row["ratio"] > 1 + hook.SPREAD, f"at batch 1 speculation no longer pays: {row}"

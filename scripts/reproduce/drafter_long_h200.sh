@@ -16,16 +16,20 @@
 #      docs/benchmarks/eval_prompts.jsonl, greedy and T = 1, with the drafter it replaces measured greedily in the
 #      same run (the baseline);
 #   5. runs the engine benchmark with it at batch 1, 16 and 64 (ENGINE=1): closed batches, then (STEADY=1) a server's
-#      steady state (--requests-per-slot 4) with the next block drafted before the token read beside it (+ahead),
-#      and that steady state again with every prefill eager (--prefill-graph-tokens 0, batch 16 and 64);
-#   6. leaves the checkpoint (bf16 shards ≤ 15 MB) in $RES/run for the trip back (scripts/reproduce/pack.sh).
-# Pass the same STEPS, LR, LAYERS and TOKENS on every loan of one schedule. The shipped schedule so far: loan 1 (from
+#      steady state (--requests-per-slot 4, request lengths varied by --output-len-spread 0.5) with the pipelining
+#      switches beside the plain modes (+async, +ahead);
+#   6. leaves the checkpoint (SAVE_WEIGHTS, int8 by default; shards ≤ 15 MB) in $RES/run for the trip back
+#      (scripts/reproduce/pack.sh).
+# Pass the same STEPS, LR and TOKENS on every loan of one schedule; LAYERS may grow (a deeper LAYERS than INIT_FROM's
+# deepens it: the new layers start as the identity, DSparkDrafter.deepened). The shipped schedule so far: loan 1 (from
 # scratch, DATA_SEED=0, prompt shards 0-19, 10 min, einsum attention), loan 2 (DATA_SEED=1 START_SHARD=20, which
 # reached shards 20-27 and 0-7, TRAIN_MIN=11, FlexAttention), loan 3 (DATA_SEED=2 START_SHARD=8 TRAIN_MIN=13
 # ATTENTION=flex PROFILE=0: shards 8-19, 21 and 22, steps 7,253-12,938; the whole script took 23 minutes), loan 4
 # (DATA_SEED=3 START_SHARD=20, the same settings: shards 20-27 and 0-7, steps 12,938-19,126; 24 minutes with the
-# steady-state benchmark). Its next loan starts at the shard loan 4 did not reach:
-#   DATA_SEED=4 START_SHARD=8 TRAIN_MIN=13 ATTENTION=flex PROFILE=0 bash scripts/reproduce/drafter_long_h200.sh
+# steady-state benchmark), loan 5 (LAYERS=5 DATA_SEED=4 START_SHARD=8 TRAIN_MIN=12, the 3 layers deepened to 5, saved
+# in bfloat16 and stored in int8 afterwards with scripts/quantize_drafter.py: steps 19,126-23,670, data from every
+# shard but 4-6, with prompt graphs; 23 minutes). Its next loan starts at the shards loan 5 did not reach:
+#   LAYERS=5 DATA_SEED=5 START_SHARD=4 TRAIN_MIN=12 ATTENTION=flex PROFILE=0 bash scripts/reproduce/drafter_long_h200.sh
 # Needs the target at $MODEL and ShareGPT at $SHAREGPT (docs/training.md, "Reproduction scripts on a GPU machine").
 # A CPU dry run: MODEL=smollm2-135m-instruct SHAREGPT= DEVICE=cpu GEN_PROCS=1 GEN_EXTRA="--limit 8 --max-new-tokens 16"
 #   HELD_EXTRA="--limit 8 --max-new-tokens 16" TRAIN_EXTRA="--stop-after 2 --eval-examples 4" TOKENS=1024
@@ -42,7 +46,8 @@ GEN_S=${GEN_S:-240}
 GEN_PROCS=${GEN_PROCS:-4}
 TEMPS=${TEMPS:-0,1,1,0.6}
 MAX_NEW=${MAX_NEW:-384}
-LAYERS=${LAYERS:-3}
+LAYERS=${LAYERS:-5}
+SAVE_WEIGHTS=${SAVE_WEIGHTS:-int8}   # the checkpoint's storage (reference.checkpoint): int8 keeps 5 layers under 25 MB
 TOKENS=${TOKENS:-8192}
 STEPS=${STEPS:-40000}
 LR=${LR:-6e-4}
@@ -109,6 +114,7 @@ run train python -m scripts.train_drafter --data "$DATA/train" --eval-data "$DAT
   --model "$MODEL" --device "$DEVICE" --out "$DATA/run" --num-layers "$LAYERS" --tokens-per-batch "$TOKENS" \
   --steps "$STEPS" --lr "$LR" --warmup-frac "$WARMUP_FRAC" --time-budget-min "$TRAIN_MIN" --anneal-frac "$ANNEAL_FRAC" --eval-every 1000 \
   --log-every 100 --save-every 1000 --attention "$ATTENTION" --loss-backend "$LOSS_BACKEND" --no-resume "${INIT[@]}" \
+  --save-weights "$SAVE_WEIGHTS" \
   "${TRAIN_EXTRA[@]}" || exit 1
 
 # 4. calibration (into the checkpoint's config.json), then τ on the evaluation prompts: the new drafter greedy and
@@ -130,15 +136,12 @@ run tau-shipped python -m scripts.eval_acceptance --drafter "$SHIPPED" --prompts
 # 5. the engine with the new drafter against plain decoding and fixed K
 [ "$ENGINE" = 1 ] && run bench-engine python scripts/bench_engine.py --model "$MODEL" "${SOURCE[@]}" \
   --drafter "$DATA/run" --modes none,fixed:3,fixed:7,adaptive --batch-sizes 1,16,64 --repeats 2 \
-  --time-budget-s 150 --out "$RES/engine-h200-3layer.json"
+  --time-budget-s 150 --out "$RES/engine-h200-shipped.json"
+# A server's steady state with request lengths varied (--output-len-spread): equal lengths would let plain decoding
+# refill its slots in lockstep while speculative requests admit a prompt nearly every step.
 [ "$ENGINE" = 1 ] && [ "$STEADY" = 1 ] && run bench-engine-steady python scripts/bench_engine.py --model "$MODEL" \
   "${SOURCE[@]}" --drafter "$DATA/run" --modes none,none+async,fixed:7,adaptive,adaptive+ahead --batch-sizes 1,16,64 \
-  --requests-per-slot 4 --repeats 2 --hf-max-batch 0 --time-budget-s "$STEADY_S" \
-  --out "$RES/engine-h200-steady.json"
-# The same steady state with every prefill eager (EngineConfig.prefill_graph_tokens=0): what the prefill graphs buy.
-[ "$ENGINE" = 1 ] && [ "$STEADY" = 1 ] && run bench-engine-steady-eager-prefill python scripts/bench_engine.py \
-  --model "$MODEL" "${SOURCE[@]}" --drafter "$DATA/run" --modes none,fixed:7,adaptive --batch-sizes 16,64 \
-  --requests-per-slot 4 --repeats 2 --hf-max-batch 0 --time-budget-s 60 --prefill-graph-tokens 0 \
-  --out "$RES/engine-h200-steady-eager-prefill.json"
+  --requests-per-slot 4 --output-len-spread 0.5 --repeats 2 --hf-max-batch 0 --time-budget-s "$STEADY_S" \
+  --out "$RES/engine-h200-steady-varied.json"
 stamp DONE
 touch "$RES/DONE"

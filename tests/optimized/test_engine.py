@@ -130,6 +130,20 @@ def test_release_forgets_finished_requests_only(models):
     assert not engine.has_unfinished()
 
 
+def test_pipelining_switches_default_to_on_cuda_only(models):
+    """plan_ahead, draft_ahead and async_decode: None means on CUDA; on the CPU there is nothing to overlap."""
+    target, drafter = models
+    sched = SchedulerConfig(mode="fixed", k=2)
+    cpu = Engine(target, drafter, EngineConfig(max_num_seqs=2, max_seq_len=64), sched)
+    assert cpu.pipelining == {"plan_ahead": False, "draft_ahead": False, "async_decode": False}
+    forced = Engine(target, drafter, EngineConfig(max_num_seqs=2, max_seq_len=64, plan_ahead=True, draft_ahead=True,
+                                                  async_decode=True), sched)
+    assert forced.pipelining == {"plan_ahead": True, "draft_ahead": True, "async_decode": True}
+    no_plan = Engine(target, drafter, EngineConfig(max_num_seqs=2, max_seq_len=64, plan_ahead=False,
+                                                   draft_ahead=True), sched)
+    assert no_plan.pipelining["draft_ahead"] is False  # drafting ahead needs the verdict planned ahead
+
+
 def test_prefill_buffers_pad_every_row_and_token():
     """One step's chunks in the prefill graphs' buffers; everything past them is padding that writes to the trash slot
     and reads nothing (zero-length rows, the offset repeated), and a second, smaller load leaves nothing behind."""

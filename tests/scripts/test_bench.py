@@ -142,6 +142,29 @@ def test_bench_engine_steady_state_keeps_the_batch_full(models, tmp_path):
         bench_engine.BenchConfig(requests_per_slot=0)
 
 
+def test_bench_engine_output_len_spread_gives_every_mode_the_same_varied_lengths(models, tmp_path):
+    lengths = bench_engine.request_lengths(200, 40, 0.5, seed=3)
+    assert lengths == bench_engine.request_lengths(200, 40, 0.5, seed=3)  # the same in every mode of a run
+    assert min(lengths) >= 20 and max(lengths) <= 40 and len(set(lengths)) > 10
+    assert bench_engine.request_lengths(5, 40, 0.0, seed=3) == [40] * 5
+    target, drafter = models
+    engine = Engine(target, drafter, EngineConfig(max_num_seqs=3, max_seq_len=64, seed=0),
+                    SchedulerConfig(mode="fixed", k=2))
+    stats = bench_engine.run_engine(engine, [PROMPTS[i % 3] for i in range(5)], [3, 9, 5, 7, 4], concurrency=2)
+    assert stats["tokens"] == 3 + 9 + 5 + 7 + 4
+    assert [len(engine.sequence(i).output_ids) for i in range(5)] == [3, 9, 5, 7, 4]
+    with pytest.raises(ValueError, match="lengths for"):
+        bench_engine.run_engine(engine, PROMPTS, [3, 4])
+
+    report, _ = _run(models, tmp_path, "--requests-per-slot", "2", "--output-len-spread", "0.5", "--hf-max-batch", "0")
+    assert report["settings"]["output_len_spread"] == 0.5
+    for b in (1, 2):
+        tokens = {r["tokens"] for r in report["results"] if r["batch_size"] == b}
+        assert tokens == {sum(bench_engine.request_lengths(2 * b, 10, 0.5, seed=0))}  # every mode, the same work
+    with pytest.raises(ValueError, match="output_len_spread"):
+        bench_engine.BenchConfig(output_len_spread=1.0)
+
+
 def test_bench_engine_variant_modes_run_beside_the_plain_ones(models, tmp_path):
     """``MODE+ahead`` runs the same mode on an engine that drafts before the token read (only those rows do), and
     ``none+async`` plain decoding with the read one step behind: the same tokens, one more step at the end."""
