@@ -15,7 +15,9 @@ way, with no checkpoint: the baseline row a trained drafter's τ is compared wit
 Reported (OUT.json):
 
 * ``mean_accepted_length``: τ pooled over all steps of all prompts, ``Σ (accepted + 1) / steps``
-  (the paper's definition); ``mean_accepted_length_macro`` averages the per-prompt τ instead;
+  (the paper's definition), with its standard error ``mean_accepted_length_se`` (prompts as clusters: two drafters
+  whose τ differ by less than about twice it are not told apart by these prompts, which matters most for sampled
+  runs); ``mean_accepted_length_macro`` averages the per-prompt τ instead;
 * ``per_domain``: domain → pooled τ; ``per_domain_detail`` adds counts and per-position acceptance;
 * ``per_position_acceptance``: ``P(slot k accepted | slots 1..k-1 accepted, slot k verified)`` for k = 1..γ (paper
   Figure 2), with the number of such steps in ``per_position_counts``; ``per_position_verified`` is the share of
@@ -57,6 +59,20 @@ from scripts.runtime import hardware, resolve_device
 log = logging.getLogger("dspark.eval_acceptance")
 
 
+def tau_standard_error(results: list[GenerationResult]) -> float | None:
+    """Standard error of the pooled τ, with the prompts as clusters (a prompt's steps are not independent: a prompt
+    that loops is accepted all along). τ = Σ_p S_p / Σ_p n_p over prompts p with n_p steps emitting S_p tokens; its
+    cluster-robust (ratio-estimator) variance is Σ_p (S_p − τ·n_p)² / N², N = Σ_p n_p, times P/(P−1)."""
+    sums = [(sum(r.accepted_lengths) + len(r.accepted_lengths), len(r.accepted_lengths)) for r in results
+            if r.accepted_lengths]
+    if len(sums) < 2:
+        return None
+    total = sum(n for _, n in sums)
+    tau = sum(s for s, _ in sums) / total
+    var = sum((s - tau * n) ** 2 for s, n in sums) / total ** 2 * len(sums) / (len(sums) - 1)
+    return var ** 0.5
+
+
 def summarise(results: list[GenerationResult], gamma: int) -> dict:
     """Pooled τ, per-prompt macro τ and per-position conditional acceptance of a set of results."""
     steps = [a for r in results for a in r.accepted_lengths]  # accepted drafts per verification step
@@ -68,6 +84,7 @@ def summarise(results: list[GenerationResult], gamma: int) -> dict:
     per_prompt = [r.mean_accepted_length for r in results if r.accepted_lengths]
     return {
         "mean_accepted_length": float(acc.float().mean() + 1) if steps else None,
+        "mean_accepted_length_se": tau_standard_error(results),
         "mean_accepted_length_macro": sum(per_prompt) / len(per_prompt) if per_prompt else None,
         "mean_verify_length": float(ell.float().mean()) if steps else None,
         "per_position_acceptance": [p / n if n else None for p, n in zip(passed, reached)],
@@ -173,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "mean_accepted_length": overall["mean_accepted_length"],
         "mean_accepted_length_macro": overall["mean_accepted_length_macro"],
+        "mean_accepted_length_se": overall["mean_accepted_length_se"],
         "per_domain": {d: s["mean_accepted_length"] for d, s in detail.items()},
         "mean_verify_length": overall["mean_verify_length"],
         "per_position_acceptance": overall["per_position_acceptance"],

@@ -66,3 +66,21 @@ def test_ngram_refuses_a_checkpoint(files, tmp_path):
                               str(target), "--json", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit, match="not both"):  # the trained drafter's arm needs its checkpoint
         eval_acceptance.main(["--prompts-file", str(pf), "--model", str(target), "--json", str(tmp_path / "x.json")])
+
+
+def test_tau_standard_error_treats_prompts_as_clusters():
+    from reference.generate import GenerationResult
+
+    def result(accepted):
+        return GenerationResult(0, [1], [2] * len(accepted), "length", [3] * len(accepted), accepted)
+
+    # Two prompts: one always accepts 3, the other never. τ = (4·10 + 1·10) / 20 = 2.5; each prompt's residual
+    # S_p − τ·n_p is ±15, so the variance is 2·15² / 20² · 2/1 and the error 1.5: large, because two prompts say
+    # little. Steps treated as independent would claim 1.5 / √10 ≈ 0.47.
+    se = eval_acceptance.tau_standard_error([result([3] * 10), result([0] * 10)])
+    assert se == pytest.approx(1.5)
+    assert eval_acceptance.tau_standard_error([result([1, 2])]) is None  # one prompt: no spread to measure
+    same = [result([1, 2, 1]) for _ in range(5)]
+    assert eval_acceptance.tau_standard_error(same) == pytest.approx(0.0)
+    summary = eval_acceptance.summarise([result([3] * 10), result([0] * 10)], gamma=3)
+    assert summary["mean_accepted_length"] == pytest.approx(2.5) and summary["mean_accepted_length_se"] == se
