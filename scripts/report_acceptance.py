@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--eval expects ARM:TEMPERATURE=FILE.json, got {item!r}")
         r = json.loads(Path(path).read_text())
         runs.setdefault(arm, {})[f"T={temp}"] = {
-            k: r[k] for k in ("mean_accepted_length", "per_domain", "per_position_acceptance", "per_position_counts",
-                              "counts", "settings", "hardware", "command", "wall_s") if k in r}
+            k: r[k] for k in ("mean_accepted_length", "mean_accepted_length_se", "per_domain",
+                              "per_position_acceptance", "per_position_counts", "counts", "settings", "hardware",
+                              "command", "wall_s") if k in r}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"note": note, "runs": runs}, indent=2) + "\n")

@@ -235,6 +235,18 @@ def test_indented_benchmark_directive_stays_inside_its_block():
     assert out.endswith("\nAfter.\n") and "<!--" not in out
 
 
+def test_acceptance_table_shows_the_standard_error_where_recorded(tmp_path):
+    import json
+
+    hook = _hook("benchmark_tables")
+    run = {"mean_accepted_length": 3.3, "per_domain": {"chat": 3.5}, "per_position_acceptance": [0.7],
+           "per_position_counts": [100], "counts": {"steps": 100}, "hardware": "1x NVIDIA H200"}
+    (tmp_path / "acc.json").write_text(json.dumps({"runs": {
+        "new": {"T=0": {**run, "mean_accepted_length_se": 0.0412}}, "old": {"T=0": run}}}))
+    rows = [line for line in hook.render("acceptance", ["acc.json"], tmp_path).splitlines() if line.startswith("| ")]
+    assert "**3.300** ± 0.041" in rows[1] and "±" not in rows[2]
+
+
 def test_serving_table_compares_adaptive_with_the_best_other_mode():
     import json
 

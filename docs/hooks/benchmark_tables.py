@@ -168,14 +168,17 @@ def acceptance(page_dir: Path, files: list[str]) -> str:
             dom = run.get("per_domain", {})
             where = " ".join(x for x in (_short_hardware(run.get("hardware", "")),
                                          run.get("settings", {}).get("dtype", "")) if x)
-            rows.append([arm, t.replace("T=", ""), f"**{run['mean_accepted_length']:.3f}**",
+            se = run.get("mean_accepted_length_se")  # runs measured before it was recorded have none
+            tau = f"**{run['mean_accepted_length']:.3f}**" + (f" ± {se:.3f}" if se is not None else "")
+            rows.append([arm, t.replace("T=", ""), tau,
                          " / ".join(f"{dom[d]:.2f}" for d in dom), str(run["counts"]["steps"]),
                          _slots(run["per_position_acceptance"], run.get("per_position_counts")), where])
     domains = " / ".join(next(iter(next(iter(data["runs"].values())).values())).get("per_domain", {}))
     header = ["drafter", "T", "τ", f"τ by domain ({domains})", "steps",
               "P(slot k accepted, given slots 1..k-1 accepted), k = 1..γ", "measured on"]
-    return _table(header, rows) + ("\nτ counts the accepted drafts plus the token the target emits. A slot reached "
-                                   "fewer than 30 times shows its count, (accepted/reached), not a rate.\n")
+    return _table(header, rows) + ("\nτ counts the accepted drafts plus the token the target emits; ± is its standard "
+                                   "error with the prompts as clusters, where recorded. A slot reached fewer than 30 "
+                                   "times shows its count, (accepted/reached), not a rate.\n")
 
 
 def _short_hardware(name: str) -> str:

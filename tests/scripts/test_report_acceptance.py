@@ -11,7 +11,8 @@ from scripts import report_acceptance
 
 def _eval(path, tau: float, hardware: str = "CPU x86_64") -> str:
     path.write_text(json.dumps({
-        "mean_accepted_length": tau, "per_domain": {"chat": tau}, "per_position_acceptance": [0.5, None],
+        "mean_accepted_length": tau, "mean_accepted_length_se": 0.04, "per_domain": {"chat": tau},
+        "per_position_acceptance": [0.5, None],
         "per_position_counts": [10, 0], "counts": {"prompts": 2, "steps": 10}, "settings": {"temperature": 0.0},
         "hardware": hardware, "command": "scripts/eval_acceptance.py ...", "wall_s": 1.0, "not_copied": 1}))
     return str(path)
@@ -25,6 +26,7 @@ def test_report_then_merge_adds_and_replaces_arms(tmp_path):
     first = json.loads(out.with_suffix(".json").read_text())
     assert first["note"] == "first" and set(first["runs"]["dspark"]) == {"T=0", "T=1"}
     assert first["runs"]["dspark"]["T=0"]["mean_accepted_length"] == 1.5
+    assert first["runs"]["dspark"]["T=0"]["mean_accepted_length_se"] == 0.04
     assert "not_copied" not in first["runs"]["dspark"]["T=0"] and out.with_suffix(".png").is_file()
     # --merge keeps the earlier arms and note, adds the new arm and replaces a re-measured run.
     ng, again = _eval(tmp_path / "ng.json", 2.2), _eval(tmp_path / "again.json", 1.6)
