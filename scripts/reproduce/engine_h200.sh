@@ -2,7 +2,7 @@
 # The engine results on one H200 (≈ 15 min): where a step's time goes (docs/benchmarks/profile-h200-*.json, with and
 # without the fused layer ops; Chrome traces of adaptive and fixed K = 7 at batch 1), the kernels alone on the GPU
 # (kernels-h200.json), the engine benchmark with the shipped drafter (engine-h200.json; in a server's steady
-# state too, engine-h200-steady.json), the GPU equivalence run of
+# state too, with varied request lengths, engine-h200-steady-varied.json), the GPU equivalence run of
 # the remaining modes, and the sampling-side kernels' equivalence tests compiled for the GPU. Run on a copy of the repo with the
 # target and ShareGPT staged under /tmp/stage, in the background, and collect with scripts/reproduce/pack_results.sh:
 #
@@ -63,10 +63,12 @@ timeout $((BENCH_S + 90)) python -m scripts.bench_engine --model "$MODEL" --shar
   > $RES/logs/bench_engine.log 2>&1
 stamp "bench_engine (rc $?)"
 # 3b. The same modes in the steady state of a server at max_num_seqs = B (4·B requests, a freed slot refilled at
-#     once): a closed batch ends in a tail of its slowest requests, which speculation makes uneven.
+#     once): a closed batch ends in a tail of its slowest requests, which speculation makes uneven. Request lengths
+#     vary (--output-len-spread 0.5, the same in every mode): with equal lengths plain decoding would refill its
+#     slots in lockstep while speculative requests admit a prompt nearly every step.
 timeout $((STEADY_S + 90)) python -m scripts.bench_engine --model "$MODEL" --sharegpt-file "$SHAREGPT" \
   --drafter "$DRAFTER" --modes none,none+async,fixed:3,fixed:7,adaptive,adaptive+ahead --batch-sizes 1,16,64,256 --requests-per-slot 4 \
-  --hf-max-batch 0 --repeats 2 --time-budget-s "$STEADY_S" --out $RES/engine-h200-steady.json "${BENCH_EXTRA[@]}" \
+  --output-len-spread 0.5 --hf-max-batch 0 --repeats 2 --time-budget-s "$STEADY_S" --out $RES/engine-h200-steady-varied.json "${BENCH_EXTRA[@]}" \
   > $RES/logs/bench_engine_steady.log 2>&1
 stamp "bench_engine steady state (rc $?)"
 fi
