@@ -25,6 +25,10 @@ Reported (OUT.json):
   ``mean_verify_length`` the mean ℓ;
 * counts, settings, hardware, command, wall time.
 
+``--seeds N`` (sampled runs only) decodes every prompt with N seeds and pools them: the per-domain and per-position
+figures count every (prompt, seed) run (``per_domain_detail``'s ``prompts`` counts runs), and τ's standard error
+treats each run as a cluster.
+
 Usage::
 
     python -m scripts.eval_acceptance --drafter DIR --prompts-file F.jsonl [--temperature T] \\
@@ -116,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target and drafter dtype; auto = bfloat16 on cuda, float32 on cpu")
     p.add_argument("--batch-size", type=int, default=32, help="prompts per generate call (results do not depend on it)")
     p.add_argument("--seed", type=int, default=0, help="generation seed (random-number contract)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="sampled runs (T > 0): decode every prompt with seeds --seed .. --seed + N - 1 and pool "
+                        "them, which shrinks τ's standard error by about √N (each (prompt, seed) is one cluster)")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts only")
     p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
     p.add_argument("--engine", choices=["optimized", "reference"], default="optimized",
@@ -130,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.batch_size < 1:
         raise SystemExit(f"--batch-size must be ≥ 1, got {args.batch_size}")
+    if args.seeds < 1 or (args.seeds > 1 and args.temperature == 0):
+        raise SystemExit(f"--seeds must be ≥ 1, and 1 for greedy decoding (which no seed changes), got {args.seeds}")
     device = resolve_device(args.device)
     ngram = args.proposer == ProposerKind.NGRAM
     if ngram == (args.drafter is not None):
@@ -159,31 +168,35 @@ def main(argv: list[str] | None = None) -> int:
         drafter_config = {"head": cfg.head, "num_layers": cfg.num_layers, "markov_rank": cfg.markov_rank,
                           "sts_temperatures": cfg.sts_temperatures}
     prompts = read_domain_prompts(args.prompts_file, target, chat_template=not args.no_chat_template, limit=args.limit)
-    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                           chat_template=not args.no_chat_template)
+    seeds = list(range(args.seed, args.seed + args.seeds))
     sched = SchedulerConfig(mode="fixed", k=gamma)  # full block verified every step: τ of the drafter alone
-    log.info("%d prompts, %s, γ = %d, T = %g, %d new tokens, %s", len(prompts), args.proposer, gamma,
-             args.temperature, args.max_new_tokens, device)
+    log.info("%d prompts, %s, γ = %d, T = %g, %d new tokens, seed(s) %s, %s", len(prompts), args.proposer, gamma,
+             args.temperature, args.max_new_tokens, seeds, device)
 
     t0 = time.perf_counter()
     results: list[GenerationResult] = []
-    for start in tqdm(range(0, len(prompts), args.batch_size), desc="eval", unit="batch"):
-        chunk = prompts[start:start + args.batch_size]
-        ids = list(range(start, start + len(chunk)))
-        if args.engine == "reference":
-            results += generate(target, drafter, [p for _, p in chunk], gen, sched, request_ids=ids)
-        else:
-            from optimized.engine import EngineConfig
-            from optimized.generate import generate as engine_generate
+    domains: list[str] = []  # of each result (prompts repeat once per seed)
+    for seed in seeds:
+        gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=seed,
+                               chat_template=not args.no_chat_template)
+        for start in tqdm(range(0, len(prompts), args.batch_size), desc=f"eval (seed {seed})", unit="batch"):
+            chunk = prompts[start:start + args.batch_size]
+            ids = list(range(start, start + len(chunk)))
+            if args.engine == "reference":
+                results += generate(target, drafter, [p for _, p in chunk], gen, sched, request_ids=ids)
+            else:
+                from optimized.engine import EngineConfig
+                from optimized.generate import generate as engine_generate
 
-            engine_cfg = EngineConfig(max_num_seqs=len(chunk), device=str(target.device), dtype=target.dtype,
-                                      seed=gen.seed, enforce_eager=args.enforce_eager)
-            results += engine_generate(target, drafter, [p for _, p in chunk], gen, sched, request_ids=ids,
-                                       engine_config=engine_cfg)
+                engine_cfg = EngineConfig(max_num_seqs=len(chunk), device=str(target.device), dtype=target.dtype,
+                                          seed=gen.seed, enforce_eager=args.enforce_eager)
+                results += engine_generate(target, drafter, [p for _, p in chunk], gen, sched, request_ids=ids,
+                                           engine_config=engine_cfg)
+            domains += [d for d, _ in chunk]
     wall = time.perf_counter() - t0
 
     by_domain: dict[str, list[GenerationResult]] = defaultdict(list)
-    for (domain, _), r in zip(prompts, results):
+    for domain, r in zip(domains, results, strict=True):
         by_domain[domain].append(r)
     overall = summarise(results, gamma)
     detail = {d: summarise(rs, gamma) for d, rs in sorted(by_domain.items())}
@@ -197,9 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         "per_position_counts": overall["per_position_counts"],
         "per_position_verified": overall["per_position_verified"],
         "per_domain_detail": detail,
-        "counts": {k: overall[k] for k in ("prompts", "steps", "generated_tokens")},
+        "counts": {**{k: overall[k] for k in ("steps", "generated_tokens")}, "prompts": len(prompts),
+                   "seeds": len(seeds)},
         "settings": {"temperature": args.temperature, "top_p": 1.0, "top_k": 0, "max_new_tokens": args.max_new_tokens,
-                     "gamma": gamma, "scheduler": "fixed", "k": gamma, "seed": args.seed,
+                     "gamma": gamma, "scheduler": "fixed", "k": gamma, "seed": args.seed, "seeds": seeds,
                      "chat_template": not args.no_chat_template, "dtype": str(target.dtype).removeprefix("torch."),
                      "engine": args.engine},
         "proposer": str(args.proposer),

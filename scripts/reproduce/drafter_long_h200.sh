@@ -14,7 +14,7 @@
 #   4. calibrates the new drafter (STS + per-slot bias, written into its config.json; its proposals are kept in
 #      $RES/proposals for scripts/compare_calibration.py) and measures τ on
 #      docs/benchmarks/eval_prompts.jsonl, greedy and T = 1, with the drafter it replaces measured greedily in the
-#      same run (the baseline);
+#      same run (the baseline); T = 1 pooled over T1_SEEDS seeds (2), the replaced drafter at T = 1 too;
 #   5. runs the engine benchmark with it at batch 1, 16 and 64 (ENGINE=1): closed batches, then (STEADY=1) a server's
 #      steady state (--requests-per-slot 4, request lengths varied by --output-len-spread 0.5) with the pipelining
 #      switches beside the plain modes (+async, +ahead);
@@ -125,13 +125,17 @@ run calibrate python -m scripts.calibrate --drafter "$DATA/run" --data "$DATA/he
 mkdir -p "$RES/run"
 (cd "$DATA/run" && cp -a $(ls | grep -v '^_state$') "$RES/run/")
 for t in 0 1; do
+  SEEDS=1; [ $t = 1 ] && SEEDS=${T1_SEEDS:-2}  # sampled τ: pooled over seeds (its standard error shrinks by √N)
   run "tau-T$t" python -m scripts.eval_acceptance --drafter "$DATA/run" --prompts-file "$EVAL_PROMPTS" \
-    --model "$MODEL" --device "$DEVICE" --temperature $t --max-new-tokens 256 --batch-size 60 \
+    --model "$MODEL" --device "$DEVICE" --temperature $t --max-new-tokens 256 --batch-size 60 --seeds $SEEDS \
     --json "$RES/long-tau-T$t.json" "${EVAL_EXTRA[@]}"
 done
 run tau-shipped python -m scripts.eval_acceptance --drafter "$SHIPPED" --prompts-file "$EVAL_PROMPTS" \
   --model "$MODEL" --device "$DEVICE" --temperature 0 --max-new-tokens 256 --batch-size 60 \
   --json "$RES/long-tau-shipped-T0.json" "${EVAL_EXTRA[@]}"
+run tau-shipped-T1 python -m scripts.eval_acceptance --drafter "$SHIPPED" --prompts-file "$EVAL_PROMPTS" \
+  --model "$MODEL" --device "$DEVICE" --temperature 1 --max-new-tokens 256 --batch-size 60 --seeds "${T1_SEEDS:-2}" \
+  --json "$RES/long-tau-shipped-T1.json" "${EVAL_EXTRA[@]}"
 
 # 5. the engine with the new drafter against plain decoding and fixed K
 [ "$ENGINE" = 1 ] && run bench-engine python scripts/bench_engine.py --model "$MODEL" "${SOURCE[@]}" \

@@ -84,3 +84,16 @@ def test_tau_standard_error_treats_prompts_as_clusters():
     assert eval_acceptance.tau_standard_error(same) == pytest.approx(0.0)
     summary = eval_acceptance.summarise([result([3] * 10), result([0] * 10)], gamma=3)
     assert summary["mean_accepted_length"] == pytest.approx(2.5) and summary["mean_accepted_length_se"] == se
+
+
+def test_several_seeds_pool_their_runs(files, tmp_path):
+    one = _eval(files, tmp_path, "--temperature", "1.0")
+    two = _eval(files, tmp_path, "--temperature", "1.0", "--seeds", "2")
+    assert two["settings"]["seeds"] == [0, 1] and two["counts"]["seeds"] == 2
+    assert two["counts"]["prompts"] == len(PROMPTS) == one["counts"]["prompts"]
+    assert sum(d["prompts"] for d in two["per_domain_detail"].values()) == 2 * len(PROMPTS)
+    seed1 = _eval(files, tmp_path, "--temperature", "1.0", "--seed", "1")
+    assert two["counts"]["steps"] == one["counts"]["steps"] + seed1["counts"]["steps"]  # seed 0's runs, then seed 1's
+    assert two["mean_accepted_length_se"] is not None
+    with pytest.raises(SystemExit, match="--seeds"):
+        _eval(files, tmp_path, "--seeds", "2")  # greedy: no seed changes anything
