@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from optimized.engine import Engine, EngineConfig, SamplingParams
+from optimized.generate import generate
 from optimized.training import dense_backbone
 from reference.checkpoint import CONFIG_FILE, load_drafter, save_drafter
 from reference.cli import read_domain_prompts
-from reference.config import SchedulerConfig
+from reference.config import GenerationConfig, SchedulerConfig
 from reference.drafter import DSparkDrafter
 from reference.losses import dense_block_targets
 from reference.target import DEFAULT_TARGET, Target
@@ -66,18 +66,12 @@ def weight_bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in directory.glob("model*.safetensors"))
 
 
-def continuations(target: Target, prompts: list[list[int]], temperature: float, max_new_tokens: int, seed: int,
-                  device: torch.device) -> list[tuple[list[int], list[int]]]:
-    """(prompt, the target's continuation) per prompt, decoded by the engine without speculation."""
-    engine = Engine(target, None, EngineConfig(max_num_seqs=len(prompts), seed=seed, device=str(device),
-                                               max_seq_len=max(map(len, prompts)) + max_new_tokens + 2,
-                                               dtype=target.dtype),
-                    SchedulerConfig(mode="none"))
-    ids = [engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature))
-           for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
-    return [(p, engine.sequence(i).output_ids) for p, i in zip(prompts, ids, strict=True)]
+def continuations(target: Target, prompts: list[list[int]], temperature: float, max_new_tokens: int, seed: int
+                  ) -> list[tuple[list[int], list[int]]]:
+    """(prompt, the target's continuation) per prompt: the engine without speculation (EOS honoured)."""
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    results = generate(target, None, prompts, gen, SchedulerConfig(mode="none"))
+    return [(r.prompt_ids, r.token_ids) for r in results]
 
 
 @torch.no_grad()
@@ -159,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
               "weight_bytes": size,
               "results": {}}
     for temperature in (0.0, 1.0):
-        seqs = continuations(target, [ids for _, ids in rows], temperature, args.max_new_tokens, args.seed, device)
+        seqs = continuations(target, [ids for _, ids in rows], temperature, args.max_new_tokens, args.seed)
         log.info("T = %g: %d continuation tokens", temperature, sum(len(o) for _, o in seqs))
         report["results"][f"T={temperature:g}"] = compare(target, drafters, seqs, temperature)
     report["wall_s"] = round(time.perf_counter() - t0, 1)
