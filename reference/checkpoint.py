@@ -22,9 +22,9 @@ Every loading problem fails fast with a message naming the file or key.
 Weights can be stored in 8 bits (``save_drafter(..., weights="int8")``): each large weight matrix ``W`` as int8
 ``Q`` with one float32 scale per row, ``W ≈ Q · s`` with ``s = max|W_row| / 127`` (symmetric, rounded to nearest),
 under its own name and ``<name>_scale``; norms, biases, the learned mask vector and the one-row confidence head keep
-``dtype``. That halves a bfloat16
-checkpoint; :func:`load_drafter` dequantizes, so everything downstream sees an ordinary drafter (the rounding error
-is at most 0.4 % of a row's largest weight; docs/models.md gives the measured effect on acceptance).
+``dtype``. That halves a bfloat16 checkpoint; :func:`load_drafter` dequantizes, so everything downstream sees an
+ordinary drafter (the rounding error is at most 0.4 % of a row's largest weight; docs/models.md gives the measured
+effect on acceptance).
 """
 
 from __future__ import annotations
@@ -303,9 +303,11 @@ def load_drafter(directory: str | os.PathLike, target: Any = None, *, device: st
     expected = drafter.state_dict()
     quantized = _quantized_tensors(config, expected, directory)
     files = _weight_files(directory)
-    stored = set(expected) | {name + SCALE_SUFFIX for name in quantized}
-    missing = sorted(stored - set(files))
-    unexpected = sorted(set(files) - stored)
+    # every stored tensor and its shape: the drafter's own, plus one scale per row of each int8 matrix
+    shapes = {name: list(t.shape) for name, t in expected.items()}
+    shapes |= {name + SCALE_SUFFIX: [expected[name].shape[0]] for name in quantized}
+    missing = sorted(set(shapes) - set(files))
+    unexpected = sorted(set(files) - set(shapes))
     if missing or unexpected:
         raise ValueError(f"checkpoint {directory} does not fit its config: missing tensors {missing}, "
                          f"unexpected tensors {unexpected}")
@@ -316,11 +318,9 @@ def load_drafter(directory: str | os.PathLike, target: Any = None, *, device: st
                 if files.get(name) != path:
                     raise ValueError(f"tensor {name!r} found in {path.name}, the index places it elsewhere")
                 t = f.get_tensor(name)
-                want = ([expected[name.removesuffix(SCALE_SUFFIX)].shape[0]] if name not in expected
-                        else list(expected[name].shape))
-                if list(t.shape) != want:
+                if list(t.shape) != shapes[name]:
                     raise ValueError(f"tensor {name!r} in {path.name} has shape {list(t.shape)}, "
-                                     f"the config implies {want}")
+                                     f"the config implies {shapes[name]}")
                 raw[name] = t
     absent = sorted(set(files) - set(raw))
     if absent:

@@ -620,8 +620,8 @@ class DSparkDrafter(nn.Module):
         param = next(self.parameters())
         grown = DSparkDrafter(config).to(device=param.device, dtype=param.dtype)
         missing, unexpected = grown.load_state_dict(self.state_dict(), strict=False)
-        new_layers = {f"layers.{i}." for i in range(have, num_layers)}
-        assert not unexpected and all(k.startswith(tuple(new_layers)) for k in missing), (missing, unexpected)
+        new_layers = tuple(f"layers.{i}." for i in range(have, num_layers))
+        assert not unexpected and all(k.startswith(new_layers) for k in missing), (missing, unexpected)
         with torch.no_grad():
             for layer in grown.layers[have:]:
                 layer.self_attn.o_proj.weight.zero_()
