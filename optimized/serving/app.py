@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import secrets
 import time
@@ -325,6 +326,60 @@ def _sse(model) -> bytes:
 _SSE_DONE = format_sse_event(data_str="[DONE]")
 
 
+class PieceEvent:
+    """The SSE event of a streamed chunk whose only varying fields are its text and its running usage, by splicing.
+
+    Most chunks of a stream differ from each other only in the text piece and, with ``continuous_usage_stats``, the
+    token counts (no finish reason, no log-probabilities): the chunk's JSON is rendered once with markers in place
+    of the text and of the two counts and split there, and each event is the fixed parts around
+    ``json.dumps(piece)`` and the two numbers: one string escape per chunk instead of building four models and
+    serialising them (about 2 against 15 µs on the project's CPU). Python's escaping with ``ensure_ascii=False``
+    gives the same bytes as pydantic's for any text (``tests/serving/test_units.py``).
+    """
+
+    MARK = "@@dspark-piece@@"
+    COUNT_MARKS = (987654321987, 987654321989)  # completion_tokens, total_tokens of the template's usage
+
+    def __init__(self, template, prompt_tokens: int = 0) -> None:
+        """``template``: the chunk model with :attr:`MARK` as its text and, for a running usage, a usage of
+        ``prompt_tokens`` with :attr:`COUNT_MARKS` as its completion and total counts."""
+        text = template.model_dump_json()
+        marks = [json.dumps(self.MARK)] + [str(m) for m in self.COUNT_MARKS if str(m) in text]
+        if len(marks) == 2:  # one count without the other: not a template of this class
+            raise ValueError("the chunk template has only one of the two count markers")
+        parts = []
+        for mark in marks:  # in this order in the JSON: the choices come before the usage
+            head, *rest = text.split(mark)
+            if len(rest) != 1:  # the marker also occurs elsewhere (a served model name, say): not splittable
+                raise ValueError("each marker must occur in the chunk template exactly once, in order")
+            parts.append(head)
+            text = rest[0]
+        self.parts, self.tail, self.prompt_tokens = parts, text, prompt_tokens
+
+    def __call__(self, piece: str, completion_tokens: int = 0) -> bytes:
+        data = self.parts[0] + json.dumps(piece, ensure_ascii=False)
+        if len(self.parts) == 3:
+            data += (self.parts[1] + str(completion_tokens) + self.parts[2]
+                     + str(self.prompt_tokens + completion_tokens))
+        return format_sse_event(data_str=data + self.tail)
+
+
+def piece_events(template, prompt_tokens: int = 0) -> PieceEvent | None:
+    """A :class:`PieceEvent` for ``template``, or None where a marker cannot be told apart (the models then)."""
+    try:
+        return PieceEvent(template, prompt_tokens)
+    except ValueError:
+        return None
+
+
+def _template_usage(body, prompt_tokens: int) -> Usage | None:
+    """The running usage of a chunk template (:attr:`PieceEvent.COUNT_MARKS`), or None without continuous usage."""
+    if not body.continuous_usage:
+        return None
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=PieceEvent.COUNT_MARKS[0],
+                 total_tokens=PieceEvent.COUNT_MARKS[1])
+
+
 def _json(model, status: int = 200) -> Response:
     return Response(model.model_dump_json(), status_code=status, media_type="application/json")
 
@@ -472,12 +527,17 @@ def build_app(server: Server) -> FastAPI:
         text, stream = TextStream(server.tokenizer, params.stop), OutputStream(server, handle, request)
         n_prompt = len(prompt)
 
-        def chunk(piece: str, out, n_out: int, lp=None) -> CompletionChunk:
+        def chunk(piece: str, finish: str | None, n_out: int, lp=None) -> CompletionChunk:
             return CompletionChunk(id=rid, created=created, model=server.model_name, choices=[CompletionChoice(
-                text=piece, logprobs=lp, finish_reason=out.finish_reason if out.finished else None)],
+                text=piece, logprobs=lp, finish_reason=finish)],
                 usage=_usage(n_prompt, n_out) if body.continuous_usage else None)
 
         if body.stream:
+            # The common chunk (text and running usage) by splicing; finish and log-probabilities by the models.
+            fast = None if want_lp else piece_events(CompletionChunk(
+                id=rid, created=created, model=server.model_name,
+                choices=[CompletionChoice(text=PieceEvent.MARK)], usage=_template_usage(body, n_prompt)), n_prompt)
+
             async def events():
                 n_out, offset = 0, 0
                 try:
@@ -486,8 +546,10 @@ def build_app(server: Server) -> FastAPI:
                         piece = text.add(out.new_token_ids, out.finished)
                         lp = server.completion_logprobs(out, offset) if want_lp else None
                         offset += len(piece)
-                        if piece or lp or out.finished:
-                            yield _sse(chunk(piece, out, n_out, lp))
+                        if fast is not None and piece and not out.finished:
+                            yield fast(piece, n_out)
+                        elif piece or lp or out.finished:
+                            yield _sse(chunk(piece, out.finish_reason if out.finished else None, n_out, lp))
                     if body.include_usage:
                         yield _sse(CompletionChunk(id=rid, created=created, model=server.model_name, choices=[],
                                                    usage=_usage(n_prompt, n_out)))
@@ -535,6 +597,12 @@ def build_app(server: Server) -> FastAPI:
                     ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=finish)],
                     usage=_usage(n_prompt, n_out) if body.continuous_usage else None)
 
+            # The common chunk (text and running usage) by splicing; finish and log-probabilities by the models.
+            fast = None if body.logprobs else piece_events(ChatCompletionChunk(
+                id=rid, created=created, model=server.model_name,
+                choices=[ChatChunkChoice(delta=DeltaMessage(content=PieceEvent.MARK))],
+                usage=_template_usage(body, n_prompt)), n_prompt)
+
             async def events():
                 n_out = 0
                 try:
@@ -543,7 +611,9 @@ def build_app(server: Server) -> FastAPI:
                         n_out += len(out.new_token_ids)
                         piece = text.add(out.new_token_ids, out.finished)
                         lp = server.chat_logprobs(out) if body.logprobs else None
-                        if piece or lp or out.finished:
+                        if fast is not None and piece and not out.finished:
+                            yield fast(piece, n_out)
+                        elif piece or lp or out.finished:
                             yield _sse(chunk(DeltaMessage(content=piece) if piece else DeltaMessage(),
                                              out.finish_reason if out.finished else None, lp, n_out))
                     if body.include_usage:

@@ -1,10 +1,12 @@
 """The server's pieces without a server: text streaming with stop strings, the speculative config, the live
-calibration window, the request schemas."""
+calibration window, the request schemas, the spliced chunk events."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.serving.conftest import char_tokenizer
 
@@ -12,6 +14,90 @@ from tests.serving.conftest import char_tokenizer
 @pytest.fixture(scope="module")
 def tok():
     return char_tokenizer()
+
+
+TRICKY_PIECES = ["", " hello", 'a "quoted" word', "back\\slash", "new\nline\ttab\r", "\x00\x01\x1f\x7f",
+                 "é中文😀", "\u2028\u2029\ufeff", "</script>", "@@dspark-piece@@", "{\"json\": [1, 2]}"]
+
+
+def _chunks():
+    """The two streamed chunk kinds, each as a function of its text and running usage (ids and model as a server
+    would set them)."""
+    from optimized.serving.protocol import (
+        ChatChunkChoice,
+        ChatCompletionChunk,
+        CompletionChoice,
+        CompletionChunk,
+        DeltaMessage,
+    )
+
+    def chat(piece, usage=None):
+        return ChatCompletionChunk(id="chatcmpl-0123abcd", created=1764633600, model="smollm2-135m-instruct",
+                                   choices=[ChatChunkChoice(delta=DeltaMessage(content=piece))], usage=usage)
+
+    def completion(piece, usage=None):
+        return CompletionChunk(id="cmpl-0123abcd", created=1764633600, model="smollm2-135m-instruct",
+                               choices=[CompletionChoice(text=piece)], usage=usage)
+
+    return {"chat": chat, "completion": completion}
+
+
+def _usage(prompt, completion):
+    from optimized.serving.protocol import Usage
+
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _marked_usage(prompt):
+    """A template's running usage: the two count markers in place of the completion and total counts."""
+    from optimized.serving.app import PieceEvent
+    from optimized.serving.protocol import Usage
+
+    completion, total = PieceEvent.COUNT_MARKS
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("running_usage", [False, True])
+def test_spliced_chunk_events_are_the_models_bytes(kind, running_usage):
+    """The fast path of a stream (the chunk's JSON split around its text and token counts, the text escaped by
+    json.dumps) gives exactly the bytes that building and serialising the pydantic chunk gives, for text that needs
+    escaping too, with and without the running usage of ``continuous_usage_stats``."""
+    from optimized.serving.app import PieceEvent, _sse
+
+    make, prompt = _chunks()[kind], 37
+    event = PieceEvent(make(PieceEvent.MARK, _marked_usage(prompt) if running_usage else None), prompt)
+    for n, piece in enumerate(TRICKY_PIECES, start=1):
+        assert event(piece, n) == _sse(make(piece, _usage(prompt, n) if running_usage else None)), piece
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=24), st.integers(0, 10**6))
+def test_spliced_chunk_events_match_on_any_text(piece, n):
+    from optimized.serving.app import PieceEvent, _sse
+
+    for make in _chunks().values():
+        assert PieceEvent(make(PieceEvent.MARK))(piece) == _sse(make(piece))
+        assert PieceEvent(make(PieceEvent.MARK, _marked_usage(5)), 5)(piece, n) == _sse(make(piece, _usage(5, n)))
+
+
+def test_a_marker_that_is_not_unique_falls_back_to_the_models():
+    """A served model name that contains the text marker leaves the split ambiguous: no fast path, not a wrong one.
+    A count marker in the name is harmless (the name comes before the text, the counts after it)."""
+    from optimized.serving.app import PieceEvent, _sse, piece_events
+    from optimized.serving.protocol import CompletionChoice, CompletionChunk
+
+    def make(name, piece, usage):
+        return CompletionChunk(id="cmpl-1", created=1, model=name, choices=[CompletionChoice(text=piece)], usage=usage)
+
+    for usage in (None, _marked_usage(3)):
+        template = make(PieceEvent.MARK, PieceEvent.MARK, usage)
+        assert piece_events(template, 3) is None
+        with pytest.raises(ValueError, match="exactly once"):
+            PieceEvent(template, 3)
+    name = f"model-{PieceEvent.COUNT_MARKS[0]}"
+    event = piece_events(make(name, PieceEvent.MARK, _marked_usage(3)), 3)
+    assert event("hi", 4) == _sse(make(name, "hi", _usage(3, 4)))
 
 
 @pytest.mark.parametrize("step", [1, 2, 5])
