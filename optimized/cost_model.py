@@ -33,10 +33,10 @@ measured on the model runner of the engine that will serve (``engine.runner``):
   :class:`reference.cost_model.CostTable` prices the sizes in between at the next measured size (an upper
   bound, never an extrapolation).
 * **Cached on disk** under a fingerprint of everything the times depend on: the model (name, every weight's
-  shape and dtype), the drafter config, the device (GPU name and compute capability, or the CPU and its thread
-  count), torch/triton versions, ``max_num_seqs``, γ, graphs or eager, the attention backend, the context length.
-  A cached table is re-checked on load: two sizes are re-timed, and a difference above 25 % (load drift, a
-  different clock) re-profiles, with a warning.
+  shape and dtype), the drafter config (its calibration values left out: they do not change a step), the device
+  (GPU name and compute capability, or the CPU and its thread count), torch/triton versions, ``max_num_seqs``, γ,
+  graphs or eager, the attention backend, the context length. A cached table is re-checked on load: two sizes are
+  re-timed, and a difference above 25 % (load drift, a different clock) re-profiles, with a warning.
 
 Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length,
 ``SPS`` steps per second).
@@ -70,6 +70,8 @@ FINGERPRINT_VERSION = 4  # bump when the profiling method changes, so old cached
 # Request-count curves: (request counts, token counts per curve) measured at most, with CUDA graphs and without
 # (eager steps are smooth and slow to time, so fewer points do).
 REQUEST_CURVE_POINTS = {True: (None, 6), False: (4, 3)}
+# The drafter config's calibration fields (reference.config.DrafterConfig): per mode and slot, fitted after training.
+CALIBRATION_FIELDS = ("sts_temperatures", "sts_biases", "sts_log_weights")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -199,6 +201,10 @@ def fingerprint(runner: ModelRunner, context_len: int = DEFAULT_CONTEXT_LEN) -> 
     drafter = None
     if runner.drafter is not None:
         drafter = json.loads(json.dumps(dataclasses.asdict(runner.ref_drafter.config), default=str, sort_keys=True))
+        # Calibration values change what the confidences are, not what a step costs: keep only which modes carry
+        # which kind of calibration (the ops the draft stage runs), so a recalibrated drafter reuses its table.
+        for name in CALIBRATION_FIELDS:
+            drafter[name] = sorted(drafter.get(name) or {})
     try:
         import triton
 

@@ -116,6 +116,33 @@ def test_cache_hit_then_invalidated_by_a_setting(models, tmp_path, monkeypatch):
     assert fingerprint(engine.runner, 16)[0] != fingerprint(engine.runner, 8)[0]
 
 
+def test_fingerprint_follows_the_drafters_shape_not_its_calibration(models):
+    """A recalibrated drafter (new STS temperatures and biases) costs what it cost: same key, so a served drafter
+    that was only recalibrated starts without re-profiling. Another kind of calibration (beta's log-weights add ops
+    to the draft stage) or another shape (more layers) is another key."""
+    import dataclasses
+
+    target, drafter = models
+    engine = _engine(models)
+    key = fingerprint(engine.runner, 16)[0]
+    config = drafter.config
+    try:
+        drafter.config = dataclasses.replace(config, sts_temperatures={"greedy": [0.7] * GAMMA},
+                                             sts_biases={"greedy": [0.1] * GAMMA})
+        calibrated = fingerprint(engine.runner, 16)[0]
+        drafter.config = dataclasses.replace(config, sts_temperatures={"greedy": [1.3] * GAMMA},
+                                             sts_biases={"greedy": [-0.2] * GAMMA})
+        assert fingerprint(engine.runner, 16)[0] == calibrated != key
+        drafter.config = dataclasses.replace(config, sts_temperatures={"greedy": [1.3] * GAMMA},
+                                             sts_biases={"greedy": [-0.2] * GAMMA},
+                                             sts_log_weights={"greedy": [0.5] * GAMMA})
+        assert fingerprint(engine.runner, 16)[0] != calibrated
+        drafter.config = dataclasses.replace(config, num_layers=config.num_layers + 1)
+        assert fingerprint(engine.runner, 16)[0] != key
+    finally:
+        drafter.config = config
+
+
 def test_recheck_detects_a_stale_table(models, tmp_path, monkeypatch):
     engine = _engine(models)
     table = cached_profile(engine.runner, cache_dir=tmp_path, context_len=16, repeats=1, recheck=False, progress=False)
