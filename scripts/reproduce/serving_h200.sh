@@ -25,11 +25,13 @@ RES=${RES:-/tmp/res}
 NAME=${NAME:-serving-h200}   # $RES/$NAME.{json,png}; an A/B of the server: NAME=serving-h200-each-step
                              # SERVER_EXTRA=--stream-each-step (one chunk per engine step) beside a default run
 read -r -a SERVER_EXTRA <<< "${SERVER_EXTRA:-}"   # e.g. "--device cpu" for a dry run on a GPU machine
+read -r -a BENCH_EXTRA <<< "${BENCH_EXTRA:-}"     # more bench_serving flags, e.g. "--min-requests 64" (steadier points
+                                                 # at low concurrency)
 SOURCE=(); [ -n "$SHAREGPT" ] && SOURCE=(--sharegpt-file "$SHAREGPT")
 source "$(dirname "$0")/timeline.sh"  # stamp, run
 
 run "$NAME" python -m scripts.bench_serving --launch --modes "$MODES" --concurrency "$CONCURRENCY" \
-  --output-len "$OUTPUT_LEN" "${SOURCE[@]}" --drafter "$DRAFTER" \
+  --output-len "$OUTPUT_LEN" "${SOURCE[@]}" --drafter "$DRAFTER" "${BENCH_EXTRA[@]}" \
   --server-args "--model $MODEL --drafter $DRAFTER ${SERVER_EXTRA[*]}" --log-dir "$RES/logs/servers" \
   --out "$RES/$NAME.json" --plot "$RES/$NAME.png"
 [ "$BENCH_ENGINE" = 1 ] && run engine python -m scripts.bench_engine --model "$MODEL" "${SOURCE[@]}" \
