@@ -247,6 +247,31 @@ def test_acceptance_table_shows_the_standard_error_where_recorded(tmp_path):
     assert "**3.300** ± 0.041" in rows[1] and "±" not in rows[2]
 
 
+def test_cost_check_prices_each_measured_step_with_the_runs_own_table():
+    """The cost-check table: one row per measured engine configuration, priced by the run's cost table exactly as
+    the scheduler prices a step (verify time of the step's tokens and requests, plus the drafter where it drafted)."""
+    from reference.cost_model import CostTable
+
+    hook = _hook("benchmark_tables")
+    bench = ROOT / "docs" / "benchmarks"
+    data = json.loads((bench / "engine-serving-prompts-h200.json").read_text())
+    table = CostTable.from_dict(data["cost_table"])
+    rows = [line for line in hook.render("cost-check", ["engine-serving-prompts-h200.json"], bench).splitlines()
+            if line.startswith("| `")]
+    measured = [r for r in data["results"] if r["engine"] == "optimized"]
+    assert len(rows) == len(measured)
+    for line, r in zip(rows, measured):
+        n = r["batch_size"]
+        if r["mode"] == "none":
+            price = table.verify_time(n, n)
+        else:
+            tokens = round(n * (1 + r["mean_verify_length"]))
+            price = table.verify_time(tokens, n) + r["draft_step_fraction"] * table.draft_time(n)
+        assert line.endswith(f"| {r['step_ms']:.2f} | {1e3 * price:.2f} | {r['step_ms'] / (1e3 * price):.2f} |"), line
+    with pytest.raises(ValueError, match="no cost table"):
+        hook.render("cost-check", ["acceptance.json"], bench)
+
+
 def test_serving_table_compares_adaptive_with_the_best_other_mode():
     import json
 
@@ -265,10 +290,10 @@ def test_speculation_claim_matches_the_committed_benchmark():
     """when-speculation-helps.md says plainly where speculation pays on the H200 with the shipped drafter: at batch 1,
     and not from batch 64 up. If a new engine benchmark says otherwise, this fails: update the page's warning."""
     hook = _hook("benchmark_tables")
-    bench = json.loads((ROOT / "docs" / "benchmarks" / "engine-h200-shipped.json").read_text())
+    bench = json.loads((ROOT / "docs" / "benchmarks" / "engine-serving-prompts-h200.json").read_text())
     page = (ROOT / "docs" / "when-speculation-helps.md").read_text()
     assert "speculation pays at batch 1 and loses to plain decoding from batch 64 up" in page
-    assert "engine-h200-shipped.json" in page
+    assert "engine-serving-prompts-h200.json" in page
     for row in hook.frontier(bench):
         if row["batch"] == 1:
             assert row["ratio"] > 1 + hook.SPREAD, f"at batch 1 speculation no longer pays: {row}"

@@ -4,7 +4,7 @@ A page line ``<!-- benchmark: KIND FILE… -->`` becomes a Markdown table (or a 
 the JSON files it names, paths relative to the page. So a new benchmark run updates the pages by itself, and a
 number on the site is always the number in the file, with the hardware and the command stored beside it.
 
-Kinds (one renderer each, below): ``provenance``, ``engine-throughput``, ``speculation-frontier``,
+Kinds (one renderer each, below): ``provenance``, ``engine-throughput``, ``cost-check``, ``speculation-frontier``,
 ``acceptance``, ``training``, ``kernels``, ``calibration``, ``calibration-methods``, ``gpu-equivalence``,
 ``summary``, ``serving`` and ``startup`` (scripts/bench_serving.py), ``server-overhead``
 (scripts/bench_server_overhead.py), and ``checkpoint`` (how a shipped drafter was made, from its ``summary.json``).
@@ -130,6 +130,31 @@ def frontier(data: dict) -> list[dict]:
         out.append({"batch": b, "none": none, "best": best, "best_tps": spec[best], "ratio": ratio,
                     "adaptive": spec.get("adaptive", float("nan")) / none, "verdict": verdict})
     return out
+
+
+def cost_check(page_dir: Path, files: list[str]) -> str:
+    """The engine's step-cost table against the steps it measured in the same run: what the adaptive scheduler
+    believed a step costs (``CostTable.step_time`` at the run's mean verify length) and what it cost."""
+    from reference.cost_model import CostTable  # the table's own pricing (staircase, request-count curves)
+
+    data = _load(page_dir, files[0])
+    if "cost_table" not in data or "results" not in data:
+        raise ValueError(f"benchmark tables: {files[0]} has no cost table (scripts/bench_engine.py records one)")
+    table = CostTable.from_dict(data["cost_table"])
+    rows = []
+    for r in data["results"]:
+        if r.get("engine") != "optimized" or r.get("step_ms") is None:
+            continue
+        n, drafts = r["batch_size"], r["mode"] != "none"
+        tokens = round(n * (1 + (r.get("mean_verify_length") or 0))) if drafts else n
+        drafting = r.get("draft_step_fraction", 1.0) if drafts else 0.0  # the share of steps that ran the drafter
+        priced = 1e3 * (table.verify_time(tokens, n) + (drafting * table.draft_time(n) if drafting else 0.0))
+        rows.append([f"`{r['label']}`", str(n), str(tokens), f"{r['step_ms']:.2f}", f"{priced:.2f}",
+                     f"{r['step_ms'] / priced:.2f}"])
+    return _table(["policy", "batch", "tokens verified per step", "measured step ms", "table's price ms",
+                   "measured / table"], rows) + (
+        "\nThe table's price is its verify time for that many tokens (the run's mean per step) of that many "
+        "requests, plus the drafter's time for them on the share of steps that drafted.\n")
 
 
 def speculation_frontier(page_dir: Path, files: list[str]) -> str:
@@ -389,6 +414,7 @@ def server_overhead(page_dir: Path, files: list[str]) -> str:
 RENDERERS = {
     "provenance": provenance,
     "engine-throughput": engine_throughput,
+    "cost-check": cost_check,
     "speculation-frontier": speculation_frontier,
     "acceptance": acceptance,
     "training": training,
