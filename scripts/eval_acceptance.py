@@ -176,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     results: list[GenerationResult] = []
     domains: list[str] = []  # of each result (prompts repeat once per seed)
+    if args.engine == "optimized":  # imported only when used: the reference loop needs none of it
+        from optimized.engine import EngineConfig
+        from optimized.generate import generate as engine_generate
     for seed in seeds:
         gen = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=seed,
                                chat_template=not args.no_chat_template)
@@ -185,9 +188,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.engine == "reference":
                 results += generate(target, drafter, [p for _, p in chunk], gen, sched, request_ids=ids)
             else:
-                from optimized.engine import EngineConfig
-                from optimized.generate import generate as engine_generate
-
                 engine_cfg = EngineConfig(max_num_seqs=len(chunk), device=str(target.device), dtype=target.dtype,
                                           seed=gen.seed, enforce_eager=args.enforce_eager)
                 results += engine_generate(target, drafter, [p for _, p in chunk], gen, sched, request_ids=ids,
