@@ -134,7 +134,8 @@ def frontier(data: dict) -> list[dict]:
 
 def cost_check(page_dir: Path, files: list[str]) -> str:
     """The engine's step-cost table against the steps it measured in the same run: what the adaptive scheduler
-    believed a step costs (``CostTable.step_time`` at the run's mean verify length) and what it cost."""
+    believed a step costs (the table's verify time at the run's mean tokens per step, plus its drafter time on the
+    share of steps that drafted) and what it cost."""
     from reference.cost_model import CostTable  # the table's own pricing (staircase, request-count curves)
 
     data = _load(page_dir, files[0])
