@@ -41,19 +41,10 @@ read -r -a TRAIN_EXTRA <<< "${TRAIN_EXTRA:-}"
 read -r -a EVAL_EXTRA <<< "${EVAL_EXTRA:-}"
 SOURCE=(); [ -n "$SHAREGPT" ] && SOURCE=(--sharegpt-file "$SHAREGPT")
 source "$(dirname "$0")/timeline.sh"  # stamp, run
+source "$(dirname "$0")/data.sh"  # self_distill_data
 
-# 1. data (the same commands as drafter_long_h200.sh, another seed)
-stamp "start data-train ($GEN_PROCS processes, ${GEN_S}s)"
-for ((r = 0; r < GEN_PROCS; r++)); do
-  RANK=$r WORLD_SIZE=$GEN_PROCS python -m scripts.make_dataset --out "$DATA/train" --model "$MODEL" "${SOURCE[@]}" \
-    --device "$DEVICE" --temperatures "$TEMPS" --max-new-tokens "$MAX_NEW" --batch-size 512 --shard-size 512 \
-    --seed "$DATA_SEED" --time-budget-s "$GEN_S" "${GEN_EXTRA[@]}" > "$RES/logs/data-train-$r.log" 2>&1 &
-done
-wait
-stamp "end data-train"
-run data-heldout python -m scripts.make_dataset --out "$DATA/heldout" --split heldout --model "$MODEL" "${SOURCE[@]}" \
-  --device "$DEVICE" --temperatures 0,1 --max-new-tokens "$MAX_NEW" --batch-size 512 --shard-size 1024 \
-  "${HELD_EXTRA[@]}" || exit 1
+# 1. data (scripts/reproduce/data.sh, as drafter_long_h200.sh makes it; another seed)
+self_distill_data || exit 1
 cp "$DATA/train/manifest.json" "$RES/ablation-data-manifest.json"
 
 # 2. the arms, one after another: same data, seed, size and steps

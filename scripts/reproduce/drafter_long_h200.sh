@@ -74,20 +74,10 @@ read -r -a EVAL_EXTRA <<< "${EVAL_EXTRA:-}"
 SOURCE=(); [ -n "$SHAREGPT" ] && SOURCE=(--sharegpt-file "$SHAREGPT")
 INIT=(); [ -n "$INIT_FROM" ] && INIT=(--init-from "$INIT_FROM")
 source "$(dirname "$0")/timeline.sh"  # stamp, run
+source "$(dirname "$0")/data.sh"  # self_distill_data
 
-# 1. data: GEN_PROCS engine processes, each taking every GEN_PROCS-th shard (make_dataset's RANK/WORLD_SIZE split).
-stamp "start data-train ($GEN_PROCS processes, ${GEN_S}s)"
-for ((r = 0; r < GEN_PROCS; r++)); do
-  RANK=$r WORLD_SIZE=$GEN_PROCS python -m scripts.make_dataset --out "$DATA/train" --model "$MODEL" "${SOURCE[@]}" \
-    --device "$DEVICE" --temperatures "$TEMPS" --max-new-tokens "$MAX_NEW" --batch-size 512 --shard-size 512 \
-    --seed "$DATA_SEED" --start-shard "$START_SHARD" --time-budget-s "$GEN_S" "${GEN_EXTRA[@]}" \
-    > "$RES/logs/data-train-$r.log" 2>&1 &
-done
-wait
-stamp "end data-train"
-run data-heldout python -m scripts.make_dataset --out "$DATA/heldout" --split heldout --model "$MODEL" "${SOURCE[@]}" \
-  --device "$DEVICE" --temperatures 0,1 --max-new-tokens "$MAX_NEW" --batch-size 512 --shard-size 1024 \
-  "${HELD_EXTRA[@]}" || exit 1
+# 1. data (scripts/reproduce/data.sh), answering first the shards from START_SHARD on
+self_distill_data --start-shard "$START_SHARD" || exit 1
 cp "$DATA/train/manifest.json" "$RES/long-data-manifest.json"
 
 # 2. where the training step's time goes, at the batch size trained with; and, with ATTENTION=measure, whether the
