@@ -13,13 +13,18 @@ Two one-way pipes (``multiprocessing.connection``, pickle) join them:
   taken off the pipe while a step runs and never waits for the step to end before it can be written.
 * results, engine → HTTP process: ``("ready", Runtime)`` once start-up is done (the tokenizer and the facts the
   server needs; no engine), then one ``("step", outputs, StepStats, errors, idle)`` per engine step (each output a
-  plain tuple of the ``StepOutput`` fields), or ``("failed", exception)`` if start-up or a step raised.
+  plain tuple of the ``StepOutput`` fields), or ``("failed", exception)`` if start-up or a step raised. Each message
+  is framed by this module (its pickle's length in 8 bytes, then the pickle): see :class:`FrameReader`.
 
-The HTTP process reads the results pipe on its event loop (``add_reader``): each step message goes straight to
-:meth:`~optimized.serving.engine_loop.EngineClient._dispatch`, the same code the engine thread reaches through one
-``call_soon_threadsafe`` per step in the in-thread mode, so ``submit``, ``abort`` and their errors (``Overloaded``,
-``NotReady``, ``EngineFailed``) behave exactly alike. No thread of the HTTP process has to win the interpreter lock
-from a busy event loop to take a message.
+The HTTP process reads the results pipe on its event loop (``add_reader``), without ever blocking: the pipe's end is
+non-blocking, a message is unpickled once all its bytes have arrived, however many reads that takes (the ready
+message carries the tokenizer, megabytes; a step at a large batch is larger than a pipe's 64 KiB buffer). A blocking
+``Connection.recv`` there would stall every stream while a message trickles in, and under uvloop (which uvicorn
+picks when it is installed, and which makes every descriptor it watches non-blocking) it fails half-way through a
+large message. Each step message goes straight to :meth:`~optimized.serving.engine_loop.EngineClient._dispatch`,
+the same code the engine thread reaches through one ``call_soon_threadsafe`` per step in the in-thread mode, so
+``submit``, ``abort`` and their errors (``Overloaded``, ``NotReady``, ``EngineFailed``) behave exactly alike. No
+thread of the HTTP process has to win the interpreter lock from a busy event loop to take a message.
 
 If the child dies (killed, crashed), the results pipe reaches its end: every request in flight gets
 ``EngineFailed``, ``/health`` answers 503 and the server stops, as when the engine thread dies. The child never
@@ -36,9 +41,11 @@ import dataclasses
 import logging
 import multiprocessing
 import operator
+import os
 import pickle
 import queue
 import signal
+import struct
 import sys
 import threading
 import time
@@ -52,9 +59,59 @@ from optimized.serving.engine_loop import EngineClient, Runtime, run_steps
 log = logging.getLogger("dspark.serve")
 
 _STOP_RETRY_S = 5.0  # after terminate(), and after kill(), wait this long for the child to go
-_DRAIN = 64  # step messages taken from the pipe per event-loop turn
+_READ_LIMIT = 1 << 20  # bytes taken from the results pipe per event-loop turn at most: a fast engine never starves it
+_LENGTH = struct.Struct("!Q")  # a results message on the pipe: its pickle's length, then the pickle
 # A StepOutput on the wire: a plain tuple of its fields, a third of the pickling time of the dataclass.
 _OUTPUT_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(StepOutput)))
+
+
+def framed_sender(conn: Connection) -> Callable[[Any], None]:
+    """``send(message)`` for the child's end of the results pipe: the pickle's length, then the pickle, written in
+    full (the child's end blocks: an engine ahead of a busy HTTP process waits for room in the pipe)."""
+    fd = conn.fileno()
+    os.set_blocking(fd, True)
+
+    def send(message: Any) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(_LENGTH.pack(len(data)) + data)
+        while view:
+            view = view[os.write(fd, view):]
+
+    return send
+
+
+class FrameReader:
+    """Whole messages (as :func:`framed_sender` writes them) from a pipe end made non-blocking, as the bytes arrive.
+
+    :meth:`read` takes what the pipe holds now and returns the pickles it completed; the bytes of a message not yet
+    whole wait in :attr:`buffer` for the next call. :attr:`closed` turns true at the end of the pipe (the writer is
+    gone); bytes of a message cut short there are left in the buffer, never unpickled.
+    """
+
+    def __init__(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self.fd, self.buffer, self.closed = fd, bytearray(), False
+
+    def read(self, limit: int = _READ_LIMIT) -> list[bytes]:
+        taken = 0
+        while taken < limit and not self.closed:
+            try:
+                chunk = os.read(self.fd, limit - taken)
+            except BlockingIOError:  # nothing more for now
+                break
+            if not chunk:
+                self.closed = True
+            self.buffer += chunk
+            taken += len(chunk)
+        messages, start, buf, head = [], 0, self.buffer, _LENGTH.size
+        while len(buf) - start >= head:
+            end = start + head + _LENGTH.unpack_from(buf, start)[0]
+            if end > len(buf):
+                break
+            messages.append(bytes(buf[start + head:end]))
+            start = end
+        del buf[:start]
+        return messages
 
 
 class EngineProcess(EngineClient):
@@ -71,6 +128,7 @@ class EngineProcess(EngineClient):
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._commands: Connection | None = None  # event-loop thread only
         self._results: Connection | None = None  # event-loop thread only
+        self._reader: FrameReader | None = None  # reads self._results (event-loop thread only)
         self._stopping = False
 
     @property
@@ -91,6 +149,7 @@ class EngineProcess(EngineClient):
         commands_out.close()  # the child's ends: once it exits, our reads see the end of the pipe
         results_in.close()
         self._commands, self._results = commands_in, results_out
+        self._reader = FrameReader(results_out.fileno())
         aio_loop.add_reader(results_out.fileno(), self._receive)
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -105,8 +164,9 @@ class EngineProcess(EngineClient):
         deadline = time.monotonic() + timeout
         while proc.is_alive() and time.monotonic() < deadline:
             try:
-                if self._results is not None and not self._results.closed and self._results.poll(0.05):
-                    self._results.recv()
+                if self._results is not None and not self._results.closed and not self._reader.closed and \
+                        self._results.poll(0.05):
+                    self._reader.read()  # dropped: nobody waits for these any more
                 else:
                     proc.join(0.05)
             except (EOFError, OSError):
@@ -130,12 +190,12 @@ class EngineProcess(EngineClient):
     # ------------------------------------------------------------------ results, on the event loop
 
     def _receive(self) -> None:
-        """The results pipe is readable: take the messages waiting there (at most ``_DRAIN`` in one go, so that a
-        fast engine never starves the event loop), each step straight into :meth:`_dispatch`."""
-        results = self._results
+        """The results pipe is readable: take what it holds (at most ``_READ_LIMIT`` bytes in one go, so that a fast
+        engine never starves the event loop) and handle every message that is now whole, each step straight into
+        :meth:`_dispatch`. Never blocks: a message still arriving waits in the reader for the next call."""
         try:
-            for _ in range(_DRAIN):
-                msg = results.recv()
+            for data in self._reader.read():
+                msg = pickle.loads(data)
                 if msg[0] == "step":
                     self._dispatch([StepOutput(*out) for out in msg[1]], msg[2], msg[3], msg[4])
                 elif msg[0] == "ready":
@@ -144,14 +204,20 @@ class EngineProcess(EngineClient):
                 else:  # "failed": the child logged the traceback and exits
                     self._engine_failed(msg[1])
                     return
-                if not results.poll():
-                    return
-        except (EOFError, OSError):
-            if not self._stopping:
-                self._engine_failed(self._died())
+            if self._reader.closed:  # the child is gone (its messages, all taken above, said nothing of why)
+                self._ended()
+        except OSError:
+            self._ended()
         except Exception as err:  # on_ready raised, or a message would not unpickle
             log.exception("engine process: the server could not take its message")
             self._engine_failed(err)
+
+    def _ended(self) -> None:
+        """The results pipe ended (the child exited): stop watching it; unless we are stopping, that is a failure."""
+        if self._stopping:
+            self._close_results()
+        else:
+            self._engine_failed(self._died())
 
     def _engine_failed(self, err: BaseException) -> None:
         self._close_results()
@@ -191,7 +257,7 @@ def engine_main(build: Callable[[], Runtime], commands: Connection, results: Con
     stop = threading.Event()
     threading.Thread(target=_receive_commands, args=(commands, inbox, stop), name="dspark-commands",
                      daemon=True).start()
-    send = results.send
+    send = framed_sender(results)
     try:
         runtime = build()
         send(("ready", Runtime(None, runtime.tokenizer, runtime.vocab_size, runtime.gamma, runtime.has_drafter)))

@@ -30,6 +30,20 @@ from tests.serving.conftest import ROOT, LiveServer, tiny_server_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MODES = {"thread": EngineLoop, "process": EngineProcess}
+# The event loops a server may run on: uvicorn picks uvloop where it is installed (it comes with uvicorn[standard]),
+# and uvloop makes every descriptor it watches non-blocking, the results pipe included.
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - the test extra installs it
+    uvloop = None
+LOOPS = ["asyncio", pytest.param("uvloop", marks=pytest.mark.skipif(uvloop is None, reason="uvloop not installed"))]
+
+
+def run_on(loop: str, coro):
+    """``asyncio.run(coro)`` on the named event loop implementation."""
+    factory = asyncio.new_event_loop if loop == "asyncio" else uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
 
 
 def sim_build(**kw) -> SimulatedBuild:
@@ -44,12 +58,14 @@ class Harness:
 
     def __init__(self, mode: str, build) -> None:
         self.fatal: list[BaseException] = []
+        self.runtime = None  # what on_ready received
+        self.gamma = build.tokens_per_step - 1  # what the simulated engine reports
         self.client = MODES[mode](build, max_num_seqs=build.max_num_seqs, max_waiting=4, on_ready=self._ready,
                                   on_fatal=self.fatal.append)
 
-    @staticmethod
-    def _ready(runtime):
-        assert runtime.vocab_size == 64 and runtime.gamma == 1 and runtime.has_drafter
+    def _ready(self, runtime):
+        assert runtime.vocab_size == 64 and runtime.gamma == self.gamma and runtime.has_drafter
+        self.runtime = runtime
         return ServerMetrics("sim", runtime.gamma, runtime.has_drafter)
 
     async def start(self, timeout: float = 60.0) -> None:
@@ -122,6 +138,71 @@ def test_both_modes_deliver_the_same_steps_and_free_aborted_slots():
     assert thread[1] == process[1] and process[1][-1][1]
     assert thread[3] == process[3] == []
     assert process[2] is not None and gone(process[2])
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_messages_larger_than_the_pipe_arrive_whole_on_either_event_loop(loop):
+    """A ready message of megabytes (a real tokenizer is one) and steps of ~100 KB, over a pipe that holds 64 KiB:
+    each arrives over many reads of the non-blocking pipe, unpickled once whole, on asyncio's loop and on uvloop's
+    (which makes the pipe non-blocking by itself: a blocking ``recv`` there failed half-way through the ready
+    message, and the server stopped before its first request)."""
+    blob = {"vocab": "x" * 3_000_000, "merges": list(range(100_000))}  # stands in for a tokenizer
+
+    async def scenario():
+        h = Harness("process", sim_build(tokenizer=blob, max_num_seqs=64, tokens_per_step=1024))
+        await h.start()
+        assert h.runtime.tokenizer == blob
+        handles = [h.client.submit([1], SamplingParams(max_new_tokens=4097)) for _ in range(64)]
+        outputs = [await collect(x) for x in handles]
+        assert h.client.in_flight == 0 and not h.fatal
+        h.client.stop()
+        return outputs
+
+    outputs = run_on(loop, scenario())
+    token_ids = list(range(10, 60))
+    for i, got in enumerate(outputs):  # the simulated engine's tokens, in order: 1, then 4 steps of 1024 each
+        assert [len(tokens) for tokens, _, _ in got] == [1, 1024, 1024, 1024, 1024]
+        start = (i * 7919) % len(token_ids)
+        flat = [t for tokens, _, _ in got for t in tokens]
+        assert flat == [token_ids[(start + j) % len(token_ids)] for j in range(4097)]
+        assert got[-1][1:] == (True, "length")
+
+
+def test_frames_survive_any_split_of_the_bytes():
+    """The reader against the sender, byte by byte and in odd chunks: every message whole and in order, none twice,
+    and a message cut short by the end of the pipe never unpickled."""
+    import pickle
+    import threading
+
+    from optimized.serving.engine_process import FrameReader, framed_sender
+
+    messages = [("ready", b"\x00" * 200_000), ("step", list(range(5000)), None, [], False), ("failed", None), ()]
+    for limit in (1, 7, 65_536, 1 << 20):
+        reader_end, writer_end = multiprocessing_pipe()
+        writer = threading.Thread(target=lambda w=writer_end: [framed_sender(w)(m) for m in messages] + [w.close()])
+        writer.start()
+        reader, got = FrameReader(reader_end.fileno()), []
+        while not reader.closed:
+            reader_end.poll(5)
+            got += [pickle.loads(data) for data in reader.read(limit)]
+        writer.join()
+        assert got == messages and not reader.buffer
+        reader_end.close()
+    # the end of the pipe in the middle of a message: nothing half-read comes out
+    reader_end, writer_end = multiprocessing_pipe()
+    data = pickle.dumps(("step", [1, 2, 3]))
+    os.write(writer_end.fileno(), len(data).to_bytes(8, "big") + data[:-1])
+    writer_end.close()
+    reader = FrameReader(reader_end.fileno())
+    assert reader.read() == [] and reader.closed and len(reader.buffer) == 8 + len(data) - 1
+    reader_end.close()
+
+
+def multiprocessing_pipe():
+    """A one-way pipe as the engine process has it: (read end, write end)."""
+    import multiprocessing
+
+    return multiprocessing.get_context("spawn").Pipe(duplex=False)
 
 
 def test_a_dead_engine_process_fails_every_request_in_flight():
