@@ -29,9 +29,11 @@
 # steady-state benchmark), loan 5 (LAYERS=5 DATA_SEED=4 START_SHARD=8 TRAIN_MIN=12, the 3 layers deepened to 5, saved
 # in bfloat16 and stored in int8 afterwards with scripts/quantize_drafter.py: steps 19,126-23,670, data from every
 # shard but 4-6, with prompt graphs; 23 minutes), loan 6 (LAYERS=5 DATA_SEED=5 START_SHARD=4 GEN_S=210 TRAIN_MIN=7
-# ENGINE=0, a short loan followed by serving_h200.sh: shards 4-23, steps 23,670-26,335; 14 minutes). Its next loan
-# starts at the shards loan 6 did not reach:
-#   LAYERS=5 DATA_SEED=6 START_SHARD=24 TRAIN_MIN=12 ATTENTION=flex PROFILE=0 bash scripts/reproduce/drafter_long_h200.sh
+# ENGINE=0, a short loan followed by serving_h200.sh: shards 4-23, steps 23,670-26,335; 14 minutes), loan 7 (LAYERS=5
+# DATA_SEED=6 START_SHARD=24 GEN_S=210 TRAIN_MIN=10 ENGINE=0 TRAIN_EXTRA="--loss-weights 0,0.5,1,1": shards 24-27 and
+# 0-15, steps 26,335-30,055, the L1 term added). Its next loan starts at the shards loan 7 did not reach:
+#   LAYERS=5 DATA_SEED=7 START_SHARD=16 TRAIN_MIN=12 ATTENTION=flex PROFILE=0 TRAIN_EXTRA="--loss-weights 0,0.5,1,1"
+#   bash scripts/reproduce/drafter_long_h200.sh
 # Needs the target at $MODEL and ShareGPT at $SHAREGPT (docs/training.md, "Reproduction scripts on a GPU machine").
 # A CPU dry run: MODEL=smollm2-135m-instruct SHAREGPT= DEVICE=cpu GEN_PROCS=1 GEN_EXTRA="--limit 8 --max-new-tokens 16"
 #   HELD_EXTRA="--limit 8 --max-new-tokens 16" TRAIN_EXTRA="--stop-after 2 --eval-examples 4" TOKENS=1024
