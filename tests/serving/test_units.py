@@ -299,7 +299,10 @@ def test_engine_process_flag_and_a_picklable_build():
 
     from optimized.serve import DEFAULT_ENGINE_PROCESS, build_parser, build_runtime, resolve
 
-    assert build_parser().parse_args([]).engine_process is DEFAULT_ENGINE_PROCESS
+    assert build_parser().parse_args([]).engine_process is None  # the device decides
+    assert DEFAULT_ENGINE_PROCESS == {"cpu": False, "cuda": True}
+    assert resolve(build_parser().parse_args(["--device", "cpu"])).engine_process is False
+    assert resolve(build_parser().parse_args(["--device", "cpu", "--engine-process"])).engine_process is True
     assert build_parser().parse_args(["--engine-process"]).engine_process is True
     assert build_parser().parse_args(["--no-engine-process"]).engine_process is False
     sa = resolve(build_parser().parse_args(["--device", "cpu", "--speculative-config", '{"mode": "fixed"}']))
