@@ -12,14 +12,25 @@ rejections (a trimmed draft says nothing about the confidence head). The gauges 
 survival, the realised survival rate, and their difference (positive: the head is over-confident). Names follow
 docs/method.md (``a`` prefix survival, ``ℓ`` verify length, ``γ`` block size).
 
-Step-level observations arrive from the engine loop (``observe_step``); request-level ones from the request
-handlers. prometheus-client's metrics are thread-safe.
+Step-level observations arrive with each engine step (``observe_step``), request-level ones from the request
+handlers, all on the server's event loop, tens of thousands of times a second under load. So counters and
+histograms are plain Python numbers that an observation adds to, with no lock (:class:`LoopCounter`,
+:class:`LoopHistogram`), and the gauges that summarise windows are computed only when ``/metrics`` is scraped (on the
+same event loop): prometheus-client's own metrics take a lock per observation, and recomputing the windows' means
+and the calibration gauges on every step cost more than all of a step's other bookkeeping. The exposition is
+prometheus-client's, the same names and values (the tests compare the two).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
+
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), so that vLLM dashboards' quantiles line up; ITL gains
 # three sub-10 ms buckets: a 135M target on an H200 steps in a few milliseconds.
@@ -34,6 +45,64 @@ STEP_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(12))
 CALIBRATION_WINDOW = 2000  # trials per slot: ±2.2 points of binomial noise on a rate near 0.5 (1.96·√(.25/2000))
 STEP_WINDOW = 256  # steps behind the moving means of the accepted and verify lengths
+
+
+class LoopCounter:
+    """A Prometheus counter (``NAME_total``) counted by one thread without a lock, rendered at scrape time.
+
+    ``labels`` are constant label values (e.g. the model name); with ``key`` one more label whose value each
+    :meth:`inc` names, one sample per value seen (e.g. the draft position)."""
+
+    def __init__(self, name: str, doc: str, registry: CollectorRegistry, labels: dict[str, str] | None = None,
+                 key: str | None = None) -> None:
+        self.name, self.doc, self.key = name, doc, key
+        self.labels = dict(labels or {})
+        self.values: dict[str | None, float] = {} if key else {None: 0.0}
+        registry.register(self)
+
+    def inc(self, amount: float = 1.0, key: str | None = None) -> None:
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def collect(self):
+        names = list(self.labels) + ([self.key] if self.key else [])
+        family = CounterMetricFamily(self.name, self.doc, labels=names)
+        for key, value in self.values.items():
+            family.add_metric(list(self.labels.values()) + ([key] if self.key else []), value)
+        yield family
+
+    def describe(self):
+        return self.collect()
+
+
+class LoopHistogram:
+    """A Prometheus histogram (``_bucket``, ``_count``, ``_sum``) observed by one thread without a lock: a count per
+    bucket (an observation ``v`` goes to the first bucket whose bound is ≥ v, as prometheus-client places it) and
+    the sum, made cumulative at scrape time."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], registry: CollectorRegistry,
+                 labels: dict[str, str] | None = None) -> None:
+        bounds = [float(b) for b in buckets]
+        if bounds != sorted(bounds):
+            raise ValueError(f"{name}: buckets must be sorted, got {buckets}")
+        self.name, self.doc, self.labels = name, doc, dict(labels or {})
+        self.bounds = tuple(bounds) + ((math.inf,) if not bounds or bounds[-1] != math.inf else ())
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
+        cumulative = itertools.accumulate(self.counts)
+        family.add_metric(list(self.labels.values()),
+                          [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative, strict=True)], self.sum)
+        yield family
+
+    def describe(self):
+        return self.collect()
 
 
 class CalibrationWindow:
@@ -69,89 +138,103 @@ class CalibrationWindow:
 
     def summary(self) -> list[tuple[float, float, int]]:
         """Per slot: (mean predicted a_k, realised survival rate, trials in the window)."""
-        out = []
-        for k in range(self.gamma):
-            n = int(min(self.count[k], self.size))
-            out.append((float(self.predicted[k, :n].mean()) if n else float("nan"),
-                        float(self.survived[k, :n].mean()) if n else float("nan"), n))
-        return out
+        return [self.slot_summary(k) for k in range(self.gamma)]
+
+    def slot_summary(self, k: int) -> tuple[float, float, int]:
+        """Slot ``k`` (0-based): (mean predicted a_k, realised survival rate, trials in the window)."""
+        n = int(min(self.count[k], self.size))
+        if not n:
+            return float("nan"), float("nan"), 0
+        return float(self.predicted[k, :n].mean()), float(self.survived[k, :n].mean()), n
 
 
 class ServerMetrics:
-    """Every metric of the server. ``gamma`` = 0 (mode none) leaves the speculative metrics at zero."""
+    """Every metric of the server. ``gamma`` = 0 (mode none) leaves the speculative metrics at zero.
+
+    Every method runs on the server's event loop, as does the ``/metrics`` route that renders :attr:`registry`."""
 
     def __init__(self, model_name: str, gamma: int, has_drafter: bool,
                  calibration_window: int = CALIBRATION_WINDOW) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = r = CollectorRegistry()
         self.has_drafter = has_drafter
-        r, m = self.registry, ["model_name"]
         label = {"model_name": model_name}
         # --- vLLM's names ---
-        self.running = Gauge("vllm:num_requests_running", "Requests holding an engine slot.", m, registry=r).labels(
-            **label)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued for a slot.", m, registry=r).labels(**label)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests.", m,
-                                     registry=r).labels(**label)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", m, registry=r).labels(**label)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", m, registry=r,
-                              buckets=TTFT_BUCKETS).labels(**label)
-        self.itl = Histogram("vllm:inter_token_latency_seconds",
-                             "Time between two deliveries of tokens to one request (a step may deliver several).", m,
-                             registry=r, buckets=ITL_BUCKETS).labels(**label)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", m, registry=r,
-                             buckets=E2E_BUCKETS).labels(**label)
-        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
-                               m + ["finished_reason"], registry=r)
-        self._model = model_name
-        self.num_drafts = Counter("vllm:spec_decode_num_drafts", "Request-steps that verified a draft.", m,
-                                  registry=r).labels(**label)
-        self.num_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified (Σℓ).", m,
-                                        registry=r).labels(**label)
-        self.num_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", m,
-                                    registry=r).labels(**label)
-        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                        "Accepted draft tokens by slot (0-based, as vLLM).", m + ["position"],
-                                        registry=r)
+        self.num_running = self.num_waiting = 0  # read by the two gauges at scrape time
+        Gauge("vllm:num_requests_running", "Requests holding an engine slot.", ["model_name"], registry=r).labels(
+            **label).set_function(lambda: self.num_running)
+        Gauge("vllm:num_requests_waiting", "Requests queued for a slot.", ["model_name"], registry=r).labels(
+            **label).set_function(lambda: self.num_waiting)
+        self.prompt_tokens = LoopCounter("vllm:prompt_tokens", "Prompt tokens of admitted requests.", r, label)
+        self.generation_tokens = LoopCounter("vllm:generation_tokens", "Generated tokens.", r, label)
+        self.ttft = LoopHistogram("vllm:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS, r,
+                                  label)
+        self.itl = LoopHistogram("vllm:inter_token_latency_seconds",
+                                 "Time between two deliveries of tokens to one request (a step may deliver several).",
+                                 ITL_BUCKETS, r, label)
+        self.e2e = LoopHistogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS, r, label)
+        self.success = LoopCounter("vllm:request_success", "Finished requests by finish reason.", r, label,
+                                   key="finished_reason")
+        self.num_drafts = LoopCounter("vllm:spec_decode_num_drafts", "Request-steps that verified a draft.", r, label)
+        self.num_draft_tokens = LoopCounter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified (Σℓ).", r,
+                                            label)
+        self.num_accepted = LoopCounter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", r, label)
+        self.accepted_per_pos = LoopCounter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                            "Accepted draft tokens by slot (0-based, as vLLM).", r, label,
+                                            key="position")
+        self._positions = [str(k) for k in range(max(gamma, 1))]
         # --- this project's ---
-        self.steps = Counter("dspark:steps", "Engine steps.", registry=r)
-        self.decode_steps = Counter("dspark:decode_steps", "Engine steps in which requests verified (R > 0).",
-                                    registry=r)
-        self.request_steps = Counter("dspark:request_steps",
-                                     "Verifying request-steps (Σ R); tokens emitted by them = this + accepted.",
-                                     registry=r)
-        self.gate_closed = Counter("dspark:draft_gate_closed_steps",
-                                   "Decode steps run without drafts because the draft gate closed.", registry=r)
-        self.step_time = Histogram("dspark:step_time_seconds", "Host wall time of one engine step.", registry=r,
-                                   buckets=STEP_BUCKETS)
-        self.verify_tokens = Histogram("dspark:verify_tokens", "Target tokens per verify step, N = R + Σℓ.",
-                                       registry=r, buckets=TOKEN_BUCKETS)
-        self.verify_length = Histogram("dspark:verify_length", "Verify length ℓ per request-step.", registry=r,
-                                       buckets=tuple(float(k) for k in range(max(gamma, 1) + 1)))
-        self.budget = Histogram("dspark:budget", "Verify budget B = Σℓ per step (adaptive mode).", registry=r,
-                                buckets=TOKEN_BUCKETS)
-        self.mean_accepted = Gauge("dspark:mean_accepted_length",
-                                   f"Tokens emitted per verifying request-step (τ), last {STEP_WINDOW} steps.",
-                                   registry=r)
-        self.mean_verify = Gauge("dspark:mean_verify_length", f"Mean ℓ per request-step, last {STEP_WINDOW} steps.",
-                                 registry=r)
-        self.gate_closed_ratio = Gauge("dspark:draft_gate_closed_ratio",
-                                       f"Share of the last {STEP_WINDOW} decode steps run with the gate closed.",
-                                       registry=r)
-        slot = ["slot"]
-        self.cal_pred = Gauge("dspark:calibration_predicted_survival",
-                              "Mean calibrated prefix survival a_k of the verified trials of slot k in the window.",
-                              slot, registry=r)
-        self.cal_real = Gauge("dspark:calibration_realised_survival",
-                              "Share of the verified trials of slot k in the window that survived.", slot, registry=r)
-        self.cal_error = Gauge("dspark:calibration_error",
-                               "Predicted minus realised survival of slot k over the window (> 0: over-confident).",
-                               slot, registry=r)
-        self.cal_trials = Gauge("dspark:calibration_trials", "Verified trials of slot k in the window.", slot,
-                                registry=r)
-        self.calibration = CalibrationWindow(gamma, calibration_window) if gamma else None
+        self.steps = LoopCounter("dspark:steps", "Engine steps.", r)
+        self.decode_steps = LoopCounter("dspark:decode_steps", "Engine steps in which requests verified (R > 0).", r)
+        self.request_steps = LoopCounter("dspark:request_steps",
+                                         "Verifying request-steps (Σ R); tokens emitted by them = this + accepted.", r)
+        self.gate_closed = LoopCounter("dspark:draft_gate_closed_steps",
+                                       "Decode steps run without drafts because the draft gate closed.", r)
+        self.step_time = LoopHistogram("dspark:step_time_seconds", "Host wall time of one engine step.", STEP_BUCKETS,
+                                       r)
+        self.verify_tokens = LoopHistogram("dspark:verify_tokens", "Target tokens per verify step, N = R + Σℓ.",
+                                           TOKEN_BUCKETS, r)
+        self.verify_length = LoopHistogram("dspark:verify_length", "Verify length ℓ per request-step.",
+                                           tuple(float(k) for k in range(max(gamma, 1) + 1)), r)
+        self.budget = LoopHistogram("dspark:budget", "Verify budget B = Σℓ per step (adaptive mode).", TOKEN_BUCKETS,
+                                    r)
         self._recent = np.zeros((STEP_WINDOW, 4))  # per decode step: request-steps, accepted, Σℓ, gate closed
         self._recent_n = 0
+        Gauge("dspark:mean_accepted_length", f"Tokens emitted per verifying request-step (τ), last {STEP_WINDOW} "
+              "steps.", registry=r).set_function(lambda: self._window(1.0, 1, 0))
+        Gauge("dspark:mean_verify_length", f"Mean ℓ per request-step, last {STEP_WINDOW} steps.",
+              registry=r).set_function(lambda: self._window(0.0, 2, 0))
+        Gauge("dspark:draft_gate_closed_ratio", f"Share of the last {STEP_WINDOW} decode steps run with the gate "
+              "closed.", registry=r).set_function(lambda: self._window(0.0, 3, None))
+        slot = ["slot"]
+        self._calibration_gauges = (
+            Gauge("dspark:calibration_predicted_survival",
+                  "Mean calibrated prefix survival a_k of the verified trials of slot k in the window.", slot,
+                  registry=r),
+            Gauge("dspark:calibration_realised_survival",
+                  "Share of the verified trials of slot k in the window that survived.", slot, registry=r),
+            Gauge("dspark:calibration_error",
+                  "Predicted minus realised survival of slot k over the window (> 0: over-confident).", slot,
+                  registry=r),
+            Gauge("dspark:calibration_trials", "Verified trials of slot k in the window.", slot, registry=r))
+        self._calibrated_slots = 0  # slots 1..this have had a trial: their gauges exist
+        self.calibration = CalibrationWindow(gamma, calibration_window) if gamma else None
         self._drafted_before = False  # whether the last step ran the drafter (so this step verifies drafts)
+
+    def _window(self, offset: float, column: int, denominator: int | None) -> float:
+        """``offset`` + the sum of a column of the last STEP_WINDOW decode steps over the sum of column
+        ``denominator`` (None: over the number of steps); 0 before the first decode step, as a gauge never set."""
+        n = min(self._recent_n, STEP_WINDOW)
+        if not n:
+            return 0.0
+        w = self._recent[:n].sum(axis=0)
+        return offset + w[column] / (n if denominator is None else w[denominator])
+
+    def _calibration_gauge(self, k: int, field: int):
+        """The scrape-time value of one calibration gauge of slot k (0-based): predicted, realised, error, trials."""
+        def value() -> float:
+            pred, real, n = self.calibration.slot_summary(k)
+            return (pred, real, pred - real, float(n))[field]
+        return value
 
     # ---------------------------------------------------------------- engine side
 
@@ -159,8 +242,7 @@ class ServerMetrics:
         """One ``optimized.engine.StepStats``."""
         self.steps.inc()
         self.step_time.observe(st.step_time_s)
-        self.running.set(st.num_running)
-        self.waiting.set(st.num_waiting)
+        self.num_running, self.num_waiting = st.num_running, st.num_waiting
         drafted_before, self._drafted_before = self._drafted_before, st.drafted
         if not st.num_decoding:
             return
@@ -170,38 +252,32 @@ class ServerMetrics:
         if st.budget is not None:
             self.budget.observe(st.budget)
         accepted, verified = sum(st.accepted), sum(st.verified)
-        held = [bool(a) for a in st.predicted_survival]  # requests that verified at least one draft
+        held = sum(1 for a in st.predicted_survival if a)  # requests that verified at least one draft
         # The gate closed for this step when the previous step ran no drafter: nobody held drafts to verify.
         closed = self.has_drafter and not drafted_before
         if closed:
             self.gate_closed.inc()
         for v in st.verified:
             self.verify_length.observe(v)
-        if any(held):
-            self.num_drafts.inc(sum(held))
+        if held:
+            self.num_drafts.inc(held)
             self.num_draft_tokens.inc(verified)
             self.num_accepted.inc(accepted)
             for pos in range(max(st.accepted, default=0)):
-                self.accepted_per_pos.labels(self._model, str(pos)).inc(sum(a > pos for a in st.accepted))
+                self.accepted_per_pos.inc(sum(a > pos for a in st.accepted), self._positions[pos])
         self._recent[self._recent_n % STEP_WINDOW] = (st.num_decoding, accepted, verified, closed)
         self._recent_n += 1
-        w = self._recent[: min(self._recent_n, STEP_WINDOW)].sum(axis=0)
-        self.mean_accepted.set(1.0 + w[1] / w[0])
-        self.mean_verify.set(w[2] / w[0])
-        self.gate_closed_ratio.set(w[3] / min(self._recent_n, STEP_WINDOW))
-        if self.calibration is not None and any(held):
+        if self.calibration is not None and held:
             self.calibration.add(st.predicted_survival, st.verified, st.accepted)
-            for k, (pred, real, n) in enumerate(self.calibration.summary(), start=1):
-                if n:
-                    self.cal_pred.labels(str(k)).set(pred)
-                    self.cal_real.labels(str(k)).set(real)
-                    self.cal_error.labels(str(k)).set(pred - real)
-                    self.cal_trials.labels(str(k)).set(n)
+            while self._calibrated_slots < self.calibration.gamma and self.calibration.count[self._calibrated_slots]:
+                k = self._calibrated_slots  # slot k + 1 has its first trial: its gauges appear from now on
+                for field, gauge in enumerate(self._calibration_gauges):
+                    gauge.labels(str(k + 1)).set_function(self._calibration_gauge(k, field))
+                self._calibrated_slots += 1
 
     def idle(self) -> None:
         """No request is left in the engine."""
-        self.running.set(0)
-        self.waiting.set(0)
+        self.num_running = self.num_waiting = 0
 
     # ---------------------------------------------------------------- request side
 
@@ -214,6 +290,6 @@ class ServerMetrics:
         (self.ttft if first else self.itl).observe(gap)
 
     def request_finished(self, reason: str, latency: float) -> None:
-        self.success.labels(self._model, reason).inc()
+        self.success.inc(1.0, reason)
         if reason != "abort":  # a client that left says nothing about how long requests take
             self.e2e.observe(latency)

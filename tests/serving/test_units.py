@@ -176,6 +176,89 @@ def test_calibration_window_counts_verified_slots_only():
             assert real_mean == pytest.approx(np.mean([s for _, s in last]))
 
 
+def _samples(registry) -> dict:
+    """A registry's exposition as {(sample name, sorted labels): value}, without the ``_created`` timestamps."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if not s.name.endswith("_created")}
+
+
+def test_loop_metrics_expose_what_prometheus_clients_own_would():
+    """LoopCounter and LoopHistogram against their twins, prometheus-client's Counter and Histogram, fed the same
+    observations (values on the bucket bounds, below the first, past the last, negative): the same samples."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram
+
+    from optimized.serving.metrics import ITL_BUCKETS, LoopCounter, LoopHistogram
+
+    rng = np.random.default_rng(1)
+    values = [*ITL_BUCKETS, 0.0, -1.0, 1e6, *rng.exponential(0.05, 500).tolist()]
+    fast, twin = CollectorRegistry(), CollectorRegistry()
+    label = {"model_name": "m"}
+    h, h2 = (LoopHistogram("x:latency_seconds", "doc", ITL_BUCKETS, fast, label),
+             Histogram("x:latency_seconds", "doc", ["model_name"], buckets=ITL_BUCKETS, registry=twin).labels(**label))
+    c, c2 = LoopCounter("x:tokens", "doc", fast, label), Counter("x:tokens", "doc", ["model_name"],
+                                                               registry=twin).labels(**label)
+    k, k2 = (LoopCounter("x:done", "doc", fast, label, key="reason"),
+             Counter("x:done", "doc", ["model_name", "reason"], registry=twin))
+    u, u2 = LoopCounter("x:steps", "doc", fast), Counter("x:steps", "doc", registry=twin)
+    for i, v in enumerate(values):
+        h.observe(v)
+        h2.observe(v)
+        c.inc(i % 3)
+        c2.inc(i % 3)
+        k.inc(1.0, "stop" if i % 4 else "length")
+        k2.labels("m", "stop" if i % 4 else "length").inc()
+    u.inc()
+    u2.inc()
+    got, want = _samples(fast), _samples(twin)
+    assert got.keys() == want.keys() and all(got[x] == pytest.approx(want[x], rel=1e-12) for x in want)
+    with pytest.raises(ValueError, match="sorted"):
+        LoopHistogram("x:bad", "doc", (2.0, 1.0), CollectorRegistry())
+
+
+def test_server_metrics_gauges_are_computed_when_scraped():
+    """The window means and the calibration gauges read the state at scrape time: nothing before the first decode
+    step (0, and no calibration slot yet), then exactly the window's numbers, slot k only once it had a trial."""
+    from types import SimpleNamespace
+
+    from optimized.serving.metrics import ServerMetrics
+
+    m = ServerMetrics("m", gamma=3, has_drafter=True)
+
+    def step(verified, accepted, pred, drafted=True, running=2):
+        m.observe_step(SimpleNamespace(step_time_s=0.002, num_running=running, num_waiting=1,
+                                       num_decoding=len(verified), verify_tokens=len(verified) + sum(verified),
+                                       budget=sum(verified), drafted=drafted, verified=verified, accepted=accepted,
+                                       predicted_survival=pred, request_ids=list(range(len(verified)))))
+
+    empty = _samples(m.registry)
+    assert empty[("dspark:mean_accepted_length", ())] == 0.0
+    assert not [x for x in empty if x[0].startswith("dspark:calibration")]
+    step([], [], [], drafted=True)  # a prefill-only step: the drafter ran, nobody verified yet
+    step([2, 1], [1, 0], [[0.9, 0.5], [0.8]])  # slots 1 and 2 get trials, slot 3 none
+    got = _samples(m.registry)
+    assert got[("vllm:num_requests_running", (("model_name", "m"),))] == 2
+    assert got[("dspark:mean_accepted_length", ())] == pytest.approx(1 + 1 / 2)
+    assert got[("dspark:mean_verify_length", ())] == pytest.approx(3 / 2)
+    assert got[("dspark:draft_gate_closed_ratio", ())] == 0.0
+    slots = {dict(labels)["slot"] for name, labels in got if name == "dspark:calibration_trials"}
+    assert slots == {"1", "2"}
+    assert got[("dspark:calibration_predicted_survival", (("slot", "1"),))] == pytest.approx(0.85)
+    assert got[("dspark:calibration_realised_survival", (("slot", "1"),))] == pytest.approx(0.5)
+    assert got[("dspark:calibration_error", (("slot", "2"),))] == pytest.approx(0.5 - 0.0)
+    assert got[("dspark:calibration_trials", (("slot", "2"),))] == 1
+    step([0], [0], [[]], drafted=False)  # no draft verified, but the step before had run the drafter: gate open
+    step([0], [0], [[]], drafted=False)  # the previous step ran no drafter: this one counts as gate-closed
+    got = _samples(m.registry)
+    assert got[("dspark:draft_gate_closed_ratio", ())] == pytest.approx(1 / 3)
+    assert got[("dspark:draft_gate_closed_steps_total", ())] == 1
+    m.idle()
+    assert _samples(m.registry)[("vllm:num_requests_running", (("model_name", "m"),))] == 0
+
+
 def test_request_schemas():
     from pydantic import ValidationError
 
