@@ -217,6 +217,7 @@ def fingerprint(runner: ModelRunner, context_len: int = DEFAULT_CONTEXT_LEN) -> 
         "drafter": drafter, "device": hardware_name(runner.device), "torch": torch.__version__,
         "triton": triton_version, "max_num_seqs": runner.config.max_num_seqs, "gamma": runner.gamma,
         "cuda_graphs": runner.uses_graphs,
+        "verify_buckets": list(runner.verify_graphs.sizes),  # the table's staircase steps at these sizes
         "attention_backend": getattr(runner.target, "attention_backend", None),
         "layer_backend": getattr(runner.target, "layer_backend", None),
         "context_len": _fit_context(runner, context_len),

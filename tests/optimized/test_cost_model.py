@@ -114,6 +114,13 @@ def test_cache_hit_then_invalidated_by_a_setting(models, tmp_path, monkeypatch):
     cached_profile(engine.runner, cache_dir=tmp_path, context_len=8, repeats=1, recheck=False, progress=False)
     assert len(calls) == 3 and len(list(tmp_path.glob("*.json"))) == 3
     assert fingerprint(engine.runner, 16)[0] != fingerprint(engine.runner, 8)[0]
+    # The verify buckets are the sizes the table steps at: other buckets (another bucket rule) are another key.
+    key, sizes = fingerprint(engine.runner, 16)[0], engine.runner.verify_graphs.sizes
+    try:
+        engine.runner.verify_graphs.sizes = [*sizes[:-2], sizes[-1]]
+        assert fingerprint(engine.runner, 16)[0] != key
+    finally:
+        engine.runner.verify_graphs.sizes = sizes
 
 
 def test_fingerprint_follows_the_drafters_shape_not_its_calibration(models):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from optimized.engine import Engine, EngineConfig, SamplingParams, StepStats
-from optimized.graphs import PrefillBuffers, prefill_bucket_sizes
+from optimized.graphs import PrefillBuffers, bucket_sizes, prefill_bucket_sizes
 from optimized.runner import ModelRunner
 from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
@@ -162,6 +162,20 @@ def test_prefill_buffers_pad_every_row_and_token():
     assert prefill_bucket_sizes(10) == [10] and prefill_bucket_sizes(2048)[-1] == 2048
     sizes = prefill_bucket_sizes(2048)
     assert all(b / a <= 2 and b % 16 == 0 for a, b in zip(sizes, sizes[1:])) and len(sizes) <= 24
+
+
+@pytest.mark.parametrize("max_tokens", [1, 5, 8, 9, 100, 256, 257, 512, 1000, 2048, 4096])
+def test_verify_buckets_bound_the_padding(max_tokens):
+    """Every token count 1..max runs in a bucket: exactly below 9, at most 7 tokens more up to 128, and at most
+    1/16 more past it; the count grows like the logarithm (87 graphs for 256 requests of γ + 1 = 8 tokens)."""
+    sizes = bucket_sizes(max_tokens)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_tokens
+    assert sizes[:8] == list(range(1, min(8, max_tokens) + 1))
+    for n in range(1, max_tokens + 1):
+        b = next(s for s in sizes if s >= n)
+        assert b == n if n <= 8 else (b - n <= 7 if n <= 128 else b - n <= n / 16)
+    if max_tokens == 2048:
+        assert len(sizes) == 87
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
