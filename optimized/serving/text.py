@@ -15,9 +15,35 @@ class, so they are equal by construction.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 _SPLIT_CHAR = "\ufffd"  # what decode() shows for an incomplete UTF-8 sequence
+
+
+def plain_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """``ids -> tokenizer.decode(ids, skip_special_tokens=True)``, taken straight from the Rust tokenizer where that is
+    the same text: 1.6 against 4.7 µs for a few SmolLM2 tokens on the project's CPU, and a stream decodes twice per
+    chunk. The same text means a ``tokenizers``-backed transformers tokenizer whose ``decode`` and ``_decode`` are
+    transformers' own (no subclass changes them) and which cleans nothing up afterwards
+    (``clean_up_tokenization_spaces`` off, or a BPE model, for which transformers skips the clean-up). Any other
+    tokenizer keeps its own ``decode``."""
+    slow = functools.partial(tokenizer.decode, skip_special_tokens=True)
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: nothing is known about its decode
+        return slow
+    cls, backend = type(tokenizer), getattr(tokenizer, "_tokenizer", None)
+    if (not isinstance(tokenizer, TokenizersBackend) or backend is None or cls._decode is not TokenizersBackend._decode
+            or cls.decode is not PreTrainedTokenizerBase.decode):
+        return slow
+    bpe_skips = type(backend.model).__name__ == "BPE" and not getattr(
+        tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    if tokenizer.clean_up_tokenization_spaces and not bpe_skips:
+        return slow
+    return functools.partial(backend.decode, skip_special_tokens=True)
 
 
 class TextStream:
@@ -25,6 +51,7 @@ class TextStream:
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
+        self._decode = plain_decoder(tokenizer)
         self.stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1  # characters that could start a stop string
         self.ids: list[int] = []
@@ -44,9 +71,8 @@ class TextStream:
         return new
 
     def _decode_window(self, flush: bool) -> str:
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
-        full = decode(self.ids[self._prefix:], skip_special_tokens=True)
+        prefix = self._decode(self.ids[self._prefix:self._read])
+        full = self._decode(self.ids[self._prefix:])
         if len(full) <= len(prefix) or (full.endswith(_SPLIT_CHAR) and not flush):
             return ""  # nothing new, or a character still incomplete: wait for the next token
         self._prefix, self._read = self._read, len(self.ids)

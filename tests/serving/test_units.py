@@ -127,6 +127,36 @@ def test_text_without_stop_is_sent_as_it_comes(tok):
     assert stream.add([1], finished=True) == ""  # </s> is a special token: no text
 
 
+def test_plain_decoder_is_the_tokenizers_own_decode(tok):
+    """The fast path (the Rust tokenizer's decode) against its twin, the tokenizer's ``decode``: the same text for
+    random ids, special tokens and unknown ids included. A tokenizer that cleans its text up afterwards, or whose
+    class changes ``_decode``, keeps its own ``decode``: the same text again, from the slow path."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from optimized.serving.text import plain_decoder
+
+    fast = plain_decoder(tok)
+    assert fast.func == tok._tokenizer.decode  # the fast path is taken for the test tokenizer (BPE, no clean-up)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        ids = rng.integers(0, len(tok), int(rng.integers(0, 12))).tolist()
+        assert fast(ids) == tok.decode(ids, skip_special_tokens=True)
+    # word-level with clean-up: "hello ." becomes "hello." in transformers' decode, not in the Rust one
+    words = Tokenizer(models.WordLevel(vocab={"hello": 0, ".": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    cleaned = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", clean_up_tokenization_spaces=True)
+    assert plain_decoder(cleaned)([0, 1]) == cleaned.decode([0, 1], skip_special_tokens=True) == "hello."
+    assert cleaned._tokenizer.decode([0, 1]) == "hello ."
+
+    class Shouting(type(tok)):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    loud = Shouting(tokenizer_object=tok._tokenizer)
+    assert plain_decoder(loud)(tok("abc")["input_ids"]) == "ABC"
+
+
 def test_speculative_config_speaks_vllm():
     from optimized.serve import SpeculativeConfig
 
