@@ -45,7 +45,6 @@ Names follow ``docs/method.md`` (``τ`` tokens per step).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 import logging
@@ -65,7 +64,7 @@ import httpx
 
 from optimized.engine import StepStats
 from optimized.sequence import StepOutput
-from scripts.bench_serving import WARMUP_TOKENS, closed_loop, percentile, wait_healthy
+from scripts.bench_serving import WARMUP_TOKENS, closed_loop, percentile, process_cpu_s, wait_healthy
 
 log = logging.getLogger("dspark.bench_server_overhead")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
@@ -249,10 +248,7 @@ class ServerProcess:
     def cpu_s(self) -> tuple[float, float]:
         """User + system CPU seconds so far (Linux /proc) of the server process and of its engine process (0 in the
         thread mode)."""
-        children = {int(pid) for task in Path(f"/proc/{self.proc.pid}/task").iterdir()
-                    for pid in (task / "children").read_text().split()}
-        engine = sum(_cpu_s(pid) for pid in children if "spawn_main" in _cmdline(pid))
-        return _cpu_s(self.proc.pid), engine
+        return process_cpu_s(self.proc.pid) or (0.0, 0.0)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -261,21 +257,6 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self._log.close()
-
-
-def _cpu_s(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-    except FileNotFoundError:
-        return ""
 
 
 def arm_label(arm: str, engine: str) -> str:
@@ -295,15 +276,14 @@ def engine_steps(url: str) -> float:
 
 
 def measure_level(server: ServerProcess, prompts: list[str], args: argparse.Namespace, concurrency: int) -> dict:
-    asyncio.run(closed_loop(server.url, "simulated", prompts, concurrency, concurrency,
-                            min(args.output_len, WARMUP_TOKENS), 0.0, None))
+    closed_loop(server.url, "simulated", prompts, concurrency, concurrency, min(args.output_len, WARMUP_TOKENS),
+                0.0, None)
     n = max(concurrency * args.prompts_per_user, args.min_requests)
-    steps0, (cpu0, engine_cpu0), client0 = engine_steps(server.url), server.cpu_s(), time.process_time()
-    results, wall = asyncio.run(closed_loop(server.url, "simulated", prompts, concurrency, n, args.output_len,
-                                            0.0, None))
+    steps0, (cpu0, engine_cpu0) = engine_steps(server.url), server.cpu_s()
+    results, wall, client_cpu = closed_loop(server.url, "simulated", prompts, concurrency, n, args.output_len, 0.0,
+                                            None)
     steps = engine_steps(server.url) - steps0 - 1  # the scrape itself is no step; the last step may be a tail
     server_cpu, engine_cpu = (now - before for now, before in zip(server.cpu_s(), (cpu0, engine_cpu0)))
-    client_cpu = time.process_time() - client0
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     chunks = sum(len(r.itl_s) + 1 for r in ok)  # token-carrying chunks

@@ -151,23 +151,90 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, output
     return res
 
 
-async def closed_loop(base_url: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
-                      output_len: int, temperature: float, api_key: str | None) -> tuple[list[RequestResult], float]:
-    """``concurrency`` users, each with one request in flight, until ``num_requests`` were sent; returns the
-    results and the wall time from the first send to the last completion."""
-    order = itertools.count()
+async def _users(base_url: str, model: str, prompts: list[str], users: int, num_requests: int, output_len: int,
+                 temperature: float, api_key: str | None, take) -> tuple[list[RequestResult], float, float]:
+    """``users`` simulated users, each with one request in flight, until ``take()`` (the next request's index, shared
+    by every client process) reaches ``num_requests``; returns the results and the first send's and the last
+    completion's ``perf_counter`` times (CLOCK_MONOTONIC on Linux: comparable across processes)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    limits = httpx.Limits(max_connections=users + 4, max_keepalive_connections=users + 4)
     results: list[RequestResult] = []
     async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(None, connect=30)) as client:
         async def user() -> None:
-            while (i := next(order)) < num_requests:
+            while (i := take()) < num_requests:
                 results.append(await one_request(client, model, prompts[i % len(prompts)], output_len, temperature))
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(user() for _ in range(concurrency)))
-        return results, time.perf_counter() - t0
+        await asyncio.gather(*(user() for _ in range(users)))
+        return results, t0, time.perf_counter()
+
+
+def _client_process(level: tuple, users: int, counter, start, out) -> None:
+    """One client process of a level: its share of the users, started with the others (``start``); puts (results,
+    first send, last completion, CPU seconds) on ``out``."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    def take() -> int:
+        with counter.get_lock():
+            i = counter.value
+            counter.value += 1
+        return i
+
+    try:
+        out.put("ready")
+        start.wait()
+        cpu0 = time.process_time()
+        results, t0, t1 = asyncio.run(_users(*level[:3], users, *level[3:], take))
+        out.put((results, t0, t1, time.process_time() - cpu0))
+    except BaseException as err:  # the parent must not wait forever for this process's share
+        out.put(err)
+        raise
+
+
+def closed_loop(base_url: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
+                output_len: int, temperature: float, api_key: str | None,
+                processes: int = 1) -> tuple[list[RequestResult], float, float]:
+    """``concurrency`` users, each with one request in flight, until ``num_requests`` were sent; returns the results,
+    the wall time from the first send to the last completion and the client's CPU seconds. Request i takes prompt i
+    (cycling) in order of sending. ``processes`` > 1 spreads the users over that many client processes (one event
+    loop each), so that the client is not what limits a fast server: the benchmark's own CPU share is in the
+    report (``client_cpu_share``)."""
+    level = (base_url, model, prompts, num_requests, output_len, temperature, api_key)
+    processes = max(1, min(processes, concurrency))
+    if processes == 1:
+        order = itertools.count()
+        cpu0 = time.process_time()
+        results, t0, t1 = asyncio.run(_users(base_url, model, prompts, concurrency, num_requests, output_len,
+                                             temperature, api_key, lambda: next(order)))
+        return results, t1 - t0, time.process_time() - cpu0
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    counter, start, out = ctx.Value("q", 0), ctx.Event(), ctx.Queue()
+    shares = [concurrency // processes + (p < concurrency % processes) for p in range(processes)]
+    procs = [ctx.Process(target=_client_process, args=(level, n, counter, start, out), daemon=True) for n in shares]
+    for proc in procs:
+        proc.start()
+    try:
+        for _ in procs:  # every process imported and connected its queue: start them together
+            if (msg := out.get(timeout=120)) != "ready":
+                raise RuntimeError(f"a client process failed to start: {msg!r}")
+        start.set()
+        parts = [out.get() for _ in procs]
+        if failed := [p for p in parts if isinstance(p, BaseException)]:
+            raise RuntimeError(f"a client process failed: {failed[0]!r}") from failed[0]
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    results = [r for part in parts for r in part[0]]
+    return results, max(p[2] for p in parts) - min(p[1] for p in parts), sum(p[3] for p in parts)
+
+
+def _share(x: float | None) -> str:
+    return "?" if x is None else f"{x:.0%}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -180,30 +247,78 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
 
 
+SCRAPED = ("dspark:request_steps_total", "vllm:spec_decode_num_accepted_tokens_total", "dspark:steps_total",
+           "dspark:decode_steps_total", "dspark:step_time_seconds_sum", "vllm:time_to_first_token_seconds_sum",
+           "vllm:time_to_first_token_seconds_count")
+
+
 def scrape_counters(base_url: str, api_key: str | None) -> dict[str, float]:
-    """The speculative counters of ``/metrics`` (summed over label sets)."""
+    """The counters of ``/metrics`` that a level's report takes differences of (summed over label sets; 0 for one
+    the server does not expose)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(base_url + "/metrics", timeout=30).text
-    want = {"dspark:request_steps_total", "vllm:spec_decode_num_accepted_tokens_total"}
-    out = dict.fromkeys(want, 0.0)
+    out = dict.fromkeys(SCRAPED, 0.0)
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name in want:
+            if s.name in out:
                 out[s.name] += s.value
     return out
 
 
+def process_cpu_s(pid: int | None) -> tuple[float, float] | None:
+    """CPU seconds (user + system, Linux ``/proc``) of server process ``pid`` and of its engine process (a
+    multiprocessing child; 0 with the engine on a thread); None where they cannot be read (another OS, no pid)."""
+    if pid is None:
+        return None
+    try:
+        children = {int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                    for c in (task / "children").read_text().split()}
+        return _cpu_s(pid), sum(_cpu_s(c) for c in children if "spawn_main" in _cmdline(c))
+    except OSError:
+        return None
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:  # gone meanwhile
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def cpu_shares(client_s: float, server0: tuple[float, float] | None, server1: tuple[float, float] | None,
+               wall_s: float) -> dict[str, float | None]:
+    """CPU seconds per second of a level's wall time (1.0: one core busy throughout) of the client (all its
+    processes), the server process and its engine process; None where unknown."""
+    def share(seconds: float) -> float | None:
+        return round(seconds / wall_s, 3) if wall_s > 0 else None
+
+    known = server0 is not None and server1 is not None
+    return {"client_cpu_share": share(client_s),
+            "server_cpu_share": share(server1[0] - server0[0]) if known else None,
+            "engine_process_cpu_share": share(server1[1] - server0[1]) if known else None}
+
+
 def summarize(mode: Mode, concurrency: int, results: list[RequestResult], wall_s: float,
-              before: dict[str, float], after: dict[str, float]) -> dict:
+              before: dict[str, float], after: dict[str, float],
+              cpu: dict[str, float | None] | None = None) -> dict:
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
-    steps = after["dspark:request_steps_total"] - before["dspark:request_steps_total"]
-    accepted = (after["vllm:spec_decode_num_accepted_tokens_total"]
-                - before["vllm:spec_decode_num_accepted_tokens_total"])
+    delta = {k: after[k] - before[k] for k in SCRAPED}
+    steps = delta["dspark:request_steps_total"]
+    accepted = delta["vllm:spec_decode_num_accepted_tokens_total"]
     tpots = [r.tpot_s for r in ok if r.tpot_s]
     itls = [x for r in ok for x in r.itl_s]
     ms = 1000.0
+    engine_steps, first_tokens = delta["dspark:steps_total"], delta["vllm:time_to_first_token_seconds_count"]
     return {
         "mode": mode.mode, "k": mode.k, "label": mode.label, "concurrency": concurrency,
         "output_tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
@@ -214,6 +329,17 @@ def summarize(mode: Mode, concurrency: int, results: list[RequestResult], wall_s
         "itl_ms_p50": percentile(itls, 50) * ms, "itl_ms_p99": percentile(itls, 99) * ms,
         "mean_accepted_length": 1.0 + accepted / steps if steps else 1.0,
         "requests": len(ok), "errors": len(results) - len(ok), "output_tokens": tokens, "duration_s": wall_s,
+        # Where the time went (docs/serving.md, "Reading a level"): the engine's own steps from the server's
+        # counters, TTFT as the server measures it (submit to first token) beside the client's mean, CPU shares.
+        "engine_steps": int(engine_steps), "engine_decode_steps": int(delta["dspark:decode_steps_total"]),
+        "engine_requests_per_step": (steps / delta["dspark:decode_steps_total"]
+                                     if delta["dspark:decode_steps_total"] else None),
+        "engine_step_ms_mean": delta["dspark:step_time_seconds_sum"] / engine_steps * ms if engine_steps else None,
+        "engine_busy_share": delta["dspark:step_time_seconds_sum"] / wall_s if wall_s > 0 else None,
+        "ttft_ms_mean": statistics.fmean(r.ttft_s for r in ok) * ms if ok else float("nan"),
+        "server_ttft_ms_mean": (delta["vllm:time_to_first_token_seconds_sum"] / first_tokens * ms
+                                if first_tokens else None),
+        **(cpu or {"client_cpu_share": None, "server_cpu_share": None, "engine_process_cpu_share": None}),
     }
 
 
@@ -348,6 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--launch", action="store_true", help="start python -m optimized.serve once per --modes")
     p.add_argument("--modes", default=DEFAULT_MODES, help="with --launch: comma-separated none, fixed:K, dsd, adaptive")
     p.add_argument("--label", default="adaptive", help="with --base-url: the mode the running server serves")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="with --base-url: the server's process id, for its CPU share (a launched one is known)")
     p.add_argument("--server-args", default="", help="with --launch: extra flags for the server (one string)")
     p.add_argument("--concurrency", default="1,4,16,64,256", help="comma-separated user counts")
     p.add_argument("--prompts-per-user", type=int, default=4, help="measured requests per level = C × this")
@@ -359,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", default=None, help='JSONL, one {"prompt": ...} per line')
     src.add_argument("--sharegpt-file", default=None, help="ShareGPT .json(.gz) (default: the packaged file)")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--client-processes", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+                   help="client processes sharing the users of a level (default: a quarter of the cores, 1 to 4), so "
+                        "that the client is not what limits a fast server")
     p.add_argument("--hardware", default=None, help="recorded in the JSON (default: this machine's GPU or CPU)")
     p.add_argument("--drafter", default=None, help="recorded in the JSON (default: from --server-args or shipped)")
     p.add_argument("--log-dir", default="runs/bench_serving", help="with --launch: the servers' logs (not published)")
@@ -388,6 +519,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                                   else sys.argv[1:])]),
               "settings": {"output_len": args.output_len, "temperature": args.temperature,
                            "prompts_per_user": args.prompts_per_user, "min_requests": args.min_requests,
+                           "client_processes": args.client_processes,
                            "prompts": args.prompts_file or "ShareGPT held-out split, file order",
                            "server_args": server_args if args.launch else None},
               "startup": [], "results": []}
@@ -409,19 +541,22 @@ def main(argv: list[str] | None = None) -> dict:
             report["model"] = report["model"] or root
             for c in levels:
                 n = max(c * args.prompts_per_user, args.min_requests)
-                asyncio.run(closed_loop(base_url, model, prompts, c, c, min(args.output_len, WARMUP_TOKENS),
-                                        args.temperature, args.api_key))  # warm-up: one request per user
+                closed_loop(base_url, model, prompts, c, c, min(args.output_len, WARMUP_TOKENS), args.temperature,
+                            args.api_key, args.client_processes)  # warm-up: one request per user
                 before = scrape_counters(base_url, args.api_key)
-                results, wall = asyncio.run(closed_loop(base_url, model, prompts, c, n, args.output_len,
-                                                        args.temperature, args.api_key))
-                row = summarize(mode, c, results, wall, before, scrape_counters(base_url, args.api_key))
+                pid = getattr(getattr(server, "proc", None), "pid", None) if server else args.server_pid
+                server_cpu0 = process_cpu_s(pid)
+                results, wall, client_cpu = closed_loop(base_url, model, prompts, c, n, args.output_len,
+                                                        args.temperature, args.api_key, args.client_processes)
+                cpu = cpu_shares(client_cpu, server_cpu0, process_cpu_s(pid), wall)
+                row = summarize(mode, c, results, wall, before, scrape_counters(base_url, args.api_key), cpu)
                 if row["errors"]:
                     log.warning("%s C=%d: %d failed requests, e.g. %s", mode.label, c, row["errors"],
                                 next(r.error for r in results if not r.ok))
                 log.info("%-9s C=%-4d %8.1f tok/s  %7.1f tok/s/user  TTFT p50 %7.1f ms  TPOT p50 %6.1f ms  "
-                         "ITL p99 %7.1f ms  τ %.2f", mode.label, c, row["output_tokens_per_s"],
+                         "ITL p99 %7.1f ms  τ %.2f  engine busy %s", mode.label, c, row["output_tokens_per_s"],
                          row["per_user_tokens_per_s"], row["ttft_ms_p50"], row["tpot_ms_p50"], row["itl_ms_p99"],
-                         row["mean_accepted_length"])
+                         row["mean_accepted_length"], _share(row["engine_busy_share"]))
                 report["results"].append(row)
                 write(report, args.out)
         finally:

@@ -445,10 +445,35 @@ def test_bench_serving_reports_the_schema(server, tmp_path):
         assert r["output_tokens_per_s"] > 0 and r["per_user_tokens_per_s"] > 0
         assert 0 < r["ttft_ms_p50"] and 0 < r["tpot_ms_p50"] <= r["itl_ms_p99"] * 8
         assert r["mean_accepted_length"] >= 1.0
+        # where the time went: the engine's steps and busy share from the server's counters, the server's own
+        # TTFT (submit to first token) inside the client's, the client's CPU (no --server-pid: the server's unknown)
+        assert r["engine_decode_steps"] <= r["engine_steps"] and r["engine_steps"] >= 7 * r["requests"] / 2
+        assert 1.0 <= r["engine_requests_per_step"] <= r["concurrency"]
+        assert 0 < r["engine_step_ms_mean"] and 0 < r["engine_busy_share"] < 1.5
+        assert 0 < r["server_ttft_ms_mean"] < r["ttft_ms_mean"]
+        assert r["client_cpu_share"] > 0 and r["server_cpu_share"] is None and r["engine_process_cpu_share"] is None
     # warm-up requests (one per user, 8 tokens each) + measured ones: every generated token is accounted for
     name = "vllm:generation_tokens_total"
     generated = gauge(scrape(server.url), name) - gauge(before, name)
     assert generated == 8 * (1 + 2) + sum(r["output_tokens"] for r in rows)
+
+
+def test_bench_serving_client_processes_share_the_users(server, tmp_path):
+    """``--client-processes 2``: the level's users split over two client processes that start together and share
+    one request counter, so the level sends exactly its requests; the server's CPU is read through ``--server-pid``
+    (this module's server runs its engine on a thread: no engine process)."""
+    from scripts import bench_serving
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
+    report = bench_serving.main(["--base-url", server.url, "--api-key", KEY, "--label", "adaptive",
+                                 "--concurrency", "3", "--output-len", "6", "--prompts-per-user", "2",
+                                 "--min-requests", "1", "--prompts-file", str(prompts), "--client-processes", "2",
+                                 "--server-pid", str(server.proc.pid)])
+    (row,) = report["results"]
+    assert report["settings"]["client_processes"] == 2
+    assert (row["requests"], row["errors"], row["output_tokens"]) == (6, 0, 36)
+    assert row["client_cpu_share"] > 0 and row["server_cpu_share"] > 0 and row["engine_process_cpu_share"] == 0
 
 
 def test_bench_serving_launch_sweeps_every_mode(server, tmp_path, monkeypatch):
