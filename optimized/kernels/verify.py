@@ -55,6 +55,9 @@ __all__ = ["VerifyResult", "greedy_verify", "rejection_sample"]
 
 # Vocabulary tile of the greedy argmax: as RACE_BLOCK_V (1024 fp32 lanes per step, 4 warps), not yet swept.
 ARGMAX_BLOCK_V = 1024
+# Lanes of one greedy-argmax program: 12 chunks per SmolLM2 row (V = 49,152), so batch 1 (8 rows) runs 96 programs
+# and every row of a large batch is read once, in parallel, instead of one program walking a request's rows.
+GREEDY_CHUNK = 4 * ARGMAX_BLOCK_V
 PAD_TOKEN_K: tl.constexpr = tl.constexpr(PAD_TOKEN)  # reference.verify.PAD_TOKEN inside kernels
 # rejection_sample(split=None) on CUDA below this many rows gives each row's final draw VERIFY_SPLIT_CHUNK-lane
 # programs (as sampling.sample does): one program per row walked 49,152 lanes in 0.16 ms of a 2.0 ms H200 step at
@@ -331,39 +334,70 @@ def rejection_sample(
 
 
 @triton.jit
-def _greedy_verify_kernel(
-    tokens_ptr,  # [R, γ+1] int64 out
-    num_accepted_ptr,  # [R] int64 out
-    num_emitted_ptr,  # [R] int64 out
-    draft_tokens_ptr,  # [R, γ] int64 drafts (contiguous)
+def _greedy_argmax_partials_kernel(
+    part_value_ptr,  # [R·(γ+1), NB] fp32 out: the chunk's largest logit
+    part_index_ptr,  # [R·(γ+1), NB] int64 out: its lowest index
     verify_lens_ptr,  # [R] int64 ℓ in 0..γ
     logits_ptr,  # [R, γ+1, V] target logits (fp32/fp16/bf16), last dim contiguous
     stride_lr,  # logits stride over R
     stride_lk,  # logits stride over γ+1
     gamma,  # γ
     V,  # vocabulary size
-    BLOCK_V: tl.constexpr,  # vocabulary tile of the argmax
+    NB,  # chunks per row
+    CHUNK: tl.constexpr,  # vocabulary lanes of one program (a multiple of BLOCK_V)
+    BLOCK_V: tl.constexpr,  # vocabulary tile
+):
+    """Grid (R·(γ+1), NB): program (r·(γ+1) + j, b) folds lanes b·CHUNK .. (b+1)·CHUNK-1 of row j of request r
+    into its chunk's argmax, tile by tile in ascending order (rows past ℓ_r are skipped: never read)."""
+    pos = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    row = pos // (gamma + 1)
+    j = pos % (gamma + 1)
+    if j <= tl.load(verify_lens_ptr + row):
+        best = -float("inf")
+        best_index = 0
+        for start in range(0, CHUNK, BLOCK_V):
+            lanes = chunk * CHUNK + start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+            values = tl.load(logits_ptr + row * stride_lr + j * stride_lk + lanes, mask=lanes < V,
+                             other=-float("inf")).to(tl.float32)  # [BLOCK_V]
+            best, best_index = argmax_update(best, best_index, values, lanes)
+        tl.store(part_value_ptr + pos * NB + chunk, best)
+        tl.store(part_index_ptr + pos * NB + chunk, best_index.to(tl.int64))
+
+
+@triton.jit
+def _greedy_verify_reduce_kernel(
+    tokens_ptr,  # [R, γ+1] int64 out
+    num_accepted_ptr,  # [R] int64 out
+    num_emitted_ptr,  # [R] int64 out
+    draft_tokens_ptr,  # [R, γ] int64 drafts (contiguous)
+    verify_lens_ptr,  # [R] int64 ℓ in 0..γ
+    part_value_ptr,  # [R·(γ+1), NB] fp32 chunk partials
+    part_index_ptr,  # [R·(γ+1), NB] int64
+    gamma,  # γ
+    NB,  # chunks per row
+    BLOCK_NB: tl.constexpr,  # next power of two >= NB
     BLOCK_G: tl.constexpr,  # next power of two >= γ + 1
 ):
+    """One program per request: row j's argmax from its chunk partials (the largest value, the lowest index among
+    the chunks that hold it: the whole-row fold's answer, chunks being ascending and each holding its lowest
+    index), then the accept scan, which reads row j only while rows 0..j-1 all matched."""
     row = tl.program_id(0).to(tl.int64)
     ell = tl.load(verify_lens_ptr + row)
     n = ell * 0
-    last = n.to(tl.int32)
+    last = n
     alive = ell >= 0
-    # Row j's argmax is needed only while rows 0..j-1 all matched: row n gives the correction (n < ℓ) or
-    # the bonus (n = ℓ), and later rows are never read (they may hold anything).
+    blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
+    valid = blocks < NB
     for j in range(0, gamma + 1):
         if alive:
-            best = -float("inf")
-            best_index = 0
-            for start in range(0, V, BLOCK_V):
-                lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-                values = tl.load(logits_ptr + row * stride_lr + j * stride_lk + lanes, mask=lanes < V,
-                                 other=-float("inf")).to(tl.float32)  # [BLOCK_V]
-                best, best_index = argmax_update(best, best_index, values, lanes)
+            base = (row * (gamma + 1) + j) * NB
+            values = tl.load(part_value_ptr + base + blocks, mask=valid, other=-float("inf"))  # [BLOCK_NB]
+            indices = tl.load(part_index_ptr + base + blocks, mask=valid, other=0)  # [BLOCK_NB] int64
+            best, best_index = argmax_update(-float("inf"), 0, values, indices)
             x = tl.load(draft_tokens_ptr + row * gamma + j, mask=j < gamma, other=-1)
             matched = (j < ell) & (x == best_index)
-            last = best_index
+            last = best_index.to(tl.int64)
             n += matched.to(tl.int64)
             alive = matched
     _store_result(tokens_ptr, num_accepted_ptr, num_emitted_ptr, draft_tokens_ptr, row, gamma, n, last, BLOCK_G)
@@ -377,7 +411,8 @@ def greedy_verify(
     Args:
         draft_tokens: ``[R, γ]`` int64 drafts; slots past ``ℓ_r`` are ignored.
         verify_lens: ``[R]`` int64 ``ℓ_r`` in 0..γ.
-        target_logits: ``[R, γ+1, V]`` target logits (fp32/fp16/bf16); rows past row ``n`` are never read.
+        target_logits: ``[R, γ+1, V]`` target logits (fp32/fp16/bf16); rows past ``ℓ_r`` are never read and rows
+            past row ``n`` never affect the result (they may hold anything, NaN included).
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
 
     Returns:
@@ -399,9 +434,17 @@ def greedy_verify(
     if R == 0:
         return out
     logits = target_logits if target_logits.stride(-1) == 1 else target_logits.contiguous()
-    _greedy_verify_kernel[(R,)](
+    V = logits.shape[2]
+    nb = triton.cdiv(V, GREEDY_CHUNK)
+    part_value = torch.empty(R * (gamma + 1), nb, dtype=torch.float32, device=dev)  # [R·(γ+1), NB]
+    part_index = torch.empty(R * (gamma + 1), nb, dtype=torch.int64, device=dev)
+    _greedy_argmax_partials_kernel[(R * (gamma + 1), nb)](
+        part_value, part_index, verify_lens.contiguous(), logits, logits.stride(0), logits.stride(1), gamma, V, nb,
+        CHUNK=GREEDY_CHUNK, BLOCK_V=ARGMAX_BLOCK_V,
+    )
+    _greedy_verify_reduce_kernel[(R,)](
         out.tokens, out.num_accepted, out.num_emitted, draft_tokens.contiguous(), verify_lens.contiguous(),
-        logits, logits.stride(0), logits.stride(1), gamma, logits.shape[2],
-        BLOCK_V=ARGMAX_BLOCK_V, BLOCK_G=triton.next_power_of_2(gamma + 1),
+        part_value, part_index, gamma, nb,
+        BLOCK_NB=triton.next_power_of_2(nb), BLOCK_G=triton.next_power_of_2(gamma + 1),
     )
     return out

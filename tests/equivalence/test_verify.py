@@ -182,6 +182,34 @@ def test_greedy_verify_full_vocabulary():
     assert_same(got, ref.greedy_verify(drafts.cpu(), lens.cpu(), logits.cpu()))
 
 
+@needs_triton
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # the interpreter's max over the NaN rows nobody reads
+def test_greedy_verify_ties_across_chunks_and_rows_after_a_mismatch():
+    """The argmax is split over vocabulary chunks: a maximum repeated in later chunks (and within one) resolves to
+    its lowest index, as one argmax over the whole row; the rows after the first mismatch are read by no decision
+    (here they hold NaN) and rows past ℓ not at all."""
+    from optimized.kernels.verify import GREEDY_CHUNK
+
+    R, gamma, V = 3, 4, 3 * GREEDY_CHUNK + 5
+    logits = torch.full((R, gamma + 1, V), -1.0)
+    for r in range(R):
+        for j in range(gamma + 1):
+            lanes = [GREEDY_CHUNK + 7 + r + j, 2 * GREEDY_CHUNK + 1, 2 * GREEDY_CHUNK + 3, V - 1]
+            logits[r, j, lanes] = 2.5  # ties in three chunks: the lowest lane wins
+    argmax = logits.argmax(dim=-1)
+    drafts = argmax[:, :gamma].clone()
+    drafts[1, 1] += 1  # request 1 stops at slot 2: its rows 2..4 decide nothing
+    lens = torch.tensor([4, 4, 2])
+    clean = logits.to(torch.bfloat16)  # the reference refuses NaN in rows 0..ℓ
+    logits[1, 2:] = float("nan")
+    logits[2, 3:] = float("nan")  # past ℓ
+    got = fast.greedy_verify(drafts.to(DEVICE), lens.to(DEVICE), logits.to(torch.bfloat16).to(DEVICE),
+                             backend="triton")
+    assert_same(got, ref.greedy_verify(drafts, lens, clean))
+    assert got.num_accepted.tolist() == [4, 1, 2]
+    assert got.tokens[1, :2].tolist() == [drafts[1, 0].item(), argmax[1, 1].item()]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_batch(backend):
     drafts = torch.zeros(0, 3, dtype=torch.int64, device=DEVICE)
