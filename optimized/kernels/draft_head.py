@@ -260,7 +260,10 @@ def _draft_split_logits_kernel(
     logits = tl.where(mask, u_k + bias, -float("inf"))  # [BLOCK_V]
     best, best_index = argmax_update(-float("inf"), 0, logits, lanes)
     x = tl.math.div_rn(logits, temp_div)  # [BLOCK_V]
-    tl.store(probs_ptr + (row * gamma + j) * V + lanes, x, mask=mask)
+    # Parked for launch B's softmax; a greedy row's p_d is the one-hot, written there without reading this (the
+    # condition as a vector: the interpreter's `&` wants two).
+    parked = mask & ((lanes * 0 + temp) != 0.0)  # [BLOCK_V]
+    tl.store(probs_ptr + (row * gamma + j) * V + lanes, x, mask=parked)
     x_max = tl.max(x, axis=0)
     # An all -inf block keeps a zero sum (shifting by 0 instead: -inf - -inf is NaN).
     x_sum = tl.sum(tl.exp(x - tl.where(x_max > -float("inf"), x_max, 0.0)), axis=0)
@@ -314,15 +317,25 @@ def _draft_split_race_kernel(
     lanes = blk * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
     mask = lanes < V
     out_row = probs_ptr + (row * gamma + j) * V
-    x = tl.load(out_row + lanes, mask=mask, other=-float("inf"))  # [BLOCK_V]
-    soft = tl.math.div_rn(tl.exp(x - run_max), run_sum)
-    p = tl.where(greedy, (lanes == best_index).to(tl.float32), soft)  # [BLOCK_V] p_d
-    tl.store(out_row + lanes, p, mask=mask)
-    # Purpose 1 + 16k; the runtime `j` first (the interpreter cannot add a tensor to a constexpr on the left).
-    key = hash_key(seed_lo, seed_hi, rid, anchor + j + 1, 16 * (j + 1) + PURPOSE_DRAFT)
-    race_score, race_index = race_update(-1.0, 0, p, exponential_at(key, lanes), lanes, mask)
+    if greedy:
+        # p_d is the one-hot of the argmax, and a race over a one-hot always returns its hot lane (its score 1 / E
+        # is positive and finite, every other lane scores 0), so the race is not run: the block holding the argmax
+        # reports it with score 1, the others score 0 at their first lane, and race_winner picks the argmax, as the
+        # race would. Launch A did not write a greedy row's tempered logits either: nothing is read here.
+        p = (lanes == best_index).to(tl.float32)  # [BLOCK_V] p_d
+        tl.store(out_row + lanes, p, mask=mask)
+        race_score = tl.max(tl.where(mask, p, 0.0), axis=0)
+        race_index = tl.where(race_score > 0.0, best_index, blk * BLOCK_V).to(tl.int64)
+    else:
+        x = tl.load(out_row + lanes, mask=mask, other=-float("inf"))  # [BLOCK_V]
+        p = tl.math.div_rn(tl.exp(x - run_max), run_sum)  # [BLOCK_V] p_d
+        tl.store(out_row + lanes, p, mask=mask)
+        # Purpose 1 + 16k; the runtime `j` first (the interpreter cannot add a tensor to a constexpr on the left).
+        key = hash_key(seed_lo, seed_hi, rid, anchor + j + 1, 16 * (j + 1) + PURPOSE_DRAFT)
+        race_score, race_index = race_update(-1.0, 0, p, exponential_at(key, lanes), lanes, mask)
+        race_index = race_index.to(tl.int64)
     tl.store(race_score_ptr + row * nb + blk, race_score)
-    tl.store(race_index_ptr + row * nb + blk, race_index.to(tl.int64))
+    tl.store(race_index_ptr + row * nb + blk, race_index)
 
 
 @triton.jit
