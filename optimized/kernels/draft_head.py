@@ -27,7 +27,9 @@ Two variants run that loop, with identical arithmetic per vocabulary lane:
   and ``z_k``), computes its block of tempered logits into the ``probs`` row, and writes the block's max, its
   sum of ``exp(x - max)`` and its greedy argmax. Launch B_k: every program combines the row's A partials in one
   fixed order (so all blocks of a row see bit-identical max and sum), turns its block into ``p_d`` and writes
-  its race partial. A last launch reduces slot γ's race. Cross-block ties resolve like the serial tiles (a later
+  its race partial; a greedy row's ``p_d`` is the one-hot of its argmax, whose race needs no draws (the hot lane
+  always wins), so launch A does not park its logits and launch B only stores the one-hot. A last launch reduces
+  slot γ's race. Cross-block ties resolve like the serial tiles (a later
   block wins only with a strictly larger value: the lowest index). The softmax sum is accumulated in another
   order, so ``p_d`` may differ from the one-program kernel in the last ulp; tokens agree except on such an
   ulp-level tie of the race.
