@@ -395,7 +395,8 @@ def sample_draft_block(
     """Sample a Markov-head block and its confidence logits (the loop in the module docstring).
 
     Args:
-        base_logits: ``[R, γ, V]`` ``U_k = lm_head(h_k)`` (fp32/fp16/bf16; the reference passes fp32).
+        base_logits: ``[R, γ, V]`` ``U_k = lm_head(h_k)`` (fp32/fp16/bf16, read as float32; the engine passes the
+            LM head's dtype).
         h: ``[R, γ, d]`` backbone output.
         anchor_ids: ``[R]`` int64 anchors ``x_0``.
         anchor_pos: ``[R]`` int64 anchor positions ``P``; slot ``k`` draws at ``P + k``.
@@ -534,7 +535,9 @@ def sample_block(
     if drafter.config.head != "markov":
         return drafter.sample_block(h, anchor_ids, anchor_pos, temperature, seed, request_ids)
     w1, w2 = drafter.markov_tables()  # [V, r] each: the parameters, or the factored head's materialised tables
-    base = drafter.base_logits(h)  # [R, γ, V] fp32: U_k exactly as the reference computes it
+    # [R, γ, V] U_k in the LM head's dtype: every backend upcasts it to float32 as it reads (exact), which gives the
+    # reference's float32 U_k without materialising it (at batch 64 that copy is 88 MB).
+    base = drafter.base_logits(h, float32=False)
     return sample_draft_block(base, h, anchor_ids, anchor_pos, temperature, seed, request_ids,
                               w1, w2, drafter.conf_head.weight, drafter.conf_head.bias,
                               backend=backend, split=split)
