@@ -8,8 +8,9 @@
 #   2. every arm of ARMS, one after another on the same data with the same seed: LAYERS layers, STEPS optimizer steps
 #      of one cosine schedule (no time budget: equal steps are the point; the log's slot predictions per second say
 #      what each arm costs to train);
-#   3. τ of every arm (eval_acceptance, γ = 7, 256 new tokens; T = 1 pooled over T1_SEEDS seeds) and
-#      $RES/ablation.json, the arms side by side with the ratio to the first arm.
+#   3. τ of every arm (eval_acceptance, γ = 7, 256 new tokens; T = 1 pooled over T1_SEEDS seeds),
+#      $RES/ablation.json (the arms side by side with the ratio to the first arm) and $RES/ablation-h200.{json,png}
+#      (per-slot acceptance of every arm, scripts/report_acceptance.py: docs/benchmarks/ablation-h200.*).
 # ARMS is a ';'-separated list of NAME=TRAIN_DRAFTER_ARGS; the first arm is the one the others are compared with.
 # Needs the target at $MODEL and ShareGPT at $SHAREGPT (docs/training.md, "Reproduction scripts on a GPU machine").
 # A CPU dry run: MODEL=smollm2-135m-instruct SHAREGPT= DEVICE=cpu GEN_PROCS=1 GEN_EXTRA="--limit 8 --max-new-tokens 16"
@@ -91,5 +92,14 @@ for name, arm in arms.items():
 json.dump({"arms": arms, "baseline": names[0]}, open(f"{res}/ablation.json", "w"), indent=1)
 print(json.dumps(arms))
 EOF
+# The per-slot report and plot of docs/benchmarks/ablation-h200.{json,png}: every arm at both temperatures.
+evals=()
+for name in "${names[@]}"; do
+  for t in 0 1; do
+    [ -f "$RES/ablation-tau-$name-T$t.json" ] && evals+=(--eval "$name:$t=$RES/ablation-tau-$name-T$t.json")
+  done
+done
+[ ${#evals[@]} -gt 0 ] && run report python -m scripts.report_acceptance "${evals[@]}" --out "$RES/ablation-h200" \
+  --note "bash scripts/reproduce/drafter_ablation_h200.sh: ARMS=$ARMS, LAYERS=$LAYERS, STEPS=$STEPS, TOKENS=$TOKENS, LR=$LR, DATA_SEED=$DATA_SEED"
 stamp DONE
 touch "$RES/DONE"
