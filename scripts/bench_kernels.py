@@ -16,8 +16,9 @@ verify         rejection sampling, fp32 ``p_d``/``p_t``: case ``accept_all`` (``
                modes) reads the bonus row of ``p_t``; case ``reject_first`` (draft 1 impossible) reads
                one ``p_t`` and one ``p_d`` row for the residual; ``greedy`` reads the γ+1 logit rows
 allocate       the ``[R, γ]`` survivals once (device sort; its twin is the reference's host op)
-draft_head     the ``[R, γ, V]`` fp32 base logits read and ``p_d`` written once, plus W1/W2 once; rows
-               ``triton`` (one program per request) and ``triton-split`` (vocabulary split over programs)
+draft_head     the ``[R, γ, V]`` base logits (the drafter's dtype) read and fp32 ``p_d`` written once, plus
+               W1/W2 once; rows ``triton`` (one program per request), ``triton-split`` (vocabulary split over
+               programs) and ``triton-split-rows`` (the same, 16 requests per program sharing each W2 block)
 layer_ops      the fused element-wise ops of one decoder layer over the N = R·(γ+1) verify tokens:
                ``rms_norm`` (x and residual read, sum and output written), ``rope_append`` (q, k, v read,
                rotated q and k/v cache rows written), ``silu_mul`` ([gate | up] read, the product written);
@@ -226,7 +227,7 @@ def allocate_case(s: Shapes, R: int, device: torch.device, gen: torch.Generator)
 
 def draft_head_case(s: Shapes, R: int, device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> Case:
     g, V, d, r = s.gamma, s.vocab, s.hidden, s.markov_rank
-    base = torch.randn(R, g, V, generator=gen, device=device) * 2  # [R, γ, V] fp32 U_k
+    base = (torch.randn(R, g, V, generator=gen, device=device) * 2).to(dtype)  # [R, γ, V] U_k as the engine passes it
     h = torch.randn(R, g, d, generator=gen, device=device).to(dtype)  # [R, γ, d]
     w1 = (torch.randn(V, r, generator=gen, device=device) * 0.1).to(dtype)  # [V, r]
     w2 = (torch.randn(V, r, generator=gen, device=device) * 0.1).to(dtype)  # [V, r]
@@ -238,13 +239,15 @@ def draft_head_case(s: Shapes, R: int, device: torch.device, dtype: torch.dtype,
     es = w1.element_size()
 
     def call(backend: str):
-        split = {"triton": False, "triton-split": True}.get(backend)  # each Triton variant forced
+        split, rows = {"triton": (False, 1), "triton-split": (True, 1), "triton-split-rows": (True, 16)}.get(
+            backend, (None, None))  # each Triton variant forced
         return sample_draft_block(base, h, anchors, pos, temp, 99, rid, w1, w2, conf_w, conf_b,
-                                  backend="torch" if split is None else "triton", split=split)
+                                  backend="torch" if split is None else "triton", split=split, split_rows=rows)
 
-    return Case("draft_head", "markov_greedy", R, call, 2 * R * g * V * 4 + 2 * V * r * es,
+    return Case("draft_head", "markov_greedy", R, call, R * g * V * (es + 4) + 2 * V * r * es,
                 lambda a, b: {"equal": _equal(a, b), "conf_max_abs_diff": _max_abs_diff(a.conf_logits, b.conf_logits)},
-                {"R": R, "gamma": g, "V": V, "d": d, "r": r}, str(dtype), variants=("triton-split",))
+                {"R": R, "gamma": g, "V": V, "d": d, "r": r}, str(dtype),
+                variants=("triton-split", "triton-split-rows"))
 
 
 def layer_op_cases(s: Shapes, R: int, device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> list[Case]:

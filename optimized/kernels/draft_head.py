@@ -91,6 +91,12 @@ SPLIT_NUM_WARPS = 8
 # 2.4 ms, both including ~0.9 ms of eager launch overhead). The crossover lies between 64 and 256: 128 until an
 # in-graph sweep pins it.
 SPLIT_MAX_R = 128
+# Rows per program of the split variant's logits launch. 1: one program per (request, vocabulary block), each reading
+# its block of W2 (at R = 64, 64 reads of all of W2 per slot: 0.65 of the 1.0 ms the head took in an H200 profile).
+# 16 or more: one program per (16 requests, block), W2's block read once for all of them and applied with tl.dot
+# (_draft_split_logits_rows_kernel). Tested through the interpreter; 1 stays the default until the GPU measures the
+# rows kernel (scripts/bench_kernels.py --op draft_head reports both).
+SPLIT_ROWS = 1
 
 
 @triton.jit
@@ -276,6 +282,81 @@ def _draft_split_logits_kernel(
     tl.store(arg_index_ptr + part, best_index.to(tl.int64))
 
 
+@triton.jit(do_not_specialize=["j"])
+def _draft_split_logits_rows_kernel(
+    tokens_ptr, probs_ptr, conf_ptr,  # outputs as in _draft_split_logits_kernel
+    base_ptr, stride_br, stride_bk, h_ptr, stride_hr, stride_hk, anchor_ids_ptr, temperature_ptr,
+    w1_ptr, w2_ptr, conf_w_ptr, conf_b_ptr,
+    race_score_ptr, race_index_ptr, block_max_ptr, block_sum_ptr, arg_value_ptr, arg_index_ptr,
+    j, gamma, R, V, d, r, nb,
+    BLOCK_M: tl.constexpr,  # requests per program (>= 16: the tl.dot minimum)
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # next power of two >= max(r, 16)
+    BLOCK_NB: tl.constexpr,
+):
+    """:func:`_draft_split_logits_kernel` for BLOCK_M requests at once (grid ``(cdiv(R, BLOCK_M), NB)``): the
+    block's W2 tile is loaded once and ``B_k = W1[prev] · W2ᵀ`` is one ``[BLOCK_M, r] × [r, BLOCK_V]`` product
+    (float32, IEEE: the products of half-precision weights are exact, only the order of their sum differs from the
+    one-row kernel's). Every other step is that kernel's, row by row."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BLOCK_M]
+    row_ok = rows < R
+    blk = tl.program_id(1)
+    if j == 0:
+        prev = tl.load(anchor_ids_ptr + rows, mask=row_ok, other=0)  # [BLOCK_M]
+    else:  # race_winner of every row: the best score, the lowest index among the blocks holding it
+        blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
+        valid = row_ok[:, None] & (blocks[None, :] < nb)  # [BLOCK_M, BLOCK_NB]
+        offs = rows[:, None] * nb + blocks[None, :]
+        scores = tl.load(race_score_ptr + offs, mask=valid, other=-2.0)  # real partials are >= -1
+        indices = tl.load(race_index_ptr + offs, mask=valid, other=0)
+        best_score = tl.max(scores, axis=1)  # [BLOCK_M]
+        prev = tl.min(tl.where(valid & (scores == best_score[:, None]), indices, BIG_INDEX), axis=1).to(tl.int64)
+    temp = tl.load(temperature_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_M]
+    temp_div = tl.where(temp == 0.0, 1.0, temp)
+    ranks = tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    rank_mask = ranks < r
+    e = tl.load(w1_ptr + prev[:, None] * r + ranks[None, :], mask=row_ok[:, None] & rank_mask[None, :],
+                other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_R] W1[prev]
+
+    if blk == 0:
+        if j > 0:
+            tl.store(tokens_ptr + rows * gamma + j - 1, prev, mask=row_ok)
+        conf_w_e = tl.load(conf_w_ptr + d + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R]
+        z = tl.sum(e * conf_w_e[None, :], axis=1)  # [BLOCK_M]
+        for ds in range(0, d, BLOCK_D):
+            dims = ds + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+            hk = tl.load(h_ptr + rows[:, None] * stride_hr + j * stride_hk + dims[None, :],
+                         mask=row_ok[:, None] & (dims[None, :] < d), other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
+            cw = tl.load(conf_w_ptr + dims, mask=dims < d, other=0.0).to(tl.float32)
+            z += tl.sum(hk * cw[None, :], axis=1)
+        tl.store(conf_ptr + rows * gamma + j, _round_to(z + tl.load(conf_b_ptr).to(tl.float32), conf_w_ptr),
+                 mask=row_ok)
+
+    lanes = blk * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    lane_ok = lanes < V
+    w2 = tl.load(w2_ptr + lanes[:, None] * r + ranks[None, :], mask=lane_ok[:, None] & rank_mask[None, :],
+                 other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R], read once for BLOCK_M requests
+    bias = _round_to(tl.dot(e, tl.trans(w2), input_precision="ieee"), w2_ptr)  # [BLOCK_M, BLOCK_V] B_k
+    both = row_ok[:, None] & lane_ok[None, :]
+    u_k = tl.load(base_ptr + rows[:, None] * stride_br + j * stride_bk + lanes[None, :], mask=both,
+                  other=0.0).to(tl.float32)
+    logits = tl.where(lane_ok[None, :], u_k + bias, -float("inf"))  # [BLOCK_M, BLOCK_V]
+    best = tl.max(logits, axis=1)  # [BLOCK_M] the block's greedy maximum, its lowest index (argmax_update's rule)
+    best_index = tl.min(tl.where(logits == best[:, None], lanes[None, :], BIG_INDEX), axis=1)
+    best_index = tl.where(best > -float("inf"), best_index, 0)
+    x = tl.math.div_rn(logits, temp_div[:, None])  # [BLOCK_M, BLOCK_V]
+    parked = both & (temp[:, None] != 0.0)  # a greedy row's p_d is launch B's one-hot
+    tl.store(probs_ptr + (rows[:, None] * gamma + j) * V + lanes[None, :], x, mask=parked)
+    x_max = tl.max(x, axis=1)  # [BLOCK_M]
+    x_sum = tl.sum(tl.exp(x - tl.where(x_max > -float("inf"), x_max, 0.0)[:, None]), axis=1)
+    part = rows * nb + blk
+    tl.store(block_max_ptr + part, x_max, mask=row_ok)
+    tl.store(block_sum_ptr + part, x_sum, mask=row_ok)
+    tl.store(arg_value_ptr + part, best, mask=row_ok)
+    tl.store(arg_index_ptr + part, best_index.to(tl.int64), mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "j"])
 def _draft_split_race_kernel(
     probs_ptr,  # [R, γ, V] fp32 in: tempered logits of slot k; out: p_d
@@ -391,6 +472,7 @@ def sample_draft_block(
     backend: str = "auto",
     *,
     split: bool | None = None,
+    split_rows: int | None = None,
 ) -> DraftOutput:
     """Sample a Markov-head block and its confidence logits (the loop in the module docstring).
 
@@ -410,6 +492,8 @@ def sample_draft_block(
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         split: Triton variant: ``True`` the split-vocabulary kernels (grid ``(R, NB)``), ``False`` one program per
             request, ``None`` split on CUDA when ``R < SPLIT_MAX_R``. Ignored by the torch backend.
+        split_rows: requests per program of the split variant's logits launch: 1, or a power of two >= 16 (W2's
+            block shared by that many requests); ``None``: ``SPLIT_ROWS``.
 
     Returns:
         :class:`reference.drafter.DraftOutput`: tokens ``[R, γ]`` int64, probs ``[R, γ, V]`` fp32,
@@ -457,8 +541,11 @@ def sample_draft_block(
     if split is None:  # the interpreter runs programs one by one: there the split variant only adds launches
         split = base_logits.is_cuda and R < SPLIT_MAX_R
     if split:
+        rows = SPLIT_ROWS if split_rows is None else split_rows
+        if rows != 1 and (rows < 16 or rows & (rows - 1)):
+            raise ValueError(f"split_rows must be 1 or a power of two >= 16, got {rows}")
         _launch_split(out, base_logits, h, anchor_ids, anchor_pos, temperature, rid, w1, w2, conf_w, conf_b,
-                      lo, hi, block_r, block_d)
+                      lo, hi, block_r, block_d, rows)
         return out
     block_v = max(16, min(MAX_BLOCK_V, W2_TILE_ELEMENTS // block_r, triton.next_power_of_2(V)))
     _sample_draft_block_kernel[(R,)](
@@ -476,7 +563,7 @@ def sample_draft_block(
 
 def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: Tensor, anchor_pos: Tensor,
                   temperature: Tensor, rid: Tensor, w1: Tensor, w2: Tensor, conf_w: Tensor, conf_b: Tensor,
-                  lo: int, hi: int, block_r: int, block_d: int) -> None:
+                  lo: int, hi: int, block_r: int, block_d: int, rows: int = 1) -> None:
     """The split-vocabulary variant into ``out``: 2γ + 1 launches, no host syncs (CUDA-graph capturable).
 
     Inputs as :func:`sample_draft_block` after its checks (contiguous weights, fp32 ``temperature``). The
@@ -491,16 +578,28 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
     block_max, block_sum, arg_value, race_score = torch.empty(4, R, nb, dtype=torch.float32, device=dev)
     arg_index, race_index = torch.empty(2, R, nb, dtype=torch.int64, device=dev)
     for j in range(gamma):
-        _draft_split_logits_kernel[(R, nb)](
-            out.tokens, out.probs, out.conf_logits,
-            base_logits, base_logits.stride(0), base_logits.stride(1),
-            h, h.stride(0), h.stride(1),
-            anchor_ids, temperature, w1, w2, conf_w, conf_b,
-            race_score, race_index, block_max, block_sum, arg_value, arg_index,
-            j, gamma, V, d, r, nb,
-            BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_NB=block_nb,
-            num_warps=SPLIT_NUM_WARPS,
-        )
+        if rows > 1:
+            _draft_split_logits_rows_kernel[(triton.cdiv(R, rows), nb)](
+                out.tokens, out.probs, out.conf_logits,
+                base_logits, base_logits.stride(0), base_logits.stride(1),
+                h, h.stride(0), h.stride(1),
+                anchor_ids, temperature, w1, w2, conf_w, conf_b,
+                race_score, race_index, block_max, block_sum, arg_value, arg_index,
+                j, gamma, R, V, d, r, nb,
+                BLOCK_M=rows, BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=max(16, block_r), BLOCK_NB=block_nb,
+                num_warps=SPLIT_NUM_WARPS,
+            )
+        else:
+            _draft_split_logits_kernel[(R, nb)](
+                out.tokens, out.probs, out.conf_logits,
+                base_logits, base_logits.stride(0), base_logits.stride(1),
+                h, h.stride(0), h.stride(1),
+                anchor_ids, temperature, w1, w2, conf_w, conf_b,
+                race_score, race_index, block_max, block_sum, arg_value, arg_index,
+                j, gamma, V, d, r, nb,
+                BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_NB=block_nb,
+                num_warps=SPLIT_NUM_WARPS,
+            )
         _draft_split_race_kernel[(R, nb)](
             out.probs, anchor_pos, temperature, rid,
             block_max, block_sum, arg_value, arg_index, race_score, race_index,
@@ -523,6 +622,7 @@ def sample_block(
     backend: str = "auto",
     *,
     split: bool | None = None,
+    split_rows: int | None = None,
 ) -> DraftOutput:
     """``drafter.sample_block`` with the Markov head fused; the RNN and "none" heads run the reference loop.
 
@@ -531,6 +631,7 @@ def sample_block(
         h, anchor_ids, anchor_pos, temperature, seed, request_ids: as ``DSparkDrafter.sample_block``.
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` for the fused Markov path.
         split: the Triton variant, as :func:`sample_draft_block` (``None``: by batch size).
+        split_rows: requests per program of the split logits launch, as :func:`sample_draft_block`.
     """
     if drafter.config.head != "markov":
         return drafter.sample_block(h, anchor_ids, anchor_pos, temperature, seed, request_ids)
@@ -540,4 +641,4 @@ def sample_block(
     base = drafter.base_logits(h, float32=False)
     return sample_draft_block(base, h, anchor_ids, anchor_pos, temperature, seed, request_ids,
                               w1, w2, drafter.conf_head.weight, drafter.conf_head.bias,
-                              backend=backend, split=split)
+                              backend=backend, split=split, split_rows=split_rows)

@@ -10,10 +10,11 @@ Tokens are integers: identical (torch.equal). ``p_d`` and the confidence logits 
   ulps (2^-6 relative): CPU bf16 ``addmm`` may round the product and the bias sum separately, the kernel once.
 
 The Triton cases run through Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set by the CI command)
-and skip without it. Both Triton variants are checked: one program per request (``"triton"``) and the
-split-vocabulary kernels (``"triton-split"``), the latter with a shrunken tile so that even small vocabularies
-span several blocks and end in a partial one (the cross-block reductions are what it adds). Its softmax sum is
-combined in another order, an ulp-level change inside the same fp32 tolerances.
+and skip without it. Every Triton variant is checked: one program per request (``"triton"``), the
+split-vocabulary kernels (``"triton-split"``) and the split kernels whose logits launch takes 16 requests per program
+(``"triton-split-rows"``, ``B_k`` by ``tl.dot``), the split ones with a shrunken tile so that even small vocabularies
+span several blocks and end in a partial one (the cross-block reductions are what they add). Their softmax sums
+(and the rows kernel's ``B_k``) are combined in another order, an ulp-level change inside the same tolerances.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from reference.drafter import DSparkDrafter
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not (DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"),
                                   reason="the Triton kernel on CPU needs TRITON_INTERPRET=1 (the CI command sets it)")
-BACKENDS = [pytest.param("triton", marks=needs_triton), pytest.param("triton-split", marks=needs_triton), "torch"]
+BACKENDS = [pytest.param("triton", marks=needs_triton), pytest.param("triton-split", marks=needs_triton),
+            pytest.param("triton-split-rows", marks=needs_triton), "torch"]
 PROB_ATOL_FP32 = 2e-6
 CONF_ATOL_FP32 = 1e-5
 SMALL_SPLIT_TILE = 128  # SPLIT_TILE_ELEMENTS in tests: BLOCK_V = 16 lanes for r <= 8, several blocks for V = 97
@@ -41,7 +43,10 @@ def variant(backend, monkeypatch):
     """``backend`` param -> ``dict(backend=..., split=...)`` keywords; the split variant gets small blocks."""
     if backend == "triton-split":
         monkeypatch.setattr(fast, "SPLIT_TILE_ELEMENTS", SMALL_SPLIT_TILE)
-        return {"backend": "triton", "split": True}
+        return {"backend": "triton", "split": True, "split_rows": 1}
+    if backend == "triton-split-rows":  # 16 requests per program share each W2 block (tl.dot)
+        monkeypatch.setattr(fast, "SPLIT_TILE_ELEMENTS", SMALL_SPLIT_TILE)
+        return {"backend": "triton", "split": True, "split_rows": 16}
     return {"backend": backend, "split": False if backend == "triton" else None}
 
 
@@ -197,6 +202,24 @@ def test_triton_variants_agree(monkeypatch):
 
 
 @needs_triton
+@needs_triton
+@pytest.mark.parametrize("rows", [16, 32])
+def test_split_rows_over_several_row_blocks(monkeypatch, rows):
+    """The rows kernel with more requests than one program holds (37: full blocks and a partial one), a rank that
+    is no power of two (padded to the tl.dot minimum), greedy and sampled rows: the reference's tokens."""
+    monkeypatch.setattr(fast, "SPLIT_TILE_ELEMENTS", SMALL_SPLIT_TILE)
+    R, gamma, V, rank = 37, 3, 300, 20
+    drafter = make_drafter(V, gamma, rank, seed=4)
+    h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(R, gamma, V, seed=5)
+    want = drafter.sample_block(h, anchor_ids, anchor_pos, temperature, 11, request_ids)
+    got = fast.sample_block(on_device(drafter), *to_device(h, anchor_ids, anchor_pos, temperature), 11,
+                            request_ids.to(DEVICE), backend="triton", split=True, split_rows=rows)
+    assert_close_fp32(got, want)
+    with pytest.raises(ValueError, match="split_rows"):
+        fast.sample_block(drafter, *to_device(h, anchor_ids, anchor_pos, temperature), 11, request_ids.to(DEVICE),
+                          backend="triton", split=True, split_rows=8)
+
+
 def test_auto_variant_follows_batch_size(monkeypatch):
     launches = []
     monkeypatch.setattr(fast, "_launch_split", lambda *a: launches.append(a[0].tokens.shape[0]))
