@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import platform
+import queue
 import shlex
 import signal
 import socket
@@ -187,8 +188,8 @@ def _client_process(level: tuple, users: int, counter, start, out) -> None:
         cpu0 = time.process_time()
         results, t0, t1 = asyncio.run(_users(*level[:3], users, *level[3:], take))
         out.put((results, t0, t1, time.process_time() - cpu0))
-    except BaseException as err:  # the parent must not wait forever for this process's share
-        out.put(err)
+    except BaseException as err:  # the parent must not wait for this process's share: tell it why (as text, which
+        out.put(RuntimeError(f"{type(err).__name__}: {err}"))  # always pickles)
         raise
 
 
@@ -221,9 +222,15 @@ def closed_loop(base_url: str, model: str, prompts: list[str], concurrency: int,
             if (msg := out.get(timeout=120)) != "ready":
                 raise RuntimeError(f"a client process failed to start: {msg!r}")
         start.set()
-        parts = [out.get() for _ in procs]
+        parts = []
+        while len(parts) < len(procs):
+            try:
+                parts.append(out.get(timeout=5))
+            except queue.Empty:  # a process that died without a word (killed) would leave us waiting forever
+                if dead := [p for p in procs if p.exitcode not in (None, 0)]:
+                    raise RuntimeError(f"a client process died (exit code {dead[0].exitcode})") from None
         if failed := [p for p in parts if isinstance(p, BaseException)]:
-            raise RuntimeError(f"a client process failed: {failed[0]!r}") from failed[0]
+            raise RuntimeError(f"a client process failed: {failed[0]}") from failed[0]
     finally:
         for proc in procs:
             proc.join(30)
