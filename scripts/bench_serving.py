@@ -276,14 +276,19 @@ def scrape_counters(base_url: str, api_key: str | None) -> dict[str, float]:
 def process_cpu_s(pid: int | None) -> tuple[float, float] | None:
     """CPU seconds (user + system, Linux ``/proc``) of server process ``pid`` and of its engine process (a
     multiprocessing child; 0 with the engine on a thread); None where they cannot be read (another OS, no pid)."""
-    if pid is None:
+    if pid is None or not Path(f"/proc/{pid}/stat").exists():
         return None
+    children: set[int] = set()
     try:
-        children = {int(c) for task in Path(f"/proc/{pid}/task").iterdir()
-                    for c in (task / "children").read_text().split()}
-        return _cpu_s(pid), sum(_cpu_s(c) for c in children if "spawn_main" in _cmdline(c))
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
-        return None
+        tasks = []
+    for task in tasks:  # the process's threads come and go: one that ended meanwhile has no children to read
+        try:
+            children.update(int(c) for c in (task / "children").read_text().split())
+        except OSError:
+            continue
+    return _cpu_s(pid), sum(_cpu_s(c) for c in children if "spawn_main" in _cmdline(c))
 
 
 def _cpu_s(pid: int) -> float:

@@ -40,7 +40,8 @@ def test_benchmark_writes_its_report(tmp_path):
     model_dir = tmp_path / "tiny"
     tiny_model().save_pretrained(model_dir)
     char_tokenizer().save_pretrained(model_dir)
-    common = ["--model", str(model_dir), "--concurrency", "2", "--output-len", "6", "--prompts-per-user", "2",
+    # 30 tokens a request: enough server CPU in a level (tens of ms) for /proc's 10 ms clock ticks to count
+    common = ["--model", str(model_dir), "--concurrency", "2", "--output-len", "30", "--prompts-per-user", "2",
               "--min-requests", "4", "--step-ms", "1", "--host-ms", "0.1"]
     out = tmp_path / "overhead.json"
     assert bench_server_overhead.main([*common, "--tokens-per-step", "1", "--engine-modes", "thread",
@@ -55,7 +56,7 @@ def test_benchmark_writes_its_report(tmp_path):
     rows2 = json.loads(out2.read_text())["results"]
     assert [(r["tokens_per_step"], r["arm"], r["engine"]) for r in rows2] == [(3, "process+coalesce", "process")]
     for r in rows + rows2:
-        assert r["errors"] == 0 and r["requests"] == 4 and r["output_tokens"] == 24 and r["concurrency"] == 2
+        assert r["errors"] == 0 and r["requests"] == 4 and r["output_tokens"] == 120 and r["concurrency"] == 2
         assert r["output_tokens_per_s"] > 0 and r["engine_steps"] > 0 and r["server_cpu_us_per_token"] > 0
         assert r["engine_process_cpu_us_per_token"] >= 0 and (r["engine"] == "process" or
                                                                r["engine_process_cpu_us_per_token"] == 0)
