@@ -394,8 +394,10 @@ class DSparkDrafter(nn.Module):
 
     def base_logits(self, h: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """U = lm_head(h) in float32; h is cast to the LM head's dtype (the target may run in bf16).
-        ``float32=False`` leaves U in the LM head's dtype: the same values before the (exact) upcast, for a consumer
-        that upcasts as it reads (the fused draft kernels), without a float32 copy of ``[R, γ, V]``."""
+
+        ``float32=False`` leaves U in the LM head's dtype, the same values before the exact upcast: for a consumer
+        that upcasts as it reads (the fused draft kernels), without a float32 copy of ``[R, γ, V]``.
+        """
         lm_head = self.target_modules()[1]
         weight = next(lm_head.parameters(), None)
         u = lm_head(h if weight is None else h.to(weight.dtype))

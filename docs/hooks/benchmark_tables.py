@@ -37,7 +37,7 @@ PLACEHOLDERS = [
 ]
 # Run-to-run spread of a throughput on the shared H200 machine: the same configuration measured in two
 # committed runs of one session differed by up to ~10 % (plain decoding at batch 64: 30,430 vs 26,851 tokens/s,
-# engine-h200.json vs engine-h200-gate-window.json). A ratio inside 1 ± this is reported as a tie.
+# engine-h200-2layer.json vs engine-h200-gate-window.json). A ratio inside 1 ± this is reported as a tie.
 SPREAD = 0.10
 
 

@@ -402,13 +402,13 @@ def _draft_split_race_kernel(
     out_row = probs_ptr + (row * gamma + j) * V
     if greedy:
         # p_d is the one-hot of the argmax, and a race over a one-hot always returns its hot lane (its score 1 / E
-        # is positive and finite, every other lane scores 0), so the race is not run: the block holding the argmax
-        # reports it with score 1, the others score 0 at their first lane, and race_winner picks the argmax, as the
-        # race would. Launch A did not write a greedy row's tempered logits either: nothing is read here.
+        # is positive and finite, every other lane scores 0), so the race is not run: every block reports the argmax,
+        # with score 1 from the block that holds it and 0 from the others, and race_winner picks it, as the race
+        # would. Launch A did not write a greedy row's tempered logits either: nothing is read here.
         p = (lanes == best_index).to(tl.float32)  # [BLOCK_V] p_d
         tl.store(out_row + lanes, p, mask=mask)
         race_score = tl.max(tl.where(mask, p, 0.0), axis=0)
-        race_index = tl.where(race_score > 0.0, best_index, blk * BLOCK_V).to(tl.int64)
+        race_index = best_index.to(tl.int64)
     else:
         x = tl.load(out_row + lanes, mask=mask, other=-float("inf"))  # [BLOCK_V]
         p = tl.math.div_rn(tl.exp(x - run_max), run_sum)  # [BLOCK_V] p_d
