@@ -9,7 +9,8 @@ a thread of the server's on the CPU: ``--engine-process`` / ``--no-engine-proces
 engine (static caches, CUDA graphs), measures or loads the step-cost table and warms every kernel up, each stage
 logged with its time, and 200 from then on, so the first request is as fast as the hundredth. SIGTERM (or Ctrl-C)
 stops accepting connections, lets the requests in flight finish (at most ``--shutdown-timeout`` seconds), stops the
-engine and exits 0; a failure of the engine exits 1.
+engine and exits 0; a failure of the engine exits 1. ``--api-server-count N`` runs N HTTP processes on the one port
+in front of the engine process (optimized/serving/api_servers.py).
 """
 
 from __future__ import annotations
@@ -159,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="build and step the engine in a child process (spawn), so that the HTTP side's Python "
                         "(JSON, SSE, detokenisation, metrics) never delays an engine step; --no-engine-process: "
                         "on a thread of the server's process (default: the process with CUDA, the thread on the CPU)")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP processes in front of the engine process, sharing the port (vLLM's flag): one HTTP "
+                        "process saturates its core long before an H200 engine does (docs/serving.md)")
     p.add_argument("--seed", type=int, default=0, help="root of the random-number contract")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -201,7 +205,13 @@ def resolve(args: argparse.Namespace) -> ServeArgs:
             raise ValueError(f"no drafter for {args.model}: pass --drafter DIR (a DSpark checkpoint trained for it) "
                              "or --speculative-config '{\"mode\": \"none\"}'")
         drafter = str(DEFAULT_DRAFTER)
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be ≥ 1, got {args.api_server_count}")
     engine_process = DEFAULT_ENGINE_PROCESS[device] if args.engine_process is None else args.engine_process
+    if args.api_server_count > 1:
+        if args.engine_process is False:
+            raise ValueError("--api-server-count > 1 needs the engine in its own process: drop --no-engine-process")
+        engine_process = True
     return ServeArgs(args, spec, device, dtype, max_num_seqs, drafter, engine_process)
 
 
@@ -274,7 +284,7 @@ def server_settings(args: argparse.Namespace):
 
     return ServerSettings(served_model_names=args.served_model_name or [args.model], model_root=args.model,
                           max_model_len=args.max_model_len, api_key=args.api_key,
-                          coalesce_steps=not args.stream_each_step)
+                          coalesce_steps=not args.stream_each_step, shutdown_timeout=args.shutdown_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,19 +296,45 @@ def main(argv: list[str] | None = None) -> int:
         sa = resolve(args)
     except ValueError as err:
         parser.error(str(err))
-    import uvicorn
-
-    from optimized.serving.app import Server, build_app
-
     settings = server_settings(args)
     log.info("the engine runs %s", "in its own process" if sa.engine_process else "on a thread of this process")
+    options = dict(log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+                   timeout_graceful_shutdown=args.shutdown_timeout)
     # A partial over the resolved settings, not a closure: the engine process receives it pickled.
-    server = Server(settings, functools.partial(build_runtime, sa), max_num_seqs=sa.max_num_seqs,
-                    max_waiting=args.max_waiting, engine_process=sa.engine_process)
-    config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            access_log=not args.disable_uvicorn_access_log,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    http = uvicorn.Server(config)
+    return run_http(settings, functools.partial(build_runtime, sa), host=args.host, port=args.port,
+                    max_num_seqs=sa.max_num_seqs, max_waiting=args.max_waiting, engine_process=sa.engine_process,
+                    api_server_count=args.api_server_count, uvicorn_options=options)
+
+
+def run_http(settings, build, *, host: str, port: int, max_num_seqs: int, max_waiting: int, engine_process: bool,
+             api_server_count: int = 1, uvicorn_options: dict | None = None) -> int:
+    """Serve until SIGTERM / SIGINT (exit code 0, after the drain) or a failure of the engine or of an API server
+    (1). ``build`` makes the engine's :class:`~optimized.serving.engine_loop.Runtime` (picklable with
+    ``engine_process``); ``api_server_count`` > 1 runs that many HTTP processes on one socket
+    (optimized/serving/api_servers.py)."""
+    import uvicorn
+
+    from optimized.serving.api_servers import ApiServerGroup
+    from optimized.serving.app import Server, build_app
+
+    options = uvicorn_options or {}
+    group = sockets = None
+    if api_server_count > 1:  # the socket is bound here and shared with the further servers
+        sock = uvicorn.Config(None, host=host, port=port).bind_socket()
+        sockets = [sock]
+        group = ApiServerGroup(api_server_count, sock, settings, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+                               uvicorn_options=options)
+        log.info("%d API servers share %s:%d", api_server_count, host, port)
+    server = Server(settings, build, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+                    engine_process=engine_process, group=group)
+
+    class HTTPServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            if group is not None:  # the further API servers drain too (Ctrl-C reaches them through this)
+                group.signal_all()
+            super().handle_exit(sig, frame)
+
+    http = HTTPServer(uvicorn.Config(build_app(server), host=host, port=port, **options))
     exit_code = 0
 
     def fatal(err: BaseException) -> None:  # engine thread (or reader thread): stop the HTTP server, exit 1
@@ -311,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     # that a no-op, so a drained server exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: log.info("%s: drained", signal.Signals(signum).name))
-    http.run()
+    http.run(sockets=sockets)
     return exit_code
 
 

@@ -29,7 +29,9 @@ queued up for a request while its stream was busy leave as one chunk) and ``per-
 always), crossed with two places for the engine (``--engine-modes``): ``thread`` (the engine on a thread of the
 server process, sharing its interpreter lock; these arms keep their names, ``coalesce`` and ``per-step``) and
 ``process`` (``optimized.serve --engine-process``: the engine in a child process; arms ``process+coalesce`` and
-``process+per-step``). The server CPU per token is the HTTP process's; the engine process's is reported beside it.
+``process+per-step``), or ``process:N`` (that with N HTTP processes on one port, ``--api-server-count N``; arms
+``process:N+coalesce``, ...). The server CPU per token is the HTTP processes' (all N); the engine process's is
+reported beside it.
 The engine modes of one streaming arm run side by side and take turns at every level (``--repeats N`` turns each):
 the report keeps each arm's median run per level and, for a process arm, the median of its paired ratios to the
 thread arm measured just before it (robust to a machine whose load drifts).
@@ -204,9 +206,8 @@ class SimulatedBuild:
 
 def serve(args: argparse.Namespace) -> int:
     """Run the real app in front of a SimulatedEngine (the child process the benchmark launches)."""
-    import uvicorn
-
-    from optimized.serving.app import Server, ServerSettings, build_app
+    from optimized.serve import run_http
+    from optimized.serving.app import ServerSettings
     from reference.target import Target
 
     target = Target.load(args.model)  # for its tokenizer only (CPU, once; the dequantised weights are cached)
@@ -216,10 +217,10 @@ def serve(args: argparse.Namespace) -> int:
     build = SimulatedBuild(ids, tokenizer, vocab, args.max_num_seqs, args.step_ms, args.host_ms, args.tokens_per_step)
     settings = ServerSettings(served_model_names=["simulated"], model_root=args.model, max_model_len=4096,
                               coalesce_steps=not args.per_step)
-    server = Server(settings, build, max_num_seqs=args.max_num_seqs, max_waiting=4 * args.max_num_seqs,
-                    engine_process=args.engine_process)
-    uvicorn.run(build_app(server), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
-    return 0
+    return run_http(settings, build, host="127.0.0.1", port=args.port, max_num_seqs=args.max_num_seqs,
+                    max_waiting=4 * args.max_num_seqs, engine_process=args.engine_process,
+                    api_server_count=args.api_server_count,
+                    uvicorn_options=dict(log_level="warning", access_log=False))
 
 
 class ServerProcess:
@@ -235,7 +236,8 @@ class ServerProcess:
                "--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--step-ms", str(args.step_ms),
                "--host-ms", str(args.host_ms), "--tokens-per-step", str(tokens_per_step)]
         cmd += ["--per-step"] if arm == "per-step" else []
-        cmd += ["--engine-process"] if engine == "process" else []
+        if engine != "thread":  # process, or process:N (N API servers)
+            cmd += ["--engine-process", "--api-server-count", engine.partition(":")[2] or "1"]
         pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
@@ -246,8 +248,8 @@ class ServerProcess:
         wait_healthy(self.url, self.proc, self.log_path, timeout_s)
 
     def cpu_s(self) -> tuple[float, float]:
-        """User + system CPU seconds so far (Linux /proc) of the server process and of its engine process (0 in the
-        thread mode)."""
+        """User + system CPU seconds so far (Linux /proc) of the server's HTTP processes and of its engine process
+        (0 in the thread mode)."""
         return process_cpu_s(self.proc.pid) or (0.0, 0.0)
 
     def stop(self) -> None:
@@ -261,8 +263,8 @@ class ServerProcess:
 
 def arm_label(arm: str, engine: str) -> str:
     """The arm's name in the report: the chunking arm, prefixed by ``process+`` when the engine has its own process
-    (the thread arms keep the names of earlier reports)."""
-    return arm if engine == "thread" else f"process+{arm}"
+    (the thread arms keep the names of earlier reports), or ``process:N+`` with N HTTP processes."""
+    return arm if engine == "thread" else f"{engine}+{arm}"
 
 
 def engine_steps(url: str) -> float:
@@ -418,7 +420,7 @@ def median_rows(runs: list[dict]) -> list[dict]:
                                                                                  for r in group]}
         thread = {r["repeat"]: r for r in groups.get((key[0], row["chunks_per"], key[2]), [])}
         pairs = [r["output_tokens_per_s"] / thread[r["repeat"]]["output_tokens_per_s"] for r in group
-                 if row["engine"] == "process" and r["repeat"] in thread]
+                 if row["engine"] != "thread" and r["repeat"] in thread]
         if pairs:
             row["paired_ratio"] = statistics.median(pairs)
         rows.append(row)
@@ -427,8 +429,10 @@ def median_rows(runs: list[dict]) -> list[dict]:
 
 def _engine_modes(text: str) -> list[str]:
     modes = text.split(",")
-    if not modes or not set(modes) <= {"thread", "process"}:
-        raise argparse.ArgumentTypeError(f"engine modes are thread and process, got {text!r}")
+    for mode in modes:
+        kind, _, n = mode.partition(":")
+        if not (mode in ("thread", "process") or (kind == "process" and n.isdigit() and int(n) >= 1)):
+            raise argparse.ArgumentTypeError(f"engine modes are thread, process and process:N, got {mode!r}")
     return modes
 
 
@@ -445,13 +449,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokens-per-step", type=int, default=1)
     s.add_argument("--per-step", action="store_true", help="one chunk per engine step (no coalescing)")
     s.add_argument("--engine-process", action="store_true", help="the simulated engine in its own process")
+    s.add_argument("--api-server-count", type=int, default=1, help="HTTP processes (with --engine-process)")
     p.add_argument("--tokens-per-step", type=lambda t: [int(x) for x in t.split(",")], default=[1, 3],
                    help="comma list: tokens each request gets per step (1 = plain decoding)")
     p.add_argument("--arms", type=lambda t: t.split(","), default=["coalesce", "per-step"],
                    help="comma list: coalesce (the server's default: queued steps leave as one chunk), per-step")
     p.add_argument("--engine-modes", type=_engine_modes, default=["thread", "process"],
                    help="comma list: thread (the engine on a thread of the server process), process (in its own "
-                        "process, optimized.serve --engine-process); each crossed with --arms")
+                        "process, optimized.serve --engine-process), process:N (that and N HTTP processes, "
+                        "--api-server-count N); each crossed with --arms")
     p.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 16, 64, 256])
     p.add_argument("--repeats", type=int, default=1,
                    help="run every arm this many times (arms interleaved); the report keeps the median run")

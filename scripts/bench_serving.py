@@ -274,8 +274,10 @@ def scrape_counters(base_url: str, api_key: str | None) -> dict[str, float]:
 
 
 def process_cpu_s(pid: int | None) -> tuple[float, float] | None:
-    """CPU seconds (user + system, Linux ``/proc``) of server process ``pid`` and of its engine process (a
-    multiprocessing child; 0 with the engine on a thread); None where they cannot be read (another OS, no pid)."""
+    """CPU seconds (user + system, Linux ``/proc``) of the server's HTTP processes (process ``pid`` and, with
+    ``--api-server-count``, the further API servers among its children, named ``dspark-api-N``) and of its engine
+    process (a multiprocessing child; 0 with the engine on a thread); None where they cannot be read (another OS,
+    no pid)."""
     if pid is None or not Path(f"/proc/{pid}/stat").exists():
         return None
     children: set[int] = set()
@@ -288,7 +290,9 @@ def process_cpu_s(pid: int | None) -> tuple[float, float] | None:
             children.update(int(c) for c in (task / "children").read_text().split())
         except OSError:
             continue
-    return _cpu_s(pid), sum(_cpu_s(c) for c in children if "spawn_main" in _cmdline(c))
+    spawned = [c for c in children if "spawn_main" in _cmdline(c)]
+    api = [c for c in spawned if _comm(c).startswith("dspark-api")]
+    return _cpu_s(pid) + sum(map(_cpu_s, api)), sum(_cpu_s(c) for c in spawned if c not in api)
 
 
 def _cpu_s(pid: int) -> float:
@@ -297,6 +301,13 @@ def _cpu_s(pid: int) -> float:
     except FileNotFoundError:  # gone meanwhile
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def _cmdline(pid: int) -> str:
@@ -309,7 +320,7 @@ def _cmdline(pid: int) -> str:
 def cpu_shares(client_s: float, server0: tuple[float, float] | None, server1: tuple[float, float] | None,
                wall_s: float) -> dict[str, float | None]:
     """CPU seconds per second of a level's wall time (1.0: one core busy throughout) of the client (all its
-    processes), the server process and its engine process; None where unknown."""
+    processes), the server's HTTP processes and its engine process; None where unknown."""
     def share(seconds: float) -> float | None:
         return round(seconds / wall_s, 3) if wall_s > 0 else None
 

@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from optimized.engine import SamplingParams
 from optimized.sequence import StepOutput
+from optimized.serving.api_servers import ApiServerGroup, MetricsExchange, PeerSpec
 from optimized.serving.engine_loop import (
     EngineClient,
     EngineFailed,
@@ -52,7 +53,7 @@ from optimized.serving.engine_loop import (
     Runtime,
     seed_key,
 )
-from optimized.serving.engine_process import EngineProcess
+from optimized.serving.engine_process import EnginePeer, EngineProcess
 from optimized.serving.metrics import ServerMetrics
 from optimized.serving.protocol import (
     AssistantMessage,
@@ -117,19 +118,37 @@ class ServerSettings:
     # Send the steps that queued up for a request while its stream was busy as one chunk (OutputStream). Off: one
     # chunk per engine step whatever the load (scripts/bench_server_overhead.py measures both).
     coalesce_steps: bool = True
+    shutdown_timeout: float = 30.0  # --shutdown-timeout: how long API server 0 waits for the others to drain
 
 
 class Server:
     """The state the routes share: settings, the engine loop, and (once ready) the tokenizer and metrics."""
 
-    def __init__(self, settings: ServerSettings, build: Callable[[], Runtime], *, max_num_seqs: int,
-                 max_waiting: int, engine_process: bool = False) -> None:
+    def __init__(self, settings: ServerSettings, build: Callable[[], Runtime] | None, *, max_num_seqs: int,
+                 max_waiting: int, engine_process: bool = False, group: ApiServerGroup | None = None,
+                 peer: PeerSpec | None = None) -> None:
         """``build`` makes the engine on the engine thread or, with ``engine_process``, in a child process (then it
-        must be picklable; see optimized/serving/engine_process.py)."""
+        must be picklable; see optimized/serving/engine_process.py).
+
+        With ``--api-server-count`` N > 1 (optimized/serving/api_servers.py), API server 0 passes ``group`` (it
+        starts the engine process with a pair of pipes per server, then the other servers) and server i > 0
+        passes ``peer`` (its pipes; ``build`` is None)."""
         self.settings = settings
-        kind = EngineProcess if engine_process else EngineLoop
-        self.loop: EngineClient = kind(build, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
-                                       on_ready=self._ready, on_fatal=self._fatal)
+        self.group, self.peer = group, peer
+        share = dict(max_num_seqs=max_num_seqs, max_waiting=max_waiting, on_ready=self._ready, on_fatal=self._fatal)
+        if peer is not None:
+            self.loop: EngineClient = EnginePeer(peer.channel, index=peer.index, count=peer.count, **share)
+            self.exchange = MetricsExchange(peer.exchange_dir, peer.index, peer.count)
+        elif group is not None:
+            if not engine_process:
+                raise ValueError("several API servers share an engine process: the engine cannot run on a thread")
+            self.loop = EngineProcess(build, count=group.count, **share)
+            self.exchange = group.exchange
+            group.on_fatal = self._fatal
+        else:
+            self.loop = (EngineProcess if engine_process else EngineLoop)(build, **share)
+            self.exchange = None
+        self._all_ready = group is None  # server 0 of a group: whether every further server has the engine
         self.runtime: Runtime | None = None
         self.tokenizer: Any = None
         self.metrics: ServerMetrics | None = None
@@ -150,6 +169,48 @@ class Server:
 
     def _fatal(self, err: BaseException) -> None:
         self.on_fatal(err)
+
+    # ---------------------------------------------------------------- lifecycle (the app's lifespan)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.loop.start(loop)
+        if self.exchange is not None:
+            await self.exchange.start(self.metrics_snapshot)
+        if self.group is not None:  # the engine process exists now, with a pair of pipes for each further server
+            self.group.start(self.loop.peer_channels, loop)
+
+    async def stop(self) -> None:
+        if self.group is not None:  # they drain first: the engine serves their requests until they have left
+            await self.group.stop(self.settings.shutdown_timeout)
+        elif self.exchange is not None:
+            await self.exchange.close()
+        self.loop.stop()
+
+    def metrics_snapshot(self) -> dict:
+        """This API server's share of the metrics, for the others' scrapes (api_servers.MetricsExchange)."""
+        ready = self.loop.ready.is_set() and self.loop.failed is None
+        return {"ready": ready, "metrics": self.metrics.snapshot() if self.metrics is not None else None}
+
+    async def render_metrics(self) -> bytes:
+        """The Prometheus exposition of the whole server: with several API servers, their snapshots added up."""
+        if self.exchange is None:
+            return generate_latest(self.metrics.registry) if self.metrics is not None else b""
+        snapshots = [s["metrics"] for s in await self.exchange.gather() if s["metrics"] is not None]
+        if not snapshots:
+            return b""
+        rt = self.runtime
+        return generate_latest(ServerMetrics.merged(self.model_name, rt.gamma, rt.has_drafter, snapshots).registry)
+
+    async def check_health(self) -> None:
+        """``/health``: 200 once the engine is ready here; on server 0 of a group, once every server has it."""
+        self.check_ready()
+        if not self._all_ready:
+            answers = await self.exchange.gather()
+            if len(answers) < self.group.count or not all(a["ready"] for a in answers):
+                raise APIError(503, "the API servers are starting; retry when GET /health answers 200",
+                               type="server_error", code="not_ready")
+            self._all_ready = True
 
     # ---------------------------------------------------------------- request preparation
 
@@ -444,9 +505,9 @@ def build_app(server: Server) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.loop.start(asyncio.get_running_loop())
+        await server.start()
         yield
-        server.loop.stop()
+        await server.stop()
 
     app = FastAPI(title="DSpark OpenAI-compatible server", lifespan=lifespan)
     # add_middleware puts each new one outside the last: the key is checked first, then the body size.
@@ -500,13 +561,12 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        server.check_ready()
+        await server.check_health()
         return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics():
-        body = generate_latest(server.metrics.registry) if server.metrics is not None else b""
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        return Response(await server.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():

@@ -87,10 +87,17 @@ class EngineClient:
     of this process, :class:`optimized.serving.engine_process.EngineProcess` in a child process.
     """
 
-    def __init__(self, build: Callable[[], Runtime], *, max_num_seqs: int, max_waiting: int,
-                 on_ready: Callable[[Runtime], Any], on_fatal: Callable[[BaseException], None]) -> None:
+    def __init__(self, build: Callable[[], Runtime] | None, *, max_num_seqs: int, max_waiting: int,
+                 on_ready: Callable[[Runtime], Any], on_fatal: Callable[[BaseException], None], index: int = 0,
+                 count: int = 1) -> None:
+        """``index`` of ``count`` API servers sharing one engine (``--api-server-count``): this client's request ids
+        are ≡ ``index`` mod ``count`` (the engine process routes each output by its id), and it admits its share
+        of the ``max_num_seqs + max_waiting`` requests in flight before answering 429."""
+        if not 0 <= index < count:
+            raise ValueError(f"API server index {index} is not in [0, {count})")
         self._build, self._on_ready, self._on_fatal = build, on_ready, on_fatal
-        self.capacity = max_num_seqs + max_waiting  # requests in flight before 429
+        self.index, self.count = index, count
+        self.capacity = -(-(max_num_seqs + max_waiting) // count)  # requests in flight before 429
         self.metrics = None  # ServerMetrics, from on_ready
         self.ready = threading.Event()
         self.failed: BaseException | None = None
@@ -120,7 +127,7 @@ class EngineClient:
             raise NotReady()
         if len(self._requests) >= self.capacity:
             raise Overloaded()
-        rid = next(self._ids) % _ID_SPACE
+        rid = self.index + self.count * (next(self._ids) % (_ID_SPACE // self.count))
         handle = RequestHandle(rid, len(prompt_ids), time.perf_counter())
         self._requests[rid] = handle
         self.metrics.request_added(len(prompt_ids))

@@ -26,6 +26,11 @@ the same code the engine thread reaches through one ``call_soon_threadsafe`` per
 ``submit``, ``abort`` and their errors (``Overloaded``, ``NotReady``, ``EngineFailed``) behave exactly alike. No
 thread of the HTTP process has to win the interpreter lock from a busy event loop to take a message.
 
+With several API servers (``--api-server-count``, optimized/serving/api_servers.py) the child gets one such pair of
+pipes per server: each server's commands are received by a thread of their own, outputs go back to the server whose
+request they are (request id mod the number of servers), step statistics to server 0. Server 0's pipe ending stops
+the engine; a further server's ending aborts that server's requests only.
+
 If the child dies (killed, crashed), the results pipe reaches its end: every request in flight gets
 ``EngineFailed``, ``/health`` answers 503 and the server stops, as when the engine thread dies. The child never
 outlives the server: it is a daemon process, ``stop`` asks it to finish and joins it (then terminates, then kills
@@ -54,6 +59,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from optimized.sequence import StepOutput
+from optimized.serving.api_servers import set_process_name
 from optimized.serving.engine_loop import EngineClient, Runtime, run_steps
 
 log = logging.getLogger("dspark.serve")
@@ -114,77 +120,31 @@ class FrameReader:
         return messages
 
 
-class EngineProcess(EngineClient):
-    """The engine in a child process; the same interface as :class:`~optimized.serving.engine_loop.EngineLoop`.
+class PipeClient(EngineClient):
+    """The event-loop side of an engine in another process, over one pair of pipes: commands out (``_send``),
+    results in (read on the event loop, :meth:`_receive`). :class:`EngineProcess` starts that process;
+    :class:`EnginePeer` attaches to one that another API server started (``--api-server-count``)."""
 
-    ``build`` must be picklable (a module-level function, or a ``functools.partial`` / dataclass instance over
-    picklable settings): it is sent to the child, which calls it to build the :class:`Runtime`.
-    """
-
-    def __init__(self, build: Callable[[], Runtime], *, max_num_seqs: int, max_waiting: int,
-                 on_ready: Callable[[Runtime], Any], on_fatal: Callable[[BaseException], None]) -> None:
+    def __init__(self, build: Callable[[], Runtime] | None, *, max_num_seqs: int, max_waiting: int,
+                 on_ready: Callable[[Runtime], Any], on_fatal: Callable[[BaseException], None], index: int = 0,
+                 count: int = 1) -> None:
         super().__init__(build, max_num_seqs=max_num_seqs, max_waiting=max_waiting, on_ready=on_ready,
-                         on_fatal=on_fatal)
-        self._proc: multiprocessing.process.BaseProcess | None = None
+                         on_fatal=on_fatal, index=index, count=count)
         self._commands: Connection | None = None  # event-loop thread only
         self._results: Connection | None = None  # event-loop thread only
         self._reader: FrameReader | None = None  # reads self._results (event-loop thread only)
         self._stopping = False
 
-    @property
-    def pid(self) -> int | None:
-        """The engine process's id (None before ``start`` and after ``stop``)."""
-        return None if self._proc is None else self._proc.pid
-
-    def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
-        self._aio = aio_loop
-        ctx = multiprocessing.get_context("spawn")
-        commands_out, commands_in = ctx.Pipe(duplex=False)
-        results_out, results_in = ctx.Pipe(duplex=False)
-        root = logging.getLogger()
-        fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)
-        self._proc = ctx.Process(target=engine_main, name="dspark-engine", daemon=True,
-                                 args=(self._build, commands_out, results_in, root.level, fmt))
-        self._proc.start()
-        commands_out.close()  # the child's ends: once it exits, our reads see the end of the pipe
-        results_in.close()
-        self._commands, self._results = commands_in, results_out
-        self._reader = FrameReader(results_out.fileno())
-        aio_loop.add_reader(results_out.fileno(), self._receive)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Ask the child to stop, wait ``timeout`` seconds, then terminate it, then kill it."""
-        self._stopping = True
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        self._send(None)
-        # Wait, taking what the child still sends (a step in flight, a late ready message): a child blocked on a full
-        # pipe would never see the stop.
-        deadline = time.monotonic() + timeout
-        while proc.is_alive() and time.monotonic() < deadline:
-            try:
-                if self._results is not None and not self._results.closed and not self._reader.closed and \
-                        self._results.poll(0.05):
-                    self._reader.read()  # dropped: nobody waits for these any more
-                else:
-                    proc.join(0.05)
-            except (EOFError, OSError):
-                proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            log.warning("the engine process did not stop within %.0f s: terminating it", timeout)
-            proc.terminate()
-            proc.join(_STOP_RETRY_S)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(_STOP_RETRY_S)
-        self._close_results()
-        self._commands.close()
+    def _attach(self, commands: Connection, results: Connection) -> None:
+        """Use this pair of pipe ends from now on; results are read whenever the event loop sees them readable."""
+        self._commands, self._results = commands, results
+        self._reader = FrameReader(results.fileno())
+        self._aio.add_reader(results.fileno(), self._receive)
 
     def _send(self, cmd: tuple | None) -> None:
         try:
             self._commands.send(cmd)
-        except (OSError, ValueError):  # the child is gone: the end of its results pipe fails every request
+        except (OSError, ValueError):  # the engine is gone: the end of its results pipe fails every request
             pass
 
     # ------------------------------------------------------------------ results, on the event loop
@@ -233,6 +193,80 @@ class EngineProcess(EngineClient):
             self._results.close()
 
     def _died(self) -> BaseException:
+        return RuntimeError("the engine process exited unexpectedly")
+
+
+class EngineProcess(PipeClient):
+    """The engine in a child process; the same interface as :class:`~optimized.serving.engine_loop.EngineLoop`.
+
+    ``build`` must be picklable (a module-level function, or a ``functools.partial`` / dataclass instance over
+    picklable settings): it is sent to the child, which calls it to build the :class:`Runtime`. With ``count`` > 1
+    the child also gets a pair of pipes for each further API server: :attr:`peer_channels` holds their HTTP-side
+    ends (``(commands, results)``, index 1, 2, ...) from :meth:`start` on, for :class:`EnginePeer` in those servers.
+    """
+
+    def __init__(self, build: Callable[[], Runtime], *, max_num_seqs: int, max_waiting: int,
+                 on_ready: Callable[[Runtime], Any], on_fatal: Callable[[BaseException], None], count: int = 1) -> None:
+        super().__init__(build, max_num_seqs=max_num_seqs, max_waiting=max_waiting, on_ready=on_ready,
+                         on_fatal=on_fatal, index=0, count=count)
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self.peer_channels: list[tuple[Connection, Connection]] = []
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (None before ``start`` and after ``stop``)."""
+        return None if self._proc is None else self._proc.pid
+
+    def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
+        self._aio = aio_loop
+        ctx = multiprocessing.get_context("spawn")
+        ours, theirs = [], []  # per API server: (commands in, results out) here, (commands out, results in) there
+        for _ in range(self.count):
+            commands_out, commands_in = ctx.Pipe(duplex=False)
+            results_out, results_in = ctx.Pipe(duplex=False)
+            ours.append((commands_in, results_out))
+            theirs.append((commands_out, results_in))
+        root = logging.getLogger()
+        fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)
+        self._proc = ctx.Process(target=engine_main, name="dspark-engine", daemon=True,
+                                 args=(self._build, theirs, root.level, fmt))
+        self._proc.start()
+        for commands_out, results_in in theirs:  # the child's ends: once it exits, our reads see the end of the pipe
+            commands_out.close()
+            results_in.close()
+        self._attach(*ours[0])
+        self.peer_channels = ours[1:]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the child to stop, wait ``timeout`` seconds, then terminate it, then kill it."""
+        self._stopping = True
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        self._send(None)
+        # Wait, taking what the child still sends (a step in flight, a late ready message): a child blocked on a full
+        # pipe would never see the stop.
+        deadline = time.monotonic() + timeout
+        while proc.is_alive() and time.monotonic() < deadline:
+            try:
+                if self._results is not None and not self._results.closed and not self._reader.closed and \
+                        self._results.poll(0.05):
+                    self._reader.read()  # dropped: nobody waits for these any more
+                else:
+                    proc.join(0.05)
+            except (EOFError, OSError):
+                proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            log.warning("the engine process did not stop within %.0f s: terminating it", timeout)
+            proc.terminate()
+            proc.join(_STOP_RETRY_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(_STOP_RETRY_S)
+        self._close_results()
+        self._commands.close()
+
+    def _died(self) -> BaseException:
         proc = self._proc
         if proc is not None:
             proc.join(_STOP_RETRY_S)
@@ -242,52 +276,127 @@ class EngineProcess(EngineClient):
         return RuntimeError(f"the engine process exited unexpectedly ({how})")
 
 
+class EnginePeer(PipeClient):
+    """A further API server's view of an engine process that API server 0 started (``--api-server-count``): the
+    same client over the pair of pipes it was handed (:attr:`EngineProcess.peer_channels`). It neither starts nor
+    stops the engine: :meth:`stop` closes its command pipe, and the engine aborts whatever this server still had
+    in flight and carries on with the others."""
+
+    def __init__(self, channel: tuple[Connection, Connection], *, max_num_seqs: int, max_waiting: int,
+                 on_ready: Callable[[Runtime], Any], on_fatal: Callable[[BaseException], None], index: int,
+                 count: int) -> None:
+        super().__init__(None, max_num_seqs=max_num_seqs, max_waiting=max_waiting, on_ready=on_ready,
+                         on_fatal=on_fatal, index=index, count=count)
+        self._channel = channel
+
+    def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
+        self._aio = aio_loop
+        self._attach(*self._channel)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._close_results()
+        if self._commands is not None:
+            self._commands.close()
+
+    def _died(self) -> BaseException:
+        return RuntimeError("the engine process exited (its server stopped or failed)")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The child
 # --------------------------------------------------------------------------------------------------------------
 
 
-def engine_main(build: Callable[[], Runtime], commands: Connection, results: Connection, log_level: int,
+def engine_main(build: Callable[[], Runtime], channels: list[tuple[Connection, Connection]], log_level: int,
                 log_format: str | None) -> None:
-    """The engine process: build the runtime, report ready, step until told to stop (or the server is gone)."""
+    """The engine process: build the runtime, report ready, step until told to stop (or API server 0 is gone).
+
+    ``channels``: per API server, (commands in, results out). Every output goes to the server whose request it is
+    (request id mod the number of servers); step statistics and the idle signal go to server 0, whose metrics hold
+    the engine's. A further server that goes away (its command pipe ends, or its results pipe breaks) has its
+    requests aborted; the others carry on."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the HTTP process drains, then stops us
     if log_format is not None:
         logging.basicConfig(level=log_level, format=log_format, stream=sys.stderr)
+    set_process_name("dspark-engine")
+    count = len(channels)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     stop = threading.Event()
-    threading.Thread(target=_receive_commands, args=(commands, inbox, stop), name="dspark-commands",
-                     daemon=True).start()
-    send = framed_sender(results)
+    live: list[set[int]] = [set() for _ in range(count)]  # per server: its request ids still in the engine
+    for i, (commands, _) in enumerate(channels):
+        threading.Thread(target=_receive_commands, args=(commands, inbox, stop, live[i], i == 0),
+                         name=f"dspark-commands-{i}", daemon=True).start()
+    sends = [framed_sender(results) for _, results in channels]
+    gone = [False] * count  # further servers whose results pipe broke
+
+    def send(i: int, message) -> None:
+        if i == 0:  # server 0's pipe failing ends the engine (below)
+            sends[0](message)
+        elif not gone[i]:
+            try:
+                sends[i](message)
+            except OSError:  # that server is gone: its receiver thread sees the end and aborts its requests
+                gone[i] = True
+
     try:
         runtime = build()
-        send(("ready", Runtime(None, runtime.tokenizer, runtime.vocab_size, runtime.gamma, runtime.has_drafter)))
+        ready = Runtime(None, runtime.tokenizer, runtime.vocab_size, runtime.gamma, runtime.has_drafter)
+        for i in reversed(range(count)):  # server 0 last: once it answers /health, every server has the engine
+            send(i, ("ready", ready))
 
         def post(outputs, stats, errors, idle: bool) -> None:
-            send(("step", [_OUTPUT_FIELDS(out) for out in outputs], stats, errors, idle))
+            mine = [[] for _ in range(count)]
+            refused = [[] for _ in range(count)]
+            for out in outputs:
+                i = out.request_id % count
+                mine[i].append(_OUTPUT_FIELDS(out))
+                if out.finished:
+                    live[i].discard(out.request_id)
+            for rid, err in errors:
+                refused[rid % count].append((rid, err))
+                live[rid % count].discard(rid)
+            send(0, ("step", mine[0], stats, refused[0], idle))
+            for i in range(1, count):
+                if mine[i] or refused[i]:
+                    send(i, ("step", mine[i], None, refused[i], False))
 
         run_steps(runtime.engine, inbox, stop, post)
     except BaseException as err:
         if stop.is_set() and isinstance(err, OSError):  # the server went away while a step was being sent
             return
         log.exception("engine loop failed")
-        try:
-            send(("failed", _portable(err)))
-        except OSError:
-            pass
+        for i in range(count):
+            try:
+                send(i, ("failed", _portable(err)))
+            except OSError:
+                pass
         sys.exit(1)
     finally:
-        results.close()
+        for _, results in channels:
+            results.close()
 
 
-def _receive_commands(commands: Connection, inbox: queue.SimpleQueue, stop: threading.Event) -> None:
-    """Child thread: commands into the step loop's inbox until ``None`` or the end of the pipe, then stop."""
+def _receive_commands(commands: Connection, inbox: queue.SimpleQueue, stop: threading.Event, live: set[int],
+                      primary: bool) -> None:
+    """Child thread, one per API server: its commands into the step loop's inbox until ``None`` or the end of the
+    pipe. Then API server 0 (``primary``) stops the engine; a further server has its requests aborted."""
     try:
         while (cmd := commands.recv()) is not None:
+            if cmd[0] == "add":
+                live.add(cmd[1])
+            else:
+                live.discard(cmd[1])
             inbox.put(cmd)
-    except (EOFError, OSError):  # the HTTP process is gone
+    except (EOFError, OSError):  # that server is gone
         pass
-    stop.set()
-    inbox.put(None)  # wakes an idle step loop
+    if primary:
+        stop.set()
+        inbox.put(None)  # wakes an idle step loop
+        return
+    for rid in live.copy():  # aborting one that finished meanwhile is a no-op
+        inbox.put(("abort", rid))
+    live.clear()
 
 
 def _portable(err: BaseException) -> BaseException:

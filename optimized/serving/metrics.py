@@ -260,11 +260,15 @@ class ServerMetrics:
         self._recent_n += 1
         if self.calibration is not None and held:
             self.calibration.add(st.predicted_survival, st.verified, st.accepted)
-            while self._calibrated_slots < self.calibration.gamma and self.calibration.count[self._calibrated_slots]:
-                k = self._calibrated_slots  # slot k + 1 has its first trial: its gauges appear from now on
-                for field, gauge in enumerate(self._calibration_gauges):
-                    gauge.labels(str(k + 1)).set_function(self._calibration_gauge(k, field))
-                self._calibrated_slots += 1
+            self._show_calibrated_slots()
+
+    def _show_calibrated_slots(self) -> None:
+        """The calibration gauges of every slot that has had a trial (a slot's gauges appear with its first)."""
+        while self._calibrated_slots < self.calibration.gamma and self.calibration.count[self._calibrated_slots]:
+            k = self._calibrated_slots
+            for field, gauge in enumerate(self._calibration_gauges):
+                gauge.labels(str(k + 1)).set_function(self._calibration_gauge(k, field))
+            self._calibrated_slots += 1
 
     def idle(self) -> None:
         """No request is left in the engine."""
@@ -284,3 +288,54 @@ class ServerMetrics:
         self.success.inc(1.0, reason)
         if reason != "abort":  # a client that left says nothing about how long requests take
             self.e2e.observe(latency)
+
+    # ---------------------------------------------------------------- several API servers (api_servers.py)
+
+    def _loop_metrics(self) -> list[LoopCounter | LoopHistogram]:
+        return [m for m in vars(self).values() if isinstance(m, (LoopCounter, LoopHistogram))]
+
+    def snapshot(self) -> dict:
+        """Everything this instance counted, as plain (picklable) values: what one API server contributes to the
+        scrape of a server that runs several (:meth:`merged`)."""
+        cal = self.calibration
+        return {
+            "counters": {m.name: dict(m.values) for m in self._loop_metrics() if isinstance(m, LoopCounter)},
+            "histograms": {m.name: (list(m.counts), m.sum) for m in self._loop_metrics()
+                           if isinstance(m, LoopHistogram)},
+            "requests": (self.num_running, self.num_waiting),
+            "recent": (self._recent.copy(), self._recent_n),
+            "calibration": None if cal is None else ([list(q) for q in cal.predicted], [list(q) for q in cal.survived],
+                                                      list(cal.count)),
+        }
+
+    @classmethod
+    def merged(cls, model_name: str, gamma: int, has_drafter: bool, snapshots: list[dict]) -> ServerMetrics:
+        """The metrics of a server whose API servers took these snapshots: counters, histograms and request gauges
+        add up; the engine's step statistics (the windows behind the mean gauges, the calibration trials) reach
+        only API server 0, so they come from the one snapshot that has them."""
+        out = cls(model_name, gamma, has_drafter)
+        for snap in snapshots:
+            out._absorb(snap)
+        return out
+
+    def _absorb(self, snap: dict) -> None:
+        for m in self._loop_metrics():
+            if isinstance(m, LoopCounter):
+                for key, value in snap["counters"].get(m.name, {}).items():
+                    m.values[key] = m.values.get(key, 0.0) + value
+            elif m.name in snap["histograms"]:
+                counts, total = snap["histograms"][m.name]
+                m.counts = [a + b for a, b in zip(m.counts, counts, strict=True)]
+                m.sum += total
+        self.num_running += snap["requests"][0]
+        self.num_waiting += snap["requests"][1]
+        recent, n = snap["recent"]
+        if n > self._recent_n:
+            self._recent, self._recent_n = recent.copy(), n
+        cal = snap["calibration"]
+        if self.calibration is not None and cal is not None and sum(cal[2]) > sum(self.calibration.count):
+            size = self.calibration.size
+            self.calibration.predicted = [deque(q, maxlen=size) for q in cal[0]]
+            self.calibration.survived = [deque(q, maxlen=size) for q in cal[1]]
+            self.calibration.count = list(cal[2])
+            self._show_calibrated_slots()

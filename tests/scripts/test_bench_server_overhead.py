@@ -52,13 +52,14 @@ def test_benchmark_writes_its_report(tmp_path):
     assert (tmp_path / "overhead.png").stat().st_size > 0
     out2 = tmp_path / "overhead-process.json"
     assert bench_server_overhead.main([*common, "--tokens-per-step", "3", "--arms", "coalesce", "--engine-modes",
-                                       "process", "--out", str(out2)]) == 0
+                                       "process,process:2", "--out", str(out2)]) == 0
     rows2 = json.loads(out2.read_text())["results"]
-    assert [(r["tokens_per_step"], r["arm"], r["engine"]) for r in rows2] == [(3, "process+coalesce", "process")]
+    assert [(r["tokens_per_step"], r["arm"], r["engine"]) for r in rows2] == [
+        (3, "process+coalesce", "process"), (3, "process:2+coalesce", "process:2")]
     for r in rows + rows2:
         assert r["errors"] == 0 and r["requests"] == 4 and r["output_tokens"] == 120 and r["concurrency"] == 2
         assert r["output_tokens_per_s"] > 0 and r["engine_steps"] > 0 and r["server_cpu_us_per_token"] > 0
-        assert r["engine_process_cpu_us_per_token"] >= 0 and (r["engine"] == "process" or
+        assert r["engine_process_cpu_us_per_token"] >= 0 and (r["engine"] != "thread" or
                                                                r["engine_process_cpu_us_per_token"] == 0)
 
 
@@ -66,5 +67,7 @@ def test_engine_modes_are_checked():
     from scripts.bench_server_overhead import build_parser
 
     assert build_parser().parse_args([]).engine_modes == ["thread", "process"]
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["--engine-modes", "thread,fork"])
+    assert build_parser().parse_args(["--engine-modes", "process:4"]).engine_modes == ["process:4"]
+    for bad in ("thread,fork", "process:", "process:x", "thread:2"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--engine-modes", bad])

@@ -421,3 +421,18 @@ def test_engine_process_flag_and_a_picklable_build():
     sa = resolve(build_parser().parse_args(["--device", "cpu", "--speculative-config", '{"mode": "fixed"}']))
     build = pickle.loads(pickle.dumps(functools.partial(build_runtime, sa)))
     assert build.func is build_runtime and build.args[0].spec.mode == "fixed" and build.args[0].dtype == sa.dtype
+
+
+def test_api_server_count_flag():
+    """``--api-server-count N`` (vLLM's flag): N ≥ 1; more than one puts the engine in its own process."""
+    from optimized.serve import build_parser, resolve
+
+    def parse(*argv):
+        return resolve(build_parser().parse_args(["--device", "cpu", *argv]))
+
+    assert build_parser().parse_args([]).api_server_count == 1
+    assert parse("--api-server-count", "3").engine_process is True  # the CPU's default is the thread
+    for argv, message in ((["--api-server-count", "0"], "must be ≥ 1"),
+                          (["--api-server-count", "2", "--no-engine-process"], "own process")):
+        with pytest.raises(ValueError, match=message):
+            parse(*argv)
