@@ -19,6 +19,7 @@ import argparse
 import functools
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -41,6 +42,17 @@ DEFAULT_MAX_WAITING = 1024  # queued requests before 429: well above a closed-lo
 # decoding throughput at concurrency 64 and 2.4× at 256 on an H200, 2 % less at 1 (docs/serving.md, "The server's own
 # cost"). On the CPU the engine's forward wants the cores itself, and the process mode measured no better there.
 DEFAULT_ENGINE_PROCESS = {"cpu": False, "cuda": True}
+# HTTP processes with the engine process on CUDA: one saturates its core at ~20k streamed tokens/s, where an H200 runs
+# plain decoding at 34k (batch 64) to 76k (batch 256); four measured 1.56x one at concurrency 64 and 2.53x at 256
+# (docs/serving.md, "Client or server?"). A quarter of the cores, so that clients, the engine and the HTTP
+# processes of a small host still have a core each.
+MAX_DEFAULT_API_SERVERS = 4
+
+
+def default_api_server_count(device: str, engine_process: bool) -> int:
+    if device != "cuda" or not engine_process:
+        return 1
+    return max(1, min(MAX_DEFAULT_API_SERVERS, (os.cpu_count() or 1) // 4))
 SPEC_KEYS = ("method", "model", "num_speculative_tokens", "enable_adaptive_verification",
              "num_speculative_tokens_per_batch_size", "mode", "threshold", "draft_gate")
 
@@ -160,9 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="build and step the engine in a child process (spawn), so that the HTTP side's Python "
                         "(JSON, SSE, detokenisation, metrics) never delays an engine step; --no-engine-process: "
                         "on a thread of the server's process (default: the process with CUDA, the thread on the CPU)")
-    p.add_argument("--api-server-count", type=int, default=1,
+    p.add_argument("--api-server-count", type=int, default=None,
                    help="HTTP processes in front of the engine process, sharing the port (vLLM's flag): one HTTP "
-                        "process saturates its core long before an H200 engine does (docs/serving.md)")
+                        "process saturates its core long before an H200 engine does (docs/serving.md); default: "
+                        "with the engine process on CUDA, a quarter of the CPU cores (1 to 4), else 1")
     p.add_argument("--seed", type=int, default=0, help="root of the random-number contract")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -180,6 +193,7 @@ class ServeArgs:
     max_num_seqs: int
     drafter: str | None
     engine_process: bool
+    api_server_count: int
 
 
 def resolve(args: argparse.Namespace) -> ServeArgs:
@@ -205,14 +219,17 @@ def resolve(args: argparse.Namespace) -> ServeArgs:
             raise ValueError(f"no drafter for {args.model}: pass --drafter DIR (a DSpark checkpoint trained for it) "
                              "or --speculative-config '{\"mode\": \"none\"}'")
         drafter = str(DEFAULT_DRAFTER)
-    if args.api_server_count < 1:
-        raise ValueError(f"--api-server-count must be ≥ 1, got {args.api_server_count}")
     engine_process = DEFAULT_ENGINE_PROCESS[device] if args.engine_process is None else args.engine_process
-    if args.api_server_count > 1:
+    api_servers = args.api_server_count
+    if api_servers is None:
+        api_servers = default_api_server_count(device, engine_process)
+    elif api_servers < 1:
+        raise ValueError(f"--api-server-count must be ≥ 1, got {api_servers}")
+    elif api_servers > 1:
         if args.engine_process is False:
             raise ValueError("--api-server-count > 1 needs the engine in its own process: drop --no-engine-process")
         engine_process = True
-    return ServeArgs(args, spec, device, dtype, max_num_seqs, drafter, engine_process)
+    return ServeArgs(args, spec, device, dtype, max_num_seqs, drafter, engine_process, api_servers)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -303,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     # A partial over the resolved settings, not a closure: the engine process receives it pickled.
     return run_http(settings, functools.partial(build_runtime, sa), host=args.host, port=args.port,
                     max_num_seqs=sa.max_num_seqs, max_waiting=args.max_waiting, engine_process=sa.engine_process,
-                    api_server_count=args.api_server_count, uvicorn_options=options)
+                    api_server_count=sa.api_server_count, uvicorn_options=options)
 
 
 def run_http(settings, build, *, host: str, port: int, max_num_seqs: int, max_waiting: int, engine_process: bool,
