@@ -10,6 +10,7 @@ SIGTERM that leaves no process behind, and a dead API server that stops the whol
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -157,6 +158,17 @@ def test_two_api_servers_serve_the_same_text_and_one_metrics(two):
 
     responses = asyncio.run(burst())
     assert [r.json()["choices"][0]["text"] for r in responses] == [alone[b["prompt"]] for b in bodies]
+
+    async def streams() -> list[str]:  # the same, streamed: the SSE path of whichever server accepts
+        async def one(body):
+            async with httpx.AsyncClient(base_url=two.url, timeout=60) as c:
+                async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    chunks = [json.loads(line.removeprefix("data: ")) async for line in r.aiter_lines()
+                              if line.startswith("data: {")]
+            return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        return await asyncio.gather(*(one(b) for b in bodies[:8]))
+
+    assert asyncio.run(streams()) == [alone[b["prompt"]] for b in bodies[:8]]
     cpu1 = procs["dspark-api-1"].cpu_times()
     assert cpu1.user + cpu1.system > cpu0.user + cpu0.system, "API server 1 took no connection"
 
@@ -169,7 +181,7 @@ def test_two_api_servers_serve_the_same_text_and_one_metrics(two):
                     lines['vllm:generation_tokens_total{model_name="tiny"}'], lines["dspark:steps_total"]))
     assert len(totals) == 1
     (requests, tokens, steps), = totals
-    assert requests == len(bodies) + 4 and tokens == 24 * requests and steps > 0
+    assert requests == len(bodies) + 4 + 8 and tokens == 24 * requests and steps > 0
 
 
 def test_a_dead_api_server_stops_the_whole_server(two):
@@ -182,16 +194,23 @@ def test_a_dead_api_server_stops_the_whole_server(two):
 
 
 def test_sigterm_drains_every_api_server(tiny_dirs, tmp_path):
-    server = LiveServer(tiny_server_args(tiny_dirs, "--api-server-count", "3"), tmp_path, tmp_path / "server.log")
+    """Three API servers with an API key: every one of them asks for it; SIGTERM lets the requests in flight finish
+    on all of them, then every process exits."""
+    server = LiveServer(tiny_server_args(tiny_dirs, "--api-server-count", "3", "--api-key", "sesame"), tmp_path,
+                        tmp_path / "server.log")
+    key = {"Authorization": "Bearer sesame"}
     try:
         server.wait_ready()
         procs = _children(server)
         assert sorted(procs) == ["dspark-api-1", "dspark-api-2", "dspark-engine"]
         body = {"model": "tiny", "prompt": "x", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+        for _ in range(6):  # new connections, whichever server takes them
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
         async def requests_across_a_sigterm() -> list[httpx.Response]:
             async def one():
-                async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+                async with httpx.AsyncClient(base_url=server.url, timeout=60, headers=key) as c:
                     return await c.post("/v1/completions", json=body)
             tasks = [asyncio.create_task(one()) for _ in range(6)]
             await asyncio.sleep(0.5)  # in flight
