@@ -295,7 +295,9 @@ class ModelRunner:
             return StageOutput([], [], None)
         logits = logits[0] if len(logits) == 1 else torch.cat(logits)  # [M, V] the completed prompts' last rows
         done_slots = torch.tensor([s.slot for s in done], dtype=torch.long, device=dev)
-        p_t = logits_to_probs(logits, self.temperature[done_slots], self.top_p[done_slots], self.top_k[done_slots])
+        # The reference op only where a request filters: its input checks are device→host syncs, each a pipeline
+        # bubble in a step that is about to read its first tokens anyway.
+        p_t = self._target_probs(logits, done_slots, done)  # [M, V]
         positions_first = torch.tensor([len(s.prompt_ids) for s in done], dtype=torch.long, device=dev)
         first = sample(p_t, self.config.seed, self.request_id[done_slots], positions_first, int(Purpose.BONUS),
                        backend=self.config.kernel_backend)
