@@ -40,8 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from optimized.engine import SamplingParams
-from optimized.sequence import StepOutput
+from optimized.sequence import SamplingParams, StepOutput
 from optimized.serving.api_servers import ApiServerGroup, MetricsExchange, PeerSpec
 from optimized.serving.engine_loop import (
     EngineClient,
