@@ -169,7 +169,13 @@ def test_two_api_servers_serve_the_same_text_and_one_metrics(two):
         return await asyncio.gather(*(one(b) for b in bodies[:8]))
 
     assert asyncio.run(streams()) == [alone[b["prompt"]] for b in bodies[:8]]
-    cpu1 = procs["dspark-api-1"].cpu_times()
+    sent = len(alone) + len(bodies) + 8
+    for _ in range(5):  # the kernel hands a connection to whichever process accepts first: on a loaded machine one
+        cpu1 = procs["dspark-api-1"].cpu_times()  # burst may all land on one; more bursts, and both must have served
+        if cpu1.user + cpu1.system > cpu0.user + cpu0.system:
+            break
+        assert [r.json()["choices"][0]["text"] for r in asyncio.run(burst())] == [alone[b["prompt"]] for b in bodies]
+        sent += len(bodies)
     assert cpu1.user + cpu1.system > cpu0.user + cpu0.system, "API server 1 took no connection"
 
     totals = set()
@@ -181,7 +187,7 @@ def test_two_api_servers_serve_the_same_text_and_one_metrics(two):
                     lines['vllm:generation_tokens_total{model_name="tiny"}'], lines["dspark:steps_total"]))
     assert len(totals) == 1
     (requests, tokens, steps), = totals
-    assert requests == len(bodies) + 4 + 8 and tokens == 24 * requests and steps > 0
+    assert requests == sent and tokens == 24 * requests and steps > 0
 
 
 def test_a_dead_api_server_stops_the_whole_server(two):
