@@ -25,11 +25,14 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from reference.config import DEFAULT_DRAFTER, DEFAULT_MODEL, SCHEDULER_MODES, SchedulerConfig
 
-from reference.cli import DEFAULT_DRAFTER, DEFAULT_MODEL
-from reference.config import SCHEDULER_MODES, SchedulerConfig
+if TYPE_CHECKING:
+    import torch
+# torch is imported where the engine's settings are resolved and built, not here: the further API servers
+# (--api-server-count) are spawned children that import this module again, and need neither torch nor the engine.
 
 log = logging.getLogger("dspark.serve")
 
@@ -198,6 +201,8 @@ class ServeArgs:
 
 def resolve(args: argparse.Namespace) -> ServeArgs:
     """Check the flags before anything loads; raises ValueError with a message for the user."""
+    import torch
+
     spec = SpeculativeConfig.parse(args.speculative_config)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():

