@@ -55,7 +55,14 @@ MAX_DEFAULT_API_SERVERS = 4
 def default_api_server_count(device: str, engine_process: bool) -> int:
     if device != "cuda" or not engine_process:
         return 1
-    return max(1, min(MAX_DEFAULT_API_SERVERS, (os.cpu_count() or 1) // 4))
+    return max(1, min(MAX_DEFAULT_API_SERVERS, usable_cores() // 4))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a container's CPU set, where the OS tells it), else all of them."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 SPEC_KEYS = ("method", "model", "num_speculative_tokens", "enable_adaptive_verification",
              "num_speculative_tokens_per_batch_size", "mode", "threshold", "draft_gate")
 

@@ -427,7 +427,7 @@ def test_engine_process_flag_and_a_picklable_build():
 
 def test_api_server_count_flag():
     """``--api-server-count N`` (vLLM's flag): N ≥ 1; more than one puts the engine in its own process."""
-    from optimized.serve import build_parser, default_api_server_count, resolve
+    from optimized.serve import build_parser, default_api_server_count, resolve, usable_cores
 
     def parse(*argv):
         return resolve(build_parser().parse_args(["--device", "cpu", *argv]))
@@ -436,7 +436,8 @@ def test_api_server_count_flag():
     assert parse().api_server_count == 1 and parse("--engine-process").api_server_count == 1  # CPU: one
     assert parse("--api-server-count", "3").engine_process is True  # the CPU's default is the thread
     assert parse("--api-server-count", "3").api_server_count == 3
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert usable_cores() == cores
     assert default_api_server_count("cuda", True) == max(1, min(4, cores // 4))
     assert default_api_server_count("cuda", False) == default_api_server_count("cpu", True) == 1
     for argv, message in ((["--api-server-count", "0"], "must be ≥ 1"),
