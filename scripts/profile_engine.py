@@ -14,6 +14,13 @@ requests are admitted and prefilled, ``--warmup`` decoding steps run, then:
    (``cudaLaunchKernel``-like runtime calls) against graph replays (``cudaGraphLaunch``), and the top operators by
    self device time and by self host time.
 
+``--refill TOKENS`` profiles a server's steady state instead of a closed batch: each request asks for a length drawn
+from the seed in ``[TOKENS / 2, TOKENS]``, and before every step the waiting queue is topped up to ``--batch-size``
+requests, so a finished request's slot is refilled at once and steps that also prefill a new prompt mix with steps
+that only decode. The report then splits the timed steps (``refill``): the median step with and without a prefill,
+the share of steps that prefilled, and the median prefill stage (launch to the read of the first tokens, which also
+waits for whatever the device still runs).
+
 Usage (H200)::
 
     python -m scripts.profile_engine --model /tmp/stage/target.gguf --mode fixed:3 --batch-size 1 \\
@@ -27,10 +34,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,18 +80,56 @@ def build_engine(target: Target, drafter: DSparkDrafter | None, mode: Scheduling
     return engine
 
 
-def decoding_steps(engine: Engine, count: int) -> list[float]:
-    """Run ``count`` engine steps, each synchronised; their wall times in ms (fewer if every request finished)."""
+def decoding_steps(engine: Engine, count: int, feed: Callable[[], None] | None = None,
+                   prefills: list[tuple[bool, float]] | None = None) -> list[float]:
+    """Run ``count`` engine steps, each synchronised; their wall times in ms (fewer if every request finished).
+    ``feed`` runs before each step (``--refill``: top up the waiting queue); ``prefills`` receives, per step, whether
+    it ran a prefill stage and that stage's ms."""
     times = []
     for _ in range(count):
+        if feed is not None:
+            feed()
         if not engine.has_unfinished():
             break
         sync(engine.device)
+        before = engine.stats["prefill_steps"], engine.stats["prefill_s"]
         t0 = time.perf_counter()
         engine.step()
         sync(engine.device)
         times.append(1e3 * (time.perf_counter() - t0))
+        if prefills is not None:
+            prefills.append((engine.stats["prefill_steps"] > before[0], 1e3 * (engine.stats["prefill_s"] - before[1])))
     return times
+
+
+class Refill:
+    """``--refill``: keeps ``batch_size`` requests waiting behind the running ones, each of a seeded length in
+    ``[tokens / 2, tokens]``, prompts taken in turn."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], batch_size: int, tokens: int, temperature: float,
+                 seed: int) -> None:
+        self.engine, self.prompts, self.batch_size, self.temperature = engine, prompts, batch_size, temperature
+        self.low, self.high = max(1, tokens // 2), max(1, tokens)
+        self.rng = random.Random(seed)
+        self.added = 0
+
+    def __call__(self) -> None:
+        while len(self.engine.scheduler.waiting) < self.batch_size:
+            params = SamplingParams(max_new_tokens=self.rng.randint(self.low, self.high), temperature=self.temperature,
+                                    ignore_eos=True)
+            self.engine.add_request(self.prompts[self.added % len(self.prompts)], params, request_id=self.added)
+            self.added += 1
+
+
+def refill_report(prefills: list[tuple[bool, float]], times: list[float], tokens: int) -> dict[str, Any]:
+    """The timed steps of a ``--refill`` run, split by whether they prefilled."""
+    with_p = [t for t, (p, _) in zip(times, prefills, strict=True) if p]
+    without = [t for t, (p, _) in zip(times, prefills, strict=True) if not p]
+    stage = [ms for p, ms in prefills if p]
+    return {"tokens": tokens, "prefill_step_fraction": len(with_p) / len(times) if times else None,
+            "step_ms_median_with_prefill": statistics.median(with_p) if with_p else None,
+            "step_ms_median_without_prefill": statistics.median(without) if without else None,
+            "prefill_stage_ms_median": statistics.median(stage) if stage else None}
 
 
 def summarize_profile(prof, steps: int, top: int = 15) -> dict[str, Any]:
@@ -129,29 +176,36 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
         raise SystemExit(f"mode {args.mode!r} needs a drafter")
     batch = [prompts[i % len(prompts)] for i in range(args.batch_size)]
     gamma = drafter.config.block_size if drafter is not None else 0
-    # Enough room for every step this run can take: each step emits at most γ + 1 tokens per request.
+    # Enough room for every step this run can take: each step emits at most γ + 1 tokens per request (a closed
+    # batch), or a request's own length (--refill).
     total_steps = args.warmup + 2 * args.steps
-    max_new = total_steps * (gamma + 1) + 8
-    max_seq_len = max(len(p) for p in batch) + max_new + 2 * gamma + 8
+    max_new = args.refill or total_steps * (gamma + 1) + 8
+    max_seq_len = max(len(p) for p in (prompts if args.refill else batch)) + max_new + 2 * gamma + 8
     engine = build_engine(target, drafter, mode, k, args.batch_size, max(max_seq_len, args.context_len + 2 * gamma + 8),
                           args.enforce_eager, args.context_len, args.cost_cache_dir, args.seed, args.layer_backend,
                           args.draft_ahead, args.async_decode, args.prefill_graph_tokens)
-    params = SamplingParams(max_new_tokens=max_new, temperature=args.temperature, ignore_eos=True)
-    for i, p in enumerate(batch):
-        engine.add_request(p, params, request_id=i)
+    refill = None
+    if args.refill:
+        refill = Refill(engine, prompts, args.batch_size, args.refill, args.temperature, args.seed)
+        refill()  # the first batch_size requests (the next ones join as their slots free)
+    else:
+        params = SamplingParams(max_new_tokens=max_new, temperature=args.temperature, ignore_eos=True)
+        for i, p in enumerate(batch):
+            engine.add_request(p, params, request_id=i)
     prefill_steps = 0
     while engine.has_unfinished() and any(not engine.sequence(i).output_ids for i in range(len(batch))):
         engine.step()  # prefill (chunked) until every request has its first token
         prefill_steps += 1
-    decoding_steps(engine, args.warmup)
-    timed = decoding_steps(engine, args.steps)
+    decoding_steps(engine, args.warmup, refill)
+    prefills = [] if refill else None
+    timed = decoding_steps(engine, args.steps, refill, prefills)
     device = torch.device(target.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        profiled = decoding_steps(engine, args.steps)
+        profiled = decoding_steps(engine, args.steps, refill)
     if args.trace:
         prof.export_chrome_trace(args.trace)
-    seqs = [engine.sequence(i) for i in range(len(batch))]
+    seqs = [engine.sequence(i) for i in range(refill.added if refill else len(batch))]
     verify_steps = sum(len(s.accepted_lengths) for s in seqs)
     emitted = sum(sum(s.accepted_lengths) + len(s.accepted_lengths) for s in seqs)
     report = {
@@ -162,7 +216,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
                      "temperature": args.temperature, "enforce_eager": args.enforce_eager,
                      "layer_backend": args.layer_backend or "default",
                      "draft_head_in_graph": engine.runner.head_in_graph, "draft_ahead": args.draft_ahead,
-                     "async_decode": args.async_decode,
+                     "async_decode": args.async_decode, "refill": args.refill,
                      "dtype": str(target.dtype), "prefill_steps": prefill_steps, "gamma": gamma},
         "step_ms_median": statistics.median(timed) if timed else None,
         "step_ms_all": [round(t, 3) for t in timed],
@@ -172,6 +226,8 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
                                    if engine.stats.get("step_s") else None),
         "profile": summarize_profile(prof, len(profiled), top=args.top),
     }
+    if refill is not None:
+        report["refill"] = refill_report(prefills, timed, args.refill)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -188,6 +244,12 @@ def print_report(report: dict) -> None:
           f"{'CUDA graphs where captured' if graphs else 'eager'}")
     print(f"step {report['step_ms_median']:.3f} ms (median of {len(report['step_ms_all'])}; "
           f"{report['profiled_step_ms_median']:.3f} ms under the profiler)  τ = {report['mean_accepted_length']}")
+    if "refill" in report:
+        r = report["refill"]
+        fmt = lambda x: "-" if x is None else f"{x:.3f} ms"  # noqa: E731
+        print(f"steady state (--refill {r['tokens']}): {r['prefill_step_fraction']:.0%} of the steps prefill; "
+              f"step {fmt(r['step_ms_median_with_prefill'])} with a prefill, {fmt(r['step_ms_median_without_prefill'])}"
+              f" without; prefill stage {fmt(r['prefill_stage_ms_median'])}")
     print(f"per step: {p['kernel_launches_per_step']:.1f} kernel launches, {p['graph_launches_per_step']:.1f} graph "
           f"replays, {p['memcpy_calls_per_step']:.1f} copies, {p['device_ms_per_step']:.3f} ms of device time")
     for title, key, col in (("top by device time", "top_by_device_time", "self_device_ms_per_step"),
@@ -209,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--draft-ahead", action="store_true",
                    help="EngineConfig.draft_ahead: the next block drafted before the token read")
+    p.add_argument("--refill", type=int, default=0, metavar="TOKENS",
+                   help="a server's steady state: requests of seeded lengths in [TOKENS/2, TOKENS], the waiting queue "
+                        "topped up to --batch-size before every step (0: one closed batch)")
     p.add_argument("--async-decode", action="store_true",
                    help="EngineConfig.async_decode: plain decoding with the token read one step behind (mode none)")
     add_engine_source_args(p)
@@ -226,15 +291,15 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     """Command line; tests pass an already-built ``target``/``drafter`` and tokenised ``prompt_ids``."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     args = build_parser().parse_args(argv)
-    if args.batch_size < 1 or args.steps < 1 or args.warmup < 0:
-        raise SystemExit("need --batch-size ≥ 1, --steps ≥ 1 and --warmup ≥ 0")
+    if args.batch_size < 1 or args.steps < 1 or args.warmup < 0 or args.refill < 0:
+        raise SystemExit("need --batch-size ≥ 1, --steps ≥ 1, --warmup ≥ 0 and --refill ≥ 0")
     if target is None:
         dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
         target = Target.load(args.model, device=args.device, dtype=getattr(torch, dtype))
     if drafter is None and parse_mode(args.mode, None)[0].drafts:
         drafter = load_or_init_drafter(args.drafter or str(DEFAULT_DRAFTER), target, None, args.seed)
     if prompt_ids is None:
-        prompt_ids = load_prompts(args, target, args.batch_size)
+        prompt_ids = load_prompts(args, target, 4 * args.batch_size if args.refill else args.batch_size)
     command = "python -m scripts.profile_engine " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                       else sys.argv[1:]))
     return run_profile(target, drafter, prompt_ids, args, command)

@@ -49,3 +49,20 @@ def test_profile_rejects_bad_arguments(models):
         profile_engine.main(["--steps", "0"], target=target, drafter=drafter, prompt_ids=PROMPTS)
     with pytest.raises(ValueError, match="unknown benchmark mode"):
         profile_engine.main(["--mode", "sometimes"], target=target, drafter=drafter, prompt_ids=PROMPTS)
+
+
+def test_profile_refill_splits_the_steps_that_prefill(models, tmp_path):
+    """--refill: requests of 2-4 tokens behind a batch of 2 keep admitting prompts, so some timed steps prefill and
+    some do not; every added request is accounted for in τ."""
+    target, drafter = models
+    report = profile_engine.main(["--mode", "fixed:2", "--batch-size", "2", "--steps", "12", "--warmup", "1",
+                                  "--refill", "4", "--context-len", "16", "--cost-cache-dir", str(tmp_path / "cost")],
+                                 target=target, drafter=drafter, prompt_ids=PROMPTS)
+    r = report["refill"]
+    assert report["settings"]["refill"] == 4 and r["tokens"] == 4
+    assert 0 < r["prefill_step_fraction"] < 1
+    assert r["step_ms_median_with_prefill"] > 0 and r["step_ms_median_without_prefill"] > 0
+    assert r["prefill_stage_ms_median"] > 0 and len(report["step_ms_all"]) == 12
+    assert report["mean_accepted_length"] >= 1.0
+    with pytest.raises(SystemExit):
+        profile_engine.main(["--refill", "-1"], target=target, drafter=drafter, prompt_ids=PROMPTS)
