@@ -195,9 +195,9 @@ class Server:
         """The Prometheus exposition of the whole server: with several API servers, their snapshots added up."""
         if self.exchange is None:
             return generate_latest(self.metrics.registry) if self.metrics is not None else b""
-        snapshots = [s["metrics"] for s in await self.exchange.gather() if s["metrics"] is not None]
-        if not snapshots:
+        if self.runtime is None:  # this server has not heard from the engine yet: nothing to add up
             return b""
+        snapshots = [s["metrics"] for s in await self.exchange.gather() if s["metrics"] is not None]
         rt = self.runtime
         return generate_latest(ServerMetrics.merged(self.model_name, rt.gamma, rt.has_drafter, snapshots).registry)
 
