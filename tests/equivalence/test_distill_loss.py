@@ -18,6 +18,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not (DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"),
                                   reason="the Triton kernel on CPU needs TRITON_INTERPRET=1 (the CI command sets it)")
 WEIGHTS = [(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.1, 0.0, 0.9), (0.3, 0.5, 0.2)]  # (w_ce, w_kl, w_l1)
+# The gradient in float32: the kernel normalises each row by a logsumexp accumulated tile by tile, torch in one pass.
+# They usually agree within 6e-8, but a CI run once measured a 3.7e-5 relative gap on the largest entries of two rows
+# (one row normaliser off by a few tens of ulps); a wrong gradient is off by orders of magnitude more.
+GRAD_TOL = {"atol": 1e-6, "rtol": 1e-4}
 
 
 def _rows(gamma=3, T=4, V=4500, seed=0, dtype=torch.float32, special=True):
@@ -44,7 +48,7 @@ def test_kernel_equals_the_torch_definition(weights):
     z, t, labels, weight = _rows()
     grad, stats = distill_rows(z, t, labels, weight, weights, backend="triton")
     ref_grad, ref_stats = distill_rows_torch(z, t, labels, weight, weights)
-    torch.testing.assert_close(grad, ref_grad, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, **GRAD_TOL)
     torch.testing.assert_close(stats, ref_stats, atol=2e-5, rtol=1e-5)
     assert stats[2, ROW_STATS.index("label_hit")] == 1.0  # the tie resolved to the lower index, 11
     assert not grad[5].any()  # a row of weight 0 gets no gradient
@@ -57,7 +61,7 @@ def test_kernel_writes_the_gradient_over_the_logits():
     buf = z.clone()
     grad, stats = distill_rows(buf, t, labels, weight, (0.3, 0.5, 0.2), out=buf, backend="triton")
     assert grad.data_ptr() == buf.data_ptr()
-    torch.testing.assert_close(grad, ref_grad, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, **GRAD_TOL)
     torch.testing.assert_close(stats, ref_stats, atol=2e-5, rtol=1e-5)
 
 
