@@ -260,14 +260,14 @@ def _stage(name: str, times: dict[str, float]):
 
 def build_runtime(sa: ServeArgs):
     """Load the target and drafter, build the engine, install its cost table, warm it up."""
-    from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
-    from optimized.engine import Engine, EngineConfig
-    from optimized.serving.engine_loop import Runtime
-    from reference.cli import load_or_init_drafter
-    from reference.cost_model import CostTable
-    from reference.target import Target
-
     args, times, t0 = sa.args, {}, time.perf_counter()
+    with _stage("imports (torch, transformers, the engine and its kernels)", times):
+        from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
+        from optimized.engine import Engine, EngineConfig
+        from optimized.serving.engine_loop import Runtime
+        from reference.cli import load_or_init_drafter
+        from reference.cost_model import CostTable
+        from reference.target import Target
     with _stage("target weights", times):
         target = Target.load(args.model, device=sa.device, dtype=sa.dtype)
     limit = getattr(target.config, "max_position_embeddings", None)

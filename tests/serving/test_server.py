@@ -115,7 +115,7 @@ def test_health_models_and_startup_log(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     log = server.log.read_text()
-    for stage in ("target weights", "drafter", "engine", "step-cost table", "kernel warm-up", "ready in"):
+    for stage in ("imports", "target weights", "drafter", "engine", "step-cost table", "kernel warm-up", "ready in"):
         assert f"start-up: {stage}" in log
 
 
