@@ -20,7 +20,6 @@ import functools
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -262,6 +261,8 @@ def build_runtime(sa: ServeArgs):
     """Load the target and drafter, build the engine, install its cost table, warm it up."""
     args, times, t0 = sa.args, {}, time.perf_counter()
     with _stage("imports (torch, transformers, the engine and its kernels)", times):
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 (Target.load's lazy imports)
+
         from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
         from optimized.engine import Engine, EngineConfig
         from optimized.serving.engine_loop import Runtime
@@ -344,7 +345,7 @@ def run_http(settings, build, *, host: str, port: int, max_num_seqs: int, max_wa
     import uvicorn
 
     from optimized.serving.api_servers import ApiServerGroup
-    from optimized.serving.app import Server, build_app
+    from optimized.serving.app import Server, serve_until_stopped
 
     options = uvicorn_options or {}
     group = sockets = None
@@ -357,27 +358,12 @@ def run_http(settings, build, *, host: str, port: int, max_num_seqs: int, max_wa
     server = Server(settings, build, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
                     engine_process=engine_process, group=group)
 
-    class HTTPServer(uvicorn.Server):
-        def handle_exit(self, sig: int, frame) -> None:
-            if group is not None:  # the further API servers drain too (Ctrl-C reaches them through this)
-                group.signal_all()
-            super().handle_exit(sig, frame)
+    def on_signal(sig: int) -> bool:  # the further API servers drain too (Ctrl-C reaches them through this)
+        if group is not None:
+            group.signal_all()
+        return True
 
-    http = HTTPServer(uvicorn.Config(build_app(server), host=host, port=port, **options))
-    exit_code = 0
-
-    def fatal(err: BaseException) -> None:  # engine thread (or reader thread): stop the HTTP server, exit 1
-        nonlocal exit_code
-        exit_code = 1
-        http.should_exit = True
-
-    server.on_fatal = fatal
-    # uvicorn drains on SIGTERM / SIGINT, then re-raises the signal to the handler it found at start: these make
-    # that a no-op, so a drained server exits 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: log.info("%s: drained", signal.Signals(signum).name))
-    http.run(sockets=sockets)
-    return exit_code
+    return serve_until_stopped(server, sockets=sockets, on_signal=on_signal, host=host, port=port, **options)
 
 
 if __name__ == "__main__":

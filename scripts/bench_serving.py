@@ -55,6 +55,8 @@ from pathlib import Path
 
 import httpx
 
+from optimized.serve import usable_cores
+
 log = logging.getLogger("dspark.bench_serving")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -510,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", default=None, help='JSONL, one {"prompt": ...} per line')
     src.add_argument("--sharegpt-file", default=None, help="ShareGPT .json(.gz) (default: the packaged file)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--client-processes", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+    p.add_argument("--client-processes", type=int, default=max(1, min(4, usable_cores() // 4)),
                    help="client processes sharing the users of a level (default: a quarter of the cores, 1 to 4), so "
                         "that the client is not what limits a fast server")
     p.add_argument("--hardware", default=None, help="recorded in the JSON (default: this machine's GPU or CPU)")

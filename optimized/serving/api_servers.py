@@ -206,28 +206,12 @@ class ApiServerGroup:
 
 def api_server_main(spec: PeerSpec) -> None:
     """API server ``spec.index`` > 0: the same app on the shared socket, over its own pipes to the engine."""
-    import uvicorn
-
-    from optimized.serving.app import Server, build_app
+    from optimized.serving.app import Server, serve_until_stopped
 
     if spec.log_format is not None:
         logging.basicConfig(level=spec.log_level, format=spec.log_format, stream=sys.stderr)
     set_process_name(f"dspark-api-{spec.index}")
-    class PeerHTTP(uvicorn.Server):
-        def handle_exit(self, sig: int, frame) -> None:
-            if sig != signal.SIGINT:  # Ctrl-C reaches the whole process group: server 0 forwards it as a SIGTERM
-                super().handle_exit(sig, frame)
-
     server = Server(spec.settings, None, max_num_seqs=spec.max_num_seqs, max_waiting=spec.max_waiting, peer=spec)
-    http = PeerHTTP(uvicorn.Config(build_app(server), **spec.uvicorn))
-    exit_code = 0
-
-    def fatal(err: BaseException) -> None:  # the engine is gone: stop serving, exit 1
-        nonlocal exit_code
-        exit_code = 1
-        http.should_exit = True
-
-    server.on_fatal = fatal
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # uvicorn re-raises the signal it drained on
-    http.run(sockets=[spec.sock])
-    sys.exit(exit_code)
+    # Ctrl-C reaches the whole process group: server 0 forwards it as a SIGTERM, so it is not acted on here twice.
+    sys.exit(serve_until_stopped(server, sockets=[spec.sock], on_signal=lambda sig: sig != signal.SIGINT,
+                                 **spec.uvicorn))

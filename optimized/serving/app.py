@@ -25,6 +25,7 @@ import copy
 import json
 import logging
 import secrets
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +33,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -703,3 +705,30 @@ def build_app(server: Server) -> FastAPI:
                                             usage=_usage(n_prompt, n_out)))
 
     return app
+
+
+def serve_until_stopped(server: Server, *, sockets: list | None = None,
+                        on_signal: Callable[[int], bool] = lambda sig: True, **config: Any) -> int:
+    """Run ``server``'s app under uvicorn (``config``: ``uvicorn.Config``'s keywords) until SIGTERM / SIGINT has
+    drained it (returns 0) or its engine failed (1). ``on_signal(sig)`` runs on each stop signal first and says
+    whether this process drains on it (API server 0 forwards it to the others; they ignore Ctrl-C themselves)."""
+    class HTTPServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            if on_signal(sig):
+                super().handle_exit(sig, frame)
+
+    http = HTTPServer(uvicorn.Config(build_app(server), **config))
+    exit_code = 0
+
+    def fatal(err: BaseException) -> None:  # engine thread (or reader thread): stop the HTTP server, exit 1
+        nonlocal exit_code
+        exit_code = 1
+        http.should_exit = True
+
+    server.on_fatal = fatal
+    # uvicorn drains on SIGTERM / SIGINT, then re-raises the signal to the handler it found at start: these make
+    # that a no-op, so a drained server exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: log.info("%s: drained", signal.Signals(signum).name))
+    http.run(sockets=sockets)
+    return exit_code
