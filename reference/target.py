@@ -35,7 +35,6 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -141,12 +140,9 @@ class Target:
                     f"{source!r} is neither the default target {DEFAULT_TARGET!r}, a .gguf file, nor a local "
                     "HF model directory (nothing is downloaded)")
         model, tokenizer = _load_hf_dir(hf_dir, dtype)
-        t0 = time.perf_counter()
-        model = model.to(device)  # on CUDA the process's first use of the device: its context is created here
-        logger.info("target %s: %d layers, d=%d, V=%d, %s on %s (moved in %.2f s)", source,
-                    model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size, dtype, device,
-                    time.perf_counter() - t0)
-        return cls(model, tokenizer, layer_ids=layer_ids, name=source)
+        logger.info("target %s: %d layers, d=%d, V=%d, %s on %s", source, model.config.num_hidden_layers,
+                    model.config.hidden_size, model.config.vocab_size, dtype, device)
+        return cls(model.to(device), tokenizer, layer_ids=layer_ids, name=source)
 
     # ------------------------------------------------------------------ shapes and shared modules
 
@@ -418,9 +414,7 @@ def _load_gguf(gguf_path: Path):
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype):
-    """Load model and tokenizer from a local HF directory, checking first what would otherwise fail late. Logs how long
-    each part took (start-up time is a served model's first impression)."""
-    t0 = time.perf_counter()
+    """Load model and tokenizer from a local HF directory, checking first what would otherwise fail late."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config_file = path / "config.json"
@@ -431,14 +425,10 @@ def _load_hf_dir(path: Path, dtype: torch.dtype):
         raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: {_SUPPORTED}")
     if not any((path / f).is_file() for f in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"{path} has no weights (expected {' or '.join(WEIGHT_FILES)})")
-    t1 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    t2 = time.perf_counter()
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(path)
     else:
         logger.warning("%s has no tokenizer files; encode/decode are unavailable", path)
-    logger.info("loaded %s: transformers imports %.2f s, model %.2f s, tokenizer %.2f s", path, t1 - t0, t2 - t1,
-                time.perf_counter() - t2)
     return model, tokenizer
