@@ -33,10 +33,10 @@
 # DATA_SEED=6 START_SHARD=24 GEN_S=210 TRAIN_MIN=10 ENGINE=0 TRAIN_EXTRA="--loss-weights 0,0.5,1,1": shards 24-27 and
 # 0-15, steps 26,335-30,055, the L1 term added), loan 8 (LAYERS=5 DATA_SEED=7 START_SHARD=16 GEN_S=210 TRAIN_MIN=11
 # ATTENTION=flex PROFILE=0 ENGINE=1 STEADY=0 TRAIN_EXTRA="--loss-weights 0,1,1,1": shards 16-27, 0-11 and 15, steps
-# 30,055-34,274, the L1 weight raised to 1; 20 minutes). Its next loan starts at the shards loan 8 did not reach and
-# runs the schedule to its end (5,726 steps, about 15 minutes):
-#   LAYERS=5 DATA_SEED=8 START_SHARD=12 GEN_S=210 TRAIN_MIN=16 ATTENTION=flex PROFILE=0 ENGINE=0
-#   TRAIN_EXTRA="--loss-weights 0,1,1,1" bash scripts/reproduce/drafter_long_h200.sh
+# 30,055-34,274, the L1 weight raised to 1; 20 minutes), loan 9 (LAYERS=5 DATA_SEED=8 START_SHARD=12 GEN_S=210
+# TRAIN_MIN=16 ATTENTION=flex PROFILE=0 ENGINE=0 TRAIN_EXTRA="--loss-weights 0,1,1,1": shards 12-27 and 0-7, steps
+# 34,274-40,000, the schedule's end, reached after 14 of the 16 minutes; 21 minutes in all). A new schedule (a wider or
+# deeper drafter, say) starts from scratch with INIT_FROM= and its own STEPS.
 # Needs the target at $MODEL and ShareGPT at $SHAREGPT (docs/training.md, "Reproduction scripts on a GPU machine").
 # A CPU dry run: MODEL=smollm2-135m-instruct SHAREGPT= DEVICE=cpu GEN_PROCS=1 GEN_EXTRA="--limit 8 --max-new-tokens 16"
 #   HELD_EXTRA="--limit 8 --max-new-tokens 16" TRAIN_EXTRA="--stop-after 2 --eval-examples 4" TOKENS=1024
