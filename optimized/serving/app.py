@@ -163,8 +163,9 @@ class Server:
         """Engine thread (or the engine process's reader thread), once start-up is done; runs before the first
         request is accepted."""
         self.runtime = runtime
-        # The handlers' own copy: the engine thread decodes with the original (stop strings) concurrently.
-        self.tokenizer = copy.deepcopy(runtime.tokenizer)
+        # With the engine on a thread, the handlers take their own copy: the engine thread decodes with the original
+        # (stop strings) concurrently. From the engine process, the unpickled tokenizer is this process's own already.
+        self.tokenizer = copy.deepcopy(runtime.tokenizer) if self.loop.shares_runtime else runtime.tokenizer
         self.metrics = ServerMetrics(self.model_name, runtime.gamma, runtime.has_drafter)
         return self.metrics
 

@@ -87,6 +87,11 @@ class EngineClient:
     of this process, :class:`optimized.serving.engine_process.EngineProcess` in a child process.
     """
 
+    # Whether the Runtime handed to on_ready is the very object the engine uses (same process, another thread): then
+    # the server copies what it mutates or uses concurrently (the tokenizer). A Runtime that came through a pipe is
+    # already this process's own copy.
+    shares_runtime = False
+
     def __init__(self, build: Callable[[], Runtime] | None, *, max_num_seqs: int, max_waiting: int,
                  on_ready: Callable[[Runtime], Any], on_fatal: Callable[[BaseException], None], index: int = 0,
                  count: int = 1) -> None:
@@ -194,6 +199,8 @@ class EngineClient:
 
 class EngineLoop(EngineClient):
     """Owns the engine on one thread of this process; see the module docstring."""
+
+    shares_runtime = True
 
     def __init__(self, build: Callable[[], Runtime], *, max_num_seqs: int, max_waiting: int,
                  on_ready: Callable[[Runtime], Any], on_fatal: Callable[[BaseException], None]) -> None:

@@ -120,6 +120,20 @@ class FrameReader:
         return messages
 
 
+def import_tokenizer_modules() -> None:
+    """Import transformers' tokenizer classes, as unpickling the engine's tokenizer would.
+
+    The ready message carries the tokenizer; unpickling it in a fresh API server first imports transformers (about
+    0.6 s of one CPU core, 90 % of it the import, the rest building the Rust tokenizer), on the event loop, after the
+    engine is ready: with several API servers starting at once that held ``/health`` back by seconds. Done on a
+    thread while the engine starts (tens of seconds), the unpickle later finds the modules loaded. Failing here
+    is harmless: the unpickle then imports (or fails) as before."""
+    try:
+        from transformers import PreTrainedTokenizerFast  # noqa: F401 (resolves transformers' lazy tokenizer classes)
+    except Exception as err:  # noqa: BLE001 (a missing or broken install surfaces at the unpickle, with its message)
+        log.debug("tokenizer modules not imported ahead: %r", err)
+
+
 class PipeClient(EngineClient):
     """The event-loop side of an engine in another process, over one pair of pipes: commands out (``_send``),
     results in (read on the event loop, :meth:`_receive`). :class:`EngineProcess` starts that process;
@@ -136,10 +150,12 @@ class PipeClient(EngineClient):
         self._stopping = False
 
     def _attach(self, commands: Connection, results: Connection) -> None:
-        """Use this pair of pipe ends from now on; results are read whenever the event loop sees them readable."""
+        """Use this pair of pipe ends from now on; results are read whenever the event loop sees them readable.
+        Meanwhile a thread imports what the ready message's tokenizer will need (:func:`import_tokenizer_modules`)."""
         self._commands, self._results = commands, results
         self._reader = FrameReader(results.fileno())
         self._aio.add_reader(results.fileno(), self._receive)
+        threading.Thread(target=import_tokenizer_modules, name="dspark-tokenizer-imports", daemon=True).start()
 
     def _send(self, cmd: tuple | None) -> None:
         try:

@@ -242,6 +242,35 @@ def test_a_start_up_failure_reports_the_builders_error(mode):
     asyncio.run(scenario())
 
 
+_PEER_IMPORTS_SCRIPT = """
+import asyncio, multiprocessing, sys, threading
+sys.path.insert(0, {root!r})
+from optimized.serving.engine_process import EnginePeer
+async def main():
+    commands_in, commands_out = multiprocessing.Pipe(duplex=False)
+    results_in, results_out = multiprocessing.Pipe(duplex=False)
+    peer = EnginePeer((commands_out, results_in), max_num_seqs=1, max_waiting=1, on_ready=lambda rt: None,
+                      on_fatal=lambda err: None, index=1, count=2)
+    peer.start(asyncio.get_running_loop())
+    for t in threading.enumerate():
+        if t.name == "dspark-tokenizer-imports":
+            await asyncio.to_thread(t.join, 60)
+    print("tokenizer classes", "transformers.tokenization_utils_tokenizers" in sys.modules, flush=True)
+    print("torch", "torch" in sys.modules, flush=True)
+    peer.stop()
+asyncio.run(main())
+"""
+
+
+def test_an_api_server_imports_the_tokenizer_classes_while_the_engine_starts_and_never_torch():
+    """A pipe client imports transformers' tokenizer classes on a thread as soon as it attaches, so that the ready
+    message's tokenizer unpickles without an import on the event loop; an API server still never imports torch."""
+    out = subprocess.run([sys.executable, "-c", _PEER_IMPORTS_SCRIPT.format(root=str(ROOT))], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "tokenizer classes True" in out.stdout and "torch False" in out.stdout, out.stdout
+
+
 _ORPHAN_SCRIPT = """
 import asyncio, sys, time
 sys.path.insert(0, {root!r})
