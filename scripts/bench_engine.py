@@ -27,7 +27,9 @@ Method, per configuration (engine × mode × batch size):
   together, so the run lasts as long as its slowest request; with ``--requests-per-slot N``, B·N requests of which at
   most B are in flight, the next admitted as soon as one finishes (its prefill joins the running decode steps): the
   steady state of a server at ``max_num_seqs = B``. With speculation the two differ: requests accept at different
-  rates, and a closed batch ends in a tail of a few slow requests at a small batch;
+  rates, and a closed batch ends in a tail of a few slow requests at a small batch. ``--min-requests M`` raises the
+  workload to at least M requests at every batch size (still at most B in flight): a closed batch of 1 is a single
+  prompt, so batch 1's τ and speed-ups would otherwise rest on one prompt;
 * ``--output-len-spread F`` (0 by default) gives request i its own length, drawn once from the seed uniformly in
   ``[(1 - F) · --max-new-tokens, --max-new-tokens]`` and the same in every mode: with equal lengths plain decoding's
   requests finish and are refilled together (a prompt step every ~N steps) while speculative requests finish at
@@ -90,6 +92,7 @@ class BenchConfig:
     modes: list[str] = field(default_factory=lambda: DEFAULT_MODES.split(","))  # "none", "fixed:K", "ngram:fixed:K", …
     max_new_tokens: int = 128  # emitted per request (EOS ignored)
     requests_per_slot: int = 1  # B·N requests at batch size B, at most B in flight (1: a closed batch of B)
+    min_requests: int = 1  # at least this many requests at every batch size (at most B in flight)
     output_len_spread: float = 0.0  # request lengths uniform in [(1 - F)·max_new_tokens, max_new_tokens] (0: equal)
     warmup: int = 1  # untimed runs per configuration (Triton JIT of prefill shapes, allocator)
     repeats: int = 3  # timed runs per configuration; the median is reported
@@ -110,9 +113,9 @@ class BenchConfig:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be positive integers, got {self.batch_sizes}")
         if (self.max_new_tokens < 1 or self.warmup < 0 or self.repeats < 1 or self.hf_repeats < 1
-                or self.requests_per_slot < 1):
-            raise ValueError("need max_new_tokens ≥ 1, warmup ≥ 0, repeats ≥ 1, hf_repeats ≥ 1 and "
-                             "requests_per_slot ≥ 1")
+                or self.requests_per_slot < 1 or self.min_requests < 1):
+            raise ValueError("need max_new_tokens ≥ 1, warmup ≥ 0, repeats ≥ 1, hf_repeats ≥ 1, "
+                             "requests_per_slot ≥ 1 and min_requests ≥ 1")
         if not 0.0 <= self.output_len_spread < 1.0:
             raise ValueError(f"output_len_spread must lie in [0, 1), got {self.output_len_spread}")
         NgramConfig(self.ngram_gamma, self.ngram_max_n, self.ngram_min_n)  # validates the n-gram fields
@@ -124,6 +127,10 @@ class BenchConfig:
             if variant == "async" and mode.drafts:
                 raise ValueError(f"mode {m!r}: '+async' is plain decoding one step ahead; use it with mode none")
         self.batch_sizes = sorted(set(self.batch_sizes))
+
+    def workload_size(self, batch_size: int) -> int:
+        """Requests run at one batch size (at most ``batch_size`` of them in flight)."""
+        return max(batch_size * self.requests_per_slot, self.min_requests)
 
 
 VARIANTS = ("ahead", "async")  # the "+" suffixes: EngineConfig.draft_ahead, EngineConfig.async_decode
@@ -252,7 +259,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     uses_ngram = any(kind is ProposerKind.NGRAM for _, kind, _, _ in modes)
     if not prompts or any(not p for p in prompts):
         raise ValueError("need at least one non-empty tokenised prompt")
-    most = max(cfg.batch_sizes) * cfg.requests_per_slot  # requests of the largest workload
+    most = max(cfg.workload_size(b) for b in cfg.batch_sizes)  # requests of the largest workload
     if len(prompts) < most:
         log.warning("%d prompts for %d requests: prompts are reused", len(prompts), most)
     report: dict[str, Any] = {
@@ -317,7 +324,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
             log.warning("%s; writing what was measured", report["stopped_early"])
             break
         batch = [prompts[i % len(prompts)] for i in range(b)]  # HF: a closed batch of B
-        workload = [prompts[i % len(prompts)] for i in range(b * cfg.requests_per_slot)]
+        workload = [prompts[i % len(prompts)] for i in range(cfg.workload_size(b))]
         t_cfg = time.perf_counter()
         if label == "hf":
             row = _measure_hf(target, batch, cfg, device)
@@ -532,6 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_source_args(p)
     p.add_argument("--requests-per-slot", type=int, default=1,
                    help="N: B·N requests at batch size B, at most B in flight (1: a closed batch of B requests)")
+    p.add_argument("--min-requests", type=int, default=1,
+                   help="M: at least M requests at every batch size, at most B in flight (batch 1 would otherwise "
+                        "measure one prompt)")
     p.add_argument("--output-len-spread", type=float, default=0.0,
                    help="F: request lengths uniform in [(1-F)·max-new-tokens, max-new-tokens], the same in every "
                         "mode (0: all equal); with --requests-per-slot, varied lengths desynchronise plain decoding's "
@@ -557,6 +567,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     args = build_parser().parse_args(argv)
     cfg = BenchConfig(batch_sizes=[int(b) for b in args.batch_sizes.split(",")], modes=args.modes.split(","),
                       max_new_tokens=args.max_new_tokens, requests_per_slot=args.requests_per_slot,
+                      min_requests=args.min_requests,
                       output_len_spread=args.output_len_spread,
                       warmup=args.warmup, repeats=args.repeats,
                       hf_max_batch=args.hf_max_batch, hf_repeats=args.hf_repeats, time_budget_s=args.time_budget_s,
@@ -578,7 +589,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
         drafter = load_or_init_drafter(path, target, None, args.seed)
         drafter_name = path if Path(path).exists() else f"RANDOM INIT (seed {args.seed}; no checkpoint at {path})"
     if prompt_ids is None:
-        prompt_ids = load_prompts(args, target, max(cfg.batch_sizes) * cfg.requests_per_slot)
+        prompt_ids = load_prompts(args, target, max(cfg.workload_size(b) for b in cfg.batch_sizes))
     device = torch.device(target.device)
     tag = args.tag or default_tag(device)
     out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"engine-{tag}.json"

@@ -142,6 +142,19 @@ def test_bench_engine_steady_state_keeps_the_batch_full(models, tmp_path):
         bench_engine.BenchConfig(requests_per_slot=0)
 
 
+def test_bench_engine_min_requests_raises_every_batch_size_to_that_many_requests(models, tmp_path):
+    """``--min-requests M``: batch 1 runs M different prompts one after another instead of one prompt; a batch size
+    whose workload is already larger keeps it."""
+    report, _ = _run(models, tmp_path, "--min-requests", "3", "--hf-max-batch", "0")
+    assert report["settings"]["min_requests"] == 3
+    assert {r["batch_size"]: r["tokens"] for r in report["results"]} == {1: 3 * 10, 2: 3 * 10}
+    report, _ = _run(models, tmp_path, "--min-requests", "3", "--requests-per-slot", "2", "--hf-max-batch", "0")
+    assert {r["batch_size"]: r["tokens"] for r in report["results"]} == {1: 3 * 10, 2: 4 * 10}
+    assert bench_engine.BenchConfig(min_requests=5).workload_size(8) == 8
+    with pytest.raises(ValueError, match="min_requests"):
+        bench_engine.BenchConfig(min_requests=0)
+
+
 def test_bench_engine_output_len_spread_gives_every_mode_the_same_varied_lengths(models, tmp_path):
     lengths = bench_engine.request_lengths(200, 40, 0.5, seed=3)
     assert lengths == bench_engine.request_lengths(200, 40, 0.5, seed=3)  # the same in every mode of a run
