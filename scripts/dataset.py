@@ -99,6 +99,24 @@ def shard_files(directory: str | Path) -> list[Path]:
     return files
 
 
+def generation_temperatures(directory: str | Path) -> tuple[float, ...] | None:
+    """The temperatures the dataset's responses were sampled at (``manifest.json``'s ``settings.temperatures``), or
+    ``None`` when the directory records none. Example ``"P@k"`` answered prompt P at the k-th of them."""
+    manifest = Path(directory) / "manifest.json"
+    if not manifest.is_file():
+        return None
+    temps = json.loads(manifest.read_text()).get("settings", {}).get("temperatures")
+    return None if temps is None else tuple(float(t) for t in temps)
+
+
+def example_temperature(example: Example, temperatures: tuple[float, ...]) -> float | None:
+    """The temperature ``example`` was sampled at (its id ``"P@k"``), or ``None`` for an id of another form."""
+    _, sep, k = example.id.rpartition("@")
+    if not sep or not k.isdigit() or int(k) >= len(temperatures):
+        return None
+    return temperatures[int(k)]
+
+
 def load_dataset(directory: str | Path, limit: int | None = None) -> list[Example]:
     """All examples of a dataset directory, in shard order (at most ``limit``)."""
     examples: list[Example] = []

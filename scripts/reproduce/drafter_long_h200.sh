@@ -73,7 +73,7 @@ RES=${RES:-/tmp/res}
 DATA=${DATA:-/tmp/long}
 read -r -a GEN_EXTRA <<< "${GEN_EXTRA:-}"
 read -r -a HELD_EXTRA <<< "${HELD_EXTRA:-}"
-read -r -a CAL_EXTRA <<< "${CAL_EXTRA:---anchors-per-seq 24}"
+read -r -a CAL_EXTRA <<< "${CAL_EXTRA:---anchors-per-seq 32}"  # each mode on its own half of the held-out set: ≥ 14k proposals
 read -r -a TRAIN_EXTRA <<< "${TRAIN_EXTRA:-}"
 read -r -a EVAL_EXTRA <<< "${EVAL_EXTRA:-}"
 SOURCE=(); [ -n "$SHAREGPT" ] && SOURCE=(--sharegpt-file "$SHAREGPT")

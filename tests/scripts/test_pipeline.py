@@ -438,6 +438,13 @@ def test_calibrate_writes_temperatures_report_and_plot(workdir, trained, tmp_pat
         assert [p["k"] for p in pos] == list(range(1, GAMMA + 1))
         # STS minimises ECE slot by slot on the fit data, and T = 1 is in its grid: never worse there.
         assert all(p["ece_after"] <= p["ece_before"] + 1e-12 for p in pos if p["count"])
+    # Each mode was calibrated on the held-out answers sampled at its own temperature.
+    examples, sampled_at = dataset.load_dataset(workdir / "data"), dataset.generation_temperatures(workdir / "data")
+    assert sampled_at == (0.0, 1.0)
+    for mode, t in (("greedy", 0.0), ("sampling", 1.0)):
+        want = sum(dataset.example_temperature(e, sampled_at) == t for e in examples)
+        assert report["modes"][mode]["num_sequences"] == want and 0 < want < len(examples)
+        assert report["modes"][mode]["contexts"] == f"the held-out sequences sampled at T = {t:g}"
     assert (ckpt / "reliability.png").stat().st_size > 10_000
     # The recorded proposals (safetensors) carry what was fitted, and the offline tools read them.
     from scripts import analyze_proposals
@@ -453,6 +460,19 @@ def test_calibrate_writes_temperatures_report_and_plot(workdir, trained, tmp_pat
     assert set(json.loads((tmp_path / "analysis.json").read_text())["modes"]) == {"greedy", "sampling"}
     assert analyze_proposals.main(["--proposals", str(tmp_path / "proposals"), "--method", "beta",
                                    "--out", str(tmp_path / "beta")]) == 0  # every calibrate method refits here too
+
+
+def test_calibration_contexts_match_the_mode_or_fall_back_to_every_sequence():
+    ex = [dataset.Example(id=i, input_ids=torch.zeros(3, dtype=torch.long), loss_mask=torch.ones(3, dtype=torch.bool))
+          for i in ("7@0", "7@1", "8@0", "8@1", "odd-id")]
+    temps = (0.0, 1.0)
+    assert [dataset.example_temperature(e, temps) for e in ex] == [0.0, 1.0, 0.0, 1.0, None]
+    assert [e.id for e in calibrate.mode_contexts(ex, temps, 1.0, "matched")[0]] == ["7@1", "8@1"]
+    assert [e.id for e in calibrate.mode_contexts(ex, temps, 0.0, "matched")[0]] == ["7@0", "8@0"]
+    assert calibrate.mode_contexts(ex, temps, 1.0, "all")[0] == ex
+    assert calibrate.mode_contexts(ex, None, 1.0, "matched")[0] == ex  # a set that records no temperatures
+    assert calibrate.mode_contexts(ex, temps, 0.7, "matched")[0] == ex  # none sampled at 0.7
+    assert dataset.generation_temperatures("/nonexistent-directory") is None
 
 
 def test_threshold_sweep_applies_the_whole_calibration():
