@@ -64,7 +64,14 @@ from reference.config import DrafterConfig
 from reference.drafter import DSparkDrafter
 from reference.losses import LossWeights, dense_block_targets
 from reference.target import DEFAULT_TARGET, Target
-from scripts.dataset import TokenData, batch_stream, load_dataset, token_budget_batches
+from scripts.dataset import (
+    TokenData,
+    batch_stream,
+    example_temperature,
+    generation_temperatures,
+    load_dataset,
+    token_budget_batches,
+)
 from scripts.runtime import hardware, resolve_device
 
 log = logging.getLogger("dspark.train")
@@ -161,18 +168,22 @@ def autocast(device: torch.device):
 
 @torch.no_grad()
 def evaluate(drafter: DSparkDrafter, target: Target, data: TokenData, eval_batches: list[list[int]], weights,
-             decay: float, device: torch.device, backend: str = "auto") -> dict:
+             decay: float, device: torch.device, backend: str = "auto", batch_groups: list[str] | None = None
+             ) -> dict:
     """Held-out loss terms and per-slot teacher-forced acceptance proxies over every eligible anchor.
 
     ``accept_proxy[k] = E[Σ_v min(p_d, p_t)]`` (the probability that rejection sampling at T = 1 accepts slot k
     given the true prefix), ``greedy_match[k] = P(argmax p_d = argmax p_t)`` and ``label_acc[k] =
-    P(argmax p_d = x*)``, over valid slots.
+    P(argmax p_d = x*)``, over valid slots. With ``batch_groups`` (a label per batch, e.g. the temperature its
+    sequences were sampled at: see :func:`eval_batches_by_temperature`) the two proxies are also reported per group
+    under ``by_group``: T = 1 requests draft after sampled text, which is harder to predict than greedy text.
     """
     was_training = drafter.training
     drafter.eval()
     sums: dict[str, float] = {}
     stats = None
-    for idx in eval_batches:
+    group_stats: dict[str, torch.Tensor] = {}
+    for i, idx in enumerate(eval_batches):
         b = data.batch(idx)
         logits_t, features = target.forward_batch(b.input_ids, b.attention_mask.long(), float_logits=False)
         with autocast(device):
@@ -181,12 +192,38 @@ def evaluate(drafter: DSparkDrafter, target: Target, data: TokenData, eval_batch
         for k, v in {"loss": out.loss, **out.terms}.items():
             sums[k] = sums.get(k, 0.0) + float(v)  # sync: evaluation only
         stats = out.slot_stats if stats is None else stats + out.slot_stats
+        if batch_groups is not None:
+            g = batch_groups[i]
+            group_stats[g] = out.slot_stats if g not in group_stats else group_stats[g] + out.slot_stats
     drafter.train(was_training)
-    s = dict(zip(STAT_NAMES, stats.cpu().unbind(1)))  # sync: evaluation only
-    n = s["count"].clamp_min(1)
-    return {**{k: v / max(len(eval_batches), 1) for k, v in sums.items()},
-            "accept_proxy": (s["accept_proxy"] / n).tolist(), "greedy_match": (s["target_hit"] / n).tolist(),
-            "label_acc": (s["label_hit"] / n).tolist(), "slots": s["count"].long().tolist()}
+
+    def proxies(t: torch.Tensor) -> dict[str, list]:
+        s = dict(zip(STAT_NAMES, t.cpu().unbind(1)))  # sync: evaluation only
+        n = s["count"].clamp_min(1)
+        return {"accept_proxy": (s["accept_proxy"] / n).tolist(), "greedy_match": (s["target_hit"] / n).tolist(),
+                "label_acc": (s["label_hit"] / n).tolist(), "slots": s["count"].long().tolist()}
+
+    result = {**{k: v / max(len(eval_batches), 1) for k, v in sums.items()}, **proxies(stats)}
+    if len(group_stats) > 1:
+        result["by_group"] = {g: {k: v for k, v in proxies(t).items() if k != "label_acc"}
+                              for g, t in sorted(group_stats.items())}
+    return result
+
+
+def eval_batches_by_temperature(lengths: list[int], temperatures: list[float | None], tokens_per_batch: int,
+                                seed: int) -> tuple[list[list[int]], list[str] | None]:
+    """Held-out batches that never mix sequences sampled at different temperatures, and each batch's label
+    (``"T=0"``, ``"T=1"``, ...), so that :func:`evaluate` reports the proxies per temperature; one set of batches
+    and no labels when the set records a single temperature or none."""
+    if len({t for t in temperatures}) < 2:
+        return token_budget_batches(lengths, tokens_per_batch, seed, epoch=0), None
+    batches, labels = [], []
+    for t in sorted({t for t in temperatures}, key=lambda x: (x is None, x or 0.0)):
+        members = [i for i, x in enumerate(temperatures) if x == t]
+        for b in token_budget_batches([lengths[i] for i in members], tokens_per_batch, seed, epoch=0):
+            batches.append([members[j] for j in b])
+            labels.append("T=?" if t is None else f"T={t:g}")
+    return batches, labels
 
 
 # --------------------------------------------------------------------------- output
@@ -234,6 +271,8 @@ def write_readme(out: Path, args, summary: dict) -> None:
                   f"CE {ev.get('ce', float('nan')):.3f}, L1 {ev.get('l1', float('nan')):.3f}) |",
                   "| accept proxy Σmin(p_d,p_t) per slot | " + ", ".join(f"{x:.3f}" for x in ev["accept_proxy"]) + " |",
                   "| greedy match per slot | " + ", ".join(f"{x:.3f}" for x in ev["greedy_match"]) + " |"]
+        lines += [f"| accept proxy on text sampled at {g} | " + ", ".join(f"{x:.3f}" for x in r["accept_proxy"]) + " |"
+                  for g, r in ev.get("by_group", {}).items()]
     lines += ["", "Command:", "", "```", summary["command"], "```", "",
               "`metrics.jsonl` holds the training curve."]
     (out / "README.md").write_text("\n".join(lines) + "\n")
@@ -379,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--data has {len(examples)} sequences, too few to hold out --eval-examples "
                              f"{args.eval_examples}; pass --eval-data or lower --eval-examples")
         examples, eval_examples = examples[:-args.eval_examples], examples[-args.eval_examples:]
+    eval_source = args.eval_data or args.data
+    sampled_at = generation_temperatures(eval_source)
+    eval_temperatures = [None if sampled_at is None else example_temperature(e, sampled_at) for e in eval_examples]
     data = TokenData(examples, args.max_seq_len, device)
     eval_data = TokenData(eval_examples, args.max_seq_len, device)
     del examples, eval_examples
@@ -453,8 +495,22 @@ def main(argv: list[str] | None = None) -> int:
         for p_ in drafter.parameters():
             dist.broadcast(p_.data, src=0)
 
-    eval_batches = token_budget_batches(eval_data.lengths, args.tokens_per_batch, args.seed, epoch=0) \
-        if rank == 0 else []
+    eval_batches, group_batches, eval_groups = [], [], None
+    if rank == 0:  # the held-out batches; and batches of one temperature each, for the proxies per temperature
+        eval_batches = token_budget_batches(eval_data.lengths, args.tokens_per_batch, args.seed, epoch=0)
+        group_batches, eval_groups = eval_batches_by_temperature(eval_data.lengths, eval_temperatures,
+                                                                 args.tokens_per_batch, args.seed)
+
+    def held_out() -> dict:
+        """The held-out evaluation; with temperatures recorded, a second pass over temperature-pure batches adds the
+        proxies per temperature (the first keeps the loss averaged over the same batches as before)."""
+        result = evaluate(drafter, target, eval_data, eval_batches, args.loss_weights, args.decay, device,
+                          args.loss_backend)
+        if eval_groups is not None:
+            result["by_group"] = evaluate(drafter, target, eval_data, group_batches, args.loss_weights, args.decay,
+                                          device, args.loss_backend, eval_groups)["by_group"]
+        return result
+
     # Global batches of world · --tokens-per-batch padded tokens, drawn identically on every rank from (seed, epoch);
     # rank r takes every world-th sequence of each. The data seen at a step is then the same whatever the number of
     # processes, so a run resumes on another GPU count, and N ranks at B tokens train like one process at N·B.
@@ -550,13 +606,14 @@ def main(argv: list[str] | None = None) -> int:
                             sps=f"{rec['slot_predictions_per_s'] / 1e3:.0f}k")
             emit(rec)
         if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
-            last_eval = evaluate(drafter, target, eval_data, eval_batches, args.loss_weights, args.decay, device,
-                                 args.loss_backend)
+            last_eval = held_out()
             last_eval_step = step
             emit({"event": "eval", "step": step, **last_eval})
             log.info("eval step %d: loss %.4f  greedy match %s  accept proxy %s", step, last_eval["loss"],
                      " ".join(f"{x:.3f}" for x in last_eval["greedy_match"]),
                      " ".join(f"{x:.3f}" for x in last_eval["accept_proxy"]))
+            for g, r in last_eval.get("by_group", {}).items():
+                log.info("  on text sampled at %s: accept proxy %s", g, " ".join(f"{x:.3f}" for x in r["accept_proxy"]))
         if rank == 0 and step % args.save_every == 0:
             run_s = time.perf_counter() - t_start
             save_state(state_dir, drafter, opt, step, elapsed_before + run_s, budget_before + run_s, args)
@@ -569,8 +626,7 @@ def main(argv: list[str] | None = None) -> int:
         wall = elapsed_before + run_s
         save_state(state_dir, drafter, opt, step, wall, budget_before + run_s, args)
         if last_eval_step != step:
-            last_eval = evaluate(drafter, target, eval_data, eval_batches, args.loss_weights, args.decay, device,
-                                 args.loss_backend)
+            last_eval = held_out()
             emit({"event": "eval", "step": step, **last_eval})
         export = DSparkDrafter(config)
         export.load_state_dict({k: v.detach().cpu() for k, v in drafter.state_dict().items()})

@@ -373,7 +373,16 @@ def test_training_writes_a_loadable_checkpoint_and_logs(trained):
     evals = [e for e in events if e["event"] == "eval"]
     assert [e["step"] for e in evals] == [4, 8] and len(evals[-1]["accept_proxy"]) == GAMMA
     assert all(0.0 <= x <= 1.0 for x in evals[-1]["accept_proxy"] + evals[-1]["greedy_match"])
+    # The held-out proxies per temperature the text was sampled at: they add up to the overall ones, slot by slot.
+    groups = evals[-1]["by_group"]
+    assert set(groups) == {"T=0", "T=1"}
+    for k in range(GAMMA):
+        n = [g["slots"][k] for g in groups.values()]
+        assert sum(n) == evals[-1]["slots"][k] > 0
+        mixed = sum(g["accept_proxy"][k] * c for g, c in zip(groups.values(), n)) / sum(n)
+        assert mixed == pytest.approx(evals[-1]["accept_proxy"][k], abs=1e-5)
     readme = (trained / "README.md").read_text()
+    assert "accept proxy on text sampled at T=1" in readme
     assert "8 of 8 planned" in readme and "Command" in readme and "hardware" in readme
     target = Target.load(str(trained.parent / "target"))
     drafter = load_drafter(trained, target)
