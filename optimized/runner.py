@@ -197,7 +197,11 @@ class ModelRunner:
         cfg, g = self.config, self.gamma
         use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
         max_tokens = cfg.max_num_seqs * (g + 1)  # every request verifies its anchor and at most γ drafts
-        self.buffers = StaticBuffers(cfg.max_num_seqs, max_tokens, self.device, self.target.lm_head.shape[0])
+        # The Markov head's sampling kernels read only device tensors, so the whole drafter stage — backbone, fused
+        # head, STS survivals — is one graph. The RNN and parallel-only heads run the reference loop after it.
+        self.head_in_graph = self.drafter is not None and self.ref_drafter.config.head == "markov"
+        self.buffers = StaticBuffers(cfg.max_num_seqs, max_tokens, self.device, self.target.lm_head.shape[0],
+                                     draft_gamma=g if self.head_in_graph else 0)
         self.max_q_len = g + 1
         b = self.buffers
 
@@ -208,17 +212,14 @@ class ModelRunner:
                 self.drafter.append_context(features, b.positions[:n], b.token_slot[:n])
             return (logits,)
 
-        # The Markov head's sampling kernels read only device tensors, so the whole drafter stage — backbone, fused
-        # head, STS survivals — is one graph. The RNN and parallel-only heads run the reference loop after it.
-        self.head_in_graph = self.drafter is not None and self.ref_drafter.config.head == "markov"
-
         def draft_fn(r: int):
             h = self.drafter.backbone(b.anchor_ids[:r], b.anchor_pos[:r], b.draft_slots[:r])
             if not self.head_in_graph:
                 return (h,)
             temperature = b.draft_temperature[:r]
             out = sample_block(self.ref_drafter, h, b.anchor_ids[:r], b.anchor_pos[:r], temperature,
-                               self.config.seed, b.draft_request_id[:r], backend=self.config.kernel_backend)
+                               self.config.seed, b.draft_request_id[:r], backend=self.config.kernel_backend,
+                               probs_out=b.draft_probs[:r])
             return out.tokens, out.probs, self._survival(out.conf_logits, temperature)
 
         self.verify_graphs = GraphRunner("verify", verify_fn, bucket_sizes(max_tokens), use_graphs)

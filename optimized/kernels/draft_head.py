@@ -473,6 +473,7 @@ def sample_draft_block(
     *,
     split: bool | None = None,
     split_rows: int | None = None,
+    probs_out: Tensor | None = None,
 ) -> DraftOutput:
     """Sample a Markov-head block and its confidence logits (the loop in the module docstring).
 
@@ -494,6 +495,10 @@ def sample_draft_block(
             request, ``None`` split on CUDA when ``R < SPLIT_MAX_R``. Ignored by the torch backend.
         split_rows: requests per program of the split variant's logits launch: 1, or a power of two >= 16 (W2's
             block shared by that many requests); ``None``: ``SPLIT_ROWS``.
+        probs_out: optional contiguous ``[R, γ, V]`` float32 buffer the draft distributions are written into (and
+            returned as). The engine's draft graphs pass views of one static buffer, so the graphs of all request
+            buckets share it instead of each keeping its own output (5.5 GiB over the buckets of 256 requests at
+            V = 49,152 and γ = 7).
 
     Returns:
         :class:`reference.drafter.DraftOutput`: tokens ``[R, γ]`` int64, probs ``[R, γ, V]`` fp32,
@@ -523,12 +528,20 @@ def sample_draft_block(
     if temperature.shape != (R,) or not temperature.dtype.is_floating_point:
         raise ValueError(f"temperature must be a float tensor [R={R}], got {temperature.dtype} "
                          f"{tuple(temperature.shape)}")
+    if probs_out is not None and (probs_out.shape != (R, gamma, V) or probs_out.dtype != torch.float32
+                                  or probs_out.device != dev or not probs_out.is_contiguous()):
+        raise ValueError(f"probs_out must be a contiguous float32 [R={R}, γ={gamma}, V={V}] tensor on {dev}, got "
+                         f"{probs_out.dtype} {tuple(probs_out.shape)} on {probs_out.device}")
     lo, hi = split_seed(seed)
     if resolve_backend(backend, base_logits) == "torch":
-        return _sample_draft_block_torch(base_logits, h, anchor_ids, anchor_pos, temperature, seed, rid,
-                                         w1, w2, conf_w, conf_b.to(conf_w.dtype))
+        out = _sample_draft_block_torch(base_logits, h, anchor_ids, anchor_pos, temperature, seed, rid,
+                                        w1, w2, conf_w, conf_b.to(conf_w.dtype))
+        if probs_out is None:
+            return out
+        return DraftOutput(tokens=out.tokens, probs=probs_out.copy_(out.probs), conf_logits=out.conf_logits)
     out = DraftOutput(tokens=torch.empty(R, gamma, dtype=torch.int64, device=dev),
-                      probs=torch.empty(R, gamma, V, dtype=torch.float32, device=dev),
+                      probs=torch.empty(R, gamma, V, dtype=torch.float32, device=dev) if probs_out is None
+                      else probs_out,
                       conf_logits=torch.empty(R, gamma, dtype=torch.float32, device=dev))
     if R == 0:
         return out
@@ -623,6 +636,7 @@ def sample_block(
     *,
     split: bool | None = None,
     split_rows: int | None = None,
+    probs_out: Tensor | None = None,
 ) -> DraftOutput:
     """``drafter.sample_block`` with the Markov head fused; the RNN and "none" heads run the reference loop.
 
@@ -632,6 +646,7 @@ def sample_block(
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` for the fused Markov path.
         split: the Triton variant, as :func:`sample_draft_block` (``None``: by batch size).
         split_rows: requests per program of the split logits launch, as :func:`sample_draft_block`.
+        probs_out: a buffer for the draft distributions, as :func:`sample_draft_block` (Markov head only).
     """
     if drafter.config.head != "markov":
         return drafter.sample_block(h, anchor_ids, anchor_pos, temperature, seed, request_ids)
@@ -641,4 +656,4 @@ def sample_block(
     base = drafter.base_logits(h, float32=False)
     return sample_draft_block(base, h, anchor_ids, anchor_pos, temperature, seed, request_ids,
                               w1, w2, drafter.conf_head.weight, drafter.conf_head.bias,
-                              backend=backend, split=split, split_rows=split_rows)
+                              backend=backend, split=split, split_rows=split_rows, probs_out=probs_out)

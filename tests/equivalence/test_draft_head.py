@@ -108,6 +108,25 @@ def test_sample_block_matches_reference(backend, variant, R, gamma, V, rank):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_probs_out_receives_the_same_block(backend, variant):
+    """``probs_out`` (the engine's one static output buffer of every draft graph): the distributions are written
+    into the caller's rows, the block is the one returned without it, and the rows past R are untouched."""
+    R, gamma, V, rank = 3, 4, 97, 5
+    drafter = on_device(make_drafter(V, gamma, rank, seed=1))
+    h, anchor_ids, anchor_pos, temperature, request_ids = to_device(*make_inputs(R, gamma, V, seed=2))
+    want = fast.sample_block(drafter, h, anchor_ids, anchor_pos, temperature, 5, request_ids, **variant)
+    buffer = torch.full((R + 2, gamma, V), -1.0, device=DEVICE)
+    got = fast.sample_block(drafter, h, anchor_ids, anchor_pos, temperature, 5, request_ids, **variant,
+                            probs_out=buffer[:R])
+    assert got.probs.data_ptr() == buffer.data_ptr()
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.conf_logits, want.conf_logits)
+    assert torch.equal(buffer[:R], want.probs) and bool((buffer[R:] == -1.0).all())
+    with pytest.raises(ValueError, match="probs_out"):
+        fast.sample_block(drafter, h, anchor_ids, anchor_pos, temperature, 5, request_ids, **variant,
+                          probs_out=buffer[:R, :, :-1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_inputs(backend, variant, dtype):
     # A half-precision target: U = lm_head(h) arrives in `dtype`, and so do the hidden states. The reference sees
