@@ -29,7 +29,9 @@ back up over a few steps while they refill. ``--time-budget-min`` then counts th
 resumed ``OUT/_state`` counts the time already spent, since it continues one invocation), and
 ``--anneal-frac F`` decays the learning rate to 0 over the last fraction ``F`` of that budget, so a loan that ends
 mid-schedule still ships an annealed drafter (a warm-stable-decay schedule: the next loan re-warms and continues
-the cosine underneath from the recorded step).
+the cosine underneath from the recorded step). ``--init-schedule restart`` instead starts a new schedule of
+``--steps`` from the checkpoint's weights (step 0, the usual warm-up): a deepened drafter's own schedule, say, once
+the one it came from has ended.
 
 Output in ``--out``: the drafter (``reference.checkpoint`` format, shards ≤ 15 MB) with a README.md,
 ``metrics.jsonl`` (one JSON object per log/eval event) and ``summary.json``.
@@ -357,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", default=None,
                    help="start from this drafter checkpoint's weights and recorded step (a run continued on another "
                         "machine from the shipped bf16 checkpoint); the optimizer moments restart")
+    p.add_argument("--init-schedule", choices=("continue", "restart"), default="continue",
+                   help="with --init-from: continue its learning-rate schedule from its recorded step, or restart: "
+                        "a new schedule of --steps from step 0 (warm-up included) on its weights")
     p.add_argument("--rewarm-steps", type=int, default=50,
                    help="with --init-from: ramp the learning rate linearly over this many steps while AdamW's moments "
                         "refill")
@@ -466,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--anneal-frac must lie in [0, 1], got {args.anneal_frac}")
     if args.anneal_frac > 0 and args.time_budget_min is None:
         raise SystemExit("--anneal-frac anneals over the time budget: it needs --time-budget-min")
+    if args.init_schedule == "restart" and not args.init_from:
+        raise SystemExit("--init-schedule restart starts a new schedule on a checkpoint's weights: it needs "
+                         "--init-from")
 
     # elapsed_before: training time recorded before this invocation (the checkpoint's total wall time);
     # budget_before: the part of it the time budget counts (a resumed _state continues one invocation, a loan
@@ -477,10 +485,14 @@ def main(argv: list[str] | None = None) -> int:
         log.info("resumed from %s at step %d (%.1f min already spent)", state_dir, step, elapsed_before / 60)
     elif args.init_from:
         training = json.loads((Path(args.init_from) / "config.json").read_text()).get("extra", {}).get("training", {})
-        step, elapsed_before = int(training.get("steps_done", 0)), float(training.get("wall_s", 0))
-        rewarm_from = step
-        log.info("initialised from %s at its step %d; learning rate re-warmed over %d steps", args.init_from, step,
-                 args.rewarm_steps)
+        elapsed_before = float(training.get("wall_s", 0))  # the wall time reported counts the weights' whole training
+        if args.init_schedule == "restart":
+            log.info("initialised from %s (its step %d); a new schedule of %d steps from step 0", args.init_from,
+                     int(training.get("steps_done", 0)), args.steps)
+        else:
+            step = rewarm_from = int(training.get("steps_done", 0))
+            log.info("initialised from %s at its step %d; learning rate re-warmed over %d steps", args.init_from,
+                     step, args.rewarm_steps)
     # The schedule: warm-up + cosine over --steps, or over the time budget (--steps 0), where `progress` follows
     # the clock every step so a run of fixed wall-clock length (a lent GPU) still decays to 0.
     warmup = max(1, math.ceil(args.warmup_frac * (args.steps or 10_000)))

@@ -570,6 +570,25 @@ def test_init_from_a_checkpoint_continues_its_schedule(workdir, trained):
         train_drafter.main([*_train_args(workdir, "run_d"), "--init-from", str(trained), "--num-layers", "1"])
 
 
+def test_init_schedule_restart_starts_a_new_schedule_on_the_checkpoints_weights(workdir, trained):
+    """--init-schedule restart: step 0 of a new --steps schedule (its warm-up, then the cosine) from the weights."""
+    args = _train_args(workdir, "run_restart", "--init-from", str(trained), "--init-schedule", "restart",
+                       "--warmup-frac", "0.5")
+    args[args.index("--steps") + 1] = "6"
+    assert train_drafter.main(args) == 0
+    summary = json.loads((workdir / "run_restart" / "summary.json").read_text())
+    assert summary["steps_done"] == 6
+    lrs = {e["step"]: e["lr"] for e in map(json.loads, (workdir / "run_restart" / "metrics.jsonl").read_text()
+                                          .splitlines()) if e["event"] == "train"}
+    assert sorted(lrs) == [2, 4, 6]  # from step 0, not from the checkpoint's step 8
+    assert lrs[2] < lrs[4] > lrs[6]  # warm-up over the first 3 steps, then the decay
+    first = load_drafter(trained)
+    restarted = load_drafter(workdir / "run_restart")
+    assert not torch.equal(first.layers[0].mlp.down_proj.weight, restarted.layers[0].mlp.down_proj.weight)
+    with pytest.raises(SystemExit, match="needs --init-from"):
+        train_drafter.main([*_train_args(workdir, "run_e"), "--init-schedule", "restart"])
+
+
 def test_init_from_with_more_layers_deepens_the_checkpoint(workdir, trained):
     """--num-layers above the checkpoint's continues its schedule with new layers that start as the identity."""
     args = _train_args(workdir, "run_deep", "--num-layers", "3", "--save-weights", "int8")
