@@ -134,9 +134,10 @@ run tau-shipped-T1 python -m scripts.eval_acceptance --drafter "$SHIPPED" --prom
   --model "$MODEL" --device "$DEVICE" --temperature 1 --max-new-tokens 256 --batch-size 60 --seeds "${T1_SEEDS:-2}" \
   --json "$RES/long-tau-shipped-T1.json" "${EVAL_EXTRA[@]}"
 
-# 5. the engine with the new drafter against plain decoding and fixed K
+# 5. the engine with the new drafter against plain decoding and fixed K (at least 16 requests at every batch size:
+#    batch 1 runs 16 prompts one after another, not one prompt)
 [ "$ENGINE" = 1 ] && run bench-engine python scripts/bench_engine.py --model "$MODEL" "${SOURCE[@]}" \
-  --drafter "$DATA/run" --modes none,fixed:3,fixed:7,adaptive --batch-sizes 1,16,64 --repeats 2 \
+  --drafter "$DATA/run" --modes none,fixed:3,fixed:7,adaptive --batch-sizes 1,16,64 --min-requests 16 --repeats 2 \
   --time-budget-s 150 --out "$RES/engine-h200-shipped.json"
 # A server's steady state with request lengths varied (--output-len-spread): equal lengths would let plain decoding
 # refill its slots in lockstep while speculative requests admit a prompt nearly every step.

@@ -57,9 +57,10 @@ timeout ${KB_S:-180} python -m scripts.bench_kernels --op all --out $RES/kernels
   > $RES/logs/bench_kernels.log 2>&1
 stamp "bench_kernels (rc $?)"
 
-# 3. The engine benchmark with the shipped drafter, HF generate at every batch size included.
+# 3. The engine benchmark with the shipped drafter, HF generate at every batch size included (the engine runs at least
+#    16 requests at every batch size: batch 1 and 4 are then more than one or four prompts).
 timeout $((BENCH_S + 90)) python -m scripts.bench_engine --model "$MODEL" --sharegpt-file "$SHAREGPT" \
-  --drafter "$DRAFTER" --time-budget-s "$BENCH_S" --out $RES/engine-h200.json "${BENCH_EXTRA[@]}" \
+  --drafter "$DRAFTER" --min-requests 16 --time-budget-s "$BENCH_S" --out $RES/engine-h200.json "${BENCH_EXTRA[@]}" \
   > $RES/logs/bench_engine.log 2>&1
 stamp "bench_engine (rc $?)"
 # 3b. The same modes in the steady state of a server at max_num_seqs = B (4·B requests, a freed slot refilled at
