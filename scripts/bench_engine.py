@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import platform
 import shlex
 import statistics
@@ -75,7 +74,14 @@ from reference.cost_model import hardware_name
 from reference.drafter import DSparkDrafter
 from reference.ngram import NgramProposer
 from reference.target import Target
-from scripts.benchmarking import add_engine_source_args, default_tag, load_prompts, parse_config, sync
+from scripts.benchmarking import (
+    add_engine_source_args,
+    default_tag,
+    load_prompts,
+    parse_config,
+    request_lengths,
+    sync,
+)
 
 log = logging.getLogger("dspark.bench_engine")
 
@@ -148,16 +154,6 @@ def split_variant(spec: str) -> tuple[str, str | None]:
 # ---------------------------------------------------------------------------------------------------------
 # One timed run of each engine
 # ---------------------------------------------------------------------------------------------------------
-
-
-def request_lengths(n: int, max_new_tokens: int, spread: float, seed: int) -> list[int]:
-    """Output length of each of ``n`` requests: ``max_new_tokens`` each (spread 0), or drawn uniformly in
-    ``[(1 - spread) · max_new_tokens, max_new_tokens]`` from ``seed``, the same for every mode of a run."""
-    if spread == 0:
-        return [max_new_tokens] * n
-    g = torch.Generator().manual_seed(seed)
-    low = max(1, math.ceil((1 - spread) * max_new_tokens))
-    return torch.randint(low, max_new_tokens + 1, (n,), generator=g).tolist()
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int | list[int],

@@ -1,7 +1,7 @@
 """What the benchmark and profiling scripts (``scripts.bench_engine``, ``scripts.profile_engine``,
 ``scripts.bench_kernels``) share: the flags that choose prompts, device, dtype and graphs, the prompts those flags
-select, the ``[ngram:]mode[:K]`` spelling of a configuration, a device barrier for timing and the device tag of output
-files. A library: no command line here.
+select, the ``[ngram:]mode[:K]`` spelling of a configuration, seeded request lengths, a device barrier for timing and
+the device tag of output files. A library: no command line here.
 
 Names follow ``docs/method.md`` (``ℓ`` verify length, ``γ`` block size).
 """
@@ -9,6 +9,7 @@ Names follow ``docs/method.md`` (``ℓ`` verify length, ``γ`` block size).
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -89,6 +90,16 @@ def load_prompts(args: argparse.Namespace, target: Target, needed: int) -> list[
     if not prompts:
         raise SystemExit(f"no prompt fits --max-prompt-tokens {args.max_prompt_tokens}")
     return prompts
+
+
+def request_lengths(n: int, max_new_tokens: int, spread: float, seed: int) -> list[int]:
+    """Output length of each of ``n`` requests: ``max_new_tokens`` each (spread 0), or drawn uniformly in
+    ``[(1 - spread) · max_new_tokens, max_new_tokens]`` from ``seed``, the same for every mode of a run."""
+    if spread == 0:
+        return [max_new_tokens] * n
+    g = torch.Generator().manual_seed(seed)
+    low = max(1, math.ceil((1 - spread) * max_new_tokens))
+    return torch.randint(low, max_new_tokens + 1, (n,), generator=g).tolist()
 
 
 def sync(device: torch.device) -> None:

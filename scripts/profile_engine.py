@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
 import shlex
 import statistics
 import sys
@@ -53,7 +52,7 @@ from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import hardware_name
 from reference.drafter import DSparkDrafter
 from reference.target import Target
-from scripts.benchmarking import add_engine_source_args, load_prompts, parse_mode, sync
+from scripts.benchmarking import add_engine_source_args, load_prompts, parse_mode, request_lengths, sync
 
 log = logging.getLogger("dspark.profile_engine")
 
@@ -104,19 +103,20 @@ def decoding_steps(engine: Engine, count: int, feed: Callable[[], None] | None =
 
 class Refill:
     """``--refill``: keeps ``batch_size`` requests waiting behind the running ones, each of a seeded length in
-    ``[tokens / 2, tokens]``, prompts taken in turn."""
+    ``[tokens / 2, tokens]`` (``scripts.benchmarking.request_lengths`` with spread 0.5, as ``bench_engine``'s
+    ``--output-len-spread 0.5``), prompts taken in turn."""
 
     def __init__(self, engine: Engine, prompts: list[list[int]], batch_size: int, tokens: int, temperature: float,
-                 seed: int) -> None:
+                 seed: int, feeds: int) -> None:
+        """``feeds``: how many times it will be called; each call adds at most ``batch_size`` requests."""
         self.engine, self.prompts, self.batch_size, self.temperature = engine, prompts, batch_size, temperature
-        self.low, self.high = max(1, tokens // 2), max(1, tokens)
-        self.rng = random.Random(seed)
+        self.lengths = request_lengths(batch_size * (feeds + 1), max(1, tokens), 0.5, seed)
         self.added = 0
 
     def __call__(self) -> None:
         while len(self.engine.scheduler.waiting) < self.batch_size:
-            params = SamplingParams(max_new_tokens=self.rng.randint(self.low, self.high), temperature=self.temperature,
-                                    ignore_eos=True)
+            params = SamplingParams(max_new_tokens=self.lengths[self.added % len(self.lengths)],
+                                    temperature=self.temperature, ignore_eos=True)
             self.engine.add_request(self.prompts[self.added % len(self.prompts)], params, request_id=self.added)
             self.added += 1
 
@@ -186,7 +186,8 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
                           args.draft_ahead, args.async_decode, args.prefill_graph_tokens)
     refill = None
     if args.refill:
-        refill = Refill(engine, prompts, args.batch_size, args.refill, args.temperature, args.seed)
+        refill = Refill(engine, prompts, args.batch_size, args.refill, args.temperature, args.seed,
+                        feeds=1 + args.warmup + 2 * args.steps)
         refill()  # the first batch_size requests (the next ones join as their slots free)
     else:
         params = SamplingParams(max_new_tokens=max_new, temperature=args.temperature, ignore_eos=True)
