@@ -507,21 +507,14 @@ def main(argv: list[str] | None = None) -> int:
         for p_ in drafter.parameters():
             dist.broadcast(p_.data, src=0)
 
-    eval_batches, group_batches, eval_groups = [], [], None
-    if rank == 0:  # the held-out batches; and batches of one temperature each, for the proxies per temperature
-        eval_batches = token_budget_batches(eval_data.lengths, args.tokens_per_batch, args.seed, epoch=0)
-        group_batches, eval_groups = eval_batches_by_temperature(eval_data.lengths, eval_temperatures,
-                                                                 args.tokens_per_batch, args.seed)
+    eval_batches, eval_groups = [], None
+    if rank == 0:  # batches of one sampling temperature each, so that the proxies are also reported per temperature
+        eval_batches, eval_groups = eval_batches_by_temperature(eval_data.lengths, eval_temperatures,
+                                                                args.tokens_per_batch, args.seed)
 
     def held_out() -> dict:
-        """The held-out evaluation; with temperatures recorded, a second pass over temperature-pure batches adds the
-        proxies per temperature (the first keeps the loss averaged over the same batches as before)."""
-        result = evaluate(drafter, target, eval_data, eval_batches, args.loss_weights, args.decay, device,
-                          args.loss_backend)
-        if eval_groups is not None:
-            result["by_group"] = evaluate(drafter, target, eval_data, group_batches, args.loss_weights, args.decay,
-                                          device, args.loss_backend, eval_groups)["by_group"]
-        return result
+        return evaluate(drafter, target, eval_data, eval_batches, args.loss_weights, args.decay, device,
+                        args.loss_backend, eval_groups)
 
     # Global batches of world · --tokens-per-batch padded tokens, drawn identically on every rank from (seed, epoch);
     # rank r takes every world-th sequence of each. The data seen at a step is then the same whatever the number of
