@@ -19,12 +19,10 @@ give the same kind of data slowly, one request at a time. Instead, on held-out *
 
 Contexts. Each mode is calibrated on the held-out sequences sampled at its own temperature (greedy on the greedy
 answers, sampling on the T = 1 answers; ``--contexts matched``, the default, when the set records its temperatures),
-so that the fit and the reported ECE are those of the text the mode's requests draft after. The confidence head sees
-that text, and its confidences already follow how predictable it is, but not exactly: on 24 held-out answers of each
-kind (CPU, float32, 192 proposals per cell), the shipped drafter's calibration, fitted on both kinds of text at once,
-predicted the first slot's survival at 0.63 against a realised 0.64 for sampling on T = 1 answers and 0.77 against
-0.77 for greedy on greedy answers, but 0.77 against 0.74 for sampling on greedy answers and 0.60 against 0.62 for
-greedy on T = 1 answers. ``--contexts all`` uses every sequence for every mode.
+so that the fit and the reported ECE are those of the text the mode's requests draft after. The two kinds of text
+differ: after greedy text a draft survives more often, and a calibration fitted on both at once was off by up to
+3.5 % ECE on the greedy answers alone (docs/benchmarks/index.md, "Calibration"). ``--contexts all`` uses every
+sequence for every mode.
 
 The calibration is then fitted per mode on one part of the held-out sequences and the ECE before/after is reported
 per position on the other part (``--fit-fraction``), so the "after" number is not measured on the data it was
