@@ -33,6 +33,7 @@ from torch import Tensor
 from reference.losses import block_targets, sample_anchors, teacher_rows
 
 SHARD_GLOB = "shard-*.safetensors"
+MANIFEST = "manifest.json"  # the dataset's settings and shard list (scripts/make_dataset.py writes it)
 
 
 def shard_name(index: int) -> str:
@@ -99,10 +100,15 @@ def shard_files(directory: str | Path) -> list[Path]:
     return files
 
 
+def example_id(prompt_id: str | int, temperature_index: int) -> str:
+    """``"P@k"``: the answer to prompt ``P`` sampled at the ``k``-th of the dataset's temperatures."""
+    return f"{prompt_id}@{temperature_index}"
+
+
 def generation_temperatures(directory: str | Path) -> tuple[float, ...] | None:
     """The temperatures the dataset's responses were sampled at (``manifest.json``'s ``settings.temperatures``), or
-    ``None`` when the directory records none. Example ``"P@k"`` answered prompt P at the k-th of them."""
-    manifest = Path(directory) / "manifest.json"
+    ``None`` when the directory records none (:func:`example_id` indexes into them)."""
+    manifest = Path(directory) / MANIFEST
     if not manifest.is_file():
         return None
     temps = json.loads(manifest.read_text()).get("settings", {}).get("temperatures")
@@ -110,7 +116,8 @@ def generation_temperatures(directory: str | Path) -> tuple[float, ...] | None:
 
 
 def example_temperature(example: Example, temperatures: tuple[float, ...]) -> float | None:
-    """The temperature ``example`` was sampled at (its id ``"P@k"``), or ``None`` for an id of another form."""
+    """The temperature ``example`` was sampled at (its id, :func:`example_id`), or ``None`` for an id of another
+    form."""
     _, sep, k = example.id.rpartition("@")
     if not sep or not k.isdigit() or int(k) >= len(temperatures):
         return None

@@ -51,14 +51,13 @@ from optimized.engine import Engine, EngineConfig, SamplingParams
 from reference.config import SchedulerConfig
 from reference.target import DEFAULT_TARGET, Target
 from scripts import data
-from scripts.dataset import pack_shard, read_shard, shard_name, write_shard
+from scripts.dataset import MANIFEST, example_id, pack_shard, read_shard, shard_name, write_shard
 from scripts.runtime import hardware, resolve_device
 
 log = logging.getLogger("dspark.make_dataset")
 
 FORMAT = "dspark-selfdistill"
 FORMAT_VERSION = 2  # 2: safetensors shards written by the engine, several temperatures per prompt
-MANIFEST = "manifest.json"
 DEFAULT_TEMPERATURES = (0.0, 1.0)
 
 
@@ -281,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         responses = engine_responses(engine, [p for _, p in chunk for _ in temps],
                                      [params[t] for _ in chunk for t in range(len(temps))], rids, eos_ids,
                                      progress=rank == 0)
-        ids = [f"{pid}@{t}" for pid, _ in chunk for t in range(len(temps))]  # @ index into settings["temperatures"]
+        ids = [example_id(pid, t) for pid, _ in chunk for t in range(len(temps))]  # t indexes settings["temperatures"]
         shard = pack_shard(ids, [p for _, p in chunk for _ in temps], responses, target.vocab_size)
         wall = time.perf_counter() - t0
         slowest = max(slowest, wall)

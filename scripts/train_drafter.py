@@ -67,6 +67,7 @@ from reference.drafter import DSparkDrafter
 from reference.losses import LossWeights, dense_block_targets
 from reference.target import DEFAULT_TARGET, Target
 from scripts.dataset import (
+    MANIFEST,
     TokenData,
     batch_stream,
     example_temperature,
@@ -79,7 +80,6 @@ from scripts.runtime import hardware, resolve_device
 log = logging.getLogger("dspark.train")
 
 STATE_DIR = "_state"
-MANIFEST = "manifest.json"
 # Arguments that define the model being trained: a resumed run must not change them.
 ARCH_ARGS = ("head", "num_layers", "markov_rank", "markov_factored", "qk_norm", "gamma", "model", "loss_weights",
              "decay", "steps", "seed")
