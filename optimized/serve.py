@@ -29,9 +29,11 @@ from typing import TYPE_CHECKING
 from reference.config import DEFAULT_DRAFTER, DEFAULT_MODEL, SCHEDULER_MODES, SchedulerConfig
 
 if TYPE_CHECKING:
-    import torch
-# torch is imported where the engine's settings are resolved and built, not here: the further API servers
-# (--api-server-count) are spawned children that import this module again, and need neither torch nor the engine.
+    from optimized.serving.engine_process import SpawnedEngine
+# torch is imported where the engine is built (build_runtime, in the engine process with CUDA), not here and not
+# while the flags are resolved: API server 0 starts the engine process before it imports its HTTP stack, so that the
+# engine's imports, weights and graphs overlap the HTTP side's start, and the further API servers
+# (--api-server-count) are spawned children that import this module again and need neither torch nor the engine.
 
 log = logging.getLogger("dspark.serve")
 
@@ -198,7 +200,7 @@ class ServeArgs:
     args: argparse.Namespace
     spec: SpeculativeConfig
     device: str
-    dtype: torch.dtype
+    dtype: str  # a torch dtype's name ("bfloat16"); build_runtime makes it the torch.dtype
     max_num_seqs: int
     drafter: str | None
     engine_process: bool
@@ -206,15 +208,16 @@ class ServeArgs:
 
 
 def resolve(args: argparse.Namespace) -> ServeArgs:
-    """Check the flags before anything loads; raises ValueError with a message for the user."""
-    import torch
+    """Check the flags before anything loads; raises ValueError with a message for the user. Imports no torch where
+    the device is certain without it (optimized/serving/device.py)."""
+    from optimized.serving.device import detect_device
 
     spec = SpeculativeConfig.parse(args.speculative_config)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if device == "cuda" and not torch.cuda.is_available():
+    found = detect_device() if args.device in ("auto", "cuda") else args.device
+    if args.device == "cuda" and found != "cuda":
         raise ValueError("--device cuda: no CUDA device is available")
-    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    device = found
+    dtype = ("bfloat16" if device == "cuda" else "float32") if args.dtype == "auto" else args.dtype
     max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS[device]
     for name, value in (("--max-num-seqs", max_num_seqs), ("--max-model-len", args.max_model_len),
                         ("--max-num-batched-tokens", args.max_num_batched_tokens or 1)):
@@ -261,6 +264,7 @@ def build_runtime(sa: ServeArgs):
     """Load the target and drafter, build the engine, install its cost table, warm it up."""
     args, times, t0 = sa.args, {}, time.perf_counter()
     with _stage("imports (torch, transformers, the engine and its kernels)", times):
+        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 (Target.load's lazy imports)
 
         from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
@@ -269,8 +273,12 @@ def build_runtime(sa: ServeArgs):
         from reference.cli import load_or_init_drafter
         from reference.cost_model import CostTable
         from reference.target import Target
+    if sa.device == "cuda" and not torch.cuda.is_available():  # resolve() asked the driver; torch has the last word
+        raise ValueError(f"the CUDA driver shows a device, but this torch ({torch.__version__}) cannot use it: "
+                         "pass --device cpu, or install a torch built for this driver")
+    dtype = getattr(torch, sa.dtype)
     with _stage("target weights", times):
-        target = Target.load(args.model, device=sa.device, dtype=sa.dtype)
+        target = Target.load(args.model, device=sa.device, dtype=dtype)
     limit = getattr(target.config, "max_position_embeddings", None)
     if limit is not None and args.max_model_len > limit:
         raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's {limit} positions")
@@ -284,7 +292,7 @@ def build_runtime(sa: ServeArgs):
     extra = {"prefill_chunk": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
     # Positions per slot: the longest request plus the drafter's scratch block (as optimized.generate sizes them).
     cfg = EngineConfig(max_num_seqs=sa.max_num_seqs, max_seq_len=args.max_model_len + 2 * gamma + 2,
-                       enforce_eager=args.enforce_eager, seed=args.seed, device=sa.device, dtype=sa.dtype, **extra)
+                       enforce_eager=args.enforce_eager, seed=args.seed, device=sa.device, dtype=dtype, **extra)
     graphs = sa.device == "cuda" and not args.enforce_eager
     with _stage("engine (static caches" + (", CUDA graphs)" if graphs else ")"), times):
         engine = Engine(target, drafter, cfg, sched, cost)
@@ -296,7 +304,7 @@ def build_runtime(sa: ServeArgs):
         engine.warmup()
     log.info("start-up: ready in %.2f s (%s); mode %s, γ = %d, %d slots, max model len %d, %s %s, overlap %s",
              time.perf_counter() - t0, ", ".join(f"{k} {v:.2f} s" for k, v in times.items()), sched.mode, gamma,
-             sa.max_num_seqs, args.max_model_len, sa.device, str(sa.dtype).removeprefix("torch."),
+             sa.max_num_seqs, args.max_model_len, sa.device, sa.dtype,
              ", ".join(k for k, on in engine.pipelining.items() if on) or "off")
     if target.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer: the server needs one")
@@ -326,22 +334,30 @@ def main(argv: list[str] | None = None) -> int:
         sa = resolve(args)
     except ValueError as err:
         parser.error(str(err))
-    settings = server_settings(args)
+    # A partial over the resolved settings, not a closure: the engine process receives it pickled.
+    build = functools.partial(build_runtime, sa)
+    spawned = None
+    if sa.engine_process:  # start the engine first: its start-up overlaps the HTTP side's imports and start
+        from optimized.serving.engine_process import spawn_engine
+
+        spawned = spawn_engine(build, count=sa.api_server_count)
     log.info("the engine runs %s", "in its own process" if sa.engine_process else "on a thread of this process")
+    settings = server_settings(args)
     options = dict(log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                    timeout_graceful_shutdown=args.shutdown_timeout)
-    # A partial over the resolved settings, not a closure: the engine process receives it pickled.
-    return run_http(settings, functools.partial(build_runtime, sa), host=args.host, port=args.port,
-                    max_num_seqs=sa.max_num_seqs, max_waiting=args.max_waiting, engine_process=sa.engine_process,
-                    api_server_count=sa.api_server_count, uvicorn_options=options)
+    return run_http(settings, build, host=args.host, port=args.port, max_num_seqs=sa.max_num_seqs,
+                    max_waiting=args.max_waiting, engine_process=sa.engine_process,
+                    api_server_count=sa.api_server_count, uvicorn_options=options, spawned=spawned)
 
 
 def run_http(settings, build, *, host: str, port: int, max_num_seqs: int, max_waiting: int, engine_process: bool,
-             api_server_count: int = 1, uvicorn_options: dict | None = None) -> int:
+             api_server_count: int = 1, uvicorn_options: dict | None = None,
+             spawned: SpawnedEngine | None = None) -> int:
     """Serve until SIGTERM / SIGINT (exit code 0, after the drain) or a failure of the engine or of an API server
     (1). ``build`` makes the engine's :class:`~optimized.serving.engine_loop.Runtime` (picklable with
     ``engine_process``); ``api_server_count`` > 1 runs that many HTTP processes on one socket
-    (optimized/serving/api_servers.py)."""
+    (optimized/serving/api_servers.py). ``spawned``: the engine process, already started by
+    :func:`~optimized.serving.engine_process.spawn_engine` with ``build`` (else the server starts it)."""
     import uvicorn
 
     from optimized.serving.api_servers import ApiServerGroup
@@ -356,7 +372,7 @@ def run_http(settings, build, *, host: str, port: int, max_num_seqs: int, max_wa
                                uvicorn_options=options)
         log.info("%d API servers share %s:%d", api_server_count, host, port)
     server = Server(settings, build, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
-                    engine_process=engine_process, group=group)
+                    engine_process=engine_process, group=group, spawned=spawned)
 
     def on_signal(sig: int) -> bool:  # the further API servers drain too (Ctrl-C reaches them through this)
         if group is not None:

@@ -54,7 +54,7 @@ from optimized.serving.engine_loop import (
     Runtime,
     seed_key,
 )
-from optimized.serving.engine_process import EnginePeer, EngineProcess
+from optimized.serving.engine_process import EnginePeer, EngineProcess, SpawnedEngine
 from optimized.serving.metrics import ServerMetrics
 from optimized.serving.protocol import (
     AssistantMessage,
@@ -127,13 +127,14 @@ class Server:
 
     def __init__(self, settings: ServerSettings, build: Callable[[], Runtime] | None, *, max_num_seqs: int,
                  max_waiting: int, engine_process: bool = False, group: ApiServerGroup | None = None,
-                 peer: PeerSpec | None = None) -> None:
+                 peer: PeerSpec | None = None, spawned: SpawnedEngine | None = None) -> None:
         """``build`` makes the engine on the engine thread or, with ``engine_process``, in a child process (then it
         must be picklable; see optimized/serving/engine_process.py).
 
         With ``--api-server-count`` N > 1 (optimized/serving/api_servers.py), API server 0 passes ``group`` (it
         starts the engine process with a pair of pipes per server, then the other servers) and server i > 0
-        passes ``peer`` (its pipes; ``build`` is None)."""
+        passes ``peer`` (its pipes; ``build`` is None). ``spawned``: the engine process, already started with
+        ``build`` (``engine_process`` only; optimized/serving/engine_process.py, ``spawn_engine``)."""
         self.settings = settings
         self.group, self.peer = group, peer
         share = dict(max_num_seqs=max_num_seqs, max_waiting=max_waiting, on_ready=self._ready, on_fatal=self._fatal)
@@ -143,11 +144,13 @@ class Server:
         elif group is not None:
             if not engine_process:
                 raise ValueError("several API servers share an engine process: the engine cannot run on a thread")
-            self.loop = EngineProcess(build, count=group.count, **share)
+            self.loop = EngineProcess(build, count=group.count, spawned=spawned, **share)
             self.exchange = group.exchange
             group.on_fatal = self._fatal
         else:
-            self.loop = (EngineProcess if engine_process else EngineLoop)(build, **share)
+            if spawned is not None and not engine_process:
+                raise ValueError("an engine process was started, but the server runs the engine on a thread")
+            self.loop = EngineProcess(build, spawned=spawned, **share) if engine_process else EngineLoop(build, **share)
             self.exchange = None
         self._all_ready = group is None  # server 0 of a group: whether every further server has the engine
         self.runtime: Runtime | None = None

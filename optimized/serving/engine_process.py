@@ -212,6 +212,37 @@ class PipeClient(EngineClient):
         return RuntimeError("the engine process exited unexpectedly")
 
 
+@dataclasses.dataclass
+class SpawnedEngine:
+    """An engine process started by :func:`spawn_engine`: the child, and this process's ends of its pipes, one
+    ``(commands in, results out)`` pair per API server (index 0 first)."""
+
+    proc: multiprocessing.process.BaseProcess
+    channels: list[tuple[Connection, Connection]]
+
+
+def spawn_engine(build: Callable[[], Runtime], count: int = 1) -> SpawnedEngine:
+    """Start the engine process (``engine_main``), which calls ``build`` at once: its imports, weights, graphs and
+    warm-up run from here on. ``python -m optimized.serve`` calls this before it imports its HTTP stack and hands
+    the result to :class:`EngineProcess`, which attaches to it once the event loop runs; results the child sends
+    meanwhile wait in the pipe."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = [], []  # per API server: (commands in, results out) here, (commands out, results in) there
+    for _ in range(count):
+        commands_out, commands_in = ctx.Pipe(duplex=False)
+        results_out, results_in = ctx.Pipe(duplex=False)
+        ours.append((commands_in, results_out))
+        theirs.append((commands_out, results_in))
+    root = logging.getLogger()
+    fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)
+    proc = ctx.Process(target=engine_main, name="dspark-engine", daemon=True, args=(build, theirs, root.level, fmt))
+    proc.start()
+    for commands_out, results_in in theirs:  # the child's ends: once it exits, our reads see the end of the pipe
+        commands_out.close()
+        results_in.close()
+    return SpawnedEngine(proc, ours)
+
+
 class EngineProcess(PipeClient):
     """The engine in a child process; the same interface as :class:`~optimized.serving.engine_loop.EngineLoop`.
 
@@ -222,9 +253,15 @@ class EngineProcess(PipeClient):
     """
 
     def __init__(self, build: Callable[[], Runtime], *, max_num_seqs: int, max_waiting: int,
-                 on_ready: Callable[[Runtime], Any], on_fatal: Callable[[BaseException], None], count: int = 1) -> None:
+                 on_ready: Callable[[Runtime], Any], on_fatal: Callable[[BaseException], None], count: int = 1,
+                 spawned: SpawnedEngine | None = None) -> None:
+        """``spawned``: the child, already started with ``build`` by :func:`spawn_engine` (else :meth:`start`
+        starts it)."""
         super().__init__(build, max_num_seqs=max_num_seqs, max_waiting=max_waiting, on_ready=on_ready,
                          on_fatal=on_fatal, index=0, count=count)
+        if spawned is not None and len(spawned.channels) != count:
+            raise ValueError(f"the engine process was started for {len(spawned.channels)} API servers, not {count}")
+        self._spawned = spawned
         self._proc: multiprocessing.process.BaseProcess | None = None
         self.peer_channels: list[tuple[Connection, Connection]] = []
 
@@ -235,23 +272,10 @@ class EngineProcess(PipeClient):
 
     def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
         self._aio = aio_loop
-        ctx = multiprocessing.get_context("spawn")
-        ours, theirs = [], []  # per API server: (commands in, results out) here, (commands out, results in) there
-        for _ in range(self.count):
-            commands_out, commands_in = ctx.Pipe(duplex=False)
-            results_out, results_in = ctx.Pipe(duplex=False)
-            ours.append((commands_in, results_out))
-            theirs.append((commands_out, results_in))
-        root = logging.getLogger()
-        fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)
-        self._proc = ctx.Process(target=engine_main, name="dspark-engine", daemon=True,
-                                 args=(self._build, theirs, root.level, fmt))
-        self._proc.start()
-        for commands_out, results_in in theirs:  # the child's ends: once it exits, our reads see the end of the pipe
-            commands_out.close()
-            results_in.close()
-        self._attach(*ours[0])
-        self.peer_channels = ours[1:]
+        spawned, self._spawned = self._spawned or spawn_engine(self._build, self.count), None
+        self._proc = spawned.proc
+        self._attach(*spawned.channels[0])
+        self.peer_channels = spawned.channels[1:]
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the child to stop, wait ``timeout`` seconds, then terminate it, then kill it."""

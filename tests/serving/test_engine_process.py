@@ -10,12 +10,14 @@ that frees its slot; and last, a killed engine process that fails every request 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -23,7 +25,7 @@ import pytest
 
 from optimized.sequence import SamplingParams, StepOutput
 from optimized.serving.engine_loop import EngineFailed, EngineLoop, NotReady
-from optimized.serving.engine_process import EngineProcess
+from optimized.serving.engine_process import EngineProcess, spawn_engine
 from optimized.serving.metrics import ServerMetrics
 from scripts.bench_server_overhead import SimulatedBuild
 from tests.serving.conftest import ROOT, LiveServer, tiny_server_args
@@ -238,6 +240,47 @@ def test_a_start_up_failure_reports_the_builders_error(mode):
         with pytest.raises(NotReady):
             h.client.submit([1], SamplingParams())
         h.client.stop()
+
+    asyncio.run(scenario())
+
+
+@dataclasses.dataclass
+class StampedBuild:
+    """A simulated engine's build that first writes the time it started into ``path`` (picklable)."""
+
+    path: str
+    inner: SimulatedBuild
+
+    def __call__(self):
+        Path(self.path).write_text(repr(time.time()))
+        return self.inner()
+
+
+def test_an_engine_spawned_ahead_builds_before_the_server_attaches(tmp_path):
+    """``python -m optimized.serve`` starts the engine process before its HTTP side exists (``spawn_engine``): the
+    child builds with no event loop on this side; the client attached later gets the ready message that waited in
+    the pipe and serves. A client for another number of API servers than the child was started for is refused."""
+    build = StampedBuild(str(tmp_path / "built"), sim_build())
+    spawned = spawn_engine(build)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "built").exists():
+        assert time.monotonic() < deadline, "the spawned engine never started building"
+        time.sleep(0.02)
+    with pytest.raises(ValueError, match="started for 1 API servers, not 2"):
+        EngineProcess(build, max_num_seqs=2, max_waiting=4, on_ready=None, on_fatal=None, count=2, spawned=spawned)
+
+    async def scenario():
+        h = Harness("process", build.inner)
+        h.client = EngineProcess(build, max_num_seqs=2, max_waiting=4, on_ready=h._ready, on_fatal=h.fatal.append,
+                                 spawned=spawned)
+        attached = time.time()
+        await h.start()
+        assert float((tmp_path / "built").read_text()) < attached and h.client.pid == spawned.proc.pid
+        handle = h.client.submit([1, 2], SamplingParams(max_new_tokens=4))
+        got = await collect(handle)
+        assert [t for ids, _, _ in got for t in ids] == [10, 11, 12, 13] and got[-1][1]
+        h.client.stop()
+        assert gone(spawned.proc.pid)
 
     asyncio.run(scenario())
 
