@@ -373,9 +373,9 @@ def summarize(mode: Mode, concurrency: int, results: list[RequestResult], wall_s
 # --------------------------------------------------------------------------------------------------------------
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> float:
-    """Poll ``url``/health until it answers 200; returns the seconds it took. Fails when ``proc`` exits first or the
-    time runs out, naming the server's log."""
+def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float, poll_s: float = 0.5) -> float:
+    """Poll ``url``/health every ``poll_s`` seconds until it answers 200; returns the seconds it took. Fails when
+    ``proc`` exits first or the time runs out, naming the server's log."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout_s:
         if proc.poll() is not None:
@@ -385,30 +385,32 @@ def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: fl
                 return time.perf_counter() - t0
         except httpx.TransportError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise TimeoutError(f"server not ready after {timeout_s} s; see {log_path}")
 
 
 class LaunchedServer:
-    """``python -m optimized.serve`` for one mode, on a free port; stopped with SIGTERM (it drains, exits 0)."""
+    """``python -m optimized.serve`` for one mode (None: the server's default), on a free port; stopped with SIGTERM
+    (it drains, exits 0). ``wait_ready`` polls /health every ``poll_s`` seconds."""
 
-    def __init__(self, mode: Mode, server_args: list[str], log_path: Path) -> None:
+    def __init__(self, mode: Mode | None, server_args: list[str], log_path: Path, poll_s: float = 0.5) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "optimized.serve", "--port", str(port), "--disable-uvicorn-access-log",
-               "--speculative-config", mode.speculative_config(), *server_args]
+        spec = ["--speculative-config", mode.speculative_config()] if mode is not None else []
+        cmd = [sys.executable, "-m", "optimized.serve", "--port", str(port), "--disable-uvicorn-access-log", *spec,
+               *server_args]
         log.info("launching %s (log: %s)", shlex.join(cmd), log_path)
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         # The project root first, then whatever PYTHONPATH already holds (packages installed with --target, say).
         pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, PYTHONPATH=pythonpath))
-        self.log_path = log_path
+        self.log_path, self.poll_s = log_path, poll_s
 
     def wait_ready(self) -> float:
-        return wait_healthy(self.url, self.proc, self.log_path, START_TIMEOUT_S)
+        return wait_healthy(self.url, self.proc, self.log_path, START_TIMEOUT_S, self.poll_s)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -6,7 +6,8 @@ number on the site is always the number in the file, with the hardware and the c
 
 Kinds (one renderer each, below): ``provenance``, ``engine-throughput``, ``cost-check``, ``speculation-frontier``,
 ``acceptance``, ``training``, ``kernels``, ``calibration``, ``calibration-methods``, ``gpu-equivalence``,
-``summary``, ``serving`` and ``startup`` (scripts/bench_serving.py), ``server-overhead``
+``summary``, ``serving`` and ``startup`` (scripts/bench_serving.py), ``startup-launches``
+(scripts/bench_startup.py), ``server-overhead``
 (scripts/bench_server_overhead.py), and ``checkpoint`` (how a shipped drafter was made, from its ``summary.json``).
 An unknown kind, a missing file or a file without the expected fields fails the build.
 
@@ -20,6 +21,7 @@ import json
 import logging
 import re
 import shlex
+import statistics
 from pathlib import Path
 
 log = logging.getLogger("mkdocs.hooks.benchmark_tables")
@@ -397,6 +399,30 @@ def startup(page_dir: Path, files: list[str]) -> str:
     return _table(["launch", "mode", "command → `/health` 200"], rows)
 
 
+def startup_launches(page_dir: Path, files: list[str]) -> str:
+    """scripts/bench_startup.py: each launch's time to /health = 200, where it went, and its first requests."""
+    data = _load(page_dir, files[0])
+    if "launches" not in data:
+        raise ValueError("benchmark tables: not a start-up benchmark (scripts/bench_startup.py) JSON")
+
+    def stage(r: dict, prefix: str) -> str:
+        found = [v for k, v in r["stages"].items() if k.startswith(prefix)]
+        return f"{found[0]:.1f} s" if found else "–"
+
+    rows = []
+    for r in data["launches"]:
+        graphs = ", ".join(f"{g['count']} {name} {g['seconds']:.1f} s" for name, g in r["graphs"].items())
+        first, rest = r["requests_ms"][0], r["requests_ms"][1:]
+        rows.append([str(r["launch"]), f"**{r['ready_s']:.1f} s**", f"{r['first_log_s']:.1f} s",
+                     f"{r['engine_first_stage_s']:.1f} s", stage(r, "imports"), stage(r, "target weights"),
+                     stage(r, "engine") + (f" ({graphs})" if graphs else ""), stage(r, "step-cost table"),
+                     stage(r, "kernel warm-up"),
+                     f"{first:.0f} / {statistics.median(rest):.0f} ms" if rest else f"{first:.0f} ms"])
+    return _table(["launch", "command → `/health` 200", "first log line", "engine's first stage", "imports",
+                   "target weights", "caches and graphs", "step-cost table", "warm-up",
+                   "first request / median of the next"], rows)
+
+
 def server_overhead(page_dir: Path, files: list[str]) -> str:
     """scripts/bench_server_overhead.py: server tokens/s against the simulated engine alone, per arm."""
     data = _load(page_dir, files[0])
@@ -427,6 +453,7 @@ RENDERERS = {
     "checkpoint": checkpoint,
     "serving": serving,
     "startup": startup,
+    "startup-launches": startup_launches,
     "server-overhead": server_overhead,
 }
 
