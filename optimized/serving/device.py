@@ -23,6 +23,9 @@ import ctypes
 import importlib.util
 import os
 
+CUDA_ERROR_NO_DEVICE = 100  # cuInit's answer where the driver sees no device
+
+
 
 def torch_build() -> dict[str, str | None] | None:
     """The ``cuda`` / ``hip`` / ``xpu`` fields of the installed torch's ``version.py`` (None: torch is missing or
@@ -53,15 +56,18 @@ def torch_build() -> dict[str, str | None] | None:
 
 def cuda_driver_has_device(torch_cuda: str) -> bool | None:
     """Whether the CUDA driver shows at least one device that a torch built for CUDA ``torch_cuda`` (e.g. "13.0")
-    can use: False without a driver or a visible device, None where only torch can tell (a driver of an older major
-    release than torch's CUDA, or a driver call that fails unexpectedly)."""
+    can use: False where the driver sees no device, None where only torch can tell (no driver library found, a driver
+    of an older major release than torch's CUDA, a driver call that fails otherwise)."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return False  # no driver: torch finds no device either
+        return None  # no driver where this process looks (a laptop's CUDA build of torch, say): torch decides
     try:
-        if lib.cuInit(0) != 0:  # e.g. CUDA_ERROR_NO_DEVICE (100), also with CUDA_VISIBLE_DEVICES=""
+        status = lib.cuInit(0)
+        if status == CUDA_ERROR_NO_DEVICE:  # also with CUDA_VISIBLE_DEVICES=""
             return False
+        if status != 0:
+            return None
         count, version = ctypes.c_int(0), ctypes.c_int(0)
         if lib.cuDeviceGetCount(ctypes.byref(count)) != 0 or lib.cuDriverGetVersion(ctypes.byref(version)) != 0:
             return None

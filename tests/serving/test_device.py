@@ -69,7 +69,8 @@ class FakeDriver:
     (FakeDriver(version=12080), "13.0", None),  # an older major release: only torch can tell
     (FakeDriver(count=0), "13.0", False),
     (FakeDriver(init=100), "12.8", False),  # CUDA_ERROR_NO_DEVICE (e.g. CUDA_VISIBLE_DEVICES="")
-    (None, "12.8", False),  # no driver library at all
+    (FakeDriver(init=3), "12.8", None),  # any other failure: torch decides
+    (None, "12.8", None),  # no driver library where this process looks: torch decides
 ])
 def test_cuda_driver_has_device(monkeypatch, driver, torch_cuda, expected):
     def cdll(name):
