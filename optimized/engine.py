@@ -19,7 +19,6 @@ Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix sur
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,7 +26,7 @@ import torch
 from optimized.config import EngineConfig
 from optimized.runner import LaunchedVerify, ModelRunner, StageOutput
 from optimized.scheduler import Scheduler, StepPlan
-from optimized.sequence import SamplingParams, Sequence, Status, StepOutput
+from optimized.sequence import SamplingParams, Sequence, Status, StepOutput, StepStats
 from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
@@ -35,26 +34,6 @@ from reference.ngram import NgramProposer, check_mode
 from reference.target import Target
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "Sequence", "Status", "StepOutput", "StepStats"]
-
-
-@dataclass
-class StepStats:
-    """What the last :meth:`Engine.step` did, for metrics (a server's live calibration error, its dashboards).
-
-    The per-request lists are aligned with ``request_ids``: the requests that verified this step, in batch order.
-    """
-
-    step_time_s: float  # host wall time of the step
-    num_running: int  # admitted requests after the step (prefilling or decoding)
-    num_waiting: int  # requests still waiting for a slot after the step
-    num_decoding: int  # requests that verified this step (R)
-    verify_tokens: int  # tokens in the verify forward, N = R + Σℓ (0 when nobody decoded)
-    budget: int | None  # the adaptive modes' planned draft budget Σℓ (B); None in other modes or with the gate closed
-    drafted: bool  # whether the drafter ran in this step (for the next step's verify); False when the gate skipped it
-    verified: list[int]  # ℓ_r of each decoding request
-    accepted: list[int]  # accepted drafts of each decoding request
-    predicted_survival: list[list[float]]  # the calibrated a_{r,1..ℓ_r} of each request's verified slots ([] if none)
-    request_ids: list[int]  # the decoding requests, in the order of the lists above
 
 
 class Engine:

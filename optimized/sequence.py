@@ -2,8 +2,8 @@
 
 The engine's three rooms talk through these objects: the scheduler (``optimized/scheduler.py``) moves a sequence
 through its statuses and owns its host bookkeeping, the model runner (``optimized/runner.py``) reads its slot, prompt
-and parameters, and the engine (``optimized/engine.py``) hands ``StepOutput`` to the caller. Names follow
-``docs/method.md`` (``ℓ`` verify length, ``a`` prefix survival, ``γ`` block size).
+and parameters, and the engine (``optimized/engine.py``) hands ``StepOutput`` and ``StepStats`` to the caller. Names
+follow ``docs/method.md`` (``ℓ`` verify length, ``a`` prefix survival, ``γ`` block size).
 """
 
 from __future__ import annotations
@@ -98,3 +98,25 @@ class StepOutput:
     finish_reason: str | None = None
     new_logprobs: list[float] = field(default_factory=list)
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # [(token, logprob)] per token
+
+
+@dataclass
+class StepStats:
+    """What the last :meth:`optimized.engine.Engine.step` did, for metrics (a server's live calibration error, its
+    dashboards). It lives here, beside ``StepOutput``, because it crosses the engine process's pipe every step: an API
+    server that unpickles it imports this module (NumPy), not the engine (torch, Triton).
+
+    The per-request lists are aligned with ``request_ids``: the requests that verified this step, in batch order.
+    """
+
+    step_time_s: float  # host wall time of the step
+    num_running: int  # admitted requests after the step (prefilling or decoding)
+    num_waiting: int  # requests still waiting for a slot after the step
+    num_decoding: int  # requests that verified this step (R)
+    verify_tokens: int  # tokens in the verify forward, N = R + Σℓ (0 when nobody decoded)
+    budget: int | None  # the adaptive modes' planned draft budget Σℓ (B); None in other modes or with the gate closed
+    drafted: bool  # whether the drafter ran in this step (for the next step's verify); False when the gate skipped it
+    verified: list[int]  # ℓ_r of each decoding request
+    accepted: list[int]  # accepted drafts of each decoding request
+    predicted_survival: list[list[float]]  # the calibrated a_{r,1..ℓ_r} of each request's verified slots ([] if none)
+    request_ids: list[int]  # the decoding requests, in the order of the lists above

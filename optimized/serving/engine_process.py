@@ -14,7 +14,9 @@ Two one-way pipes (``multiprocessing.connection``, pickle) join them:
 * results, engine → HTTP process: ``("ready", Runtime)`` once start-up is done (the tokenizer and the facts the
   server needs; no engine), then one ``("step", outputs, StepStats, errors, idle)`` per engine step (each output a
   plain tuple of the ``StepOutput`` fields), or ``("failed", exception)`` if start-up or a step raised. Each message
-  is framed by this module (its pickle's length in 8 bytes, then the pickle): see :class:`FrameReader`.
+  is framed by this module (its pickle's length in 8 bytes, then the pickle): see :class:`FrameReader`. Nothing in
+  a message needs torch to unpickle (``StepStats`` lives in ``optimized.sequence``), so an HTTP process never
+  imports it: API server 0 does not even to resolve the device (optimized/serving/device.py).
 
 The HTTP process reads the results pipe on its event loop (``add_reader``), without ever blocking: the pipe's end is
 non-blocking, a message is unpickled once all its bytes have arrived, however many reads that takes (the ready

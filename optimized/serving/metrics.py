@@ -230,7 +230,7 @@ class ServerMetrics:
     # ---------------------------------------------------------------- engine side
 
     def observe_step(self, st) -> None:
-        """One ``optimized.engine.StepStats``."""
+        """One ``optimized.sequence.StepStats``."""
         self.steps.inc()
         self.step_time.observe(st.step_time_s)
         self.num_running, self.num_waiting = st.num_running, st.num_waiting

@@ -408,6 +408,25 @@ def test_modes_serve_the_same_text(servers):
     assert all(u["completion_tokens"] > 0 for _, u in got["process"])
 
 
+def _loaded_torch(pid: int) -> bool:
+    """Whether the process has torch's shared library mapped (Linux: /proc/PID/maps)."""
+    return any("libtorch" in m.path for m in psutil.Process(pid).memory_maps())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/maps")
+def test_the_http_process_never_imports_torch(servers):
+    """With the engine in its own process, the HTTP process resolves the device, starts the engine, takes its ready
+    message and every step's outputs and stats, and serves, without importing torch: a late import would land on
+    the first request (seconds on a GPU host). The engine process has it, as it must."""
+    srv = servers["process"]
+    for body in ({"prompt": "abc", "max_tokens": 8, "temperature": 0},
+                 {"prompt": "abc", "max_tokens": 8, "temperature": 0, "logprobs": 2, "stream": True}):
+        _text(srv.url, COMPLETIONS, body)
+    assert httpx.get(srv.url + "/metrics", timeout=10).status_code == 200
+    assert not _loaded_torch(srv.proc.pid), "the HTTP process imported torch"
+    assert _loaded_torch(_engine_children(srv)[0].pid)
+
+
 def test_process_mode_refuses_bad_requests_and_frees_disconnected_slots(servers):
     url = servers["process"].url
     r = httpx.post(url + CHAT, json={"messages": MSG, "max_tokens": 500}, timeout=30)
