@@ -280,11 +280,15 @@ class EngineProcess(PipeClient):
         self.peer_channels = spawned.channels[1:]
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Ask the child to stop, wait ``timeout`` seconds, then terminate it, then kill it."""
+        """Ask the child to stop, wait ``timeout`` seconds, then terminate it, then kill it. A child still starting
+        is terminated at once: no request is in flight, and its start-up (graph capture, a cost profile) would only
+        be read by the stop once it had finished, seconds later (e.g. when the port turns out to be taken)."""
         self._stopping = True
         proc, self._proc = self._proc, None
         if proc is None:
             return
+        if not self.ready.is_set() and proc.is_alive():
+            proc.terminate()
         self._send(None)
         # Wait, taking what the child still sends (a step in flight, a late ready message): a child blocked on a full
         # pipe would never see the stop.

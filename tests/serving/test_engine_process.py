@@ -285,6 +285,37 @@ def test_an_engine_spawned_ahead_builds_before_the_server_attaches(tmp_path):
     asyncio.run(scenario())
 
 
+@dataclasses.dataclass
+class SlowBuild:
+    """A build that takes ``seconds`` before it gives the simulated engine (picklable)."""
+
+    seconds: float
+    inner: SimulatedBuild
+
+    def __call__(self):
+        time.sleep(self.seconds)
+        return self.inner()
+
+
+def test_stopping_a_starting_engine_does_not_wait_for_its_start_up():
+    """A server that stops before the engine is ready (its port was taken, say) terminates the engine process at
+    once instead of waiting for a start-up that nobody will use."""
+
+    async def scenario():
+        h = Harness("process", sim_build())
+        h.client = EngineProcess(SlowBuild(60.0, sim_build()), max_num_seqs=2, max_waiting=4, on_ready=h._ready,
+                                 on_fatal=h.fatal.append)
+        h.client.start(asyncio.get_running_loop())
+        pid = h.client.pid
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        h.client.stop()
+        assert time.monotonic() - t0 < 5 and gone(pid, timeout=5)
+        assert not h.fatal  # a requested stop is not a failure
+
+    asyncio.run(scenario())
+
+
 _PEER_IMPORTS_SCRIPT = """
 import asyncio, multiprocessing, sys, threading
 sys.path.insert(0, {root!r})
