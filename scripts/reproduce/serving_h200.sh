@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The serving frontier and start-up times on one H200 (~10 min), docs/benchmarks/serving-h200.{json,png}:
+# The serving frontier and start-up times on one H200 (~12 min), docs/benchmarks/serving-h200.{json,png}:
 #   1. scripts/bench_serving.py --launch: one `python -m optimized.serve` per mode (none, fixed K = 1, 3, 5, 7, dsd,
 #      adaptive), concurrency 1, 4, 16, 64, 256, held-out ShareGPT prompts in file order, OUTPUT_LEN tokens each
 #      (ignore_eos), greedy; each launch's time to /health 200 is recorded (the first one, on a fresh machine, is the
@@ -25,8 +25,9 @@ RES=${RES:-/tmp/res}
 NAME=${NAME:-serving-h200}   # $RES/$NAME.{json,png}; an A/B of the server: NAME=serving-h200-each-step
                              # SERVER_EXTRA=--stream-each-step (one chunk per engine step) beside a default run
 read -r -a SERVER_EXTRA <<< "${SERVER_EXTRA:-}"   # e.g. "--device cpu" for a dry run on a GPU machine
-read -r -a BENCH_EXTRA <<< "${BENCH_EXTRA:-}"     # more bench_serving flags, e.g. "--min-requests 64" (steadier points
-                                                 # at low concurrency)
+read -r -a BENCH_EXTRA <<< "${BENCH_EXTRA---min-requests 64}"  # more bench_serving flags; the default gives the low
+                                                 # concurrencies 64 requests each (16 left single points at
+                                                 # concurrency 1 within the machine's run-to-run spread)
 SOURCE=(); [ -n "$SHAREGPT" ] && SOURCE=(--sharegpt-file "$SHAREGPT")
 source "$(dirname "$0")/timeline.sh"  # stamp, run
 
