@@ -121,3 +121,17 @@ def test_device_cuda_without_a_device_is_refused(monkeypatch):
     monkeypatch.setattr(device, "detect_device", lambda: "cuda")
     sa = resolve(build_parser().parse_args(["--device", "cuda", "--dtype", "float16"]))
     assert (sa.device, sa.dtype, sa.max_num_seqs) == ("cuda", "float16", 256)
+
+
+def test_the_engine_refuses_a_device_torch_cannot_use(monkeypatch):
+    """Where the driver answered ``cuda`` but this torch cannot use it, the engine stops before loading anything,
+    naming the way out."""
+    import torch
+
+    from optimized.serve import build_parser, build_runtime, resolve
+
+    monkeypatch.setattr(device, "detect_device", lambda: "cuda")
+    sa = resolve(build_parser().parse_args([]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="this torch .* cannot use it: pass --device cpu"):
+        build_runtime(sa)
