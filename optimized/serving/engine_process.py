@@ -16,7 +16,7 @@ Two one-way pipes (``multiprocessing.connection``, pickle) join them:
   plain tuple of the ``StepOutput`` fields), or ``("failed", exception)`` if start-up or a step raised. Each message
   is framed by this module (its pickle's length in 8 bytes, then the pickle): see :class:`FrameReader`. Nothing in
   a message needs torch to unpickle (``StepStats`` lives in ``optimized.sequence``), so an HTTP process never
-  imports it: API server 0 does not even to resolve the device (optimized/serving/device.py).
+  imports it; API server 0 does not import it to resolve the device either (optimized/serving/device.py).
 
 The HTTP process reads the results pipe on its event loop (``add_reader``), without ever blocking: the pipe's end is
 non-blocking, a message is unpickled once all its bytes have arrived, however many reads that takes (the ready
@@ -274,7 +274,8 @@ class EngineProcess(PipeClient):
 
     def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
         self._aio = aio_loop
-        spawned, self._spawned = self._spawned or spawn_engine(self._build, self.count), None
+        spawned = self._spawned if self._spawned is not None else spawn_engine(self._build, self.count)
+        self._spawned = None  # the pipes are ours from here on
         self._proc = spawned.proc
         self._attach(*spawned.channels[0])
         self.peer_channels = spawned.channels[1:]

@@ -46,7 +46,7 @@ def test_torch_build_reads_version_py_without_importing_it(fake_torch):
 
 
 class FakeDriver:
-    """libcuda.so.1's four calls, with chosen results."""
+    """libcuda.so.1's three calls, with chosen results."""
 
     def __init__(self, init: int = 0, count: int = 1, version: int = 13000) -> None:
         self.init, self.count, self.version = init, count, version
