@@ -1,0 +1,241 @@
+"""Small-batch projections with their neighbours fused in: ``norm_linear`` (residual add + RMSNorm + matmul, with
+an optional SiLU·up epilogue) and ``linear`` (the plain matmul), for steps of a few token rows.
+
+Why: at batch 1 a decoder layer of SmolLM2-135M reads 7 MB of weights, which the H200's HBM delivers in ~1.5 µs,
+but the step spends ~25 µs a layer because it is ten kernels, each paying a fixed launch-and-drain cost inside the
+CUDA graph (docs/benchmarks/index.md, "The batch-1 step against the memory roofline"). A cuBLAS GEMM of one row
+costs ~3.8 µs however small its matrix. This module turns the layer's
+
+    add+norm → q/k/v matmul → … → o matmul → add+norm → gate/up matmul → SiLU·up → down matmul
+
+into ``norm_linear(qkv)`` → … → ``linear(o)`` → ``norm_linear(gate/up, gated)`` → ``linear(down)``: six kernels a
+layer instead of nine, and Triton matrix-vector kernels where a one-row cuBLAS call was. Large steps (prefill
+chunks, big batches) keep cuBLAS, which is the fast choice there: :func:`fused_rows` says where the line is.
+
+Each program owns ``BLOCK_N`` output columns of ``BLOCK_M`` rows and walks the input dimension ``K`` in tiles:
+
+- with ``NORM``, a first pass over the rows computes ``x̂ = x + residual`` (rounded to the model dtype, as HF's
+  eager add is) and its sum of squares; the program of column block 0 also stores ``x̂``, the residual stream the
+  layer carries on. The rows of a decode step are a few kilobytes, so every program re-reading them costs nothing
+  next to its slice of the weight matrix;
+- the second pass normalises each tile exactly where HF rounds (``x̂ / rms`` to the model dtype, then the gain
+  product to the model dtype) and accumulates ``h · Wᵀ`` in float32: a broadcast product and a sum for one row,
+  ``tl.dot`` for 16 rows and more;
+- with ``GATED`` the weight is ``[gate | up]`` (``[2N, K]``, the engine's fused gate/up matrix) and the program
+  accumulates the gate and up columns of the same outputs, then writes ``silu(gate) · up`` with HF's rounding
+  (each projection to the model dtype, SiLU to the model dtype, the product to the model dtype).
+
+The torch definition of both ops is the composition of the layer ops' torch definitions with ``F.linear``, the
+reference twin of the kernel (``tests/equivalence/test_linear.py``). Outputs differ from it only in the order of
+float32 sums (the RMS and the dot products), i.e. by about one output ulp where that order decides a rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from optimized.kernels.layer_ops import HAS_TRITON, resolve_backend, rms_norm_torch
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+# Up to this many token rows the projections run as the fused Triton kernels of this module; above it, cuBLAS
+# (with the separate norm and SiLU·up kernels of layer_ops). A decode or verify step of a few requests (plain
+# decoding at batch ≤ 16, or K = 7 verify at batch ≤ 2) is below it. Measured on the H200:
+# scripts/bench_linear.py.
+FUSED_MAX_ROWS = 16
+
+
+def fused_rows(n: int, limit: int | None = None) -> bool:
+    """Whether a step of ``n`` token rows takes the fused small-batch projections (``limit`` None = the default)."""
+    return 0 < n <= (FUSED_MAX_ROWS if limit is None else limit)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Torch definitions (the reference twins)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def silu_mul_torch(gate: Tensor, up: Tensor) -> Tensor:
+    """HF's ``act_fn(gate_proj(x)) * up_proj(x)``: SiLU rounded to the dtype, then the product."""
+    return F.silu(gate) * up
+
+
+def norm_linear_torch(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None, eps: float,
+                      residual: Tensor | None, gated: bool) -> tuple[Tensor, Tensor]:
+    total = x if residual is None else x + residual
+    h = total if norm_weight is None else rms_norm_torch(total, norm_weight, eps)
+    y = F.linear(h, weight, bias)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = silu_mul_torch(gate, up)
+    return y, total
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The kernel
+# ---------------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _input_tile(x_ptr, res_ptr, rows, rmask, cols, kmask, stride_xm, stride_rm, HAS_RESIDUAL: tl.constexpr):
+        """Rows × columns of x̂ = x (+ residual, rounded to the model dtype), zeros outside the masks."""
+        mask = rmask[:, None] & kmask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        return x
+
+    @triton.jit
+    def _accumulate(acc, h, w_ptr, outs, omask, cols, kmask, stride_wn, BLOCK_M: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_N] += h [BLOCK_M, BLOCK_K] · W[outs, cols]ᵀ in float32."""
+        w = tl.load(w_ptr + outs[:, None] * stride_wn + cols[None, :], mask=omask[:, None] & kmask[None, :],
+                    other=0.0)  # [BLOCK_N, BLOCK_K]
+        if BLOCK_M >= 16:
+            acc += tl.dot(h, tl.trans(w), input_precision=DOT_PRECISION)
+        else:  # a few rows: a broadcast product and a sum over K (tl.dot needs 16 rows)
+            acc += tl.sum(h.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        return acc
+
+    @triton.jit
+    def _norm_linear_kernel(
+        x_ptr, res_ptr, gain_ptr, w_ptr, b_ptr, y_ptr, sum_ptr,  # x, res, sum [M, K]; w [N or 2N, K]; y [M, N]
+        M, N, K, eps,
+        stride_xm, stride_rm, stride_wn, stride_ym, stride_sm,
+        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        rows = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rmask = rows < M
+        outs = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        omask = outs < N
+        if NORM:  # pass 1: the residual sum (stored once) and each row's 1 / rms
+            sum_sq = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                kmask = cols < K
+                x = _input_tile(x_ptr, res_ptr, rows, rmask, cols, kmask, stride_xm, stride_rm, HAS_RESIDUAL)
+                if HAS_RESIDUAL:
+                    if pid_n == 0:
+                        tl.store(sum_ptr + rows[:, None] * stride_sm + cols[None, :], x,
+                                 mask=rmask[:, None] & kmask[None, :])
+                xf = x.to(tl.float32)
+                sum_sq += tl.sum(xf * xf, axis=1)
+            inv_rms = tl.math.rsqrt(sum_sq / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # pass 2: normalise each tile as HF rounds it, multiply it in
+            cols = k0 + tl.arange(0, BLOCK_K)
+            kmask = cols < K
+            h = _input_tile(x_ptr, res_ptr, rows, rmask, cols, kmask, stride_xm, stride_rm, HAS_RESIDUAL)
+            if NORM:
+                normed = (h.to(tl.float32) * inv_rms[:, None]).to(h.dtype)  # HF casts back before the gain
+                gain = tl.load(gain_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
+                h = (gain[None, :] * normed.to(tl.float32)).to(h.dtype)
+            acc = _accumulate(acc, h, w_ptr, outs, omask, cols, kmask, stride_wn, BLOCK_M, DOT_PRECISION)
+            if GATED:
+                acc_up = _accumulate(acc_up, h, w_ptr + N * stride_wn, outs, omask, cols, kmask, stride_wn,
+                                     BLOCK_M, DOT_PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + outs, mask=omask, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(y_ptr.dtype.element_ty)
+        if GATED:  # HF: silu(gate) rounded, times up, rounded (as layer_ops' SiLU·up kernel)
+            gate = out.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty)
+            up = acc_up.to(y_ptr.dtype.element_ty)
+            out = (act.to(tl.float32) * up.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * stride_ym + outs[None, :], out, mask=rmask[:, None] & omask[None, :])
+
+
+def kernel_config(m: int, n: int, k: int, gated: bool) -> dict:
+    """Tile sizes and warps for an ``[m, k] · [n, k]ᵀ`` step (``n`` output columns, gate and up counted once).
+
+    One row: narrow column blocks, so that even the smallest matrix spreads over many SMs (a batch-1 step is
+    bandwidth- and latency-bound; ``BLOCK_N · BLOCK_K`` bounds the registers of the broadcast product). Up to 15
+    rows the same with fewer columns a program; 16 and more: ``tl.dot`` tiles of 16 rows. Swept on the H200 by
+    scripts/bench_linear.py.
+    """
+    if m >= 16:
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4)
+    block_m = triton.next_power_of_2(m)
+    block_n = max(4, 16 // block_m) if gated else max(4, 32 // block_m)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Public ops
+# ---------------------------------------------------------------------------------------------------------
+
+
+def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_weight: Tensor | None = None,
+                eps: float = 1e-6, residual: Tensor | None = None, gated: bool = False, backend: str = "auto",
+                config: dict | None = None) -> tuple[Tensor, Tensor]:
+    """``y = F.linear(w · norm(x̂), weight, bias)`` with ``x̂ = x + residual``; returns ``(y, x̂)``.
+
+    Args:
+        x: ``[M, K]`` rows (contiguous last dimension; row strides are free).
+        weight: ``[N, K]``, or ``[2N, K]`` = ``[gate | up]`` with ``gated``; contiguous.
+        bias: ``[N]`` or ``None`` (ungated only).
+        norm_weight: ``[K]`` RMSNorm gain, or ``None`` for no norm (then ``residual`` must be ``None``).
+        residual: ``[M, K]`` added to ``x`` before the norm, or ``None``.
+        gated: return ``silu(x̂ W_gateᵀ) · (x̂ W_upᵀ)`` ``[M, N]`` instead of the projection.
+        config: kernel tile sizes (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``), default
+            :func:`kernel_config` (the benchmark sweeps them).
+
+    Returns:
+        ``(y [M, N], x̂ [M, K])``; ``x̂`` is ``x`` itself when there is no residual.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    m, k = x.shape
+    rows_out = weight.shape[0]
+    if gated and rows_out % 2:
+        raise ValueError(f"a gated weight is [gate | up] = [2N, K]; got {rows_out} rows")
+    if bias is not None and (gated or bias.shape != (rows_out,)):
+        raise ValueError(f"bias must be [{rows_out}] and only on an ungated projection (Llama/Qwen MLPs have none), "
+                         f"got {tuple(bias.shape)}{' with gated' if gated else ''}")
+    if norm_weight is None and residual is not None:
+        raise ValueError("a residual is added only in front of a norm (norm_weight)")
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"norm_weight must be [{k}], got {tuple(norm_weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    if resolve_backend(backend, x) == "torch":
+        return norm_linear_torch(x, weight, bias, norm_weight, eps, residual, gated)
+    for name, t in (("x", x), ("weight", weight)) + ((("residual", residual),) if residual is not None else ()):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dimension, got strides {t.stride()}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}")
+    n = rows_out // 2 if gated else rows_out
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    total = x if residual is None else torch.empty_like(x)
+    if m:
+        cfg = dict(kernel_config(m, n, k, gated) if config is None else config)
+        block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+        dummy = x  # stands in for absent pointers (never read: the flags compile the accesses away)
+        res = residual if residual is not None else x
+        _norm_linear_kernel[grid](
+            x, res, norm_weight if norm_weight is not None else dummy, weight,
+            bias if bias is not None else dummy, y, total,
+            m, n, k, eps,
+            x.stride(0), res.stride(0), weight.stride(0), y.stride(0), total.stride(0),
+            NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+            GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg,
+        )
+    return y, total
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, backend: str = "auto",
+           config: dict | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` for a few rows (``x [M, K]``, ``weight [N, K]``) as one Triton kernel."""
+    return norm_linear(x, weight, bias, backend=backend, config=config)[0]

@@ -1,0 +1,258 @@
+"""Benchmark of the fused small-batch projections (``optimized/kernels/linear.py``) inside CUDA graphs.
+
+A decoder layer's projection chain — add+norm, q/k/v matmul, o matmul, add+norm, gate/up matmul, SiLU·up, down
+matmul — is captured for every layer of a model-sized stack (distinct weights per layer, so they stream from HBM
+as in the engine, not from L2) in one CUDA graph, and its replay timed, in two forms:
+
+=========  ==================================================================================================
+unfused    the engine's chain for large steps: Triton RMSNorm and SiLU·up kernels (``layer_ops``), cuBLAS
+           ``F.linear`` — seven kernels a layer
+fused      ``norm_linear`` (add+norm+q/k/v), ``linear`` (o), ``norm_linear`` gated (add+norm+gate/up+SiLU·up),
+           ``linear`` (down) — four kernels a layer
+=========  ==================================================================================================
+
+at M = 1..64 token rows. Timing inside a graph is what the engine pays: launch and drain of each kernel node, not
+the 40–90 µs of a Python-side launch. Each point is the median over ``--repeats`` of the mean of ``--iters``
+replays, reported per layer. With ``--sweep`` each of the four fused ops is also timed alone (one graph of all
+layers' calls) over a grid of tile sizes at the ``--sweep-rows`` sizes, to choose ``kernel_config``. The chain's
+outputs are compared between the two forms (max relative difference; they differ in float32 summation order).
+
+    python -m scripts.bench_linear --sweep --out docs/benchmarks/linear-h200.json
+
+On the CPU (``--tiny``, the default there) it runs miniature shapes eagerly: a smoke test, not a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from optimized.kernels.layer_ops import rms_norm, silu_mul
+from optimized.kernels.linear import FUSED_MAX_ROWS, kernel_config, linear, norm_linear
+from reference.cli import LOG_FORMAT
+from reference.cost_model import hardware_name
+from scripts.benchmarking import default_tag
+
+log = logging.getLogger("dspark.bench_linear")
+ROOT = Path(__file__).resolve().parent.parent
+EPS = 1e-5
+
+
+def make_layers(num_layers: int, hidden: int, qkv: int, inter: int, device, dtype, seed: int = 0) -> list[dict]:
+    """Random weights of the shapes of one model's layers (Llama: q/k/v and gate/up fused)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rand(*shape, scale):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    return [dict(g1=1 + rand(hidden, scale=0.1), qkv=rand(qkv, hidden, scale=hidden ** -0.5),
+                 o=rand(hidden, hidden, scale=hidden ** -0.5), g2=1 + rand(hidden, scale=0.1),
+                 gate_up=rand(2 * inter, hidden, scale=hidden ** -0.5), down=rand(hidden, inter, scale=inter ** -0.5))
+            for _ in range(num_layers)]
+
+
+def chain(x: torch.Tensor, layers: list[dict], fused: bool, backend: str, hidden: int) -> torch.Tensor:
+    """The projection chain of every layer (the q columns stand in for the attention output); returns the stream."""
+    pending = torch.zeros_like(x)
+    for w in layers:
+        if fused:
+            qkv, x = norm_linear(pending, w["qkv"], norm_weight=w["g1"], eps=EPS, residual=x, backend=backend)
+            o = linear(qkv[:, :hidden], w["o"], backend=backend)
+            act, x = norm_linear(o, w["gate_up"], norm_weight=w["g2"], eps=EPS, residual=x, gated=True,
+                                 backend=backend)
+            pending = linear(act, w["down"], backend=backend)
+        else:
+            h, x = rms_norm(pending, w["g1"], EPS, residual=x, backend=backend)
+            qkv = F.linear(h, w["qkv"])
+            h, x = rms_norm(F.linear(qkv[:, :hidden], w["o"]), w["g2"], EPS, residual=x, backend=backend)
+            pending = F.linear(silu_mul(F.linear(h, w["gate_up"]), backend=backend), w["down"])
+    return x + pending
+
+
+def one_op(op: str, x: torch.Tensor, layers: list[dict], config: dict | None, backend: str) -> Callable[[], Any]:
+    """Every layer's call of one fused op (inputs of the right widths), for the tile sweep."""
+    inter = layers[0]["down"].shape[1]
+    act = x.new_ones(x.shape[0], inter)
+    if op == "qkv":
+        return lambda: [norm_linear(x, w["qkv"], norm_weight=w["g1"], eps=EPS, residual=x, backend=backend,
+                                    config=config) for w in layers]
+    if op == "o":
+        return lambda: [linear(x, w["o"], backend=backend, config=config) for w in layers]
+    if op == "gate_up":
+        return lambda: [norm_linear(x, w["gate_up"], norm_weight=w["g2"], eps=EPS, residual=x, gated=True,
+                                    backend=backend, config=config) for w in layers]
+    if op == "down":
+        return lambda: [linear(act, w["down"], backend=backend, config=config) for w in layers]
+    raise ValueError(op)
+
+
+def timed(fn: Callable[[], Any], device: torch.device, repeats: int, iters: int, graphs: bool) -> float:
+    """Median over ``repeats`` of the mean time of ``iters`` runs of ``fn`` (as one CUDA graph when ``graphs``), µs."""
+    fn()  # compiles the kernels and allocates
+    run = fn
+    if graphs:
+        torch.cuda.synchronize(device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            fn()  # warm-up on the capture stream
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    run()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append((time.perf_counter() - start) / iters * 1e6)
+    return statistics.median(samples)
+
+
+def sweep_configs(rows: int) -> list[dict]:
+    """Tile grid of the sweep: broadcast-product tiles for < 16 rows (bounded registers), tl.dot tiles from 16."""
+    block_m = 1 << (rows - 1).bit_length() if rows < 16 else 16
+    configs = []
+    for bn, bk, warps in itertools.product((4, 8, 16, 32, 64), (64, 128, 256), (2, 4)):
+        if block_m < 16 and block_m * bn * bk > 16384 or block_m >= 16 and (bn < 16 or bk > 128):
+            continue
+        configs.append(dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps))
+    if 1 < rows < 16:  # a few rows can also take one tl.dot tile of 16
+        configs += [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4) for bn in (16, 32) for bk in (64, 128)]
+    return configs
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    p = argparse.ArgumentParser(prog="python -m scripts.bench_linear", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--rows", default=None, help="comma list of token rows M (default 1,2,4,8,16,32,64; tiny 1,3)")
+    p.add_argument("--layers", type=int, default=None, help="layers in the stack (default 30, SmolLM2; tiny 2)")
+    p.add_argument("--hidden", type=int, default=576, help="model width d (SmolLM2-135M: 576)")
+    p.add_argument("--qkv", type=int, default=960, help="fused q/k/v width (H + 2·Hkv)·D (SmolLM2-135M: 960)")
+    p.add_argument("--intermediate", type=int, default=1536, help="MLP width I (SmolLM2-135M: 1536)")
+    p.add_argument("--tiny", action="store_true", help="miniature shapes (default on the CPU)")
+    p.add_argument("--sweep", action="store_true", help="also time each fused op over a grid of tile sizes")
+    p.add_argument("--sweep-rows", default="1,8", help="row counts of the sweep")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--iters", type=int, default=None, help="runs per timed loop (default 20 on cuda, 1 on cpu)")
+    p.add_argument("--out", default=None, help="JSON path (default docs/benchmarks/linear-<device tag>.json)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    tiny = args.tiny or device.type == "cpu"
+    graphs = device.type == "cuda"
+    backend = "triton"
+    if device.type == "cpu":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("on the CPU the Triton kernels run only under TRITON_INTERPRET=1")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    hidden, qkv, inter = (48, 80, 96) if tiny else (args.hidden, args.qkv, args.intermediate)
+    num_layers = args.layers or (2 if tiny else 30)
+    rows = [int(r) for r in args.rows.split(",")] if args.rows else ([1, 3] if tiny else [1, 2, 4, 8, 16, 32, 64])
+    sweep_rows = [int(r) for r in args.sweep_rows.split(",")] if args.sweep else []
+    iters = args.iters or (20 if graphs else 1)
+    out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"linear-{default_tag(device)}.json"
+    command = "python -m scripts.bench_linear " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                                     else sys.argv[1:]))
+    layers = make_layers(num_layers, hidden, qkv, inter, device, dtype)
+    weight_mb = sum(t.numel() * t.element_size() for w in layers for t in w.values()) / 1e6
+    report: dict[str, Any] = {
+        "hardware": hardware_name(device), "command": command, "torch": torch.__version__,
+        "triton": "compiled" if graphs else "interpreter", "dtype": str(dtype).removeprefix("torch."),
+        "shape": {"layers": num_layers, "hidden": hidden, "qkv": qkv, "intermediate": inter,
+                  "weight_mb": round(weight_mb, 1)},
+        "fused_max_rows": FUSED_MAX_ROWS, "repeats": args.repeats, "iters": iters, "chain": [], "sweep": [],
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    for m in tqdm(rows, desc="chain", disable=None):
+        x = torch.randn(m, hidden, generator=gen).to(device=device, dtype=dtype)
+        times = {}
+        for fused in (False, True):
+            times[fused] = timed(lambda f=fused, x=x: chain(x, layers, f, backend, hidden), device, args.repeats, iters,
+                                 graphs) / num_layers
+        ref, got = chain(x, layers, False, backend, hidden).float(), chain(x, layers, True, backend, hidden).float()
+        rel = ((got - ref).abs().max() / ref.abs().max()).item()
+        row = {"rows": m, "unfused_us_per_layer": round(times[False], 3), "fused_us_per_layer": round(times[True], 3),
+               "speedup": round(times[False] / times[True], 3), "max_rel_diff": float(f"{rel:.3g}"),
+               "default_config": {op: kernel_config(m, n, hidden if op != "down" else inter, op == "gate_up")
+                                  for op, n in (("qkv", qkv), ("o", hidden), ("gate_up", inter), ("down", hidden))}}
+        report["chain"].append(row)
+        log.info("M=%3d  unfused %.2f µs/layer  fused %.2f µs/layer  (%.2fx)  max rel diff %.2g", m, times[False],
+                 times[True], row["speedup"], rel)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    for m in sweep_rows:
+        x = torch.randn(m, hidden, generator=gen).to(device=device, dtype=dtype)
+        for op in ("qkv", "o", "gate_up", "down"):
+            default = timed(one_op(op, x, layers, None, backend), device, args.repeats, iters, graphs) / num_layers
+            best = (default, None)
+            for cfg in tqdm(sweep_configs(m), desc=f"sweep M={m} {op}", disable=None):
+                try:
+                    us = timed(one_op(op, x, layers, cfg, backend), device, args.repeats, iters, graphs) / num_layers
+                except Exception as e:  # a tile that does not compile (shared memory, registers) is skipped
+                    log.warning("M=%d %s %s: %s", m, op, cfg, str(e).splitlines()[0][:200])
+                    continue
+                report["sweep"].append({"rows": m, "op": op, "config": cfg, "us": round(us, 3)})
+                if us < best[0]:
+                    best = (us, cfg)
+            log.info("sweep M=%d %-8s default %.2f µs, best %.2f µs %s", m, op, default, best[0], best[1])
+            report["sweep"].append({"rows": m, "op": op, "config": "default", "us": round(default, 3),
+                                    "best": best[1], "best_us": round(best[0], 3)})
+            out.write_text(json.dumps(report, indent=2) + "\n")
+    try:
+        plot(report, out.with_suffix(".png"))
+    except Exception as e:  # a plot must never cost the measured numbers
+        log.warning("plotting failed: %s", e)
+    log.info("wrote %s", out)
+    return report
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """µs per layer of the projection chain against token rows, unfused and fused."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ms = [r["rows"] for r in report["chain"]]
+    for key, label in (("unfused_us_per_layer", "unfused (cuBLAS + norm/SiLU kernels)"),
+                       ("fused_us_per_layer", "fused (norm_linear / linear)")):
+        ax.plot(ms, [r[key] for r in report["chain"]], marker="o", label=label)
+    ax.set(xscale="log", xlabel="token rows M", ylabel="µs per layer (in a CUDA graph)",
+           title=f"Projection chain of one layer, {report['hardware']}")
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.minorticks_off()
+    ax.axvline(report["fused_max_rows"], color="grey", linestyle=":", label="engine's fused limit")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
+    raise SystemExit(0)
