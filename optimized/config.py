@@ -28,6 +28,11 @@ class EngineConfig:
     # The element-wise layer ops (RMSNorm, RoPE + KV append, SiLU·up; optimized/kernels/layer_ops.py): None follows
     # kernel_backend; "torch" keeps the unfused HF-rounding ops on CUDA too (to measure what the fusion buys).
     layer_backend: str | None = None
+    # Steps of at most this many tokens (a decode or verify step of a few requests, the drafter's block of one or two)
+    # run each layer's projections as fused small-batch Triton kernels with the norms and SiLU·up folded in
+    # (optimized/kernels/linear.py), six kernels a layer instead of nine. None: that module's FUSED_MAX_ROWS; 0: never
+    # (cuBLAS at every size, to measure what the fusion buys). Only where the layer ops run on Triton.
+    linear_rows: int | None = None
     seed: int = 0  # root of the random-number contract (reference/sampling.py)
     # Plan the next step (the draft gate's verdict, the adaptive budget) while the device verifies, instead of
     # after the token read: the same decisions, off the host's critical path. None: on CUDA, where the device runs
@@ -55,5 +60,7 @@ class EngineConfig:
             raise ValueError(f"layer_backend must be None, auto, triton or torch, got {self.layer_backend!r}")
         if self.max_num_seqs < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1:
             raise ValueError("max_num_seqs, max_seq_len and prefill_chunk must be positive")
+        if self.linear_rows is not None and self.linear_rows < 0:
+            raise ValueError(f"linear_rows must be None or ≥ 0 (0: never fused), got {self.linear_rows}")
         if self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be ≥ 0 (0: eager prefill), got {self.prefill_graph_tokens}")

@@ -155,12 +155,12 @@ class ModelRunner:
         self.vocab = target.vocab_size
         # Static caches: max_num_seqs slots (+ a trash slot the models add for padding writes).
         self.target = OptimizedTarget(target, attention_backend=config.kernel_backend,
-                                      layer_backend=config.layer_backend)
+                                      layer_backend=config.layer_backend, linear_rows=config.linear_rows)
         self.target.allocate_cache(config.max_num_seqs, config.max_seq_len)
         self.drafter = None
         if drafter is not None:
             self.drafter = OptimizedDrafter(drafter, attention_backend=config.kernel_backend,
-                                            layer_backend=config.layer_backend)
+                                            layer_backend=config.layer_backend, linear_rows=config.linear_rows)
             self.drafter.allocate_cache(config.max_num_seqs, config.max_seq_len)
             self.sts = {mode: torch.tensor(temperatures_for(drafter.config, mode), device=self.device)
                         for mode in ("greedy", "sampling")}

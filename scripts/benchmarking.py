@@ -69,6 +69,9 @@ def add_engine_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-backend", default=None, choices=["auto", "triton", "torch"],
                    help="element-wise layer ops (RMSNorm, RoPE+append, SiLU): default the kernel backend (fused Triton "
                         "on CUDA); torch = the unfused ops, to measure the fusion")
+    p.add_argument("--linear-rows", type=int, default=None,
+                   help="steps of at most this many tokens run the fused small-batch projections "
+                        "(optimized/kernels/linear.py; default its FUSED_MAX_ROWS); 0 = cuBLAS always, to measure them")
 
 
 def load_prompts(args: argparse.Namespace, target: Target, needed: int) -> list[list[int]]:

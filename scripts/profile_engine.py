@@ -47,6 +47,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
 from optimized.engine import Engine, EngineConfig, SamplingParams
+from optimized.kernels.linear import FUSED_MAX_ROWS
 from reference.cli import DEFAULT_DRAFTER, LOG_FORMAT, load_or_init_drafter
 from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import hardware_name
@@ -66,13 +67,14 @@ MEMCPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy", "cuMemcpyAsync", "cudaMemsetAsy
 def build_engine(target: Target, drafter: DSparkDrafter | None, mode: SchedulingMode, k: int | None,
                  batch_size: int, max_seq_len: int, enforce_eager: bool, context_len: int, cost_cache_dir: str | None,
                  seed: int, layer_backend: str | None = None, draft_ahead: bool = False,
-                 async_decode: bool = False, prefill_graph_tokens: int = EngineConfig.prefill_graph_tokens) -> Engine:
+                 async_decode: bool = False, prefill_graph_tokens: int = EngineConfig.prefill_graph_tokens,
+                 linear_rows: int | None = None) -> Engine:
     """An engine sized for ``batch_size`` slots in one policy; adaptive policies get a profiled cost table."""
     sched = SchedulerConfig(mode=mode) if k is None else SchedulerConfig(mode=mode, k=k)
     cfg = EngineConfig(max_num_seqs=batch_size, max_seq_len=max_seq_len, device=str(target.device),
                        dtype=target.dtype, enforce_eager=enforce_eager, seed=seed, layer_backend=layer_backend,
                        plan_ahead=True if draft_ahead else None, draft_ahead=draft_ahead, async_decode=async_decode,
-                       prefill_graph_tokens=prefill_graph_tokens)
+                       prefill_graph_tokens=prefill_graph_tokens, linear_rows=linear_rows)
     engine = Engine(target, drafter if mode.drafts else None, cfg, sched)
     if mode.needs_cost_table:
         engine.set_cost_table(cached_profile(engine.runner, cache_dir=cost_cache_dir, context_len=context_len))
@@ -183,7 +185,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
     max_seq_len = max(len(p) for p in (prompts if args.refill else batch)) + max_new + 2 * gamma + 8
     engine = build_engine(target, drafter, mode, k, args.batch_size, max(max_seq_len, args.context_len + 2 * gamma + 8),
                           args.enforce_eager, args.context_len, args.cost_cache_dir, args.seed, args.layer_backend,
-                          args.draft_ahead, args.async_decode, args.prefill_graph_tokens)
+                          args.draft_ahead, args.async_decode, args.prefill_graph_tokens, args.linear_rows)
     refill = None
     if args.refill:
         refill = Refill(engine, prompts, args.batch_size, args.refill, args.temperature, args.seed,
@@ -216,6 +218,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
         "settings": {"mode": args.mode, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
                      "temperature": args.temperature, "enforce_eager": args.enforce_eager,
                      "layer_backend": args.layer_backend or "default",
+                     "linear_rows": FUSED_MAX_ROWS if args.linear_rows is None else args.linear_rows,
                      "draft_head_in_graph": engine.runner.head_in_graph, "draft_ahead": args.draft_ahead,
                      "async_decode": args.async_decode, "refill": args.refill,
                      "dtype": str(target.dtype), "prefill_steps": prefill_steps, "gamma": gamma},

@@ -40,7 +40,7 @@ class OptimizedDrafter:
 
     def __init__(self, drafter: DSparkDrafter, *, embed_weight: Tensor | None = None,
                  lm_head_weight: Tensor | None = None, attention_backend: str = "auto",
-                 layer_backend: str | None = None) -> None:
+                 layer_backend: str | None = None, linear_rows: int | None = None) -> None:
         """Args:
             drafter: the reference drafter, with its target attached (``attach_target``) unless both weights below
                 are given.
@@ -49,6 +49,8 @@ class OptimizedDrafter:
             attention_backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``.
             layer_backend: the same for the element-wise layer ops (RMSNorm, RoPE + append, SiLU); ``None`` follows
                 ``attention_backend``.
+            linear_rows: backbone steps of at most this many tokens (R·γ) run the projections as fused small-batch
+                Triton kernels (``optimized/kernels/linear.py``); ``None``: its ``FUSED_MAX_ROWS``, 0: never.
         """
         cfg = drafter.config
         self.config = cfg
@@ -79,6 +81,7 @@ class OptimizedDrafter:
         self.inv_freq = cfg.rope_theta ** (-torch.arange(0, d, 2, device=self.device, dtype=torch.float32) / d)
         self.attention_backend = attention_backend
         self.layer_backend = attention_backend if layer_backend is None else layer_backend
+        self.linear_rows = linear_rows
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
 
@@ -162,7 +165,7 @@ class OptimizedDrafter:
         x = self._block_embeddings(anchor_ids).reshape(r * g, d)  # [R·γ, d]
         x, _ = run_layers(x, self.layers, self.shape, cos, sin, k_cache, v_cache, write_slots, positions, cu, kv_lens,
                           slots, causal=False, max_q_len=g, backend=self.attention_backend,
-                          layer_backend=self.layer_backend)
+                          layer_backend=self.layer_backend, linear_rows=self.linear_rows)
         return rms_norm(x, self.final_norm, self.shape.eps, backend=self.layer_backend)[0].view(r, g, d)
 
     def base_logits(self, h: Tensor) -> Tensor:

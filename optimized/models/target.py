@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from optimized.kernels.attention import varlen_attention
+from optimized.kernels.layer_ops import resolve_backend, rope_append_kv, rope_cos_sin, silu_mul
 from optimized.kernels.layer_ops import rms_norm as fused_rms_norm
-from optimized.kernels.layer_ops import rope_append_kv, rope_cos_sin, silu_mul
+from optimized.kernels.linear import fused_rows, linear, norm_linear
 from reference.config import default_target_layer_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -125,7 +126,8 @@ def split_qkv(qkv: Tensor, shape: AttentionShape) -> tuple[Tensor, Tensor, Tenso
 def decoder_layer(x: Tensor, pending: Tensor | None, w: LayerWeights, shape: AttentionShape, cos: Tensor,
                   sin: Tensor, k_cache: Tensor, v_cache: Tensor, write_slots: Tensor, write_pos: Tensor,
                   cu_seqlens_q: Tensor, kv_lens: Tensor, slot_ids: Tensor, *, causal: bool,
-                  max_q_len: int | None, backend: str, layer_backend: str | None = None) -> tuple[Tensor, Tensor]:
+                  max_q_len: int | None, backend: str, layer_backend: str | None = None,
+                  linear_rows: int | None = None) -> tuple[Tensor, Tensor]:
     """One pre-norm layer over packed tokens: x + attn(norm(x)), then + mlp(norm(·)). x [N, d] -> [N, d].
 
     The layer's input is ``x + pending`` (``pending`` = the previous layer's MLP output, not yet added, or ``None``),
@@ -133,10 +135,23 @@ def decoder_layer(x: Tensor, pending: Tensor | None, w: LayerWeights, shape: Att
     RMSNorm: :func:`run_layers` adds the last one. The new tokens' K/V are written to the cache first, so attention
     reads every visible key from one place. ``backend`` picks the attention kernel, ``layer_backend`` (default: the
     same) the element-wise ops; with Triton a layer is nine launches: add+norm, qkv, RoPE+append, attention, o,
-    add+norm, gate/up, SiLU·up, down.
+    add+norm, gate/up, SiLU·up, down. A step of at most ``linear_rows`` tokens (default
+    ``optimized.kernels.linear.FUSED_MAX_ROWS``; 0: never) runs the projections as the fused small-batch Triton
+    kernels instead, six launches: add+norm+qkv, RoPE+append, attention, o, add+norm+gate/up+SiLU·up, down.
     """
     ops = backend if layer_backend is None else layer_backend
     n = x.shape[0]
+    if fused_rows(n, linear_rows) and resolve_backend(ops, x) == "triton":
+        qkv, x = norm_linear(x if pending is None else pending, w.qkv, w.qkv_bias, norm_weight=w.input_norm,
+                             eps=shape.eps, residual=None if pending is None else x, backend=ops)
+        q, k, v = split_qkv(qkv, shape)
+        q = rope_append_kv(q, k, v, cos, sin, k_cache, v_cache, write_slots, write_pos, w.q_norm, w.k_norm,
+                           shape.eps, backend=ops)  # [N, H, D]
+        o = varlen_attention(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal=causal, scale=shape.scale,
+                             max_q_len=max_q_len, backend=backend)  # [N, H, D]
+        act, x = norm_linear(linear(o.view(n, -1), w.o_proj, backend=ops), w.gate_up, norm_weight=w.post_norm,
+                             eps=shape.eps, residual=x, gated=True, backend=ops)  # [N, I]
+        return x, linear(act, w.down, backend=ops)
     if pending is None:
         h, _ = fused_rms_norm(x, w.input_norm, shape.eps, backend=ops)
     else:  # x + pending = HF's `residual + hidden_states` (a bf16 add is commutative)
@@ -153,7 +168,8 @@ def decoder_layer(x: Tensor, pending: Tensor | None, w: LayerWeights, shape: Att
 def run_layers(x: Tensor, layers: list[LayerWeights], shape: AttentionShape, cos: Tensor, sin: Tensor,
                k_cache: Tensor, v_cache: Tensor, write_slots: Tensor, write_pos: Tensor, cu_seqlens_q: Tensor,
                kv_lens: Tensor, slot_ids: Tensor, *, causal: bool, max_q_len: int | None, backend: str,
-               layer_backend: str | None = None, taps: tuple[int, ...] = ()) -> tuple[Tensor, dict[int, Tensor]]:
+               layer_backend: str | None = None, linear_rows: int | None = None, taps: tuple[int, ...] = ()
+               ) -> tuple[Tensor, dict[int, Tensor]]:
     """Every decoder layer over x [N, d] (caches ``[L, S, T, Hkv, D]``). Returns the residual stream after the last
     layer and ``{l: stream after layer l}`` for the tapped layers: a tap adds its layer's pending MLP output at once,
     every other add rides on the next layer's RMSNorm."""
@@ -161,7 +177,7 @@ def run_layers(x: Tensor, layers: list[LayerWeights], shape: AttentionShape, cos
     for i, w in enumerate(layers):
         x, pending = decoder_layer(x, pending, w, shape, cos, sin, k_cache[i], v_cache[i], write_slots, write_pos,
                                    cu_seqlens_q, kv_lens, slot_ids, causal=causal, max_q_len=max_q_len,
-                                   backend=backend, layer_backend=layer_backend)
+                                   backend=backend, layer_backend=layer_backend, linear_rows=linear_rows)
         if i in taps:
             x, pending = x + pending, None
             tapped[i] = x
@@ -188,7 +204,7 @@ class OptimizedTarget:
     """
 
     def __init__(self, model, layer_ids=None, *, attention_backend: str = "auto",
-                 layer_backend: str | None = None) -> None:
+                 layer_backend: str | None = None, linear_rows: int | None = None) -> None:
         """Args:
             model: a ``reference.target.Target`` or its HF ``LlamaForCausalLM``/``Qwen2ForCausalLM``/
                 ``Qwen3ForCausalLM``. The HF q/k/v and gate/up parameters are rebound to views of the fused
@@ -199,6 +215,9 @@ class OptimizedTarget:
             attention_backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``.
             layer_backend: the same choice for the element-wise layer ops (``optimized/kernels/layer_ops.py``);
                 ``None`` follows ``attention_backend``. ``"torch"`` on CUDA runs the unfused HF-rounding ops (A/B).
+            linear_rows: steps of at most this many tokens run the projections as fused small-batch Triton
+                kernels (``optimized/kernels/linear.py``; Triton layer ops only); ``None``: its ``FUSED_MAX_ROWS``,
+                0: never.
         """
         self.source = model  # what this was built from (a Target keeps the tokenizer and the eos ids)
         if hasattr(model, "layer_ids") and hasattr(model, "model"):  # a reference.target.Target
@@ -236,6 +255,7 @@ class OptimizedTarget:
         self.vocab_size = int(config.vocab_size)
         self.attention_backend = attention_backend
         self.layer_backend = attention_backend if layer_backend is None else layer_backend
+        self.linear_rows = linear_rows
         self.embed = decoder.embed_tokens.weight.detach()  # [V, d]
         self.final_norm = decoder.norm.weight.detach()  # [d]
         self.lm_head = hf_model.get_output_embeddings().weight.detach()  # [V, d] (the embedding when tied)
@@ -249,12 +269,12 @@ class OptimizedTarget:
     @classmethod
     def load(cls, name_or_dir: str = "smollm2-135m-instruct", *, layer_ids=None, device="cpu",
              dtype: torch.dtype = torch.float32, attention_backend: str = "auto",
-             layer_backend: str | None = None) -> OptimizedTarget:
+             layer_backend: str | None = None, linear_rows: int | None = None) -> OptimizedTarget:
         """Load a target with :meth:`reference.target.Target.load` (default SmolLM2 GGUF, a .gguf or an HF dir)."""
         from reference.target import Target
 
         return cls(Target.load(name_or_dir, layer_ids=layer_ids, device=device, dtype=dtype),
-                   attention_backend=attention_backend, layer_backend=layer_backend)
+                   attention_backend=attention_backend, layer_backend=layer_backend, linear_rows=linear_rows)
 
     @property
     def feature_size(self) -> int:
@@ -328,7 +348,8 @@ class OptimizedTarget:
         # taps[l] = the residual stream after layer l = HF's hidden_states[l + 1]
         x, taps = run_layers(x, self.layers, self.shape, cos, sin, k_cache, v_cache, write_slots, write_pos,
                              cu_seqlens_q, kv_lens, attn_slots, causal=True, max_q_len=max_q_len,
-                             backend=self.attention_backend, layer_backend=self.layer_backend, taps=self.layer_ids)
+                             backend=self.attention_backend, layer_backend=self.layer_backend,
+                             linear_rows=self.linear_rows, taps=self.layer_ids)
         features = torch.cat([taps[l] for l in self.layer_ids], dim=-1)  # [N, m·d], in layer_ids order
         rows = x if logits_rows is None else x.index_select(0, logits_rows)  # [M, d]
         normed, _ = fused_rms_norm(rows, self.final_norm, self.shape.eps, backend=self.layer_backend)

@@ -107,11 +107,14 @@ def test_target_matches_reference(family):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="Triton kernel on CPU needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: the fused kernel's per-head q/k norm
-def test_target_matches_reference_triton_interpreted(family):
-    """Attention and the fused layer ops (RMSNorm, RoPE + KV append, SiLU·up) as Triton kernels."""
+@pytest.mark.parametrize("family,linear_rows", [
+    ("llama", 0), ("qwen3", 0),  # qwen3: the fused kernel's per-head q/k norm
+    ("llama", None), ("qwen2", None), ("qwen3", None)])  # small steps through norm_linear (qwen2: its q/k/v bias)
+def test_target_matches_reference_triton_interpreted(family, linear_rows):
+    """Attention and the fused layer ops (RMSNorm, RoPE + KV append, SiLU·up) as Triton kernels; with the default
+    ``linear_rows`` the steps of at most 16 tokens also run the fused small-batch projections."""
     target = tiny_target(family)
-    opt = OptimizedTarget(target, attention_backend="triton")
+    opt = OptimizedTarget(target, attention_backend="triton", linear_rows=linear_rows)
     opt.allocate_cache(max_num_seqs=4, max_seq_len=32)
     for logits, feats, ref_logits, ref_feats in run_steps(target, opt):
         torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=RTOL)
