@@ -128,16 +128,22 @@ def timed(fn: Callable[[], Any], device: torch.device, repeats: int, iters: int,
     return statistics.median(samples)
 
 
-def sweep_configs(rows: int) -> list[dict]:
-    """Tile grid of the sweep: broadcast-product tiles for < 16 rows (bounded registers), tl.dot tiles from 16."""
+def sweep_configs(rows: int, k_max: int) -> list[dict]:
+    """Tile grid of the sweep for inputs of at most ``k_max`` columns: for fewer than 16 rows, tiles of 256 columns
+    up to the whole row (bounded registers); from 16 rows, ``tl.dot`` tiles. Tiles wider than the row are left out."""
     block_m = 1 << (rows - 1).bit_length() if rows < 16 else 16
+    widest = 1 << (k_max - 1).bit_length()
     configs = []
-    for bn, bk, warps in itertools.product((4, 8, 16, 32, 64), (64, 128, 256), (2, 4)):
-        if block_m < 16 and block_m * bn * bk > 16384 or block_m >= 16 and (bn < 16 or bk > 128):
+    for bn, bk, warps in itertools.product((1, 2, 4, 8, 16, 32, 64), (64, 128, 256, 512, 1024, 2048), (2, 4, 8)):
+        if bk > widest:
+            continue
+        if block_m < 16 and (block_m * bn * bk > 8192 or bk < min(256, widest)) or block_m >= 16 and (
+                bn < 16 or bn > 32):
             continue
         configs.append(dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps))
     if 1 < rows < 16:  # a few rows can also take one tl.dot tile of 16
-        configs += [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4) for bn in (16, 32) for bk in (64, 128)]
+        configs += [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (16, 32) for bk in (128, 256, 512)
+                    if bk <= widest for w in (4, 8)]
     return configs
 
 
@@ -155,6 +161,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tiny", action="store_true", help="miniature shapes (default on the CPU)")
     p.add_argument("--sweep", action="store_true", help="also time each fused op over a grid of tile sizes")
     p.add_argument("--sweep-rows", default="1,8", help="row counts of the sweep")
+    p.add_argument("--sweep-max-configs", type=int, default=None,
+                   help="try at most this many tiles per op, evenly spaced over the grid (default: all)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--iters", type=int, default=None, help="runs per timed loop (default 20 on cuda, 1 on cpu)")
     p.add_argument("--out", default=None, help="JSON path (default docs/benchmarks/linear-<device tag>.json)")
@@ -209,7 +217,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for op in ("qkv", "o", "gate_up", "down"):
             default = timed(one_op(op, x, layers, None, backend), device, args.repeats, iters, graphs) / num_layers
             best = (default, None)
-            for cfg in tqdm(sweep_configs(m), desc=f"sweep M={m} {op}", disable=None):
+            grid = sweep_configs(m, inter if op == "down" else hidden)
+            if args.sweep_max_configs and len(grid) > args.sweep_max_configs:
+                step = len(grid) / args.sweep_max_configs
+                grid = [grid[int(i * step)] for i in range(args.sweep_max_configs)]
+            for cfg in tqdm(grid, desc=f"sweep M={m} {op}", disable=None):
                 try:
                     us = timed(one_op(op, x, layers, cfg, backend), device, args.repeats, iters, graphs) / num_layers
                 except Exception as e:  # a tile that does not compile (shared memory, registers) is skipped

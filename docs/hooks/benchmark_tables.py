@@ -8,7 +8,9 @@ Kinds (one renderer each, below): ``provenance``, ``engine-throughput``, ``cost-
 ``acceptance``, ``training``, ``kernels``, ``calibration``, ``calibration-methods``, ``gpu-equivalence``,
 ``summary``, ``serving`` and ``startup`` (scripts/bench_serving.py), ``startup-launches``
 (scripts/bench_startup.py), ``server-overhead``
-(scripts/bench_server_overhead.py), and ``checkpoint`` (how a shipped drafter was made, from its ``summary.json``).
+(scripts/bench_server_overhead.py), ``linear-chain`` (scripts/bench_linear.py), ``engine-ab`` (alternating
+scripts/bench_engine.py runs of one switch, merged into one file), and ``checkpoint`` (how a shipped drafter was
+made, from its ``summary.json``).
 An unknown kind, a missing file or a file without the expected fields fails the build.
 
 The JSON files record commands as they ran on the GPU machine, with staging paths under ``/tmp`` that a reader
@@ -438,7 +440,35 @@ def server_overhead(page_dir: Path, files: list[str]) -> str:
                    "step period ms (simulated)", "CPU µs/token server / client"], rows)
 
 
+def linear_chain(page_dir: Path, files: list[str]) -> str:
+    """scripts/bench_linear.py: µs per layer of the projection chain, unfused and fused, per token-row count."""
+    data = _load(page_dir, files[0])
+    if "chain" not in data or "fused_max_rows" not in data:
+        raise ValueError("benchmark tables: not a fused-projection benchmark (scripts/bench_linear.py) JSON")
+    limit = data["fused_max_rows"]
+    rows = [[str(r["rows"]) + (" (engine: fused)" if r["rows"] <= limit else ""),
+             f"{r['unfused_us_per_layer']:.1f}", f"{r['fused_us_per_layer']:.1f}", f"{r['speedup']:.2f}×"]
+            for r in data["chain"]]
+    return _table(["token rows M", "unfused µs/layer (7 kernels)", "fused µs/layer (4 kernels)", "unfused / fused"],
+                  rows)
+
+
+def engine_ab(page_dir: Path, files: list[str]) -> str:
+    """Alternating engine runs of one switch (``runs`` of a merged scripts/bench_engine.py file): step ms per mode."""
+    data = _load(page_dir, files[0])
+    if "runs" not in data or not all("results" in r for r in data["runs"]):
+        raise ValueError("benchmark tables: not an engine A/B file (a 'runs' list of scripts/bench_engine.py results)")
+    columns = list(dict.fromkeys((r["batch_size"], r["label"]) for run in data["runs"] for r in run["results"]))
+    rows = []
+    for i, run in enumerate(data["runs"], 1):
+        ms = {(r["batch_size"], r["label"]): r["step_ms"] for r in run["results"]}
+        rows.append([str(i), str(run["linear_rows"])] + [f"{ms[c]:.3f}" if c in ms else "–" for c in columns])
+    return _table(["run", "`--linear-rows`"] + [f"batch {b} `{lab}` (ms/step)" for b, lab in columns], rows)
+
+
 RENDERERS = {
+    "linear-chain": linear_chain,
+    "engine-ab": engine_ab,
     "provenance": provenance,
     "engine-throughput": engine_throughput,
     "cost-check": cost_check,

@@ -46,7 +46,7 @@ if HAS_TRITON:
 # (with the separate norm and SiLU·up kernels of layer_ops). A decode or verify step of a few requests (plain
 # decoding at batch ≤ 16, or K = 7 verify at batch ≤ 2) is below it. Measured on the H200:
 # scripts/bench_linear.py.
-FUSED_MAX_ROWS = 16
+FUSED_MAX_ROWS = 2
 
 
 def fused_rows(n: int, limit: int | None = None) -> bool:
@@ -157,16 +157,19 @@ if HAS_TRITON:
 def kernel_config(m: int, n: int, k: int, gated: bool) -> dict:
     """Tile sizes and warps for an ``[m, k] · [n, k]ᵀ`` step (``n`` output columns, gate and up counted once).
 
-    One row: narrow column blocks, so that even the smallest matrix spreads over many SMs (a batch-1 step is
-    bandwidth- and latency-bound; ``BLOCK_N · BLOCK_K`` bounds the registers of the broadcast product). Up to 15
-    rows the same with fewer columns a program; 16 and more: ``tl.dot`` tiles of 16 rows. Swept on the H200 by
-    scripts/bench_linear.py.
+    Fewer than 16 rows: the whole input row in one tile (``BLOCK_K`` = K rounded up to a power of two, up to 2048),
+    so that every weight load of a program is in flight at once, and as few output columns a program as keep its
+    tile at ~2048 values: one to four columns, hundreds of programs. A batch-1 step is latency-bound, and this was
+    the fastest shape of the sweep on the H200 (scripts/bench_linear.py: 2–4× faster than 64-wide K tiles walked in
+    a loop). From 16 rows: ``tl.dot`` tiles of 16 rows.
     """
     if m >= 16:
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4)
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4)
     block_m = triton.next_power_of_2(m)
-    block_n = max(4, 16 // block_m) if gated else max(4, 32 // block_m)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=4)
+    block_k = min(triton.next_power_of_2(k), 2048)
+    block_n = max(1, 2048 // (block_m * block_k))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                num_warps=2 if block_m * block_n * block_k <= 2048 else 4)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -8,10 +8,11 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 MODEL=${MODEL:-/tmp/stage/target.gguf}
+DRAFTER=${DRAFTER:-checkpoints/smollm2-135m-instruct-dspark}  # a staged .gguf path does not name its drafter
 LAUNCHES=${LAUNCHES:-3}
 RES=${RES:-/tmp/res}
 source "$(dirname "$0")/timeline.sh"  # stamp, run
 
-run startup python -m scripts.bench_startup --launches "$LAUNCHES" --server-args "--model $MODEL" \
+run startup python -m scripts.bench_startup --launches "$LAUNCHES" --server-args "--model $MODEL --drafter $DRAFTER" \
   --log-dir "$RES/logs/startup" --out "$RES/startup-h200.json"
 stamp DONE

@@ -278,3 +278,22 @@ def test_bench_kernels_backends_agree_under_the_interpreter(tmp_path):
             assert r["agreement"]["equal"], r
         else:  # attention in fp32: the online softmax vs SDPA differ by summation order only
             assert r["agreement"]["max_abs_diff"] < 1e-5, r
+
+
+def test_bench_linear_under_the_interpreter(tmp_path):
+    """The fused-projection benchmark end to end on the CPU (tiny shapes, eager, interpreted): both chains agree and
+    the sweep records every tile it tried and the best one. TRITON_INTERPRET=1 goes to a subprocess (see above)."""
+    out = tmp_path / "linear-interp.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "scripts/bench_linear.py", "--rows", "1,2", "--sweep", "--sweep-rows", "1",
+                    "--sweep-max-configs", "3", "--repeats", "1", "--out", str(out)], cwd=ROOT, env=env, check=True,
+                   capture_output=True)
+    report = json.loads(out.read_text())
+    assert report["triton"] == "interpreter" and [r["rows"] for r in report["chain"]] == [1, 2]
+    for r in report["chain"]:
+        assert r["unfused_us_per_layer"] > 0 and r["fused_us_per_layer"] > 0
+        assert r["max_rel_diff"] < 1e-5  # float32: the two chains differ in summation order only
+    summary = [e for e in report["sweep"] if e["config"] == "default"]
+    assert {e["op"] for e in summary} == {"qkv", "o", "gate_up", "down"}
+    assert all(e["best_us"] <= e["us"] for e in summary)
+    assert out.with_suffix(".png").is_file()
