@@ -150,3 +150,18 @@ def test_gpu_bfloat16_bits(m, gated, dtype, _):
         check(dtype, *run_both(kw, gated))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@needs_interpreter
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("op", ["qkv", "o", "gate_up", "down"])
+def test_default_tiles_at_smollm2_widths(m, op):
+    """The engine's own tiles (one to four columns a program, the whole row of 576 or 1536 in one tile) at SmolLM2's
+    input widths, the steps the engine fuses (few output columns: the tiles depend on K, and the interpreter is
+    slow; the full shapes run compiled in test_gpu_bfloat16_bits)."""
+    k, n, gated, norm = {"qkv": (576, 15, False, True), "o": (576, 9, False, False),
+                         "gate_up": (576, 12, True, True), "down": (1536, 9, False, False)}[op]
+    kw = case(m, k, n, torch.float32, gated=gated, norm=norm, residual=norm)
+    cfg = kernel_config(m, n, k, gated)
+    assert cfg["BLOCK_K"] >= k and cfg["BLOCK_N"] <= 4
+    check(torch.float32, *run_both(kw, gated))
