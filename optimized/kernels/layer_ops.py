@@ -3,8 +3,10 @@ append, and SiLU·up. Used by the target (``optimized/models/target.py``) and th
 
 Why: at batch 1 a verify step of SmolLM2-135M is ~1,200 tiny kernels (30 layers × ~40: an RMSNorm alone is seven
 element-wise launches — cast, square, mean, add ε, rsqrt, multiply, cast, scale), and a kernel inside a CUDA graph
-still costs a few microseconds however little it does. Fused, a layer is ten launches: norm, qkv matmul,
-RoPE+append, attention, o matmul, add+norm, gate/up matmul, SiLU·up, down matmul, add.
+still costs a few microseconds however little it does. Fused, a layer is nine launches: add+norm, qkv matmul,
+RoPE+append, attention, o matmul, add+norm, gate/up matmul, SiLU·up, down matmul (the residual add rides on the next
+norm). Steps of one or two tokens fold the norms and SiLU·up into the matmuls too (``optimized/kernels/linear.py``):
+six launches.
 
 Each op has a torch path (the readable definition, written to round exactly like HF Llama/Qwen, and the reference
 twin of the Triton kernel) and a Triton path with the same signature:
