@@ -54,6 +54,7 @@ from reference.scheduler import Scheduler as Policy
 from reference.scheduler import fold_recent, stale_budget
 from reference.target import Target
 from reference.testing import tiny_drafter, tiny_hf_model
+from scripts.benchmarking import save_plot
 
 log = logging.getLogger("dspark.bench_host")
 
@@ -193,12 +194,7 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict[str, Any]:
                  "agree %d/%d", r, row["host_us"], row["host_us_min"], row["host_us_max"], row["ahead_us"],
                  row["reference_us"], row["speedup_vs_reference"], row["agree"], row["steps"])
         out.write_text(json.dumps(report, indent=2) + "\n")
-    try:
-        plot(report, out.with_suffix(".png"))
-    except ImportError:
-        log.info("matplotlib is not installed: no plot")
-    except Exception as e:  # a plot must never cost the measured numbers
-        log.warning("plotting failed: %s", e)
+    save_plot(plot, report, out.with_suffix(".png"), log)
     log.info("wrote %s", out)
     return report
 

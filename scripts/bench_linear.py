@@ -44,7 +44,7 @@ from optimized.kernels.layer_ops import rms_norm, silu_mul
 from optimized.kernels.linear import FUSED_MAX_ROWS, kernel_config, linear, norm_linear
 from reference.cli import LOG_FORMAT
 from reference.cost_model import hardware_name
-from scripts.benchmarking import default_tag
+from scripts.benchmarking import default_tag, save_plot
 
 log = logging.getLogger("dspark.bench_linear")
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,10 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report["sweep"].append({"rows": m, "op": op, "config": "default", "us": round(default, 3),
                                     "best": best[1], "best_us": round(best[0], 3)})
             out.write_text(json.dumps(report, indent=2) + "\n")
-    try:
-        plot(report, out.with_suffix(".png"))
-    except Exception as e:  # a plot must never cost the measured numbers
-        log.warning("plotting failed: %s", e)
+    save_plot(plot, report, out.with_suffix(".png"), log)
     log.info("wrote %s", out)
     return report
 

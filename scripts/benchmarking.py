@@ -9,7 +9,11 @@ Names follow ``docs/method.md`` (``ℓ`` verify length, ``γ`` block size).
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -120,3 +124,14 @@ def default_tag(device: torch.device) -> str:
         if short in name:
             return short
     return "".join(c if c.isalnum() else "-" for c in name).strip("-")
+
+
+def save_plot(plot: Callable[[dict[str, Any], Path], None], report: dict[str, Any], path: Path,
+              log: logging.Logger) -> None:
+    """Draw ``report`` to ``path`` with ``plot``; a plot never costs the measured numbers (already written)."""
+    try:
+        plot(report, path)
+    except ImportError:
+        log.info("matplotlib is not installed: no plot")
+    except Exception as e:
+        log.warning("plotting failed: %s", e)
