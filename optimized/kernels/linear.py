@@ -1,16 +1,17 @@
 """Small-batch projections with their neighbours fused in: ``norm_linear`` (residual add + RMSNorm + matmul, with
-an optional SiLU·up epilogue) and ``linear`` (the plain matmul), for steps of a few token rows.
+an optional SiLU·up epilogue) and ``linear`` (the plain matmul), for steps of one or two token rows.
 
 Why: at batch 1 a decoder layer of SmolLM2-135M reads 7 MB of weights, which the H200's HBM delivers in ~1.5 µs,
-but the step spends ~25 µs a layer because it is ten kernels, each paying a fixed launch-and-drain cost inside the
-CUDA graph (docs/benchmarks/index.md, "The batch-1 step against the memory roofline"). A cuBLAS GEMM of one row
-costs ~3.8 µs however small its matrix. This module turns the layer's
+but a plain step spent ~25 µs a layer because the layer is nine kernels, each paying a fixed launch-and-drain cost
+inside the CUDA graph, and a cuBLAS matmul of one row costs ~3.8 µs however small its matrix
+(docs/benchmarks/index.md, "The batch-1 step"). This module turns the layer's
 
     add+norm → q/k/v matmul → … → o matmul → add+norm → gate/up matmul → SiLU·up → down matmul
 
 into ``norm_linear(qkv)`` → … → ``linear(o)`` → ``norm_linear(gate/up, gated)`` → ``linear(down)``: six kernels a
-layer instead of nine, and Triton matrix-vector kernels where a one-row cuBLAS call was. Large steps (prefill
-chunks, big batches) keep cuBLAS, which is the fast choice there: :func:`fused_rows` says where the line is.
+layer instead of nine. On the H200 one layer's projection chain takes 12.8 µs instead of 22.1 µs at one row and
+15.6 instead of 22.2 at two; from four rows on cuBLAS is as fast or faster, so the engine fuses only steps of at most
+:data:`FUSED_MAX_ROWS` tokens (:func:`fused_rows`; ``scripts/bench_linear.py`` measures both and sweeps the tiles).
 
 Each program owns ``BLOCK_N`` output columns of ``BLOCK_M`` rows and walks the input dimension ``K`` in tiles:
 
@@ -19,11 +20,15 @@ Each program owns ``BLOCK_N`` output columns of ``BLOCK_M`` rows and walks the i
   layer carries on. The rows of a decode step are a few kilobytes, so every program re-reading them costs nothing
   next to its slice of the weight matrix;
 - the second pass normalises each tile exactly where HF rounds (``x̂ / rms`` to the model dtype, then the gain
-  product to the model dtype) and accumulates ``h · Wᵀ`` in float32: a broadcast product and a sum for one row,
+  product to the model dtype) and accumulates ``h · Wᵀ`` in float32: a broadcast product and a sum for a few rows,
   ``tl.dot`` for 16 rows and more;
 - with ``GATED`` the weight is ``[gate | up]`` (``[2N, K]``, the engine's fused gate/up matrix) and the program
   accumulates the gate and up columns of the same outputs, then writes ``silu(gate) · up`` with HF's rounding
   (each projection to the model dtype, SiLU to the model dtype, the product to the model dtype).
+
+For a few rows the tile is the whole input row (:func:`kernel_config`), so each pass is one step and every load of a
+program is in flight at once: a matrix-vector product of one row is latency-bound, and a loop of dependent 64-wide
+tiles ran 2–4× slower than cuBLAS.
 
 The torch definition of both ops is the composition of the layer ops' torch definitions with ``F.linear``, the
 reference twin of the kernel (``tests/equivalence/test_linear.py``). Outputs differ from it only in the order of
@@ -43,9 +48,10 @@ if HAS_TRITON:
     import triton.language as tl
 
 # Up to this many token rows the projections run as the fused Triton kernels of this module; above it, cuBLAS
-# (with the separate norm and SiLU·up kernels of layer_ops). A decode or verify step of a few requests (plain
-# decoding at batch ≤ 16, or K = 7 verify at batch ≤ 2) is below it. Measured on the H200:
-# scripts/bench_linear.py.
+# (with the separate norm and SiLU·up kernels of layer_ops): plain decoding at batch 1 and 2. On the H200 the fused
+# chain is 1.72× / 1.42× cuBLAS's at one / two rows and 0.95× at four (scripts/bench_linear.py,
+# docs/benchmarks/linear-h200.json); the best 16-row tl.dot tiles of the sweep would win ~15 % at eight rows, which
+# this limit does not take yet. Tuned on sm_90; the kernels are portable Triton.
 FUSED_MAX_ROWS = 2
 
 
