@@ -163,14 +163,15 @@ if HAS_TRITON:
 def kernel_config(m: int, n: int, k: int, gated: bool) -> dict:
     """Tile sizes and warps for an ``[m, k] · [n, k]ᵀ`` step (``n`` output columns, gate and up counted once).
 
-    Fewer than 16 rows: the whole input row in one tile (``BLOCK_K`` = K rounded up to a power of two, up to 2048),
+    One or two rows: the whole input row in one tile (``BLOCK_K`` = K rounded up to a power of two, up to 2048),
     so that every weight load of a program is in flight at once, and as few output columns a program as keep its
     tile at ~2048 values: one to four columns, hundreds of programs. A batch-1 step is latency-bound, and this was
     the fastest shape of the sweep on the H200 (scripts/bench_linear.py: 2–4× faster than 64-wide K tiles walked in
-    a loop). From 16 rows: ``tl.dot`` tiles of 16 rows.
+    a loop). More rows: ``tl.dot`` tiles of 16 rows, the fastest at eight rows in the same sweep (about half the
+    time of the broadcast product over eight rows).
     """
-    if m >= 16:
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4)
+    if m > 2:  # the sweep's best at eight rows: one 16-row tl.dot tile, 16 (gated: 32) columns, 256-wide K steps
+        return dict(BLOCK_M=16, BLOCK_N=32 if gated else 16, BLOCK_K=min(256, triton.next_power_of_2(k)), num_warps=4)
     block_m = triton.next_power_of_2(m)
     block_k = min(triton.next_power_of_2(k), 2048)
     block_n = max(1, 2048 // (block_m * block_k))
