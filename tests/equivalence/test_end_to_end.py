@@ -61,7 +61,9 @@ def test_reference_equals_optimized_every_mode(family, temperature):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_triton_kernels_end_to_end(temperature):
-    """The same comparison with every engine op on its Triton kernel (through the interpreter on CPU)."""
+    """The same comparison with every engine op on its Triton kernel (through the interpreter on CPU). Plain decoding
+    of the two prompts runs steps of two and one tokens: the fused small-batch projections (optimized/kernels/
+    linear.py) on the engine's own path."""
     pytest.importorskip("triton")
     import os
 
@@ -70,7 +72,7 @@ def test_triton_kernels_end_to_end(temperature):
     target = Target.from_model(tiny_hf_model("llama", num_layers=2))
     drafter = _drafter(target, gamma=3)
     gen = GenerationConfig(max_new_tokens=6, temperature=temperature, seed=4, ignore_eos=True)
-    for mode in ("fixed", "adaptive"):
+    for mode in ("none", "fixed", "adaptive"):
         _compare(target, drafter, [[5, 9, 3], [60]], gen, mode, backend="triton")
 
 

@@ -109,10 +109,11 @@ def test_target_matches_reference(family):
 @pytest.mark.skipif("triton" not in BACKENDS, reason="Triton kernel on CPU needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("family,linear_rows", [
     ("llama", 0), ("qwen3", 0),  # qwen3: the fused kernel's per-head q/k norm
-    ("llama", None), ("qwen2", None), ("qwen3", None)])  # small steps through norm_linear (qwen2: its q/k/v bias)
+    ("llama", 16), ("qwen2", 16), ("qwen3", 16)])  # steps ≤ 16 tokens through norm_linear (qwen2: q/k/v bias)
 def test_target_matches_reference_triton_interpreted(family, linear_rows):
-    """Attention and the fused layer ops (RMSNorm, RoPE + KV append, SiLU·up) as Triton kernels; with the default
-    ``linear_rows`` the steps of at most 16 tokens also run the fused small-batch projections."""
+    """Attention and the fused layer ops (RMSNorm, RoPE + KV append, SiLU·up) as Triton kernels; with
+    ``linear_rows=16`` the steps of at most 16 tokens (two of the four below) also run the fused small-batch
+    projections, on their tl.dot tiles (the one- and two-token tiles: tests/equivalence/test_linear.py)."""
     target = tiny_target(family)
     opt = OptimizedTarget(target, attention_backend="triton", linear_rows=linear_rows)
     opt.allocate_cache(max_num_seqs=4, max_seq_len=32)
