@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import triton
 from tqdm import tqdm
 
 from optimized.kernels.layer_ops import rms_norm, silu_mul
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     weight_mb = sum(t.numel() * t.element_size() for w in layers for t in w.values()) / 1e6
     report: dict[str, Any] = {
         "hardware": hardware_name(device), "command": command, "torch": torch.__version__,
+        "software": {"torch": torch.__version__, "triton": triton.__version__},
         "triton": "compiled" if graphs else "interpreter", "dtype": str(dtype).removeprefix("torch."),
         "shape": {"layers": num_layers, "hidden": hidden, "qkv": qkv, "intermediate": inter,
                   "weight_mb": round(weight_mb, 1)},
