@@ -127,23 +127,27 @@ def decoder_layer(x: Tensor, pending: Tensor | None, w: LayerWeights, shape: Att
                   sin: Tensor, k_cache: Tensor, v_cache: Tensor, write_slots: Tensor, write_pos: Tensor,
                   cu_seqlens_q: Tensor, kv_lens: Tensor, slot_ids: Tensor, *, causal: bool,
                   max_q_len: int | None, backend: str, layer_backend: str | None = None,
-                  linear_rows: int | None = None) -> tuple[Tensor, Tensor]:
+                  linear_rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """One pre-norm layer over packed tokens: x + attn(norm(x)), then + mlp(norm(·)). x [N, d] -> [N, d].
 
     The layer's input is ``x + pending`` (``pending`` = the previous layer's MLP output, not yet added, or ``None``),
-    and its output is returned the same way, ``(x', mlp_out)``, so each residual add happens inside the next
-    RMSNorm: :func:`run_layers` adds the last one. The new tokens' K/V are written to the cache first, so attention
-    reads every visible key from one place. ``backend`` picks the attention kernel, ``layer_backend`` (default: the
-    same) the element-wise ops; with Triton a layer is nine launches: add+norm, qkv, RoPE+append, attention, o,
-    add+norm, gate/up, SiLU·up, down. A step of at most ``linear_rows`` tokens (default
-    ``optimized.kernels.linear.FUSED_MAX_ROWS``; 0: never) runs the projections as the fused small-batch Triton
-    kernels instead, six launches: add+norm+qkv, RoPE+append, attention, o, add+norm+gate/up+SiLU·up, down.
+    and its output is returned the same way, ``(x', mlp_out, x_in)``, so each residual add happens inside the next
+    RMSNorm: :func:`run_layers` adds the last one. ``x_in = x + pending`` is the stream entering the layer, i.e. the
+    previous layer's output, which its first norm computes anyway (the tapped features are read from it). The new
+    tokens' K/V are written to the cache first, so attention reads every visible key from one place.
+
+    ``backend`` picks the attention kernel, ``layer_backend`` (default: the same) the element-wise ops; with Triton
+    a layer is nine launches: add+norm, qkv, RoPE+append, attention, o, add+norm, gate/up, SiLU·up, down. A step of
+    at most ``linear_rows`` tokens (default ``optimized.kernels.linear.FUSED_MAX_ROWS``; 0: never) runs the
+    projections as the fused small-batch Triton kernels instead, six launches: add+norm+qkv, RoPE+append,
+    attention, o, add+norm+gate/up+SiLU·up, down.
     """
     ops = backend if layer_backend is None else layer_backend
     n = x.shape[0]
     if fused_rows(n, linear_rows) and resolve_backend(ops, x) == "triton":
         qkv, x = norm_linear(x if pending is None else pending, w.qkv, w.qkv_bias, norm_weight=w.input_norm,
                              eps=shape.eps, residual=None if pending is None else x, backend=ops)
+        x_in = x
         q, k, v = split_qkv(qkv, shape)
         q = rope_append_kv(q, k, v, cos, sin, k_cache, v_cache, write_slots, write_pos, w.q_norm, w.k_norm,
                            shape.eps, backend=ops)  # [N, H, D]
@@ -151,18 +155,19 @@ def decoder_layer(x: Tensor, pending: Tensor | None, w: LayerWeights, shape: Att
                              max_q_len=max_q_len, backend=backend)  # [N, H, D]
         act, x = norm_linear(linear(o.view(n, -1), w.o_proj, backend=ops), w.gate_up, norm_weight=w.post_norm,
                              eps=shape.eps, residual=x, gated=True, backend=ops)  # [N, I]
-        return x, linear(act, w.down, backend=ops)
+        return x, linear(act, w.down, backend=ops), x_in
     if pending is None:
         h, _ = fused_rms_norm(x, w.input_norm, shape.eps, backend=ops)
     else:  # x + pending = HF's `residual + hidden_states` (a bf16 add is commutative)
         h, x = fused_rms_norm(pending, w.input_norm, shape.eps, residual=x, backend=ops)
+    x_in = x
     q, k, v = split_qkv(F.linear(h, w.qkv, w.qkv_bias), shape)
     q = rope_append_kv(q, k, v, cos, sin, k_cache, v_cache, write_slots, write_pos, w.q_norm, w.k_norm, shape.eps,
                        backend=ops)  # [N, H, D]
     o = varlen_attention(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal=causal, scale=shape.scale,
                          max_q_len=max_q_len, backend=backend)  # [N, H, D]
     h, x = fused_rms_norm(F.linear(o.view(n, -1), w.o_proj), w.post_norm, shape.eps, residual=x, backend=ops)
-    return x, F.linear(silu_mul(F.linear(h, w.gate_up), backend=ops), w.down)
+    return x, F.linear(silu_mul(F.linear(h, w.gate_up), backend=ops), w.down), x_in
 
 
 def run_layers(x: Tensor, layers: list[LayerWeights], shape: AttentionShape, cos: Tensor, sin: Tensor,
@@ -171,17 +176,21 @@ def run_layers(x: Tensor, layers: list[LayerWeights], shape: AttentionShape, cos
                layer_backend: str | None = None, linear_rows: int | None = None, taps: tuple[int, ...] = ()
                ) -> tuple[Tensor, dict[int, Tensor]]:
     """Every decoder layer over x [N, d] (caches ``[L, S, T, Hkv, D]``). Returns the residual stream after the last
-    layer and ``{l: stream after layer l}`` for the tapped layers: a tap adds its layer's pending MLP output at once,
-    every other add rides on the next layer's RMSNorm."""
+    layer and ``{l: stream after layer l}`` for the tapped layers. Every residual add rides on the next layer's
+    RMSNorm, the tapped ones too: layer l's output is the sum layer l + 1's first norm computes (the same bits as a
+    separate add), so a tap costs no kernel; only the last layer's add is a separate one."""
     pending, tapped = None, {}
     for i, w in enumerate(layers):
-        x, pending = decoder_layer(x, pending, w, shape, cos, sin, k_cache[i], v_cache[i], write_slots, write_pos,
-                                   cu_seqlens_q, kv_lens, slot_ids, causal=causal, max_q_len=max_q_len,
-                                   backend=backend, layer_backend=layer_backend, linear_rows=linear_rows)
-        if i in taps:
-            x, pending = x + pending, None
-            tapped[i] = x
-    return (x if pending is None else x + pending), tapped
+        x, pending, x_in = decoder_layer(x, pending, w, shape, cos, sin, k_cache[i], v_cache[i], write_slots,
+                                         write_pos, cu_seqlens_q, kv_lens, slot_ids, causal=causal,
+                                         max_q_len=max_q_len, backend=backend, layer_backend=layer_backend,
+                                         linear_rows=linear_rows)
+        if i - 1 in taps:
+            tapped[i - 1] = x_in
+    x = x + pending
+    if len(layers) - 1 in taps:
+        tapped[len(layers) - 1] = x
+    return x, tapped
 
 
 def check_int32(**tensors: Tensor) -> None:

@@ -122,6 +122,38 @@ def test_target_matches_reference_triton_interpreted(family, linear_rows):
         torch.testing.assert_close(feats, ref_feats, atol=ATOL, rtol=RTOL)
 
 
+def test_taps_read_from_the_next_norm_are_the_separate_add():
+    """A tapped layer's output is read from the sum the next layer's first norm computes: the same bits, in bf16 too,
+    as adding the layer's MLP output on its own (what the taps cost before: one add kernel each)."""
+    from optimized.models.target import decoder_layer, rope_cos_sin, run_layers, token_write_index
+
+    target = tiny_target("llama")
+    target.model.to(torch.bfloat16)
+    opt = OptimizedTarget(target, attention_backend="torch")
+    opt.allocate_cache(max_num_seqs=1, max_seq_len=16)
+    n = 6
+    x0 = torch.randn(n, opt.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    positions = torch.arange(n)
+    cu, kv_lens, slots = (torch.tensor(v, dtype=torch.int32) for v in ([0, n], [n], [0]))
+    write_slots, write_pos = token_write_index(positions, cu, slots, opt.k_cache.shape[1] - 1)
+    cos, sin = rope_cos_sin(positions, opt.inv_freq, opt.rope_scaling, torch.bfloat16)
+    args = (opt.shape, cos, sin, opt.k_cache, opt.v_cache, write_slots, write_pos, cu, kv_lens, slots)
+    taps = (0, opt.num_layers - 2)
+    out, tapped = run_layers(x0, opt.layers, *args, causal=True, max_q_len=n, backend="torch", taps=taps)
+    x, pending, expected = x0, None, {}
+    for i, w in enumerate(opt.layers):  # the separate adds
+        x, pending, _ = decoder_layer(x, pending, w, opt.shape, cos, sin, opt.k_cache[i], opt.v_cache[i],
+                                      write_slots, write_pos, cu, kv_lens, slots, causal=True, max_q_len=n,
+                                      backend="torch")
+        if i in taps:
+            x, pending = x + pending, None
+            expected[i] = x
+    assert set(tapped) == set(taps)
+    for i in taps:
+        assert torch.equal(tapped[i], expected[i])
+    assert torch.equal(out, x + pending)
+
+
 def test_target_fused_weights_share_storage():
     """Fusing q/k/v and gate/up costs no memory: the HF parameters become views of the fused tensors."""
     target = tiny_target("llama")
