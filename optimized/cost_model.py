@@ -58,7 +58,6 @@ from typing import Any
 import torch
 
 from optimized.config import EngineConfig
-from optimized.kernels.linear import FUSED_MAX_ROWS
 from optimized.runner import ModelRunner
 from reference.cost_model import CostTable, hardware_name, measure_cost_table
 
@@ -222,7 +221,7 @@ def fingerprint(runner: ModelRunner, context_len: int = DEFAULT_CONTEXT_LEN) -> 
         "attention_backend": getattr(runner.target, "attention_backend", None),
         "layer_backend": getattr(runner.target, "layer_backend", None),
         # steps of at most this many tokens run the fused small-batch projections: their cost changes with it
-        "linear_rows": FUSED_MAX_ROWS if runner.target.linear_rows is None else runner.target.linear_rows,
+        "linear_rows": runner.target.linear_rows,
         "context_len": _fit_context(runner, context_len),
     }
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:24]

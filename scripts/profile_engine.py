@@ -47,7 +47,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
 from optimized.engine import Engine, EngineConfig, SamplingParams
-from optimized.kernels.linear import FUSED_MAX_ROWS
 from reference.cli import DEFAULT_DRAFTER, LOG_FORMAT, load_or_init_drafter
 from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import hardware_name
@@ -218,7 +217,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
         "settings": {"mode": args.mode, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
                      "temperature": args.temperature, "enforce_eager": args.enforce_eager,
                      "layer_backend": args.layer_backend or "default",
-                     "linear_rows": FUSED_MAX_ROWS if args.linear_rows is None else args.linear_rows,
+                     "linear_rows": engine.runner.target.linear_rows,
                      "draft_head_in_graph": engine.runner.head_in_graph, "draft_ahead": args.draft_ahead,
                      "async_decode": args.async_decode, "refill": args.refill,
                      "dtype": str(target.dtype), "prefill_steps": prefill_steps, "gamma": gamma},

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from optimized.kernels.layer_ops import HAS_TRITON, resolve_backend, rms_norm_torch
+from optimized.kernels.layer_ops import HAS_TRITON, resolve_backend, rms_norm_torch, silu_mul
 
 if HAS_TRITON:
     import triton
@@ -65,20 +65,12 @@ def fused_rows(n: int, limit: int | None = None) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def silu_mul_torch(gate: Tensor, up: Tensor) -> Tensor:
-    """HF's ``act_fn(gate_proj(x)) * up_proj(x)``: SiLU rounded to the dtype, then the product."""
-    return F.silu(gate) * up
-
-
 def norm_linear_torch(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None, eps: float,
                       residual: Tensor | None, gated: bool) -> tuple[Tensor, Tensor]:
     total = x if residual is None else x + residual
     h = total if norm_weight is None else rms_norm_torch(total, norm_weight, eps)
     y = F.linear(h, weight, bias)
-    if gated:
-        gate, up = y.chunk(2, dim=-1)
-        y = silu_mul_torch(gate, up)
-    return y, total
+    return (silu_mul(y, backend="torch") if gated else y), total
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from optimized.kernels.layer_ops import rms_norm, rope_append_kv, rope_cos_sin
+from optimized.kernels.linear import FUSED_MAX_ROWS
 from optimized.models.target import AttentionShape, check_int32, fuse_linears, layer_weights, run_layers
 from reference.drafter import DSparkDrafter
 
@@ -81,7 +82,7 @@ class OptimizedDrafter:
         self.inv_freq = cfg.rope_theta ** (-torch.arange(0, d, 2, device=self.device, dtype=torch.float32) / d)
         self.attention_backend = attention_backend
         self.layer_backend = attention_backend if layer_backend is None else layer_backend
-        self.linear_rows = linear_rows
+        self.linear_rows = FUSED_MAX_ROWS if linear_rows is None else linear_rows  # the limit in force
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
 

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from optimized.kernels.attention import varlen_attention
 from optimized.kernels.layer_ops import resolve_backend, rope_append_kv, rope_cos_sin, silu_mul
 from optimized.kernels.layer_ops import rms_norm as fused_rms_norm
-from optimized.kernels.linear import fused_rows, linear, norm_linear
+from optimized.kernels.linear import FUSED_MAX_ROWS, fused_rows, linear, norm_linear
 from reference.config import default_target_layer_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -144,29 +144,26 @@ def decoder_layer(x: Tensor, pending: Tensor | None, w: LayerWeights, shape: Att
     """
     ops = backend if layer_backend is None else layer_backend
     n = x.shape[0]
-    if fused_rows(n, linear_rows) and resolve_backend(ops, x) == "triton":
-        qkv, x = norm_linear(x if pending is None else pending, w.qkv, w.qkv_bias, norm_weight=w.input_norm,
-                             eps=shape.eps, residual=None if pending is None else x, backend=ops)
-        x_in = x
-        q, k, v = split_qkv(qkv, shape)
-        q = rope_append_kv(q, k, v, cos, sin, k_cache, v_cache, write_slots, write_pos, w.q_norm, w.k_norm,
-                           shape.eps, backend=ops)  # [N, H, D]
-        o = varlen_attention(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal=causal, scale=shape.scale,
-                             max_q_len=max_q_len, backend=backend)  # [N, H, D]
-        act, x = norm_linear(linear(o.view(n, -1), w.o_proj, backend=ops), w.gate_up, norm_weight=w.post_norm,
-                             eps=shape.eps, residual=x, gated=True, backend=ops)  # [N, I]
-        return x, linear(act, w.down, backend=ops), x_in
-    if pending is None:
-        h, _ = fused_rms_norm(x, w.input_norm, shape.eps, backend=ops)
-    else:  # x + pending = HF's `residual + hidden_states` (a bf16 add is commutative)
-        h, x = fused_rms_norm(pending, w.input_norm, shape.eps, residual=x, backend=ops)
+    fused = fused_rows(n, linear_rows) and resolve_backend(ops, x) == "triton"
+    # x + pending = HF's `residual + hidden_states` (a bf16 add is commutative), inside the norm
+    inp, res = (x, None) if pending is None else (pending, x)
+    if fused:
+        qkv, x = norm_linear(inp, w.qkv, w.qkv_bias, norm_weight=w.input_norm, eps=shape.eps, residual=res,
+                             backend=ops)
+    else:
+        h, x = fused_rms_norm(inp, w.input_norm, shape.eps, residual=res, backend=ops)
+        qkv = F.linear(h, w.qkv, w.qkv_bias)
     x_in = x
-    q, k, v = split_qkv(F.linear(h, w.qkv, w.qkv_bias), shape)
+    q, k, v = split_qkv(qkv, shape)
     q = rope_append_kv(q, k, v, cos, sin, k_cache, v_cache, write_slots, write_pos, w.q_norm, w.k_norm, shape.eps,
                        backend=ops)  # [N, H, D]
     o = varlen_attention(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal=causal, scale=shape.scale,
-                         max_q_len=max_q_len, backend=backend)  # [N, H, D]
-    h, x = fused_rms_norm(F.linear(o.view(n, -1), w.o_proj), w.post_norm, shape.eps, residual=x, backend=ops)
+                         max_q_len=max_q_len, backend=backend).view(n, -1)  # [N, H·D]
+    if fused:
+        act, x = norm_linear(linear(o, w.o_proj, backend=ops), w.gate_up, norm_weight=w.post_norm, eps=shape.eps,
+                             residual=x, gated=True, backend=ops)  # [N, I]
+        return x, linear(act, w.down, backend=ops), x_in
+    h, x = fused_rms_norm(F.linear(o, w.o_proj), w.post_norm, shape.eps, residual=x, backend=ops)
     return x, F.linear(silu_mul(F.linear(h, w.gate_up), backend=ops), w.down), x_in
 
 
@@ -264,7 +261,7 @@ class OptimizedTarget:
         self.vocab_size = int(config.vocab_size)
         self.attention_backend = attention_backend
         self.layer_backend = attention_backend if layer_backend is None else layer_backend
-        self.linear_rows = linear_rows
+        self.linear_rows = FUSED_MAX_ROWS if linear_rows is None else linear_rows  # the limit in force
         self.embed = decoder.embed_tokens.weight.detach()  # [V, d]
         self.final_norm = decoder.norm.weight.detach()  # [d]
         self.lm_head = hf_model.get_output_embeddings().weight.detach()  # [V, d] (the embedding when tied)

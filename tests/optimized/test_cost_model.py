@@ -122,11 +122,12 @@ def test_cache_hit_then_invalidated_by_a_setting(models, tmp_path, monkeypatch):
     finally:
         engine.runner.verify_graphs.sizes = sizes
     # So is another limit of the fused small-batch projections (the cost of one- and two-token steps changes).
+    limit = engine.runner.target.linear_rows
     try:
         engine.runner.target.linear_rows = 0
         assert fingerprint(engine.runner, 16)[0] != key
     finally:
-        engine.runner.target.linear_rows = None
+        engine.runner.target.linear_rows = limit
 
 
 def test_fingerprint_follows_the_drafters_shape_not_its_calibration(models):
