@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=None, help="engine slots (default: the batch size)")
     args = parser.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    target, drafter, gen, sched, prompts = setup_from_args(args, device=args.device, dtype=dtype)
+    target, drafter, gen, sched, prompts = setup_from_args(args, device=args.device, dtype=dtype, forward=False)
     # Without --cost-table, generate() profiles the serving engine itself (no second engine, no second capture).
     cost = CostTable.load(args.cost_table) if args.cost_table else None
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs or len(prompts), device=args.device, dtype=dtype,

@@ -60,6 +60,23 @@ def prefill_bucket_sizes(max_tokens: int) -> list[int]:
     return sorted(set(s for s in sizes if 1 <= s <= max_tokens))
 
 
+def warmup_sizes(sizes: list[int]) -> list[int]:
+    """The buckets a :class:`GraphRunner` runs eagerly before capturing all of them: the smallest bucket of each size
+    class, and the largest.
+
+    What a first call does that a capture must not (Triton compiling or loading a kernel for a new specialization)
+    depends on a size's class, not on the size: Triton specializes integer arguments on ``== 1`` and on divisibility
+    by 16, our kernels pick tile sizes from the next power of two of a length, and the fused small-batch projections
+    run only up to a few rows. So a class is (the size itself up to 8, its next power of two, divisible by 16 or not),
+    and one bucket of each covers the others; a bucket still missing something is warmed when its capture fails (see
+    :meth:`GraphRunner.capture`). Warming all 87 verify buckets took 3.1–3.2 s of a 22.6 s warm start-up on the H200.
+    """
+    first: dict[tuple[int, int, bool], int] = {}
+    for s in sorted(sizes):
+        first.setdefault((s if s <= 8 else 0, 1 << (s - 1).bit_length(), s % 16 == 0), s)
+    return sorted(set(first.values()) | ({max(sizes)} if sizes else set()))
+
+
 class GraphRunner:
     """Captures ``fn`` once per bucket size over static input buffers; replays the smallest bucket ≥ n.
 
@@ -85,28 +102,49 @@ class GraphRunner:
         if not self.enabled:
             return
         before, t0 = torch.cuda.memory_allocated(), time.perf_counter()
+        # Warm up one bucket of each size class first (warmup_sizes): a first call compiles or loads kernels (Triton
+        # at each new specialization; none of ours autotunes), and cuBLAS creates its handle, which must not happen
+        # inside a capture. One pass is enough; a second ran every bucket again and took about a third of the stage.
+        warmed = set(warmup_sizes(self.sizes))
+        self._warm_up(sorted(warmed))
+        warm = time.perf_counter() - t0
+        late = []
+        for s in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool blocks
+            try:
+                self.graphs[s] = self._capture_one(s)
+            except RuntimeError as err:
+                if s in warmed:
+                    raise
+                # A first call at this size did something a capture forbids: warm this size up and capture again.
+                log.warning("capturing the %s graph of %d failed before its own warm-up (%s); warming it up first",
+                            self.name, s, str(err).splitlines()[0] if str(err) else type(err).__name__)
+                torch.cuda.synchronize()  # sync: start-up capture, off the step loop
+                self._warm_up([s])
+                late.append(s)
+                self.graphs[s] = self._capture_one(s)
+        torch.cuda.synchronize()  # sync: start-up capture, off the step loop
+        log.info("captured %d %s graphs (%s..%s) in %.2f s (warm-up of %d sizes %.2f s%s), %.1f MiB of graph memory",
+                 len(self.graphs), self.name, self.sizes[0], self.sizes[-1], time.perf_counter() - t0, len(warmed),
+                 warm, f"; {len(late)} more warmed after a failed capture" if late else "",
+                 (torch.cuda.memory_allocated() - before) / 2**20)
+
+    def _warm_up(self, sizes: list[int]) -> None:
+        """Run ``fn`` eagerly at ``sizes`` on a side stream (as PyTorch's CUDA-graph notes prescribe), then sync."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            # Warm up once at every size: Triton compiles a kernel at its first call for each specialization (and
-            # none of ours autotunes), cuBLAS creates its workspace, and neither may happen inside a capture. One
-            # pass is enough; a second ran every bucket again and took about a third of the capture stage.
-            for s in self.sizes:
+            for s in sizes:
                 self.fn(s)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()  # sync: start-up capture, off the step loop
-        warm = time.perf_counter() - t0
-        for s in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool blocks
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                out = self.fn(s)
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[s] = (g, out)
-        torch.cuda.synchronize()  # sync: start-up capture, off the step loop
-        log.info("captured %d %s graphs (%s..%s) in %.2f s (warm-up %.2f s), %.1f MiB of graph memory",
-                 len(self.graphs), self.name, self.sizes[0], self.sizes[-1], time.perf_counter() - t0, warm,
-                 (torch.cuda.memory_allocated() - before) / 2**20)
+
+    def _capture_one(self, s: int) -> tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self.fn(s)
+        if self.pool is None:
+            self.pool = g.pool()
+        return g, out
 
     def run(self, n_pad: int) -> tuple[Tensor, ...]:
         """Replay the graph of size ``n_pad`` (inputs already in the static buffers), or run eagerly."""

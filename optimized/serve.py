@@ -264,8 +264,9 @@ def build_runtime(sa: ServeArgs):
     """Load the target and drafter, build the engine, install its cost table, warm it up."""
     args, times, t0 = sa.args, {}, time.perf_counter()
     with _stage("imports (torch, transformers, the engine and its kernels)", times):
+        # Target.load's lazy imports: the engine needs the weights, not transformers' model classes (forward=False)
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 (Target.load's lazy imports)
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # noqa: F401
 
         from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
         from optimized.engine import Engine, EngineConfig
@@ -278,7 +279,7 @@ def build_runtime(sa: ServeArgs):
                          "pass --device cpu, or install a torch built for this driver")
     dtype = getattr(torch, sa.dtype)
     with _stage("target weights", times):
-        target = Target.load(args.model, device=sa.device, dtype=dtype)
+        target = Target.load(args.model, device=sa.device, dtype=dtype, forward=False)
     limit = getattr(target.config, "max_position_embeddings", None)
     if limit is not None and args.max_model_len > limit:
         raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's {limit} positions")

@@ -201,10 +201,12 @@ def build_proposer(args: argparse.Namespace, target: Target) -> DSparkDrafter | 
     return NgramProposer(config) if mode.drafts else None
 
 
-def setup_from_args(args: argparse.Namespace, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """The part of both CLIs before the cost table: target, drafter, configs and tokenised prompts."""
+def setup_from_args(args: argparse.Namespace, device: str = "cpu", dtype: torch.dtype = torch.float32, *,
+                    forward: bool = True):
+    """The part of both CLIs before the cost table: target, drafter, configs and tokenised prompts. ``forward=False``
+    loads the target's weights without its HF forward (the optimized engine's CLI: see ``Target.load``)."""
     prompts = read_prompts(args)
-    target = Target.load(args.model, device=device, dtype=dtype)
+    target = Target.load(args.model, device=device, dtype=dtype, forward=forward)
     drafter = build_proposer(args, target)
     gamma = drafter.config.gamma if drafter is not None else (args.gamma or 7)
     gen, sched = configs_from_args(args, gamma)

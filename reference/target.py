@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from reference.config import default_target_layer_ids
+from reference.target_weights import has_safetensors, load_causal_lm_weights
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class Target:
 
     @classmethod
     def load(cls, name_or_dir: str = DEFAULT_TARGET, *, layer_ids=None, device="cpu", dtype=torch.float32,
-             cache_dir: str | os.PathLike | None = None) -> Target:
+             cache_dir: str | os.PathLike | None = None, forward: bool = True) -> Target:
         """Load a target by name, GGUF file or local HF directory.
 
         Args:
@@ -119,6 +120,10 @@ class Target:
             dtype: weight dtype (the GGUF cache itself is stored in float32, the exact dequantized values).
             cache_dir: root of the dequantized-GGUF cache; default ``$DSPARK_CACHE`` or
                 ``~/.cache/dspark/models``. The model lands in ``<root>/<name>``.
+            forward: ``False`` loads the weights, config and tokenizer only, into a module tree with HF's parameter
+                names (:mod:`reference.target_weights`), without importing ``transformers``' model classes: what
+                the optimized engine needs, seconds faster at start-up. :meth:`forward` and
+                :meth:`forward_batch` then raise. A directory without safetensors weights loads through HF anyway.
         """
         source, file_name = str(name_or_dir), None
         if source.lower() == DEFAULT_TARGET:
@@ -139,9 +144,10 @@ class Target:
                 raise FileNotFoundError(
                     f"{source!r} is neither the default target {DEFAULT_TARGET!r}, a .gguf file, nor a local "
                     "HF model directory (nothing is downloaded)")
-        model, tokenizer = _load_hf_dir(hf_dir, dtype)
-        logger.info("target %s: %d layers, d=%d, V=%d, %s on %s", source, model.config.num_hidden_layers,
-                    model.config.hidden_size, model.config.vocab_size, dtype, device)
+        model, tokenizer = _load_hf_dir(hf_dir, dtype, device, forward)
+        logger.info("target %s: %d layers, d=%d, V=%d, %s on %s%s", source, model.config.num_hidden_layers,
+                    model.config.hidden_size, model.config.vocab_size, dtype, device,
+                    "" if forward else " (weights only)")
         return cls(model.to(device), tokenizer, layer_ids=layer_ids, name=source)
 
     # ------------------------------------------------------------------ shapes and shared modules
@@ -413,9 +419,14 @@ def _load_gguf(gguf_path: Path):
     return model, tokenizer
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype):
-    """Load model and tokenizer from a local HF directory, checking first what would otherwise fail late."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_hf_dir(path: Path, dtype: torch.dtype, device="cpu", forward: bool = True):
+    """Load model and tokenizer from a local HF directory, checking first what would otherwise fail late.
+
+    With ``forward=False`` (and safetensors weights) the model is :class:`reference.target_weights.CausalLMWeights`,
+    built on ``device``, and nothing of ``transformers`` but its config, generation-config and tokenizer classes is
+    imported; otherwise it is the HF ``*ForCausalLM`` on the CPU (the caller moves it).
+    """
+    from transformers import AutoTokenizer
 
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -425,7 +436,20 @@ def _load_hf_dir(path: Path, dtype: torch.dtype):
         raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: {_SUPPORTED}")
     if not any((path / f).is_file() for f in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"{path} has no weights (expected {' or '.join(WEIGHT_FILES)})")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if not forward and not has_safetensors(path):
+        logger.info("%s holds no safetensors weights; loading it through transformers' model class", path)
+        forward = True
+    if forward:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        from transformers import AutoConfig, GenerationConfig
+
+        config = AutoConfig.from_pretrained(path)
+        generation = (GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file()
+                      else GenerationConfig.from_model_config(config))
+        model = load_causal_lm_weights(path, config, dtype=dtype, device=device, generation_config=generation)
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(path)

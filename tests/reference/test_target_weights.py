@@ -1,0 +1,166 @@
+"""Tests of reference/target_weights.py: ``Target.load(..., forward=False)`` holds what the HF model holds, bit for bit.
+
+Each family is saved with ``save_pretrained`` and loaded both ways from the same directory; every parameter (name,
+registration order, dtype, bits), the RoPE tables, the attention scale, the tied LM head and the eos ids must agree,
+and the optimized target built from either load must compute identical logits and features.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from optimized.cost_model import fingerprint
+from optimized.models import OptimizedTarget
+from reference.target import Target
+from reference.target_weights import CausalLMWeights, rope_inverse_frequencies
+from tests.equivalence.test_models import run_steps, tiny_target
+
+FAMILIES = ["llama", "qwen2", "qwen3"]  # qwen2: q/k/v biases and an untied LM head (tiny_target)
+
+
+def _saved(tmp_path, family: str, **save_kw):
+    model = tiny_target(family).model
+    path = tmp_path / family
+    model.save_pretrained(path, **save_kw)
+    return path
+
+
+def _assert_same_weights(hf: Target, light: Target) -> None:
+    a, b = list(hf.model.named_parameters()), list(light.model.named_parameters())
+    assert [n for n, _ in a] == [n for n, _ in b]  # the step-cost table's fingerprint hashes this list
+    for (name, x), (_, y) in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), name
+    hf_rope, rope = hf.model.model.rotary_emb, light.model.model.rotary_emb
+    assert rope.inv_freq.dtype == torch.float32 and torch.equal(hf_rope.inv_freq, rope.inv_freq)
+    assert (rope.rope_type, rope.attention_scaling) == (hf_rope.rope_type, hf_rope.attention_scaling)
+    for hf_layer, layer in zip(hf.model.model.layers, light.model.model.layers):
+        assert hf_layer.self_attn.scaling == layer.self_attn.scaling
+    tied = hf.model.lm_head.weight is hf.model.model.embed_tokens.weight
+    assert (light.lm_head.weight is light.embed_tokens.weight) == tied
+    assert torch.equal(hf.lm_head.weight, light.lm_head.weight)
+    assert light.eos_token_ids == hf.eos_token_ids and light.layer_ids == hf.layer_ids
+    assert light.config.to_dict() == hf.config.to_dict()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weights_only_load_equals_the_hf_model(tmp_path, family, dtype):
+    path = _saved(tmp_path, family)
+    hf, light = Target.load(str(path), dtype=dtype), Target.load(str(path), dtype=dtype, forward=False)
+    assert isinstance(light.model, CausalLMWeights) and light.dtype == dtype
+    _assert_same_weights(hf, light)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_optimized_target_from_weights_only_load_is_identical(tmp_path, family):
+    """The engine's forward built on either load: identical logits and features, and the same step-cost key."""
+    path = _saved(tmp_path, family)
+    outs = []
+    for forward in (True, False):
+        opt = OptimizedTarget(Target.load(str(path), forward=forward), attention_backend="torch")
+        opt.allocate_cache(max_num_seqs=4, max_seq_len=32)
+        outs.append(list(run_steps(Target.load(str(path)), opt)))
+    for (logits, feats, ref_logits, _), (light_logits, light_feats, _, _) in zip(*outs):
+        assert torch.equal(logits, light_logits) and torch.equal(feats, light_feats)
+        torch.testing.assert_close(light_logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_cost_table_key_is_the_same_for_both_loads(tmp_path):
+    from optimized.config import EngineConfig
+    from optimized.runner import ModelRunner
+
+    path = _saved(tmp_path, "llama")
+    keys = []
+    for forward in (True, False):
+        runner = ModelRunner(Target.load(str(path), forward=forward), None, EngineConfig(max_num_seqs=2,
+                                                                                          max_seq_len=32))
+        keys.append(fingerprint(runner, context_len=8))
+    assert keys[0] == keys[1]
+
+
+def test_sharded_checkpoint(tmp_path):
+    path = _saved(tmp_path, "qwen3", max_shard_size="40KB")
+    assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 1
+    _assert_same_weights(Target.load(str(path)), Target.load(str(path), forward=False))
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 128},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+])
+def test_scaled_rope_types_match_hf(tmp_path, rope):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_parameters={"rope_theta": 50000.0, **rope})
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "m")
+    hf, light = Target.load(str(tmp_path / "m")), Target.load(str(tmp_path / "m"), forward=False)
+    assert light.model.model.rotary_emb.rope_type == rope["rope_type"]
+    _assert_same_weights(hf, light)
+
+
+def test_bad_checkpoints_fail_with_the_tensor_name(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = _saved(tmp_path, "llama")
+    tensors = load_file(path / "model.safetensors")
+    good = dict(tensors)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\).*model\.layers\.1\.mlp\.down_proj\.weight"):
+        Target.load(str(path), forward=False)
+    tensors = dict(good, **{"model.norm.weight": torch.ones(3)})
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.norm\.weight has shape \(3,\), the config implies \(64,\)"):
+        Target.load(str(path), forward=False)
+
+
+def test_weights_only_target_refuses_the_reference_forward(tmp_path):
+    target = Target.load(str(_saved(tmp_path, "llama")), forward=False)
+    with pytest.raises(RuntimeError, match="forward=False"):
+        target.forward(torch.tensor([1, 2]), target.new_cache(), 0)
+
+
+def test_pytorch_bin_checkpoint_loads_through_transformers(tmp_path):
+    path = _saved(tmp_path, "llama")
+    model = Target.load(str(path)).model
+    (path / "model.safetensors").unlink()
+    torch.save(model.state_dict(), path / "pytorch_model.bin")
+    target = Target.load(str(path), forward=False)
+    assert not isinstance(target.model, CausalLMWeights)  # no safetensors: the HF class, which reads the .bin
+    for (name, a), b in zip(model.state_dict().items(), target.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_default_rope_is_hfs_formula():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=32, rope_parameters={"rope_theta": 1e6})
+    rope_type, inv_freq, scaling = rope_inverse_frequencies(config)
+    assert rope_type == "default" and scaling == 1.0 and inv_freq.shape == (16,)
+    assert torch.equal(inv_freq, 1.0 / (1e6 ** (torch.arange(0, 32, 2, dtype=torch.float) / 32)))
+
+
+def test_weights_only_load_imports_no_model_class(tmp_path):
+    """The point of the loader: loading the weights imports neither transformers' model classes and their
+    ``modeling_utils`` nor torch._dynamo (which a random initialisation on the meta device would import): the
+    engine's start-up spent seconds there."""
+    path = _saved(tmp_path, "llama")
+    code = textwrap.dedent(f"""
+        import sys, torch
+        from reference.target import Target
+        Target.load({str(path)!r}, forward=False, dtype=torch.bfloat16)
+        print(sorted(m for m in sys.modules if m in ("transformers.modeling_utils", "torch._dynamo")
+                     or m.startswith("transformers.models.") and ".modeling_" in m
+                     and not m.endswith(".modeling_auto")))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
