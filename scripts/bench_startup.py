@@ -37,7 +37,8 @@ log = logging.getLogger("dspark.bench_startup")
 # The server's log lines (format "%(asctime)s %(name)s %(levelname)s %(message)s", optimized/serve.py).
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (\S+) \w+ (.*)$")
 STAGE_DONE = re.compile(r"start-up: (.+?) done in ([\d.]+) s")
-GRAPHS = re.compile(r"captured (\d+) (\w+) graphs \(.*?\) in ([\d.]+) s \(warm-up ([\d.]+) s\)")
+# "(warm-up of 21 sizes 0.80 s; ...)" since the warm-up runs one bucket per size class; "(warm-up 3.10 s)" before
+GRAPHS = re.compile(r"captured (\d+) (\w+) graphs \(.*?\) in ([\d.]+) s \(warm-up (?:of (\d+) sizes )?([\d.]+) s")
 
 
 def parse_log(text: str, launched_at: float) -> dict:
@@ -58,7 +59,9 @@ def parse_log(text: str, launched_at: float) -> dict:
             out["stages"][s.group(1)] = float(s.group(2))
         if (g := GRAPHS.search(message)) is not None:
             out["graphs"][g.group(2)] = {"count": int(g.group(1)), "seconds": float(g.group(3)),
-                                         "warmup_s": float(g.group(4))}
+                                         "warmup_s": float(g.group(5))}
+            if g.group(4) is not None:
+                out["graphs"][g.group(2)]["warmed_sizes"] = int(g.group(4))
     return out
 
 

@@ -9,6 +9,8 @@ from scripts import bench_startup
 from tests.serving.conftest import server_env, tiny_server_args
 
 IMPORTS = "imports (torch, transformers, the engine and its kernels)"
+PREFILL = ("2026-12-03 10:00:08,500 dspark.graphs INFO captured 22 prefill graphs (16..2048) in 0.50 s (warm-up of 9 "
+           "sizes 0.20 s; 1 more warmed after a failed capture), 9.0 MiB of graph memory")
 LOG = f"""\
 2026-12-03 10:00:01,500 dspark.serve INFO the engine runs in its own process
 2026-12-03 10:00:02,000 dspark.serve INFO start-up: {IMPORTS} ...
@@ -16,6 +18,7 @@ LOG = f"""\
 2026-12-03 10:00:05,100 dspark.serve INFO start-up: target weights ...
 2026-12-03 10:00:06,100 dspark.serve INFO start-up: target weights done in 1.00 s
 2026-12-03 10:00:08,000 dspark.graphs INFO captured 87 verify graphs (1..2048) in 4.10 s (warm-up 1.20 s), 64 MiB
+{PREFILL}
 a line without a time stamp
 2026-12-03 10:00:09,000 dspark.serve INFO start-up: kernel warm-up done in 0.40 s
 """
@@ -26,7 +29,8 @@ def test_parse_log_reads_stages_graphs_and_when_things_began():
     got = bench_startup.parse_log(LOG, launched)
     assert got["first_log_s"] == 1.5 and got["engine_first_stage_s"] == 2.0
     assert got["stages"] == {IMPORTS: 3.0, "target weights": 1.0, "kernel warm-up": 0.4}
-    assert got["graphs"] == {"verify": {"count": 87, "seconds": 4.1, "warmup_s": 1.2}}
+    assert got["graphs"] == {"verify": {"count": 87, "seconds": 4.1, "warmup_s": 1.2},
+                             "prefill": {"count": 22, "seconds": 0.5, "warmup_s": 0.2, "warmed_sizes": 9}}
 
 
 def test_bench_startup_times_launches_and_requests(tiny_dirs, tmp_path, monkeypatch):
