@@ -68,8 +68,8 @@ def warmup_sizes(sizes: list[int]) -> list[int]:
     depends on a size's class, not on the size: Triton specializes integer arguments on ``== 1`` and on divisibility
     by 16, our kernels pick tile sizes from the next power of two of a length, and the fused small-batch projections
     run only up to a few rows. So a class is (the size itself up to 8, its next power of two, divisible by 16 or not),
-    and one bucket of each covers the others; a bucket still missing something is warmed when its capture fails (see
-    :meth:`GraphRunner.capture`). Warming all 87 verify buckets took 3.1–3.2 s of a 22.6 s warm start-up on the H200.
+    and one bucket of each covers the others (the GPU equivalence tests replay every bucket against eager runs).
+    Warming all 87 verify buckets took 3.1–3.2 s of a 22.6 s warm start-up on the H200, one of each class 1.3–1.6 s.
     """
     first: dict[tuple[int, int, bool], int] = {}
     for s in sorted(sizes):
@@ -105,28 +105,21 @@ class GraphRunner:
         # Warm up one bucket of each size class first (warmup_sizes): a first call compiles or loads kernels (Triton
         # at each new specialization; none of ours autotunes), and cuBLAS creates its handle, which must not happen
         # inside a capture. One pass is enough; a second ran every bucket again and took about a third of the stage.
-        warmed = set(warmup_sizes(self.sizes))
-        self._warm_up(sorted(warmed))
+        warmed = warmup_sizes(self.sizes)
+        self._warm_up(warmed)
         warm = time.perf_counter() - t0
-        late = []
         for s in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool blocks
             try:
                 self.graphs[s] = self._capture_one(s)
             except RuntimeError as err:
-                if s in warmed:
-                    raise
-                # A first call at this size did something a capture forbids: warm this size up and capture again.
-                log.warning("capturing the %s graph of %d failed before its own warm-up (%s); warming it up first",
-                            self.name, s, str(err).splitlines()[0] if str(err) else type(err).__name__)
-                torch.cuda.synchronize()  # sync: start-up capture, off the step loop
-                self._warm_up([s])
-                late.append(s)
-                self.graphs[s] = self._capture_one(s)
+                # A failed capture leaves the allocator recording into the pool: no second attempt can follow.
+                skipped = "" if s in warmed else " (a size the warm-up skipped)"
+                raise RuntimeError(f"capturing the {self.name} graph of {s} failed{skipped}: {err}. Serve with "
+                                   "--enforce-eager (no CUDA graphs) and report it") from err
         torch.cuda.synchronize()  # sync: start-up capture, off the step loop
-        log.info("captured %d %s graphs (%s..%s) in %.2f s (warm-up of %d sizes %.2f s%s), %.1f MiB of graph memory",
+        log.info("captured %d %s graphs (%s..%s) in %.2f s (warm-up of %d sizes %.2f s), %.1f MiB of graph memory",
                  len(self.graphs), self.name, self.sizes[0], self.sizes[-1], time.perf_counter() - t0, len(warmed),
-                 warm, f"; {len(late)} more warmed after a failed capture" if late else "",
-                 (torch.cuda.memory_allocated() - before) / 2**20)
+                 warm, (torch.cuda.memory_allocated() - before) / 2**20)
 
     def _warm_up(self, sizes: list[int]) -> None:
         """Run ``fn`` eagerly at ``sizes`` on a side stream (as PyTorch's CUDA-graph notes prescribe), then sync."""

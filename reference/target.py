@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from reference.config import default_target_layer_ids
-from reference.target_weights import has_safetensors, load_causal_lm_weights
+from reference.target_weights import has_safetensors, load_weights_and_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -423,11 +423,9 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device="cpu", forward: bool = T
     """Load model and tokenizer from a local HF directory, checking first what would otherwise fail late.
 
     With ``forward=False`` (and safetensors weights) the model is :class:`reference.target_weights.CausalLMWeights`,
-    built on ``device``, and nothing of ``transformers`` but its config, generation-config and tokenizer classes is
-    imported; otherwise it is the HF ``*ForCausalLM`` on the CPU (the caller moves it).
+    built on ``device`` (:func:`reference.target_weights.load_weights_and_tokenizer`); otherwise it is the HF
+    ``*ForCausalLM`` on the CPU (the caller moves it).
     """
-    from transformers import AutoTokenizer
-
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a HF model directory")
@@ -439,20 +437,12 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device="cpu", forward: bool = T
     if not forward and not has_safetensors(path):
         logger.info("%s holds no safetensors weights; loading it through transformers' model class", path)
         forward = True
-    if forward:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    else:
-        from transformers import AutoConfig, GenerationConfig
-
-        config = AutoConfig.from_pretrained(path)
-        generation = (GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file()
-                      else GenerationConfig.from_model_config(config))
-        model = load_causal_lm_weights(path, config, dtype=dtype, device=device, generation_config=generation)
-    tokenizer = None
-    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    else:
+    has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    if not has_tokenizer:
         logger.warning("%s has no tokenizer files; encode/decode are unavailable", path)
-    return model, tokenizer
+    if not forward:
+        return load_weights_and_tokenizer(path, dtype=dtype, device=device, tokenizer=has_tokenizer)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model, AutoTokenizer.from_pretrained(path) if has_tokenizer else None

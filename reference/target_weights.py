@@ -21,13 +21,27 @@ every tensor loaded and cast exactly as ``from_pretrained`` loads and casts it:
 
 ``reference.target.Target.load(..., forward=False)`` wraps it; ``tests/reference/test_target_weights.py`` checks
 every parameter, buffer and attribute against the HF model loaded from the same directory, bit for bit.
+
+The config and the tokenizer still need transformers, and with some versions even its config classes are expensive
+to import: a config class's docstring decorator imports the auto-model module, which imports the generation code
+(with transformers 5.17 on the H200 machine that chain pulled in scikit-learn, SciPy and torch._dynamo: 6.9 s), and
+``AutoTokenizer``'s module does the same. So the first load of a directory records what transformers resolved for
+it — the config's full dictionary, the generation config's, the RoPE table and the tokenizer's class — under
+``$DSPARK_CACHE/hf-records`` (default ``~/.cache/dspark/hf-records``), keyed by the directory, its files' sizes and
+modification times and the transformers version (:func:`load_weights_and_tokenizer`). Later loads read the record,
+build the config as a :class:`RecordedConfig` (the same attributes) and call the tokenizer class's own
+``from_pretrained``, which is what ``AutoTokenizer`` ends with: no config class, no auto module is imported.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import json
 import logging
+import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -103,21 +117,22 @@ class DecoderLayerWeights(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE's inverse frequencies ``[D/2]`` (float32) and output scale, computed as HF's rotary module computes them."""
+    """RoPE's inverse frequencies ``[D/2]`` (float32) and output scale, computed as HF's rotary module computes them
+    (or given: ``rope`` = ``(rope_type, inv_freq, attention_scaling)``, as a record holds them)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, rope: tuple[str, Tensor, float] | None = None) -> None:
         super().__init__()
-        self.rope_type, inv_freq, self.attention_scaling = rope_inverse_frequencies(config)
+        self.rope_type, inv_freq, self.attention_scaling = rope or rope_inverse_frequencies(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
 
 class DecoderWeights(nn.Module):
-    def __init__(self, config: Any, device=None) -> None:
+    def __init__(self, config: Any, device=None, rope: tuple[str, Tensor, float] | None = None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, device=device)
         self.layers = nn.ModuleList(DecoderLayerWeights(config, device) for _ in range(config.num_hidden_layers))
         self.norm = RMSNormWeight(config.hidden_size, device)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.rotary_emb = RotaryEmbedding(config, rope)
 
 
 class CausalLMWeights(nn.Module):
@@ -126,10 +141,11 @@ class CausalLMWeights(nn.Module):
     Built on ``device="meta"`` (shapes only, nothing allocated) by :func:`load_causal_lm_weights`, which then puts
     each loaded tensor in its place; the RoPE table is real from the start."""
 
-    def __init__(self, config: Any, generation_config: Any = None, device=None) -> None:
+    def __init__(self, config: Any, generation_config: Any = None, device=None,
+                 rope: tuple[str, Tensor, float] | None = None) -> None:
         super().__init__()
         self.config, self.generation_config = config, generation_config
-        self.model = DecoderWeights(config, device)
+        self.model = DecoderWeights(config, device, rope)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -186,7 +202,8 @@ def _weight_files(path: Path) -> dict[str, Path]:
 
 
 def load_causal_lm_weights(path: Path, config: Any, *, dtype: torch.dtype, device: torch.device | str = "cpu",
-                           generation_config: Any = None) -> CausalLMWeights:
+                           generation_config: Any = None, rope: tuple[str, Tensor, float] | None = None
+                           ) -> CausalLMWeights:
     """Build :class:`CausalLMWeights` for ``config`` and fill it from the safetensors in ``path``.
 
     Every floating tensor is cast to ``dtype`` (what ``from_pretrained(dtype=...)`` does); an LM head tied to the
@@ -198,7 +215,7 @@ def load_causal_lm_weights(path: Path, config: Any, *, dtype: torch.dtype, devic
 
     # Shapes only: nothing is allocated until a tensor is loaded into its place. (Passed as an argument: the
     # `with torch.device(...)` context would import torch._dynamo, as a random initialisation on meta does.)
-    model = CausalLMWeights(config, generation_config, device="meta")
+    model = CausalLMWeights(config, generation_config, device="meta", rope=rope)
     model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.to(device)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     expected = dict(model.named_parameters())
@@ -232,3 +249,94 @@ def load_causal_lm_weights(path: Path, config: Any, *, dtype: torch.dtype, devic
         model.lm_head.weight = model.model.embed_tokens.weight
     config.dtype = dtype  # as from_pretrained records the dtype it loaded in
     return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What transformers resolved for a directory, recorded
+# ---------------------------------------------------------------------------------------------------------
+
+RECORDED_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
+                  "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                  "chat_template.jinja")
+
+
+class RecordedConfig(SimpleNamespace):
+    """An HF config's (or generation config's) attributes, from its recorded ``to_dict()``: what the engine, the drafter
+    and the server read (``model_type``, the shapes, ``rope_parameters``, ``eos_token_id``, ...), without the class."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A copy of the attributes, a torch dtype written as its name (``"bfloat16"``), as HF's ``to_dict`` does."""
+        return json.loads(json.dumps(vars(self), default=lambda v: str(v).removeprefix("torch.")))
+
+
+def record_root() -> Path:
+    if os.environ.get("DSPARK_CACHE"):
+        return Path(os.environ["DSPARK_CACHE"]) / "hf-records"
+    return Path.home() / ".cache" / "dspark" / "hf-records"
+
+
+def _record_key(path: Path) -> dict[str, Any]:
+    import transformers
+
+    files = {}
+    for name in RECORDED_FILES:
+        try:
+            st = (path / name).stat()
+        except OSError:
+            continue
+        files[name] = [st.st_size, st.st_mtime_ns]
+    return {"path": str(path.resolve()), "files": files, "transformers": transformers.__version__}
+
+
+def _record_file(key: dict[str, Any]) -> Path:
+    return record_root() / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
+
+
+def load_weights_and_tokenizer(path: Path, *, dtype: torch.dtype, device: torch.device | str = "cpu",
+                               tokenizer: bool = True) -> tuple[CausalLMWeights, Any]:
+    """The weights (:func:`load_causal_lm_weights`) and the tokenizer of an HF directory with safetensors weights.
+
+    The first time (per directory, files and transformers version) config, generation config and tokenizer come from
+    ``AutoConfig``, ``GenerationConfig`` and ``AutoTokenizer`` and are recorded (module docstring); after that from
+    the record. A record that cannot be read or written is skipped (the load takes the first-time path).
+    """
+    key = _record_key(path)
+    record_file = _record_file(key)
+    try:
+        record = json.loads(record_file.read_text())
+        if record.get("key") != key:
+            raise ValueError("stale record")
+        tok = None
+        if tokenizer:
+            module, name = record["tokenizer"]
+            tok = getattr(importlib.import_module(module), name).from_pretrained(path)
+        config = RecordedConfig(**record["config"])
+        generation = RecordedConfig(**record["generation_config"])
+        rope = (record["rope"]["type"], torch.tensor(record["rope"]["inv_freq"], dtype=torch.float32),
+                record["rope"]["attention_scaling"])
+    except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError):
+        record = None
+    if record is None:
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        config = AutoConfig.from_pretrained(path)
+        generation = (GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file()
+                      else GenerationConfig.from_model_config(config))
+        tok = AutoTokenizer.from_pretrained(path) if tokenizer else None
+        rope = rope_inverse_frequencies(config)
+        _write_record(record_file, {
+            "key": key, "config": config.to_dict(), "generation_config": generation.to_dict(),
+            "tokenizer": [type(tok).__module__, type(tok).__qualname__] if tok is not None else None,
+            "rope": {"type": rope[0], "inv_freq": rope[1].tolist(), "attention_scaling": rope[2]}})
+    model = load_causal_lm_weights(path, config, dtype=dtype, device=device, generation_config=generation, rope=rope)
+    return model, tok
+
+
+def _write_record(file: Path, record: dict[str, Any]) -> None:
+    try:  # best effort: without a record (a read-only cache, say) every load takes the first-time path
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(f".{file.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(record, default=str))
+        tmp.replace(file)
+    except OSError as err:
+        logger.debug("no record of %s written (%s)", record["key"]["path"], err)

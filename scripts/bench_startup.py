@@ -37,7 +37,7 @@ log = logging.getLogger("dspark.bench_startup")
 # The server's log lines (format "%(asctime)s %(name)s %(levelname)s %(message)s", optimized/serve.py).
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (\S+) \w+ (.*)$")
 STAGE_DONE = re.compile(r"start-up: (.+?) done in ([\d.]+) s")
-# "(warm-up of 21 sizes 0.80 s; ...)" since the warm-up runs one bucket per size class; "(warm-up 3.10 s)" before
+# "(warm-up of 21 sizes 1.30 s)" since the warm-up runs one bucket per size class; "(warm-up 3.10 s)" before
 GRAPHS = re.compile(r"captured (\d+) (\w+) graphs \(.*?\) in ([\d.]+) s \(warm-up (?:of (\d+) sizes )?([\d.]+) s")
 
 

@@ -7,6 +7,7 @@ and the optimized target built from either load must compute identical logits an
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -17,17 +18,38 @@ import torch
 from optimized.cost_model import fingerprint
 from optimized.models import OptimizedTarget
 from reference.target import Target
-from reference.target_weights import CausalLMWeights, rope_inverse_frequencies
+from reference.target_weights import CausalLMWeights, RecordedConfig, record_root, rope_inverse_frequencies
 from tests.equivalence.test_models import run_steps, tiny_target
 
 FAMILIES = ["llama", "qwen2", "qwen3"]  # qwen2: q/k/v biases and an untied LM head (tiny_target)
 
 
-def _saved(tmp_path, family: str, **save_kw):
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test records into its own cache (reference.target_weights.record_root)."""
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+
+
+def _saved(tmp_path, family: str, tokenizer: bool = False, **save_kw):
     model = tiny_target(family).model
     path = tmp_path / family
     model.save_pretrained(path, **save_kw)
+    if tokenizer:  # a small word-level tokenizer over the tiny vocabulary
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        words = {f"w{i}": i for i in range(model.config.vocab_size - 1)} | {"[UNK]": model.config.vocab_size - 1}
+        tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="w1").save_pretrained(path)
     return path
+
+
+def _loads(path, **kw) -> tuple[Target, Target, Target]:
+    """The HF load, then two weights-only loads: the first resolves and records, the second reads the record."""
+    first = Target.load(str(path), forward=False, **kw)
+    assert len(list(record_root().glob("*.json"))) == 1
+    return Target.load(str(path), **kw), first, Target.load(str(path), forward=False, **kw)
 
 
 def _assert_same_weights(hf: Target, light: Target) -> None:
@@ -44,16 +66,26 @@ def _assert_same_weights(hf: Target, light: Target) -> None:
     assert (light.lm_head.weight is light.embed_tokens.weight) == tied
     assert torch.equal(hf.lm_head.weight, light.lm_head.weight)
     assert light.eos_token_ids == hf.eos_token_ids and light.layer_ids == hf.layer_ids
-    assert light.config.to_dict() == hf.config.to_dict()
+    assert _as_json(light.config.to_dict()) == _as_json(hf.config.to_dict())  # (a record is JSON: str keys)
+    assert light.model.generation_config.eos_token_id == hf.model.generation_config.eos_token_id
+
+
+def _as_json(d: dict) -> dict:
+    return json.loads(json.dumps(d, default=str))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_weights_only_load_equals_the_hf_model(tmp_path, family, dtype):
-    path = _saved(tmp_path, family)
-    hf, light = Target.load(str(path), dtype=dtype), Target.load(str(path), dtype=dtype, forward=False)
-    assert isinstance(light.model, CausalLMWeights) and light.dtype == dtype
-    _assert_same_weights(hf, light)
+    hf, first, recorded = _loads(_saved(tmp_path, family, tokenizer=family == "llama"), dtype=dtype)
+    assert isinstance(recorded.config, RecordedConfig) and not isinstance(first.config, RecordedConfig)
+    for light in (first, recorded):
+        assert isinstance(light.model, CausalLMWeights) and light.dtype == dtype
+        _assert_same_weights(hf, light)
+        if family == "llama":
+            assert type(light.tokenizer) is type(hf.tokenizer)
+            assert light.encode("w3 w5 w90 nope", chat_template=False) == hf.encode("w3 w5 w90 nope",
+                                                                                    chat_template=False)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -86,7 +118,24 @@ def test_cost_table_key_is_the_same_for_both_loads(tmp_path):
 def test_sharded_checkpoint(tmp_path):
     path = _saved(tmp_path, "qwen3", max_shard_size="40KB")
     assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 1
-    _assert_same_weights(Target.load(str(path)), Target.load(str(path), forward=False))
+    hf, first, recorded = _loads(path)
+    _assert_same_weights(hf, first)
+    _assert_same_weights(hf, recorded)
+
+
+def test_a_changed_directory_is_resolved_again(tmp_path):
+    """The record is keyed by the files: an edited config is read again, not taken from the record."""
+    path = _saved(tmp_path, "llama")
+    Target.load(str(path), forward=False)
+    config = json.loads((path / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5
+    (path / "config.json").write_text(json.dumps(config))
+    light = Target.load(str(path), forward=False)
+    assert light.config.rms_norm_eps == 1e-5 and not isinstance(light.config, RecordedConfig)
+    assert len(list(record_root().glob("*.json"))) == 2
+    record = next(record_root().glob("*.json"))
+    record.write_text("{not json")  # a damaged record is skipped, not trusted
+    assert Target.load(str(path), forward=False).config.rms_norm_eps == 1e-5
 
 
 @pytest.mark.parametrize("rope", [
@@ -102,9 +151,10 @@ def test_scaled_rope_types_match_hf(tmp_path, rope):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          rope_parameters={"rope_theta": 50000.0, **rope})
     LlamaForCausalLM(config).save_pretrained(tmp_path / "m")
-    hf, light = Target.load(str(tmp_path / "m")), Target.load(str(tmp_path / "m"), forward=False)
-    assert light.model.model.rotary_emb.rope_type == rope["rope_type"]
-    _assert_same_weights(hf, light)
+    hf, first, recorded = _loads(tmp_path / "m")
+    for light in (first, recorded):
+        assert light.model.model.rotary_emb.rope_type == rope["rope_type"]
+        _assert_same_weights(hf, light)
 
 
 def test_bad_checkpoints_fail_with_the_tensor_name(tmp_path):
@@ -150,17 +200,35 @@ def test_default_rope_is_hfs_formula():
 
 
 def test_weights_only_load_imports_no_model_class(tmp_path):
-    """The point of the loader: loading the weights imports neither transformers' model classes and their
-    ``modeling_utils`` nor torch._dynamo (which a random initialisation on the meta device would import): the
-    engine's start-up spent seconds there."""
-    path = _saved(tmp_path, "llama")
+    """The point of the loader: once a directory is recorded, loading its weights and tokenizer imports neither
+    transformers' model or config classes, its auto classes, its generation code, nor torch._dynamo (which a random
+    initialisation on the meta device would import): the engine's start-up spent seconds there."""
+    path = _saved(tmp_path, "llama", tokenizer=True)
     code = textwrap.dedent(f"""
         import sys, torch
         from reference.target import Target
         Target.load({str(path)!r}, forward=False, dtype=torch.bfloat16)
         print(sorted(m for m in sys.modules if m in ("transformers.modeling_utils", "torch._dynamo")
-                     or m.startswith("transformers.models.") and ".modeling_" in m
-                     and not m.endswith(".modeling_auto")))
+                     or m.startswith(("transformers.models.auto.", "transformers.generation."))
+                     or m.startswith("transformers.models.") and (".modeling_" in m or ".configuration_" in m)))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+            for _ in range(2)]
+    assert runs[0] != "[]"  # the first load resolves the directory with transformers' auto classes
+    assert runs[1] == "[]", runs[1]
+
+
+def test_smollm2_weights_only_load_equals_the_hf_load(smollm2_target, monkeypatch, tmp_path):
+    """The default target: weights, config, eos ids and the tokenizer (class, chat template, encodings) of both
+    weights-only loads equal the HF load's."""
+    monkeypatch.delenv("DSPARK_CACHE")  # the dequantized weights the session fixture loaded (built once)
+    monkeypatch.setattr("reference.target_weights.record_root", lambda: tmp_path / "records")
+    loads = [Target.load(forward=False) for _ in range(2)]
+    assert isinstance(loads[1].config, RecordedConfig)
+    prompts = ["Hello!", "def f(x):\n    return x  # ünïcödé", "  two  spaces and\ttabs", ""]
+    for light in loads:
+        _assert_same_weights(smollm2_target, light)
+        assert type(light.tokenizer) is type(smollm2_target.tokenizer)
+        for p in prompts:
+            for chat in (True, False):
+                assert light.encode(p, chat_template=chat) == smollm2_target.encode(p, chat_template=chat)

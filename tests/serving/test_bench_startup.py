@@ -10,7 +10,7 @@ from tests.serving.conftest import server_env, tiny_server_args
 
 IMPORTS = "imports (torch, transformers, the engine and its kernels)"
 PREFILL = ("2026-12-03 10:00:08,500 dspark.graphs INFO captured 22 prefill graphs (16..2048) in 0.50 s (warm-up of 9 "
-           "sizes 0.20 s; 1 more warmed after a failed capture), 9.0 MiB of graph memory")
+           "sizes 0.20 s), 9.0 MiB of graph memory")
 LOG = f"""\
 2026-12-03 10:00:01,500 dspark.serve INFO the engine runs in its own process
 2026-12-03 10:00:02,000 dspark.serve INFO start-up: {IMPORTS} ...
