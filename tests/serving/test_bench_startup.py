@@ -49,8 +49,9 @@ def test_bench_startup_times_launches_and_requests(tiny_dirs, tmp_path, monkeypa
         assert 0 < r["first_log_s"] <= r["engine_first_stage_s"] <= r["ready_s"]
         assert {"target weights", "drafter", "kernel warm-up"} <= set(r["stages"])
         assert len(r["requests_ms"]) == 3 and all(ms > 0 for ms in r["requests_ms"])
-    # the first launch profiled the step-cost table into the cache; the second found it there
-    first, second = (r["stages"]["step-cost table (profiled, or cached under a fingerprint)"]
-                     for r in report["launches"])
-    assert second < first
+    # the first launch profiled the step-cost table into the cache; the second found it there (the tiny model
+    # profiles in a fraction of a second, so the two stage times are too close to compare)
+    logs = [(tmp_path / "logs" / f"startup-{i}.log").read_text() for i in (1, 2)]
+    assert "cost table cached at" in logs[0] and "cost table: cache hit" not in logs[0]
+    assert "cost table: cache hit" in logs[1]
     assert "launch 2: ready" in bench_startup.summarize(report)
