@@ -59,6 +59,7 @@ import torch
 
 from optimized.config import EngineConfig
 from optimized.runner import ModelRunner
+from reference.config import cache_folder
 from reference.cost_model import CostTable, hardware_name, measure_cost_table
 
 log = logging.getLogger("dspark.cost_model")
@@ -186,11 +187,7 @@ def _fit_context(runner: ModelRunner, context_len: int) -> int:
 
 def cost_cache_dir(cache_dir: str | Path | None = None) -> Path:
     """``cache_dir``, else ``$DSPARK_CACHE/cost``, else ``~/.cache/dspark/cost``."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    if os.environ.get("DSPARK_CACHE"):
-        return Path(os.environ["DSPARK_CACHE"]) / "cost"
-    return Path.home() / ".cache" / "dspark" / "cost"
+    return Path(cache_dir) if cache_dir is not None else cache_folder("cost")
 
 
 def fingerprint(runner: ModelRunner, context_len: int = DEFAULT_CONTEXT_LEN) -> tuple[str, dict[str, Any]]:

@@ -264,10 +264,10 @@ def build_runtime(sa: ServeArgs):
     """Load the target and drafter, build the engine, install its cost table, warm it up."""
     args, times, t0 = sa.args, {}, time.perf_counter()
     with _stage("imports (torch, transformers, the engine and its kernels)", times):
-        # Target.load's lazy imports: the engine needs the weights, not transformers' model classes (forward=False),
-        # and the tokenizer's own class, not AutoTokenizer (reference.target.load_tokenizer)
+        # transformers for the tokenizer's class only: the engine loads the weights without transformers' model,
+        # config and auto classes once the directory is recorded (Target.load(..., forward=False))
         import torch
-        from transformers import AutoConfig, GenerationConfig  # noqa: F401
+        import transformers  # noqa: F401
 
         from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
         from optimized.engine import Engine, EngineConfig

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -115,6 +116,13 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k:
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be ≥ 0, got {top_k}")
+
+
+def cache_folder(name: str) -> Path:
+    """Where one of DSpark's on-disk caches lives: ``$DSPARK_CACHE/<name>``, else ``~/.cache/dspark/<name>``
+    (the step-cost tables in ``cost``, the recorded transformers resolutions in ``hf-records``)."""
+    root = os.environ.get("DSPARK_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "dspark") / name
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> tuple[int, ...]:

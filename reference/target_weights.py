@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from reference.config import cache_folder
+
 logger = logging.getLogger(__name__)
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -270,9 +272,7 @@ class RecordedConfig(SimpleNamespace):
 
 
 def record_root() -> Path:
-    if os.environ.get("DSPARK_CACHE"):
-        return Path(os.environ["DSPARK_CACHE"]) / "hf-records"
-    return Path.home() / ".cache" / "dspark" / "hf-records"
+    return cache_folder("hf-records")
 
 
 def _record_key(path: Path) -> dict[str, Any]:

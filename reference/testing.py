@@ -1,8 +1,9 @@
 """Tiny random models for the tests and for the CPU runs of the equivalence harness.
 
-Built without any download: a small HF causal LM of a supported family (Llama or Qwen3) with the target's tying of
-embeddings and LM head, and a one-layer DSpark drafter for it. The test suite (``tests/conftest.py``) and
-``scripts/gpu_equivalence.py --tiny`` build their models here, so both compare the same objects.
+Built without any download: a small HF causal LM of a supported family (Llama and Qwen3 tie embedding and LM head as
+the default target does; Qwen2 does not), and a one-layer DSpark drafter for it. The test suite
+(``tests/conftest.py``) and ``scripts/gpu_equivalence.py --tiny`` build their models here, so both compare the same
+objects.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import torch
 
 
 def tiny_hf_model(family: str = "llama", vocab_size: int = 96, num_layers: int = 4, seed: int = 0):
-    """A small random HF causal LM of the given family (llama or qwen3), in fp32 eval mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """A small random HF causal LM of the given family, in fp32 eval mode: llama, qwen3, or qwen2 (with q/k/v biases
+    drawn at random, HF initialises them to zero, and an untied LM head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     common = dict(
@@ -24,11 +26,17 @@ def tiny_hf_model(family: str = "llama", vocab_size: int = 96, num_layers: int =
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**(common | dict(tie_word_embeddings=False, rope_theta=1e6))))
     else:
         raise ValueError(family)
     # Random init gives near-uniform logits; scale the embedding so greedy decoding has clear winners.
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(8.0)
+        if family == "qwen2":  # make the biases matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(std=0.5)
     return model.eval()
 
 

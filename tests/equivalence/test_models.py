@@ -34,22 +34,8 @@ BACKENDS = ["torch"] + (["triton"] if HAS_TRITON and os.environ.get("TRITON_INTE
 
 
 def tiny_target(family: str) -> Target:
-    """A tiny random target of the family; Qwen2 (q/k/v biases) is built here, conftest has llama and qwen3."""
-    if family != "qwen2":
-        return Target.from_model(tiny_hf_model(family, vocab_size=VOCAB))
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_theta=1e6))
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(8.0)
-        for layer in model.model.layers:  # HF initialises biases to zero; make them matter
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(std=0.5)
-    return Target.from_model(model.eval())
+    """A tiny random target of the family (``reference.testing.tiny_hf_model``: Qwen2 with q/k/v biases)."""
+    return Target.from_model(tiny_hf_model(family, vocab_size=VOCAB))
 
 
 # One scripted run for three requests living in slots 2, 0, 3 (never their own index). Each step is a list of
@@ -104,6 +90,23 @@ def test_target_matches_reference(family):
     for logits, feats, ref_logits, ref_feats in run_steps(target, opt):
         torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(feats, ref_feats, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_target_from_weights_only_load_is_identical(tmp_path, monkeypatch, family):
+    """The optimized target built on ``Target.load(..., forward=False)`` (reference/target_weights.py: no HF model
+    class) computes exactly what it computes built on the HF model loaded from the same directory."""
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))  # the load's record of the directory goes here
+    path = tmp_path / family
+    tiny_target(family).model.save_pretrained(path)
+    outs = []
+    for forward in (True, False):
+        opt = OptimizedTarget(Target.load(str(path), forward=forward), attention_backend="torch")
+        opt.allocate_cache(max_num_seqs=4, max_seq_len=32)
+        outs.append(list(run_steps(Target.load(str(path)), opt)))
+    for (logits, feats, ref_logits, _), (light_logits, light_feats, _, _) in zip(*outs):
+        assert torch.equal(logits, light_logits) and torch.equal(feats, light_feats)
+        torch.testing.assert_close(light_logits, ref_logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="Triton kernel on CPU needs TRITON_INTERPRET=1")

@@ -16,12 +16,11 @@ import pytest
 import torch
 
 from optimized.cost_model import fingerprint
-from optimized.models import OptimizedTarget
 from reference.target import Target
 from reference.target_weights import CausalLMWeights, RecordedConfig, record_root, rope_inverse_frequencies
-from tests.equivalence.test_models import run_steps, tiny_target
+from reference.testing import tiny_hf_model
 
-FAMILIES = ["llama", "qwen2", "qwen3"]  # qwen2: q/k/v biases and an untied LM head (tiny_target)
+FAMILIES = ["llama", "qwen2", "qwen3"]  # qwen2: q/k/v biases and an untied LM head (tiny_hf_model)
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +30,7 @@ def own_cache(tmp_path, monkeypatch):
 
 
 def _saved(tmp_path, family: str, tokenizer: bool = False, **save_kw):
-    model = tiny_target(family).model
+    model = tiny_hf_model(family)
     path = tmp_path / family
     model.save_pretrained(path, **save_kw)
     if tokenizer:  # a small word-level tokenizer over the tiny vocabulary
@@ -86,20 +85,6 @@ def test_weights_only_load_equals_the_hf_model(tmp_path, family, dtype):
             assert type(light.tokenizer) is type(hf.tokenizer)
             assert light.encode("w3 w5 w90 nope", chat_template=False) == hf.encode("w3 w5 w90 nope",
                                                                                     chat_template=False)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_optimized_target_from_weights_only_load_is_identical(tmp_path, family):
-    """The engine's forward built on either load: identical logits and features, and the same step-cost key."""
-    path = _saved(tmp_path, family)
-    outs = []
-    for forward in (True, False):
-        opt = OptimizedTarget(Target.load(str(path), forward=forward), attention_backend="torch")
-        opt.allocate_cache(max_num_seqs=4, max_seq_len=32)
-        outs.append(list(run_steps(Target.load(str(path)), opt)))
-    for (logits, feats, ref_logits, _), (light_logits, light_feats, _, _) in zip(*outs):
-        assert torch.equal(logits, light_logits) and torch.equal(feats, light_feats)
-        torch.testing.assert_close(light_logits, ref_logits, atol=1e-4, rtol=1e-4)
 
 
 def test_cost_table_key_is_the_same_for_both_loads(tmp_path):
