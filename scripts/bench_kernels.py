@@ -14,7 +14,9 @@ sampling       the ``[R, V]`` fp32 probabilities once (exponential race); rows `
                and ``triton-split`` (vocabulary chunks over programs, then a reduction)
 verify         rejection sampling, fp32 ``p_d``/``p_t``: case ``accept_all`` (``p_d = p_t``, drafts are the
                modes) reads the bonus row of ``p_t``; case ``reject_first`` (draft 1 impossible) reads
-               one ``p_t`` and one ``p_d`` row for the residual; ``greedy`` reads the γ+1 logit rows
+               one ``p_t`` and one ``p_d`` row for the residual; ``greedy`` reads the γ+1 logit rows;
+               ``greedy_packed`` reads the same rows in place from the packed ``[N, V]`` verify output
+               (``row_starts``; its torch row is the gather to ``[R, γ+1, V]`` and the argmax)
 allocate       the ``[R, γ]`` survivals once (device sort; its twin is the reference's host op)
 draft_head     the ``[R, γ, V]`` base logits (the drafter's dtype) read and fp32 ``p_d`` written once, plus
                W1/W2 once; rows ``triton`` (one program per request), ``triton-split`` (vocabulary split over
@@ -208,6 +210,14 @@ def verify_cases(s: Shapes, R: int, device: torch.device, gen: torch.Generator) 
 
     cases.append(Case("verify", "greedy", R, greedy, R * (g + 1) * V * 4, lambda a, b: {"equal": _equal(a, b)},
                       {"R": R, "gamma": g, "V": V}, "float32"))
+    packed = logits.reshape(R * (g + 1), V)  # [N, V] the verify forward's layout, every ℓ = γ
+    cu = torch.arange(0, R * (g + 1) + 1, g + 1, dtype=torch.int32, device=device)  # [R+1] as the layout writes it
+
+    def greedy_packed(backend: str):
+        return greedy_verify(accept[0], lens, packed, backend=backend, row_starts=cu)
+
+    cases.append(Case("verify", "greedy_packed", R, greedy_packed, R * (g + 1) * V * 4,
+                      lambda a, b: {"equal": _equal(a, b)}, {"R": R, "gamma": g, "V": V}, "float32"))
     return cases
 
 

@@ -20,9 +20,13 @@ launch reduces the chunk winners (``common.race_winner``, the whole-row race's t
 ``ℓ`` is read from the device inside the kernel: a padded row has ``ℓ = 0`` and draws a bonus from its row 0
 (whatever it holds), so nothing on the host needs the lengths.
 
+Greedy verification folds each verified logit row's argmax over vocabulary chunks in parallel, then scans each
+request in a second launch. It reads the logits either blocked ``[R, γ+1, V]`` (the reference's layout) or packed
+as the verify forward wrote them, ``[N, V]`` with request ``r``'s rows from ``row_starts[r]`` on, in place.
+
 Unlike the reference, these kernels do not validate values (that would synchronise): a verified draft token
 outside ``[0, V)`` is treated as rejected instead of raising, and non-finite probabilities give undefined
-(but memory-safe) tokens.
+(but memory-safe) tokens. Packed row starts are trusted: ``row_starts[r] + ℓ_r`` must lie below ``N``.
 """
 
 from __future__ import annotations
@@ -338,12 +342,14 @@ def _greedy_argmax_partials_kernel(
     part_value_ptr,  # [R·(γ+1), NB] fp32 out: the chunk's largest logit
     part_index_ptr,  # [R·(γ+1), NB] int64 out: its lowest index
     verify_lens_ptr,  # [R] int64 ℓ in 0..γ
-    logits_ptr,  # [R, γ+1, V] target logits (fp32/fp16/bf16), last dim contiguous
-    stride_lr,  # logits stride over R
-    stride_lk,  # logits stride over γ+1
+    logits_ptr,  # [R, γ+1, V] target logits, or packed [N, V] when PACKED (fp32/fp16/bf16), last dim contiguous
+    row_starts_ptr,  # [R] int32/int64 packed row of (r, 0) when PACKED; not read otherwise
+    stride_lr,  # logits stride over R (0 when PACKED: the request's rows start at row_starts[r])
+    stride_lk,  # logits stride over γ+1 (over N when PACKED)
     gamma,  # γ
     V,  # vocabulary size
     NB,  # chunks per row
+    PACKED: tl.constexpr,  # row (r, j) is logits[row_starts[r] + j] instead of logits[r, j]
     CHUNK: tl.constexpr,  # vocabulary lanes of one program (a multiple of BLOCK_V)
     BLOCK_V: tl.constexpr,  # vocabulary tile
 ):
@@ -354,12 +360,15 @@ def _greedy_argmax_partials_kernel(
     row = pos // (gamma + 1)
     j = pos % (gamma + 1)
     if j <= tl.load(verify_lens_ptr + row):
+        first = 0
+        if PACKED:
+            first = tl.load(row_starts_ptr + row).to(tl.int64)
+        logits_row = logits_ptr + row * stride_lr + (first + j) * stride_lk
         best = -float("inf")
         best_index = 0
         for start in range(0, CHUNK, BLOCK_V):
             lanes = chunk * CHUNK + start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-            values = tl.load(logits_ptr + row * stride_lr + j * stride_lk + lanes, mask=lanes < V,
-                             other=-float("inf")).to(tl.float32)  # [BLOCK_V]
+            values = tl.load(logits_row + lanes, mask=lanes < V, other=-float("inf")).to(tl.float32)  # [BLOCK_V]
             best, best_index = argmax_update(best, best_index, values, lanes)
         tl.store(part_value_ptr + pos * NB + chunk, best)
         tl.store(part_index_ptr + pos * NB + chunk, best_index.to(tl.int64))
@@ -403,44 +412,86 @@ def _greedy_verify_reduce_kernel(
     _store_result(tokens_ptr, num_accepted_ptr, num_emitted_ptr, draft_tokens_ptr, row, gamma, n, last, BLOCK_G)
 
 
+def _greedy_verify_torch(draft_tokens: Tensor, verify_lens: Tensor, target_logits: Tensor) -> VerifyResult:
+    """Torch fallback over gathered ``[R, γ+1, V]`` logits (no host sync)."""
+    gamma = draft_tokens.shape[1]
+    target_argmax = target_logits.float().argmax(dim=-1)  # [R, γ+1], lowest index on ties
+    verified = torch.arange(1, gamma + 1, device=draft_tokens.device)[None, :] <= verify_lens[:, None]  # [R, γ]
+    matched = verified & (draft_tokens == target_argmax[:, :gamma])  # [R, γ]
+    n = matched.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [R]
+    return assemble_result(draft_tokens, n, target_argmax.gather(1, n[:, None]).squeeze(1))
+
+
+def _check_row_starts(row_starts: Tensor, R: int, target_logits: Tensor) -> None:
+    """Shapes, dtypes and device of packed ``target_logits [N, V]`` and ``row_starts [R] / [R+1]`` (no values read:
+    that ``row_starts[r] + ℓ_r < N`` is the caller's contract, as checking it would synchronise)."""
+    if not isinstance(row_starts, Tensor) or row_starts.ndim != 1 or row_starts.shape[0] not in (R, R + 1):
+        shape = tuple(row_starts.shape) if isinstance(row_starts, Tensor) else type(row_starts).__name__
+        raise ValueError(f"row_starts must be [R={R}] or [R+1={R + 1}] (cu), got {shape}")
+    if row_starts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"row_starts must be int32 or int64, got {row_starts.dtype}")
+    if row_starts.device != target_logits.device:
+        raise ValueError(f"row_starts is on {row_starts.device}, target_logits on {target_logits.device}")
+    if target_logits.ndim != 2 or target_logits.shape[1] == 0 or (R and target_logits.shape[0] == 0):
+        raise ValueError(f"with row_starts, target_logits must be the packed [N ≥ 1, V ≥ 1] logits, got "
+                         f"{tuple(target_logits.shape)}")
+
+
 def greedy_verify(
-    draft_tokens: Tensor, verify_lens: Tensor, target_logits: Tensor, backend: str = "auto"
+    draft_tokens: Tensor, verify_lens: Tensor, target_logits: Tensor, backend: str = "auto", *,
+    row_starts: Tensor | None = None,
 ) -> VerifyResult:
     """Greedy verification (accept while ``x_k == argmax p_t_k``); twin of ``reference.verify.greedy_verify``.
+
+    Two layouts of the target logits, the same result. Blocked (``row_starts=None``): ``target_logits[r, j]`` is row
+    ``j`` of request ``r``, exactly the reference's argument. Packed: ``target_logits`` is the verify forward's
+    ``[N, V]`` output and row ``j ≤ ℓ_r`` of request ``r`` is ``target_logits[row_starts[r] + j]``; the result is the
+    reference's (and the blocked call's) on the gathered ``target_logits[row_starts[:R, None] + min(j, ℓ_r)]``
+    ``[R, γ+1, V]``. The Triton path reads the packed rows in place (no ``[R, γ+1, V]`` copy: 201 MB at R = 256,
+    V = 49,152 in bf16); the torch path is that gather, the twin.
 
     Args:
         draft_tokens: ``[R, γ]`` int64 drafts; slots past ``ℓ_r`` are ignored.
         verify_lens: ``[R]`` int64 ``ℓ_r`` in 0..γ.
-        target_logits: ``[R, γ+1, V]`` target logits (fp32/fp16/bf16); rows past ``ℓ_r`` are never read and rows
-            past row ``n`` never affect the result (they may hold anything, NaN included).
+        target_logits: ``[R, γ+1, V]`` target logits (fp32/fp16/bf16), or packed ``[N, V]`` with ``row_starts``;
+            rows past ``ℓ_r`` are never read (packed, they need not exist) and rows past row ``n`` never affect the
+            result (they may hold anything, NaN included).
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        row_starts: ``[R]`` or ``[R+1]`` (the layout's ``cu``; the last entry is not read) int32/int64 device tensor,
+            the packed row of each request's row 0; ``row_starts[r] + ℓ_r < N`` is not checked (a host sync).
 
     Returns:
         :class:`reference.verify.VerifyResult`.
     """
     R, gamma = check_block_shapes(draft_tokens, verify_lens)
-    if target_logits.ndim != 3 or target_logits.shape[:2] != (R, gamma + 1) or target_logits.shape[2] == 0:
+    if row_starts is not None:
+        _check_row_starts(row_starts, R, target_logits)
+    elif target_logits.ndim != 3 or target_logits.shape[:2] != (R, gamma + 1) or target_logits.shape[2] == 0:
         raise ValueError(f"target_logits must be [R={R}, γ+1={gamma + 1}, V], got {tuple(target_logits.shape)}")
     if not target_logits.dtype.is_floating_point:
         raise ValueError(f"target_logits must be a float tensor, got {target_logits.dtype}")
     dev = target_logits.device
     if resolve_backend(backend, target_logits) == "torch":
-        target_argmax = target_logits.float().argmax(dim=-1)  # [R, γ+1], lowest index on ties
-        verified = torch.arange(1, gamma + 1, device=dev)[None, :] <= verify_lens[:, None]  # [R, γ]
-        matched = verified & (draft_tokens == target_argmax[:, :gamma])  # [R, γ]
-        n = matched.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [R]
-        return assemble_result(draft_tokens, n, target_argmax.gather(1, n[:, None]).squeeze(1))
+        if row_starts is not None:
+            j = torch.arange(gamma + 1, device=dev)  # [γ+1]
+            src = row_starts[:R, None].long() + torch.minimum(j[None, :], verify_lens[:, None])  # [R, γ+1]
+            target_logits = target_logits[src]  # [R, γ+1, V] rows past ℓ_r repeat row ℓ_r (never decide)
+        return _greedy_verify_torch(draft_tokens, verify_lens, target_logits)
     out = _empty_result(R, gamma, dev)
     if R == 0:
         return out
     logits = target_logits if target_logits.stride(-1) == 1 else target_logits.contiguous()
-    V = logits.shape[2]
+    V = logits.shape[-1]
+    if row_starts is None:  # [R, γ+1, V]
+        starts, stride_r, stride_k = verify_lens, logits.stride(0), logits.stride(1)  # starts: a pointer, not read
+    else:  # [N, V]: request r's rows begin at row_starts[r]
+        starts, stride_r, stride_k = row_starts.contiguous(), 0, logits.stride(0)
     nb = triton.cdiv(V, GREEDY_CHUNK)
     part_value = torch.empty(R * (gamma + 1), nb, dtype=torch.float32, device=dev)  # [R·(γ+1), NB]
     part_index = torch.empty(R * (gamma + 1), nb, dtype=torch.int64, device=dev)
     _greedy_argmax_partials_kernel[(R * (gamma + 1), nb)](
-        part_value, part_index, verify_lens.contiguous(), logits, logits.stride(0), logits.stride(1), gamma, V, nb,
-        CHUNK=GREEDY_CHUNK, BLOCK_V=ARGMAX_BLOCK_V,
+        part_value, part_index, verify_lens.contiguous(), logits, starts, stride_r, stride_k, gamma, V, nb,
+        PACKED=row_starts is not None, CHUNK=GREEDY_CHUNK, BLOCK_V=ARGMAX_BLOCK_V,
     )
     _greedy_verify_reduce_kernel[(R,)](
         out.tokens, out.num_accepted, out.num_emitted, draft_tokens.contiguous(), verify_lens.contiguous(),

@@ -1,7 +1,10 @@
 """Equivalence of the one-launch verify layout (``optimized.kernels.layout``) with its torch definition.
 
 The Triton kernel runs on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``, set by the CI command);
-without it those cases skip. Every output is an integer, so the comparison is exact.
+without it those cases skip. Every output is an integer, so the comparison is exact: the token fields up to
+``n_pad`` (the buffer past it must keep its junk), and all ``M + 1`` / ``M`` per-row entries, padding rows included.
+The shapes span both token blocks of the kernel (64 tokens up to M = 127 rows, 16 above), grids of one program and
+of many with a partial last block, R = M, and γ = 0 (the no-speculation engine).
 """
 
 from __future__ import annotations
@@ -26,11 +29,15 @@ def buffers(max_rows: int, max_tokens: int) -> dict[str, torch.Tensor]:
             "slot_ids": torch.full((max_rows,), 77, dtype=torch.int32)}
 
 
-def case(seed: int, r: int, max_rows: int, gamma: int, pad: int):
+def case(seed: int, r: int, max_rows: int, gamma: int, pad: int, lens_kind: str = "random"):
+    """R requests in random slots of ``max_rows + 1`` (the engine's trash slot is the extra one); ``lens_kind``
+    ``"random"`` draws every ℓ in 0..γ, ``"zero"`` and ``"full"`` pin them all to 0 or γ."""
     g = torch.Generator().manual_seed(seed)
     slots = max_rows + 1
     rows = torch.randperm(max_rows, generator=g)[:r]  # any slots, in any order
-    lens = torch.randint(0, gamma + 1, (r,), generator=g)
+    lens = torch.randint(0, gamma + 1, (r,), generator=g)  # [R]
+    if lens_kind != "random":
+        lens.fill_(0 if lens_kind == "zero" else gamma)
     anchor = torch.randint(0, 1000, (slots,), generator=g)
     anchor_pos = torch.randint(0, 500, (slots,), generator=g)
     drafts = torch.randint(0, 1000, (slots, max(gamma, 1)), generator=g)
@@ -38,19 +45,51 @@ def case(seed: int, r: int, max_rows: int, gamma: int, pad: int):
     return rows, lens, anchor, anchor_pos, drafts, n_pad
 
 
-@needs_interpreter
-@pytest.mark.parametrize("seed,r,max_rows,gamma,pad", [
-    (0, 1, 1, 7, 0), (1, 1, 4, 7, 3), (2, 3, 8, 7, 5), (3, 8, 8, 3, 0), (4, 5, 64, 7, 11), (5, 40, 256, 7, 9),
-    (6, 2, 4, 0, 1)])  # γ = 0: the no-speculation engine (every ℓ = 0)
-def test_triton_layout_matches_torch(seed, r, max_rows, gamma, pad):
-    rows, lens, anchor, anchor_pos, drafts, n_pad = case(seed, r, max_rows, gamma, pad)
-    max_tokens = n_pad + 4
+def assert_layouts_equal(rows, lens, anchor, anchor_pos, drafts, n_pad, max_rows, max_tokens):
+    """Triton under the interpreter against the torch twin, into junk-filled buffers of the given sizes."""
     out_t, out_ref = buffers(max_rows, max_tokens), buffers(max_rows, max_tokens)
     verify_layout(rows, lens, anchor, anchor_pos, drafts, n_pad, out_t, backend="triton")
     verify_layout(rows, lens, anchor, anchor_pos, drafts, n_pad, out_ref, backend="torch")
     for name in out_ref:
         limit = n_pad if name in ("input_ids", "positions", "token_slot") else None  # tokens past n_pad: untouched
         assert torch.equal(out_t[name][:limit], out_ref[name][:limit]), name
+        if limit is not None:
+            assert bool((out_t[name][n_pad:] == 77).all()), f"{name} written past n_pad"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("seed,r,max_rows,gamma,pad", [
+    (0, 1, 1, 7, 0), (1, 1, 4, 7, 3), (2, 3, 8, 7, 5), (3, 8, 8, 3, 0), (4, 5, 64, 7, 11), (5, 40, 256, 7, 9),
+    (6, 2, 4, 0, 1),  # γ = 0: the no-speculation engine (every ℓ = 0)
+    (7, 2, 2, 7, 0), (8, 7, 16, 7, 64), (9, 64, 64, 7, 0), (10, 64, 127, 7, 5),  # M = 127: last 64-token block
+    (11, 64, 128, 7, 100), (12, 256, 256, 7, 0), (13, 256, 257, 7, 37), (14, 200, 257, 1, 3),
+    (15, 37, 100, 0, 0), (16, 256, 256, 0, 17)])
+def test_triton_layout_matches_torch(seed, r, max_rows, gamma, pad):
+    rows, lens, anchor, anchor_pos, drafts, n_pad = case(seed, r, max_rows, gamma, pad)
+    assert_layouts_equal(rows, lens, anchor, anchor_pos, drafts, n_pad, max_rows, n_pad + 4)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("lens_kind", ["zero", "full"])
+@pytest.mark.parametrize("r,max_rows,pad", [(1, 1, 0), (2, 5, 15), (7, 7, 1), (64, 65, 0), (256, 257, 16)])
+def test_triton_layout_extreme_lengths(lens_kind, r, max_rows, pad):
+    """Every ℓ = 0 (one token per request) or every ℓ = γ (γ + 1 each), with and without padding tokens; the
+    token counts land on and across block boundaries (16 and 64 tokens)."""
+    rows, lens, anchor, anchor_pos, drafts, n_pad = case(r + pad, r, max_rows, 7, pad, lens_kind)
+    assert_layouts_equal(rows, lens, anchor, anchor_pos, drafts, n_pad, max_rows, n_pad)
+
+
+@needs_interpreter
+def test_triton_layout_random_shapes():
+    """Forty random (R, M, γ, padding) draws, R in 1..M and M in 1..257: anything the fixed cases missed."""
+    g = torch.Generator().manual_seed(1234)
+    for seed in range(40):
+        max_rows = int(torch.randint(1, 258, (1,), generator=g))
+        r = int(torch.randint(1, max_rows + 1, (1,), generator=g))
+        gamma = int(torch.randint(0, 9, (1,), generator=g))
+        pad = int(torch.randint(0, 3, (1,), generator=g)) * int(torch.randint(0, 70, (1,), generator=g))
+        rows, lens, anchor, anchor_pos, drafts, n_pad = case(100 + seed, r, max_rows, gamma, pad)
+        assert_layouts_equal(rows, lens, anchor, anchor_pos, drafts, n_pad, max_rows, n_pad + 3)
 
 
 def test_torch_layout_by_hand():

@@ -3,6 +3,8 @@
 Every field of the :class:`VerifyResult` (tokens, accepted counts, τ) is integer and must be *identical*
 (torch.equal), for fp32/fp16/bf16 inputs, ragged verify lengths including padded rows (ℓ = 0, garbage drafts,
 NaN in the rows that are never read), γ = 1, V not a power of two, and the residual's rounding fallback.
+``greedy_verify`` is also checked on packed ``[N, V]`` logits with per-request row starts (the verify forward's
+own output, read in place) against the same logits gathered to ``[R, γ+1, V]``.
 The Triton cases run through Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, set by the CI command)
 and skip without it.
 """
@@ -151,8 +153,10 @@ def test_rejection_sample_is_lossless():
 # --------------------------------------------------------------------------- greedy_verify
 
 
-def make_greedy_case(R: int, gamma: int, V: int, dtype: torch.dtype, seed: int):
-    """Integer-valued logits in a small range (many exact ties), drafts that mostly follow the argmax."""
+def make_greedy_case(R: int, gamma: int, V: int, dtype: torch.dtype, seed: int, full_row: bool = False):
+    """Integer-valued logits in a small range (many exact ties), drafts that mostly follow the argmax; ``full_row``
+    verifies all γ drafts of the last request (so ℓ = γ occurs, and with R > 1 ℓ = 0 too; at R = 1 the one request
+    is verified in full instead of padded)."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randint(-3, 4, (R, gamma + 1, V), generator=gen).to(dtype)  # [R, γ+1, V]
     argmax = logits.float().argmax(dim=-1)  # [R, γ+1] lowest index on ties
@@ -160,10 +164,38 @@ def make_greedy_case(R: int, gamma: int, V: int, dtype: torch.dtype, seed: int):
     flip = torch.rand(R, gamma, generator=gen) < 0.25
     drafts[flip] = (drafts[flip] + 1) % V
     lens = torch.randint(0, gamma + 1, (R,), generator=gen)
+    proposed = drafts[-1].clone()
     lens[0], drafts[0] = 0, -1  # a padded row
+    if full_row:
+        lens[-1], drafts[-1] = gamma, proposed
     slot = torch.arange(gamma + 1)[None, :]
     logits[slot > lens[:, None]] = float("nan")  # rows past ℓ are never read
     return drafts.to(DEVICE), lens.to(DEVICE), logits.to(DEVICE)
+
+
+def pack_logits(lens: torch.Tensor, logits: torch.Tensor, seed: int, shuffle: bool = False, pad: int = 5):
+    """Blocked ``[R, γ+1, V]`` logits packed as the verify forward writes them: rows 0..ℓ_r of request r from
+    ``starts[r]`` on, and ``pad`` NaN rows past the last request (rows past ℓ_r do not exist). ``shuffle`` stores the
+    requests in a random order with a NaN row between neighbours, so the starts are neither sorted nor contiguous.
+
+    Returns the packed ``[N, V]`` logits and ``starts`` ``[R]`` int64 (``cu`` ``[R+1]`` when not shuffled)."""
+    R, V = logits.shape[0], logits.shape[2]
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(R, generator=gen).tolist() if shuffle else list(range(R))
+    nan_row = torch.full((1, V), float("nan"), dtype=logits.dtype)
+    pieces, starts, n = [], [0] * R, 0
+    for r in order:
+        starts[r] = n
+        pieces.append(logits[r, : int(lens[r]) + 1].cpu())  # [ℓ_r + 1, V]
+        n += int(lens[r]) + 1
+        if shuffle:
+            pieces.append(nan_row)
+            n += 1
+    pieces.append(nan_row.expand(pad, V))  # padding tokens past cu[R]
+    packed = torch.cat(pieces).to(DEVICE)  # [N, V]
+    if shuffle:
+        return packed, torch.tensor(starts, device=DEVICE)
+    return packed, torch.tensor(starts + [n], dtype=torch.int32, device=DEVICE)  # [R+1] as the layout's cu
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -178,8 +210,46 @@ def test_greedy_verify_matches_reference(backend, dtype, R, gamma, V):
 @needs_triton
 def test_greedy_verify_full_vocabulary():
     drafts, lens, logits = make_greedy_case(2, 2, 49152, torch.bfloat16, seed=1)
-    got = fast.greedy_verify(drafts, lens, logits, backend="triton")
-    assert_same(got, ref.greedy_verify(drafts.cpu(), lens.cpu(), logits.cpu()))
+    want = ref.greedy_verify(drafts.cpu(), lens.cpu(), logits.cpu())
+    assert_same(fast.greedy_verify(drafts, lens, logits, backend="triton"), want)
+    packed, cu = pack_logits(lens, logits, seed=1)
+    assert_same(fast.greedy_verify(drafts, lens, packed, backend="triton", row_starts=cu), want)
+
+
+PACKED_SHAPES = [(1, 1, 97), (1, 7, 130), (6, 4, 97), (37, 7, 130)]  # (R, γ, V): R = 1, γ = 1, a 37-request batch
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R,gamma,V", PACKED_SHAPES)
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_greedy_verify_packed_matches_gathered(backend, dtype, R, gamma, V, shuffle):
+    """Packed logits with row starts (``cu`` [R+1] int32, or [R] int64 starts in shuffled order with NaN rows
+    between requests) give the result of the same rows gathered to [R, γ+1, V], and of the reference; the rows past
+    cu[R] (padding tokens) hold NaN, and rows past ℓ_r are absent."""
+    drafts, lens, logits = make_greedy_case(R, gamma, V, dtype, seed=7 * R + gamma + V + shuffle, full_row=True)
+    want = ref.greedy_verify(drafts.cpu(), lens.cpu(), logits.cpu())
+    packed, starts = pack_logits(lens, logits, seed=R + gamma, shuffle=shuffle)
+    got = fast.greedy_verify(drafts, lens, packed, backend=backend, row_starts=starts)
+    assert_same(got, want)
+    assert_same(fast.greedy_verify(drafts, lens, logits, backend=backend), want)  # blocked: the same
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_verify_packed_triton_matches_torch(dtype):
+    """The Triton kernel reading packed rows in place against the torch twin's gather, on random lengths (no
+    reference in between): 37 requests, every ℓ in 0..γ, integer logits full of ties."""
+    gen = torch.Generator().manual_seed(11)
+    R, gamma, V = 37, 7, 130
+    drafts, _, logits = make_greedy_case(R, gamma, V, dtype, seed=11)
+    lens = torch.randint(0, gamma + 1, (R,), generator=gen).to(DEVICE)  # [R]
+    lens[:2] = torch.tensor([0, gamma])
+    packed, cu = pack_logits(lens, logits.nan_to_num(0.0), seed=11)
+    got = fast.greedy_verify(drafts, lens, packed, backend="triton", row_starts=cu)
+    want = fast.greedy_verify(drafts, lens, packed, backend="torch", row_starts=cu)
+    for field in ("tokens", "num_accepted", "num_emitted"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
 
 
 @needs_triton
@@ -205,9 +275,12 @@ def test_greedy_verify_ties_across_chunks_and_rows_after_a_mismatch():
     logits[2, 3:] = float("nan")  # past ℓ
     got = fast.greedy_verify(drafts.to(DEVICE), lens.to(DEVICE), logits.to(torch.bfloat16).to(DEVICE),
                              backend="triton")
-    assert_same(got, ref.greedy_verify(drafts, lens, clean))
+    want = ref.greedy_verify(drafts, lens, clean)
+    assert_same(got, want)
     assert got.num_accepted.tolist() == [4, 1, 2]
     assert got.tokens[1, :2].tolist() == [drafts[1, 0].item(), argmax[1, 1].item()]
+    packed, cu = pack_logits(lens, logits.to(torch.bfloat16), seed=0)  # the same rows, read in place
+    assert_same(fast.greedy_verify(drafts.to(DEVICE), lens.to(DEVICE), packed, backend="triton", row_starts=cu), want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -215,6 +288,9 @@ def test_empty_batch(backend):
     drafts = torch.zeros(0, 3, dtype=torch.int64, device=DEVICE)
     lens = torch.zeros(0, dtype=torch.int64, device=DEVICE)
     out = fast.greedy_verify(drafts, lens, torch.zeros(0, 4, 10, device=DEVICE), backend=backend)
+    assert out.tokens.shape == (0, 4) and out.num_emitted.shape == (0,)
+    cu = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    out = fast.greedy_verify(drafts, lens, torch.zeros(0, 10, device=DEVICE), backend=backend, row_starts=cu)
     assert out.tokens.shape == (0, 4) and out.num_emitted.shape == (0,)
     p_d, p_t = torch.zeros(0, 3, 10, device=DEVICE), torch.zeros(0, 4, 10, device=DEVICE)
     out = fast.rejection_sample(drafts, lens, p_d, p_t, 0, lens, lens, backend=backend)
@@ -229,5 +305,16 @@ def test_bad_inputs_fail_fast():
         fast.greedy_verify(drafts, lens[:1], torch.zeros(2, 4, 5))
     with pytest.raises(ValueError, match="target_logits"):
         fast.greedy_verify(drafts, lens, torch.zeros(2, 3, 5))
+    packed, cu = torch.zeros(9, 5), torch.tensor([0, 4, 8])
+    with pytest.raises(ValueError, match="row_starts must be"):
+        fast.greedy_verify(drafts, lens, packed, row_starts=cu[:1])  # neither [R] nor [R+1]
+    with pytest.raises(ValueError, match="row_starts must be int32 or int64"):
+        fast.greedy_verify(drafts, lens, packed, row_starts=cu.float())
+    with pytest.raises(ValueError, match="packed"):
+        fast.greedy_verify(drafts, lens, torch.zeros(2, 4, 5), row_starts=cu)  # blocked logits with row starts
+    with pytest.raises(ValueError, match="packed"):
+        fast.greedy_verify(drafts, lens, torch.zeros(0, 5), row_starts=cu)  # no rows to read
+    with pytest.raises(ValueError, match="float"):
+        fast.greedy_verify(drafts, lens, packed.long(), row_starts=cu)
     with pytest.raises(ValueError, match="target_probs"):
         fast.rejection_sample(drafts, lens, torch.zeros(2, 3, 5), torch.zeros(2, 3, 5), 0, lens, lens)

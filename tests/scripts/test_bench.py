@@ -261,6 +261,7 @@ def test_bench_kernels_verify_cases_measure_what_they_name():
     assert torch.equal(accepted["accept_all"], torch.full((3,), 7))
     assert torch.equal(accepted["reject_first"], torch.zeros(3, dtype=torch.long))
     assert torch.equal(accepted["greedy"], torch.full((3,), 7))
+    assert torch.equal(accepted["greedy_packed"], torch.full((3,), 7))
 
 
 def test_bench_kernels_backends_agree_under_the_interpreter(tmp_path):
