@@ -152,16 +152,12 @@ class GraphRunner:
 class StaticBuffers:
     """The one static input set of the verify and draft graphs."""
 
-    def __init__(self, max_rows: int, max_tokens: int, device: torch.device, vocab_size: int,
-                 draft_gamma: int = 0) -> None:
+    def __init__(self, max_rows: int, max_tokens: int, device: torch.device, vocab_size: int) -> None:
         i32, i64 = torch.int32, torch.long
         self.max_rows, self.max_tokens = max_rows, max_tokens
         # [N, V] fp32 verify logits: the one output buffer of every verify graph (valid until the next verify).
+        # (The draft graphs write their distributions straight into the runner's per-slot p_d, through draft_slots.)
         self.logits = torch.zeros(max_tokens, vocab_size, dtype=torch.float32, device=device)
-        # [R, γ, V] fp32 draft distributions: the one output buffer of every draft graph that samples its block
-        # (draft_gamma > 0; valid until the next draft), instead of one per request bucket.
-        self.draft_probs = (torch.zeros(max_rows, draft_gamma, vocab_size, dtype=torch.float32, device=device)
-                            if draft_gamma else None)
         self.input_ids = torch.zeros(max_tokens, dtype=i64, device=device)  # [N]
         self.positions = torch.zeros(max_tokens, dtype=i64, device=device)  # [N]
         self.token_slot = torch.full((max_tokens,), -1, dtype=i64, device=device)  # [N] drafter append slot

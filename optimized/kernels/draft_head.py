@@ -34,6 +34,12 @@ Two variants run that loop, with identical arithmetic per vocabulary lane:
   order, so ``p_d`` may differ from the one-program kernel in the last ulp; tokens agree except on such an
   ulp-level tie of the race.
 
+Output rows. ``p_d`` of request ``i`` goes to ``probs[i]``, or, given ``probs_rows``, to row ``probs_rows[i]`` of a
+caller's ``[S, γ, V]`` buffer (the engine's per-slot state: no copy after the draft). Every store and every re-read
+of the parked logits goes through that index, so the scratch of request ``i`` is its own destination row. A negative
+index marks a padding row (a CUDA-graph bucket's tail): the kernels skip its work, store nothing into the buffer and
+zeros into its tokens and confidence logits.
+
 Precision. Compute is fp32. Where the reference rounds a result to the weight dtype (``nn.Linear`` in
 fp16/bf16 returns that dtype), the kernel rounds the same intermediate (``B_k`` and ``z_k``) the same way, so
 half-precision drafters agree with the reference up to accumulation order.
@@ -105,10 +111,20 @@ def _round_to(x, ref_ptr):
     return x.to(ref_ptr.dtype.element_ty).to(tl.float32)
 
 
+@triton.jit
+def _dest_row(probs_rows_ptr, row, HAS_ROWS: tl.constexpr):
+    """The ``probs`` row [int64] of request ``row``: ``probs_rows[row]`` (negative: padding), or ``row`` itself."""
+    dest = row
+    if HAS_ROWS:
+        dest = tl.load(probs_rows_ptr + row).to(tl.int64)
+    return dest
+
+
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def _sample_draft_block_kernel(
     tokens_ptr,  # [R, γ] int64 out: x_1..x_γ
-    probs_ptr,  # [R, γ, V] fp32 out: p_d (also the scratch of the tempered logits between the passes)
+    probs_ptr,  # [R or S, γ, V] fp32 out: p_d (also the scratch of the tempered logits between the passes)
+    probs_rows_ptr,  # [R] int32/int64: the probs row of each request, negative for padding (read if HAS_ROWS)
     conf_ptr,  # [R, γ] fp32 out: z_k
     base_ptr,  # [R, γ, V] U_k (fp32/fp16/bf16), last dim contiguous
     stride_br,  # base stride over R
@@ -130,79 +146,89 @@ def _sample_draft_block_kernel(
     V,  # vocabulary size
     d,  # hidden size
     r,  # Markov rank
+    HAS_ROWS: tl.constexpr,  # probs rows come from probs_rows_ptr (else request i writes probs row i)
     BLOCK_V: tl.constexpr,  # vocabulary tile
     BLOCK_D: tl.constexpr,  # hidden tile
     BLOCK_R: tl.constexpr,  # next power of two >= r
 ):
     row = tl.program_id(0).to(tl.int64)
-    rid = tl.load(request_ids_ptr + row)
-    anchor = tl.load(anchor_pos_ptr + row)
-    prev = tl.load(anchor_ids_ptr + row)
-    temp = tl.load(temperature_ptr + row)
-    greedy = temp == 0.0
-    temp_div = tl.where(greedy, 1.0, temp)  # the reference divides greedy rows by 1 (then takes the one-hot)
-    ranks = tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    rank_mask = ranks < r
-    conf_w_e = tl.load(conf_w_ptr + d + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R]
-    conf_b = tl.load(conf_b_ptr).to(tl.float32)
+    dest = _dest_row(probs_rows_ptr, row, HAS_ROWS)
+    if dest < 0:  # padding: no probs row to write, nor to park the logits in
+        for j in range(0, gamma):
+            tl.store(tokens_ptr + row * gamma + j, 0)
+            tl.store(conf_ptr + row * gamma + j, 0.0)
+    else:
+        rid = tl.load(request_ids_ptr + row)
+        anchor = tl.load(anchor_pos_ptr + row)
+        prev = tl.load(anchor_ids_ptr + row)
+        temp = tl.load(temperature_ptr + row)
+        greedy = temp == 0.0
+        temp_div = tl.where(greedy, 1.0, temp)  # the reference divides greedy rows by 1 (then takes the one-hot)
+        ranks = tl.arange(0, BLOCK_R)  # [BLOCK_R]
+        rank_mask = ranks < r
+        conf_w_e = tl.load(conf_w_ptr + d + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R]
+        conf_b = tl.load(conf_b_ptr).to(tl.float32)
 
-    for j in range(0, gamma):  # slot k = j + 1
-        e = tl.load(w1_ptr + prev * r + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R] W1[prev]
+        for j in range(0, gamma):  # slot k = j + 1
+            e = tl.load(w1_ptr + prev * r + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R] W1[prev]
 
-        # Confidence z_k = conf_w · [h_k; e] + b, before x_k exists.
-        z = tl.sum(e * conf_w_e, axis=0)
-        for ds in range(0, d, BLOCK_D):
-            dims = ds + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-            hk = tl.load(h_ptr + row * stride_hr + j * stride_hk + dims, mask=dims < d, other=0.0).to(tl.float32)
-            cw = tl.load(conf_w_ptr + dims, mask=dims < d, other=0.0).to(tl.float32)
-            z += tl.sum(hk * cw, axis=0)
-        tl.store(conf_ptr + row * gamma + j, _round_to(z + conf_b, conf_w_ptr))
+            # Confidence z_k = conf_w · [h_k; e] + b, before x_k exists.
+            z = tl.sum(e * conf_w_e, axis=0)
+            for ds in range(0, d, BLOCK_D):
+                dims = ds + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+                hk = tl.load(h_ptr + row * stride_hr + j * stride_hk + dims, mask=dims < d, other=0.0).to(tl.float32)
+                cw = tl.load(conf_w_ptr + dims, mask=dims < d, other=0.0).to(tl.float32)
+                z += tl.sum(hk * cw, axis=0)
+            tl.store(conf_ptr + row * gamma + j, _round_to(z + conf_b, conf_w_ptr))
 
-        # Pass 1: tempered logits into the probs row, online softmax statistics, greedy argmax.
-        out_row = probs_ptr + (row * gamma + j) * V
-        run_max = -float("inf")
-        run_sum = 0.0
-        best = -float("inf")
-        best_index = 0
-        for start in range(0, V, BLOCK_V):
-            lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-            mask = lanes < V
-            w2 = tl.load(w2_ptr + lanes[:, None] * r + ranks[None, :], mask=mask[:, None] & rank_mask[None, :],
-                         other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R]
-            bias = _round_to(tl.sum(w2 * e[None, :], axis=1), w2_ptr)  # [BLOCK_V] B_k, as Linear returns it
-            u_k = tl.load(base_ptr + row * stride_br + j * stride_bk + lanes, mask=mask, other=0.0).to(tl.float32)
-            logits = tl.where(mask, u_k + bias, -float("inf"))  # [BLOCK_V]
-            best, best_index = argmax_update(best, best_index, logits, lanes)
-            x = tl.math.div_rn(logits, temp_div)  # [BLOCK_V]
-            tl.store(out_row + lanes, x, mask=mask)
-            new_max = tl.maximum(run_max, tl.max(x, axis=0))
-            # -inf - -inf is NaN: a row that is -inf so far keeps its zero sum (the reference needs one finite logit).
-            scale = tl.where(new_max == run_max, 1.0, tl.exp(run_max - new_max))
-            run_sum = run_sum * scale + tl.sum(tl.where(x > -float("inf"), tl.exp(x - new_max), 0.0), axis=0)
-            run_max = new_max
-        # Pass 2 reads lanes another thread of this program wrote in pass 1 (the W2 reduction has its own layout).
-        tl.debug_barrier()
+            # Pass 1: tempered logits into the probs row, online softmax statistics, greedy argmax.
+            out_row = probs_ptr + (dest * gamma + j) * V
+            run_max = -float("inf")
+            run_sum = 0.0
+            best = -float("inf")
+            best_index = 0
+            for start in range(0, V, BLOCK_V):
+                lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+                mask = lanes < V
+                w2 = tl.load(w2_ptr + lanes[:, None] * r + ranks[None, :], mask=mask[:, None] & rank_mask[None, :],
+                             other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R]
+                bias = _round_to(tl.sum(w2 * e[None, :], axis=1), w2_ptr)  # [BLOCK_V] B_k, as Linear returns it
+                u_k = tl.load(base_ptr + row * stride_br + j * stride_bk + lanes, mask=mask, other=0.0).to(tl.float32)
+                logits = tl.where(mask, u_k + bias, -float("inf"))  # [BLOCK_V]
+                best, best_index = argmax_update(best, best_index, logits, lanes)
+                x = tl.math.div_rn(logits, temp_div)  # [BLOCK_V]
+                tl.store(out_row + lanes, x, mask=mask)
+                new_max = tl.maximum(run_max, tl.max(x, axis=0))
+                # -inf - -inf is NaN: a row that is -inf so far keeps its zero sum (the reference needs one finite
+                # logit).
+                scale = tl.where(new_max == run_max, 1.0, tl.exp(run_max - new_max))
+                run_sum = run_sum * scale + tl.sum(tl.where(x > -float("inf"), tl.exp(x - new_max), 0.0), axis=0)
+                run_max = new_max
+            # Pass 2 reads lanes another thread of this program wrote in pass 1 (the W2 reduction has its own layout).
+            tl.debug_barrier()
 
-        # Pass 2: p_d in place and the exponential race for x_k.
-        key = hash_key(seed_lo, seed_hi, rid, anchor + j + 1, PURPOSE_DRAFT + 16 * (j + 1))
-        race_score = -1.0
-        race_index = 0
-        for start in range(0, V, BLOCK_V):
-            lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-            mask = lanes < V
-            x = tl.load(out_row + lanes, mask=mask, other=-float("inf"))  # [BLOCK_V]
-            soft = tl.math.div_rn(tl.exp(x - run_max), run_sum)
-            p = tl.where(greedy, (lanes == best_index).to(tl.float32), soft)  # [BLOCK_V] p_d
-            tl.store(out_row + lanes, p, mask=mask)
-            race_score, race_index = race_update(race_score, race_index, p, exponential_at(key, lanes), lanes, mask)
-        tl.store(tokens_ptr + row * gamma + j, race_index.to(tl.int64))
-        prev = race_index.to(tl.int64)
+            # Pass 2: p_d in place and the exponential race for x_k.
+            key = hash_key(seed_lo, seed_hi, rid, anchor + j + 1, PURPOSE_DRAFT + 16 * (j + 1))
+            race_score = -1.0
+            race_index = 0
+            for start in range(0, V, BLOCK_V):
+                lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+                mask = lanes < V
+                x = tl.load(out_row + lanes, mask=mask, other=-float("inf"))  # [BLOCK_V]
+                soft = tl.math.div_rn(tl.exp(x - run_max), run_sum)
+                p = tl.where(greedy, (lanes == best_index).to(tl.float32), soft)  # [BLOCK_V] p_d
+                tl.store(out_row + lanes, p, mask=mask)
+                race_score, race_index = race_update(race_score, race_index, p, exponential_at(key, lanes), lanes,
+                                                     mask)
+            tl.store(tokens_ptr + row * gamma + j, race_index.to(tl.int64))
+            prev = race_index.to(tl.int64)
 
 
 @triton.jit(do_not_specialize=["j"])
 def _draft_split_logits_kernel(
     tokens_ptr,  # [R, γ] int64 out: x_{k-1} (slot j - 1), written by block 0 when j >= 1
-    probs_ptr,  # [R, γ, V] fp32 out: the tempered logits of slot k (scratch; launch B turns them into p_d)
+    probs_ptr,  # [R or S, γ, V] fp32 out: the tempered logits of slot k (scratch; launch B turns them into p_d)
+    probs_rows_ptr,  # [R] int32/int64: the probs row of each request, negative for padding (read if HAS_ROWS)
     conf_ptr,  # [R, γ] fp32 out: z_k, written by block 0
     base_ptr,  # [R, γ, V] U_k (fp32/fp16/bf16), last dim contiguous
     stride_br,  # base stride over R
@@ -228,6 +254,7 @@ def _draft_split_logits_kernel(
     d,  # hidden size
     r,  # Markov rank
     nb,  # NB, vocabulary blocks per row
+    HAS_ROWS: tl.constexpr,  # probs rows come from probs_rows_ptr (else request i writes probs row i)
     BLOCK_V: tl.constexpr,  # vocabulary block of one program
     BLOCK_D: tl.constexpr,  # hidden tile
     BLOCK_R: tl.constexpr,  # next power of two >= r
@@ -235,60 +262,68 @@ def _draft_split_logits_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    if j == 0:
-        prev = tl.load(anchor_ids_ptr + row)
+    dest = _dest_row(probs_rows_ptr, row, HAS_ROWS)
+    if dest < 0:  # padding: zeros for x_{k-1} and z_k; no partials (launch B and the last launch skip the row too)
+        if blk == 0:
+            if j > 0:
+                tl.store(tokens_ptr + row * gamma + j - 1, 0)
+            tl.store(conf_ptr + row * gamma + j, 0.0)
     else:
-        prev = race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB)
-    temp = tl.load(temperature_ptr + row)
-    temp_div = tl.where(temp == 0.0, 1.0, temp)  # the reference divides greedy rows by 1 (then takes the one-hot)
-    ranks = tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    rank_mask = ranks < r
-    e = tl.load(w1_ptr + prev * r + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R] W1[prev]
+        if j == 0:
+            prev = tl.load(anchor_ids_ptr + row)
+        else:
+            prev = race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB)
+        temp = tl.load(temperature_ptr + row)
+        temp_div = tl.where(temp == 0.0, 1.0, temp)  # the reference divides greedy rows by 1 (then takes the one-hot)
+        ranks = tl.arange(0, BLOCK_R)  # [BLOCK_R]
+        rank_mask = ranks < r
+        e = tl.load(w1_ptr + prev * r + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R] W1[prev]
 
-    if blk == 0:
-        if j > 0:
-            tl.store(tokens_ptr + row * gamma + j - 1, prev)
-        # Confidence z_k = conf_w · [h_k; e] + b, before x_k exists.
-        conf_w_e = tl.load(conf_w_ptr + d + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R]
-        z = tl.sum(e * conf_w_e, axis=0)
-        for ds in range(0, d, BLOCK_D):
-            dims = ds + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-            hk = tl.load(h_ptr + row * stride_hr + j * stride_hk + dims, mask=dims < d, other=0.0).to(tl.float32)
-            cw = tl.load(conf_w_ptr + dims, mask=dims < d, other=0.0).to(tl.float32)
-            z += tl.sum(hk * cw, axis=0)
-        tl.store(conf_ptr + row * gamma + j, _round_to(z + tl.load(conf_b_ptr).to(tl.float32), conf_w_ptr))
+        if blk == 0:
+            if j > 0:
+                tl.store(tokens_ptr + row * gamma + j - 1, prev)
+            # Confidence z_k = conf_w · [h_k; e] + b, before x_k exists.
+            conf_w_e = tl.load(conf_w_ptr + d + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R]
+            z = tl.sum(e * conf_w_e, axis=0)
+            for ds in range(0, d, BLOCK_D):
+                dims = ds + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+                hk = tl.load(h_ptr + row * stride_hr + j * stride_hk + dims, mask=dims < d, other=0.0).to(tl.float32)
+                cw = tl.load(conf_w_ptr + dims, mask=dims < d, other=0.0).to(tl.float32)
+                z += tl.sum(hk * cw, axis=0)
+            tl.store(conf_ptr + row * gamma + j, _round_to(z + tl.load(conf_b_ptr).to(tl.float32), conf_w_ptr))
 
-    # The block's tempered logits (the one-program kernel's pass 1 on one tile).
-    lanes = blk * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-    mask = lanes < V
-    w2 = tl.load(w2_ptr + lanes[:, None] * r + ranks[None, :], mask=mask[:, None] & rank_mask[None, :],
-                 other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R]
-    bias = _round_to(tl.sum(w2 * e[None, :], axis=1), w2_ptr)  # [BLOCK_V] B_k, as Linear returns it
-    u_k = tl.load(base_ptr + row * stride_br + j * stride_bk + lanes, mask=mask, other=0.0).to(tl.float32)
-    logits = tl.where(mask, u_k + bias, -float("inf"))  # [BLOCK_V]
-    best, best_index = argmax_update(-float("inf"), 0, logits, lanes)
-    x = tl.math.div_rn(logits, temp_div)  # [BLOCK_V]
-    # Parked for launch B's softmax; a greedy row's p_d is the one-hot, written there without reading this (the
-    # condition as a vector: the interpreter's `&` wants two).
-    parked = mask & ((lanes * 0 + temp) != 0.0)  # [BLOCK_V]
-    tl.store(probs_ptr + (row * gamma + j) * V + lanes, x, mask=parked)
-    x_max = tl.max(x, axis=0)
-    # An all -inf block keeps a zero sum (shifting by 0 instead: -inf - -inf is NaN).
-    x_sum = tl.sum(tl.exp(x - tl.where(x_max > -float("inf"), x_max, 0.0)), axis=0)
-    part = row * nb + blk
-    tl.store(block_max_ptr + part, x_max)
-    tl.store(block_sum_ptr + part, x_sum)
-    tl.store(arg_value_ptr + part, best)
-    tl.store(arg_index_ptr + part, best_index.to(tl.int64))
+        # The block's tempered logits (the one-program kernel's pass 1 on one tile).
+        lanes = blk * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        mask = lanes < V
+        w2 = tl.load(w2_ptr + lanes[:, None] * r + ranks[None, :], mask=mask[:, None] & rank_mask[None, :],
+                     other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R]
+        bias = _round_to(tl.sum(w2 * e[None, :], axis=1), w2_ptr)  # [BLOCK_V] B_k, as Linear returns it
+        u_k = tl.load(base_ptr + row * stride_br + j * stride_bk + lanes, mask=mask, other=0.0).to(tl.float32)
+        logits = tl.where(mask, u_k + bias, -float("inf"))  # [BLOCK_V]
+        best, best_index = argmax_update(-float("inf"), 0, logits, lanes)
+        x = tl.math.div_rn(logits, temp_div)  # [BLOCK_V]
+        # Parked for launch B's softmax; a greedy row's p_d is the one-hot, written there without reading this (the
+        # condition as a vector: the interpreter's `&` wants two).
+        parked = mask & ((lanes * 0 + temp) != 0.0)  # [BLOCK_V]
+        tl.store(probs_ptr + (dest * gamma + j) * V + lanes, x, mask=parked)
+        x_max = tl.max(x, axis=0)
+        # An all -inf block keeps a zero sum (shifting by 0 instead: -inf - -inf is NaN).
+        x_sum = tl.sum(tl.exp(x - tl.where(x_max > -float("inf"), x_max, 0.0)), axis=0)
+        part = row * nb + blk
+        tl.store(block_max_ptr + part, x_max)
+        tl.store(block_sum_ptr + part, x_sum)
+        tl.store(arg_value_ptr + part, best)
+        tl.store(arg_index_ptr + part, best_index.to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["j"])
 def _draft_split_logits_rows_kernel(
-    tokens_ptr, probs_ptr, conf_ptr,  # outputs as in _draft_split_logits_kernel
+    tokens_ptr, probs_ptr, probs_rows_ptr, conf_ptr,  # outputs and probs rows as in _draft_split_logits_kernel
     base_ptr, stride_br, stride_bk, h_ptr, stride_hr, stride_hk, anchor_ids_ptr, temperature_ptr,
     w1_ptr, w2_ptr, conf_w_ptr, conf_b_ptr,
     race_score_ptr, race_index_ptr, block_max_ptr, block_sum_ptr, arg_value_ptr, arg_index_ptr,
     j, gamma, R, V, d, r, nb,
+    HAS_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # requests per program (>= 16: the tl.dot minimum)
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -298,47 +333,52 @@ def _draft_split_logits_rows_kernel(
     """:func:`_draft_split_logits_kernel` for BLOCK_M requests at once (grid ``(cdiv(R, BLOCK_M), NB)``): the
     block's W2 tile is loaded once and ``B_k = W1[prev] · W2ᵀ`` is one ``[BLOCK_M, r] × [r, BLOCK_V]`` product
     (float32, IEEE: the products of half-precision weights are exact, only the order of their sum differs from the
-    one-row kernel's). Every other step is that kernel's, row by row."""
+    one-row kernel's). Every other step is that kernel's, row by row; a padding row (``probs_rows`` < 0) stores
+    zeros into its tokens and confidence logits and reads nothing."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BLOCK_M]
     row_ok = rows < R
+    dest = rows  # [BLOCK_M] the probs row of each request
+    if HAS_ROWS:
+        dest = tl.load(probs_rows_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+    live = row_ok & (dest >= 0)  # [BLOCK_M] requests past R and padding rows are masked out of every read
     blk = tl.program_id(1)
     if j == 0:
-        prev = tl.load(anchor_ids_ptr + rows, mask=row_ok, other=0)  # [BLOCK_M]
+        prev = tl.load(anchor_ids_ptr + rows, mask=live, other=0)  # [BLOCK_M]
     else:  # race_winner of every row: the best score, the lowest index among the blocks holding it
         blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
-        valid = row_ok[:, None] & (blocks[None, :] < nb)  # [BLOCK_M, BLOCK_NB]
+        valid = live[:, None] & (blocks[None, :] < nb)  # [BLOCK_M, BLOCK_NB]
         offs = rows[:, None] * nb + blocks[None, :]
         scores = tl.load(race_score_ptr + offs, mask=valid, other=-2.0)  # real partials are >= -1
         indices = tl.load(race_index_ptr + offs, mask=valid, other=0)
         best_score = tl.max(scores, axis=1)  # [BLOCK_M]
         prev = tl.min(tl.where(valid & (scores == best_score[:, None]), indices, BIG_INDEX), axis=1).to(tl.int64)
-    temp = tl.load(temperature_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_M]
+    temp = tl.load(temperature_ptr + rows, mask=live, other=0.0)  # [BLOCK_M]
     temp_div = tl.where(temp == 0.0, 1.0, temp)
     ranks = tl.arange(0, BLOCK_R)  # [BLOCK_R]
     rank_mask = ranks < r
-    e = tl.load(w1_ptr + prev[:, None] * r + ranks[None, :], mask=row_ok[:, None] & rank_mask[None, :],
+    e = tl.load(w1_ptr + prev[:, None] * r + ranks[None, :], mask=live[:, None] & rank_mask[None, :],
                 other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_R] W1[prev]
 
     if blk == 0:
         if j > 0:
-            tl.store(tokens_ptr + rows * gamma + j - 1, prev, mask=row_ok)
+            tl.store(tokens_ptr + rows * gamma + j - 1, tl.where(live, prev, 0), mask=row_ok)
         conf_w_e = tl.load(conf_w_ptr + d + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R]
         z = tl.sum(e * conf_w_e[None, :], axis=1)  # [BLOCK_M]
         for ds in range(0, d, BLOCK_D):
             dims = ds + tl.arange(0, BLOCK_D)  # [BLOCK_D]
             hk = tl.load(h_ptr + rows[:, None] * stride_hr + j * stride_hk + dims[None, :],
-                         mask=row_ok[:, None] & (dims[None, :] < d), other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
+                         mask=live[:, None] & (dims[None, :] < d), other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
             cw = tl.load(conf_w_ptr + dims, mask=dims < d, other=0.0).to(tl.float32)
             z += tl.sum(hk * cw[None, :], axis=1)
-        tl.store(conf_ptr + rows * gamma + j, _round_to(z + tl.load(conf_b_ptr).to(tl.float32), conf_w_ptr),
-                 mask=row_ok)
+        z = _round_to(z + tl.load(conf_b_ptr).to(tl.float32), conf_w_ptr)  # [BLOCK_M]
+        tl.store(conf_ptr + rows * gamma + j, tl.where(live, z, 0.0), mask=row_ok)
 
     lanes = blk * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
     lane_ok = lanes < V
     w2 = tl.load(w2_ptr + lanes[:, None] * r + ranks[None, :], mask=lane_ok[:, None] & rank_mask[None, :],
                  other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R], read once for BLOCK_M requests
     bias = _round_to(tl.dot(e, tl.trans(w2), input_precision="ieee"), w2_ptr)  # [BLOCK_M, BLOCK_V] B_k
-    both = row_ok[:, None] & lane_ok[None, :]
+    both = live[:, None] & lane_ok[None, :]
     u_k = tl.load(base_ptr + rows[:, None] * stride_br + j * stride_bk + lanes[None, :], mask=both,
                   other=0.0).to(tl.float32)
     logits = tl.where(lane_ok[None, :], u_k + bias, -float("inf"))  # [BLOCK_M, BLOCK_V]
@@ -347,19 +387,20 @@ def _draft_split_logits_rows_kernel(
     best_index = tl.where(best > -float("inf"), best_index, 0)
     x = tl.math.div_rn(logits, temp_div[:, None])  # [BLOCK_M, BLOCK_V]
     parked = both & (temp[:, None] != 0.0)  # a greedy row's p_d is launch B's one-hot
-    tl.store(probs_ptr + (rows[:, None] * gamma + j) * V + lanes[None, :], x, mask=parked)
+    tl.store(probs_ptr + (dest[:, None] * gamma + j) * V + lanes[None, :], x, mask=parked)
     x_max = tl.max(x, axis=1)  # [BLOCK_M]
     x_sum = tl.sum(tl.exp(x - tl.where(x_max > -float("inf"), x_max, 0.0)[:, None]), axis=1)
     part = rows * nb + blk
-    tl.store(block_max_ptr + part, x_max, mask=row_ok)
-    tl.store(block_sum_ptr + part, x_sum, mask=row_ok)
-    tl.store(arg_value_ptr + part, best, mask=row_ok)
-    tl.store(arg_index_ptr + part, best_index.to(tl.int64), mask=row_ok)
+    tl.store(block_max_ptr + part, x_max, mask=live)
+    tl.store(block_sum_ptr + part, x_sum, mask=live)
+    tl.store(arg_value_ptr + part, best, mask=live)
+    tl.store(arg_index_ptr + part, best_index.to(tl.int64), mask=live)
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "j"])
 def _draft_split_race_kernel(
-    probs_ptr,  # [R, γ, V] fp32 in: tempered logits of slot k; out: p_d
+    probs_ptr,  # [R or S, γ, V] fp32 in: tempered logits of slot k; out: p_d
+    probs_rows_ptr,  # [R] int32/int64: the probs row of each request, negative for padding (read if HAS_ROWS)
     anchor_pos_ptr,  # [R] int64 P
     temperature_ptr,  # [R] fp32 T (0 = greedy)
     request_ids_ptr,  # [R] int64 request ids
@@ -375,63 +416,72 @@ def _draft_split_race_kernel(
     gamma,  # γ
     V,  # vocabulary size
     nb,  # NB, vocabulary blocks per row
+    HAS_ROWS: tl.constexpr,  # probs rows come from probs_rows_ptr (else request i writes probs row i)
     BLOCK_V: tl.constexpr,  # vocabulary block of one program
     BLOCK_NB: tl.constexpr,  # next power of two >= NB
 ):
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    rid = tl.load(request_ids_ptr + row)
-    anchor = tl.load(anchor_pos_ptr + row)
-    greedy = tl.load(temperature_ptr + row) == 0.0
+    dest = _dest_row(probs_rows_ptr, row, HAS_ROWS)
+    if dest >= 0:  # a padding row has no logits parked and no race: launch A and the last launch write its zeros
+        rid = tl.load(request_ids_ptr + row)
+        anchor = tl.load(anchor_pos_ptr + row)
+        greedy = tl.load(temperature_ptr + row) == 0.0
 
-    # The row's softmax statistics and greedy argmax, combined in one fixed order: identical in every block.
-    blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
-    valid = blocks < nb
-    maxes = tl.load(block_max_ptr + row * nb + blocks, mask=valid, other=-float("inf"))  # [BLOCK_NB]
-    sums = tl.load(block_sum_ptr + row * nb + blocks, mask=valid, other=0.0)  # [BLOCK_NB]
-    run_max = tl.max(maxes, axis=0)
-    run_sum = tl.sum(tl.where(maxes > -float("inf"), sums * tl.exp(maxes - run_max), 0.0), axis=0)
-    values = tl.load(arg_value_ptr + row * nb + blocks, mask=valid, other=-float("inf"))  # [BLOCK_NB]
-    indices = tl.load(arg_index_ptr + row * nb + blocks, mask=valid, other=0)  # [BLOCK_NB] int64
-    best = tl.max(values, axis=0)
-    best_index = tl.min(tl.where(valid & (values == best), indices, BIG_INDEX), axis=0)
+        # The row's softmax statistics and greedy argmax, combined in one fixed order: identical in every block.
+        blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
+        valid = blocks < nb
+        maxes = tl.load(block_max_ptr + row * nb + blocks, mask=valid, other=-float("inf"))  # [BLOCK_NB]
+        sums = tl.load(block_sum_ptr + row * nb + blocks, mask=valid, other=0.0)  # [BLOCK_NB]
+        run_max = tl.max(maxes, axis=0)
+        run_sum = tl.sum(tl.where(maxes > -float("inf"), sums * tl.exp(maxes - run_max), 0.0), axis=0)
+        values = tl.load(arg_value_ptr + row * nb + blocks, mask=valid, other=-float("inf"))  # [BLOCK_NB]
+        indices = tl.load(arg_index_ptr + row * nb + blocks, mask=valid, other=0)  # [BLOCK_NB] int64
+        best = tl.max(values, axis=0)
+        best_index = tl.min(tl.where(valid & (values == best), indices, BIG_INDEX), axis=0)
 
-    # p_d in place and the block's part of the exponential race for x_k (the one-program kernel's pass 2).
-    lanes = blk * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-    mask = lanes < V
-    out_row = probs_ptr + (row * gamma + j) * V
-    if greedy:
-        # p_d is the one-hot of the argmax, and a race over a one-hot always returns its hot lane (its score 1 / E
-        # is positive and finite, every other lane scores 0), so the race is not run: every block reports the argmax,
-        # with score 1 from the block that holds it and 0 from the others, and race_winner picks it, as the race
-        # would. Launch A did not write a greedy row's tempered logits either: nothing is read here.
-        p = (lanes == best_index).to(tl.float32)  # [BLOCK_V] p_d
-        tl.store(out_row + lanes, p, mask=mask)
-        race_score = tl.max(tl.where(mask, p, 0.0), axis=0)
-        race_index = best_index.to(tl.int64)
-    else:
-        x = tl.load(out_row + lanes, mask=mask, other=-float("inf"))  # [BLOCK_V]
-        p = tl.math.div_rn(tl.exp(x - run_max), run_sum)  # [BLOCK_V] p_d
-        tl.store(out_row + lanes, p, mask=mask)
-        # Purpose 1 + 16k; the runtime `j` first (the interpreter cannot add a tensor to a constexpr on the left).
-        key = hash_key(seed_lo, seed_hi, rid, anchor + j + 1, 16 * (j + 1) + PURPOSE_DRAFT)
-        race_score, race_index = race_update(-1.0, 0, p, exponential_at(key, lanes), lanes, mask)
-        race_index = race_index.to(tl.int64)
-    tl.store(race_score_ptr + row * nb + blk, race_score)
-    tl.store(race_index_ptr + row * nb + blk, race_index)
+        # p_d in place and the block's part of the exponential race for x_k (the one-program kernel's pass 2).
+        lanes = blk * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        mask = lanes < V
+        out_row = probs_ptr + (dest * gamma + j) * V
+        if greedy:
+            # p_d is the one-hot of the argmax, and a race over a one-hot always returns its hot lane (its score
+            # 1 / E is positive and finite, every other lane scores 0), so the race is not run: every block reports
+            # the argmax, with score 1 from the block that holds it and 0 from the others, and race_winner picks it,
+            # as the race would. Launch A did not write a greedy row's tempered logits either: nothing is read here.
+            p = (lanes == best_index).to(tl.float32)  # [BLOCK_V] p_d
+            tl.store(out_row + lanes, p, mask=mask)
+            race_score = tl.max(tl.where(mask, p, 0.0), axis=0)
+            race_index = best_index.to(tl.int64)
+        else:
+            x = tl.load(out_row + lanes, mask=mask, other=-float("inf"))  # [BLOCK_V]
+            p = tl.math.div_rn(tl.exp(x - run_max), run_sum)  # [BLOCK_V] p_d
+            tl.store(out_row + lanes, p, mask=mask)
+            # Purpose 1 + 16k; the runtime `j` first (the interpreter cannot add a tensor to a constexpr on the
+            # left).
+            key = hash_key(seed_lo, seed_hi, rid, anchor + j + 1, 16 * (j + 1) + PURPOSE_DRAFT)
+            race_score, race_index = race_update(-1.0, 0, p, exponential_at(key, lanes), lanes, mask)
+            race_index = race_index.to(tl.int64)
+        tl.store(race_score_ptr + row * nb + blk, race_score)
+        tl.store(race_index_ptr + row * nb + blk, race_index)
 
 
 @triton.jit
 def _draft_split_last_kernel(
     tokens_ptr,  # [R, γ] int64 out: x_γ
+    probs_rows_ptr,  # [R] int32/int64: negative for padding rows (read if HAS_ROWS)
     race_score_ptr,  # [R, NB] fp32 in: slot γ's race partials
     race_index_ptr,  # [R, NB] int64 in
     gamma,  # γ
     nb,  # NB, vocabulary blocks per row
+    HAS_ROWS: tl.constexpr,  # padding rows are marked in probs_rows_ptr
     BLOCK_NB: tl.constexpr,  # next power of two >= NB
 ):
     row = tl.program_id(0).to(tl.int64)
-    tl.store(tokens_ptr + row * gamma + gamma - 1, race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB))
+    if _dest_row(probs_rows_ptr, row, HAS_ROWS) < 0:  # padding: its partials were never written
+        tl.store(tokens_ptr + row * gamma + gamma - 1, 0)
+    else:
+        tl.store(tokens_ptr + row * gamma + gamma - 1, race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB))
 
 
 def _sample_draft_block_torch(base_logits, h, anchor_ids, anchor_pos, temperature, seed, rid, w1, w2, conf_w, conf_b):
@@ -457,6 +507,22 @@ def _sample_draft_block_torch(base_logits, h, anchor_ids, anchor_pos, temperatur
                        conf_logits=torch.stack(confs, dim=1))
 
 
+def _scatter_rows(probs_out: Tensor, probs: Tensor, probs_rows: Tensor) -> None:
+    """``probs_out[probs_rows[i]] = probs[i]`` for every ``probs_rows[i] >= 0``, sync-free (CUDA-graph capturable).
+
+    A boolean mask would sync (``nonzero``), so every request is scattered and a padding row goes to slot 0 with the
+    value slot 0 ends up with anyway (its request's ``p_d`` if a live row names it, else its current content): every
+    duplicate index carries identical bits, and the rows not named keep theirs.
+    """
+    S, R = probs_out.shape[0], probs.shape[0]
+    live = probs_rows >= 0  # [R]
+    owner = torch.full((S + 1,), -1, dtype=torch.int64, device=probs.device)  # [S + 1] request writing each slot
+    owner.index_copy_(0, torch.where(live, probs_rows, S).long(), torch.arange(R, device=probs.device))  # S: trash
+    slot0 = torch.where(owner[0] >= 0, probs.index_select(0, owner[:1].clamp(min=0))[0], probs_out[0])  # [γ, V]
+    values = torch.where(live[:, None, None], probs, slot0)  # [R, γ, V]
+    probs_out.index_put_((torch.where(live, probs_rows, 0).long(),), values)
+
+
 def sample_draft_block(
     base_logits: Tensor,
     h: Tensor,
@@ -474,6 +540,7 @@ def sample_draft_block(
     split: bool | None = None,
     split_rows: int | None = None,
     probs_out: Tensor | None = None,
+    probs_rows: Tensor | None = None,
 ) -> DraftOutput:
     """Sample a Markov-head block and its confidence logits (the loop in the module docstring).
 
@@ -499,10 +566,18 @@ def sample_draft_block(
             returned as). The engine's draft graphs pass views of one static buffer, so the graphs of all request
             buckets share it instead of each keeping its own output (5.5 GiB over the buckets of 256 requests at
             V = 49,152 and γ = 7).
+        probs_rows: optional ``[R]`` int32/int64 device tensor that sends request ``i``'s distributions to row
+            ``probs_rows[i]`` of ``probs_out``, which is then a contiguous float32 ``[S, γ, V]`` buffer of any
+            ``S >= 1`` (the engine's per-slot state; ``probs_out`` is required). Non-negative entries must be
+            distinct and ``< S`` (not checked: a check would sync). A negative entry marks a padding row: nothing is
+            written to ``probs_out`` for it (its work is skipped) and its tokens and confidence logits are 0. Rows
+            of ``probs_out`` that no entry names are left untouched (the torch backend rewrites slot 0 with the
+            bits it ends up with anyway).
 
     Returns:
-        :class:`reference.drafter.DraftOutput`: tokens ``[R, γ]`` int64, probs ``[R, γ, V]`` fp32,
-        conf_logits ``[R, γ]`` fp32.
+        :class:`reference.drafter.DraftOutput`: tokens ``[R, γ]`` int64, probs ``[R, γ, V]`` fp32 (with
+        ``probs_rows``: ``probs_out`` itself, the whole ``[S, γ, V]`` buffer, so ``probs[probs_rows[i]]`` is request
+        ``i``'s block), conf_logits ``[R, γ]`` fp32.
     """
     if base_logits.ndim != 3 or h.ndim != 3 or base_logits.shape[:2] != h.shape[:2]:
         raise ValueError(f"base_logits [R, γ, V] and h [R, γ, d] disagree: {tuple(base_logits.shape)} vs "
@@ -528,17 +603,31 @@ def sample_draft_block(
     if temperature.shape != (R,) or not temperature.dtype.is_floating_point:
         raise ValueError(f"temperature must be a float tensor [R={R}], got {temperature.dtype} "
                          f"{tuple(temperature.shape)}")
-    if probs_out is not None and (probs_out.shape != (R, gamma, V) or probs_out.dtype != torch.float32
-                                  or probs_out.device != dev or not probs_out.is_contiguous()):
-        raise ValueError(f"probs_out must be a contiguous float32 [R={R}, γ={gamma}, V={V}] tensor on {dev}, got "
-                         f"{probs_out.dtype} {tuple(probs_out.shape)} on {probs_out.device}")
+    if probs_rows is not None:
+        if probs_out is None:
+            raise ValueError("probs_rows needs probs_out, the [S, γ, V] buffer its entries index")
+        if probs_rows.shape != (R,) or probs_rows.dtype not in (torch.int32, torch.int64) or probs_rows.device != dev:
+            raise ValueError(f"probs_rows must be an int32/int64 [R={R}] tensor on {dev}, got {probs_rows.dtype} "
+                             f"{tuple(probs_rows.shape)} on {probs_rows.device}")
+    rows_out = R if probs_rows is None else "S"
+    if probs_out is not None and (probs_out.shape[1:] != (gamma, V) or probs_out.shape[0] < 1
+                                  or (probs_rows is None and probs_out.shape[0] != R)
+                                  or probs_out.dtype != torch.float32 or probs_out.device != dev
+                                  or not probs_out.is_contiguous()):
+        raise ValueError(f"probs_out must be a contiguous float32 [{rows_out}, γ={gamma}, V={V}] tensor on {dev}, "
+                         f"got {probs_out.dtype} {tuple(probs_out.shape)} on {probs_out.device}")
     lo, hi = split_seed(seed)
     if resolve_backend(backend, base_logits) == "torch":
         out = _sample_draft_block_torch(base_logits, h, anchor_ids, anchor_pos, temperature, seed, rid,
                                         w1, w2, conf_w, conf_b.to(conf_w.dtype))
         if probs_out is None:
             return out
-        return DraftOutput(tokens=out.tokens, probs=probs_out.copy_(out.probs), conf_logits=out.conf_logits)
+        if probs_rows is None:
+            return DraftOutput(tokens=out.tokens, probs=probs_out.copy_(out.probs), conf_logits=out.conf_logits)
+        _scatter_rows(probs_out, out.probs, probs_rows)
+        live = probs_rows[:, None] >= 0  # [R, 1]
+        return DraftOutput(tokens=torch.where(live, out.tokens, 0), probs=probs_out,
+                           conf_logits=torch.where(live, out.conf_logits, 0.0))
     out = DraftOutput(tokens=torch.empty(R, gamma, dtype=torch.int64, device=dev),
                       probs=torch.empty(R, gamma, V, dtype=torch.float32, device=dev) if probs_out is None
                       else probs_out,
@@ -558,17 +647,17 @@ def sample_draft_block(
         if rows != 1 and (rows < 16 or rows & (rows - 1)):
             raise ValueError(f"split_rows must be 1 or a power of two >= 16, got {rows}")
         _launch_split(out, base_logits, h, anchor_ids, anchor_pos, temperature, rid, w1, w2, conf_w, conf_b,
-                      lo, hi, block_r, block_d, rows)
+                      lo, hi, block_r, block_d, rows, probs_rows)
         return out
     block_v = max(16, min(MAX_BLOCK_V, W2_TILE_ELEMENTS // block_r, triton.next_power_of_2(V)))
     _sample_draft_block_kernel[(R,)](
-        out.tokens, out.probs, out.conf_logits,
+        out.tokens, out.probs, out.probs if probs_rows is None else probs_rows, out.conf_logits,
         base_logits, base_logits.stride(0), base_logits.stride(1),
         h, h.stride(0), h.stride(1),
         anchor_ids, anchor_pos, temperature, rid,
         w1, w2, conf_w, conf_b,
         lo, hi, gamma, V, d, r,
-        BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=block_r,
+        HAS_ROWS=probs_rows is not None, BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=block_r,
         num_warps=NUM_WARPS,
     )
     return out
@@ -576,11 +665,13 @@ def sample_draft_block(
 
 def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: Tensor, anchor_pos: Tensor,
                   temperature: Tensor, rid: Tensor, w1: Tensor, w2: Tensor, conf_w: Tensor, conf_b: Tensor,
-                  lo: int, hi: int, block_r: int, block_d: int, rows: int = 1) -> None:
+                  lo: int, hi: int, block_r: int, block_d: int, rows: int = 1,
+                  probs_rows: Tensor | None = None) -> None:
     """The split-vocabulary variant into ``out``: 2γ + 1 launches, no host syncs (CUDA-graph capturable).
 
-    Inputs as :func:`sample_draft_block` after its checks (contiguous weights, fp32 ``temperature``). The
-    per-block partials live in ``[R, NB]`` scratch tensors allocated here.
+    Inputs as :func:`sample_draft_block` after its checks (contiguous weights, fp32 ``temperature``); ``out.probs``
+    is ``[S, γ, V]`` when ``probs_rows`` is given. The per-block partials live in ``[R, NB]`` scratch tensors
+    allocated here.
     """
     R, gamma, V = base_logits.shape
     d, r = h.shape[2], w1.shape[1]
@@ -590,37 +681,41 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
     dev = base_logits.device
     block_max, block_sum, arg_value, race_score = torch.empty(4, R, nb, dtype=torch.float32, device=dev)
     arg_index, race_index = torch.empty(2, R, nb, dtype=torch.int64, device=dev)
+    has_rows = probs_rows is not None
+    dest = out.probs if probs_rows is None else probs_rows  # [R]; any pointer when unread (HAS_ROWS=False)
     for j in range(gamma):
         if rows > 1:
             _draft_split_logits_rows_kernel[(triton.cdiv(R, rows), nb)](
-                out.tokens, out.probs, out.conf_logits,
+                out.tokens, out.probs, dest, out.conf_logits,
                 base_logits, base_logits.stride(0), base_logits.stride(1),
                 h, h.stride(0), h.stride(1),
                 anchor_ids, temperature, w1, w2, conf_w, conf_b,
                 race_score, race_index, block_max, block_sum, arg_value, arg_index,
                 j, gamma, R, V, d, r, nb,
-                BLOCK_M=rows, BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=max(16, block_r), BLOCK_NB=block_nb,
+                HAS_ROWS=has_rows, BLOCK_M=rows, BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=max(16, block_r),
+                BLOCK_NB=block_nb,
                 num_warps=SPLIT_NUM_WARPS,
             )
         else:
             _draft_split_logits_kernel[(R, nb)](
-                out.tokens, out.probs, out.conf_logits,
+                out.tokens, out.probs, dest, out.conf_logits,
                 base_logits, base_logits.stride(0), base_logits.stride(1),
                 h, h.stride(0), h.stride(1),
                 anchor_ids, temperature, w1, w2, conf_w, conf_b,
                 race_score, race_index, block_max, block_sum, arg_value, arg_index,
                 j, gamma, V, d, r, nb,
-                BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_NB=block_nb,
+                HAS_ROWS=has_rows, BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_NB=block_nb,
                 num_warps=SPLIT_NUM_WARPS,
             )
         _draft_split_race_kernel[(R, nb)](
-            out.probs, anchor_pos, temperature, rid,
+            out.probs, dest, anchor_pos, temperature, rid,
             block_max, block_sum, arg_value, arg_index, race_score, race_index,
             lo, hi, j, gamma, V, nb,
-            BLOCK_V=block_v, BLOCK_NB=block_nb,
+            HAS_ROWS=has_rows, BLOCK_V=block_v, BLOCK_NB=block_nb,
             num_warps=SPLIT_NUM_WARPS,
         )
-    _draft_split_last_kernel[(R,)](out.tokens, race_score, race_index, gamma, nb, BLOCK_NB=block_nb, num_warps=1)
+    _draft_split_last_kernel[(R,)](out.tokens, dest, race_score, race_index, gamma, nb, HAS_ROWS=has_rows,
+                                   BLOCK_NB=block_nb, num_warps=1)
 
 
 @torch.no_grad()
@@ -637,6 +732,7 @@ def sample_block(
     split: bool | None = None,
     split_rows: int | None = None,
     probs_out: Tensor | None = None,
+    probs_rows: Tensor | None = None,
 ) -> DraftOutput:
     """``drafter.sample_block`` with the Markov head fused; the RNN and "none" heads run the reference loop.
 
@@ -647,8 +743,12 @@ def sample_block(
         split: the Triton variant, as :func:`sample_draft_block` (``None``: by batch size).
         split_rows: requests per program of the split logits launch, as :func:`sample_draft_block`.
         probs_out: a buffer for the draft distributions, as :func:`sample_draft_block` (Markov head only).
+        probs_rows: ``[R]`` rows of ``probs_out`` to write, negative for padding, as :func:`sample_draft_block`
+            (Markov head only; the other heads reject it).
     """
     if drafter.config.head != "markov":
+        if probs_out is not None or probs_rows is not None:
+            raise ValueError(f"probs_out and probs_rows are for the Markov head, not {drafter.config.head!r}")
         return drafter.sample_block(h, anchor_ids, anchor_pos, temperature, seed, request_ids)
     w1, w2 = drafter.markov_tables()  # [V, r] each: the parameters, or the factored head's materialised tables
     # [R, γ, V] U_k in the LM head's dtype: every backend upcasts it to float32 as it reads (exact), which gives the
@@ -656,4 +756,5 @@ def sample_block(
     base = drafter.base_logits(h, float32=False)
     return sample_draft_block(base, h, anchor_ids, anchor_pos, temperature, seed, request_ids,
                               w1, w2, drafter.conf_head.weight, drafter.conf_head.bias,
-                              backend=backend, split=split, split_rows=split_rows, probs_out=probs_out)
+                              backend=backend, split=split, split_rows=split_rows, probs_out=probs_out,
+                              probs_rows=probs_rows)

@@ -15,6 +15,9 @@ split-vocabulary kernels (``"triton-split"``) and the split kernels whose logits
 (``"triton-split-rows"``, ``B_k`` by ``tl.dot``), the split ones with a shrunken tile so that even small vocabularies
 span several blocks and end in a partial one (the cross-block reductions are what they add). Their softmax sums
 (and the rows kernel's ``B_k``) are combined in another order, an ulp-level change inside the same tolerances.
+
+``probs_rows`` (the engine's per-slot output) only moves where ``p_d`` is stored: every backend must give the block
+of the same call without it bit for bit (``torch.equal``), and leave the buffer's other rows as they were.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ BACKENDS = [pytest.param("triton", marks=needs_triton), pytest.param("triton-spl
 PROB_ATOL_FP32 = 2e-6
 CONF_ATOL_FP32 = 1e-5
 SMALL_SPLIT_TILE = 128  # SPLIT_TILE_ELEMENTS in tests: BLOCK_V = 16 lanes for r <= 8, several blocks for V = 97
+SENTINEL = float("nan")  # fills probs_out before a probs_rows call: a row read before its write would turn p_d NaN
 
 
 @pytest.fixture
@@ -124,6 +128,70 @@ def test_probs_out_receives_the_same_block(backend, variant):
     with pytest.raises(ValueError, match="probs_out"):
         fast.sample_block(drafter, h, anchor_ids, anchor_pos, temperature, 5, request_ids, **variant,
                           probs_out=buffer[:R, :, :-1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("R,gamma,V,rank,slots", [(1, 3, 211, 8, 4), (3, 7, 300, 16, 8), (5, 4, 257, 12, 11)])
+def test_probs_rows_write_the_slots(backend, variant, R, gamma, V, rank, slots):
+    """``probs_rows`` = distinct random slots of a larger buffer (S > R) in random order: slot ``probs_rows[i]`` holds
+    request i's block exactly as the same call returns it without ``probs_rows``, the other slots keep the sentinel,
+    and tokens and confidence logits do not change. Greedy and sampled rows mixed (make_inputs) for R > 1."""
+    drafter = on_device(make_drafter(V, gamma, rank, seed=R + V))
+    h, anchor_ids, anchor_pos, temperature, request_ids = to_device(*make_inputs(R, gamma, V, seed=rank))
+    want = fast.sample_block(drafter, h, anchor_ids, anchor_pos, temperature, 2**35 + 7, request_ids, **variant)
+    rows = torch.randperm(slots, generator=torch.Generator().manual_seed(R * V))[:R]  # [R]
+    buffer = torch.full((slots, gamma, V), SENTINEL, device=DEVICE)  # [S, γ, V]
+    got = fast.sample_block(drafter, h, anchor_ids, anchor_pos, temperature, 2**35 + 7, request_ids, **variant,
+                            probs_out=buffer, probs_rows=rows.to(DEVICE))
+    assert got.probs is buffer
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.conf_logits, want.conf_logits)
+    assert torch.equal(buffer[rows.to(DEVICE)], want.probs)
+    named = torch.zeros(slots, dtype=torch.bool)
+    named[rows] = True
+    assert bool(buffer[~named.to(DEVICE)].isnan().all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_probs_rows_padding_writes_nothing(backend, variant):
+    """Negative entries (a CUDA-graph bucket's padding, int32 like the engine's slot ids): such a request writes no
+    slot, and its tokens and confidence logits are 0; the live requests are unaffected. Requests 1 and 3 are padding,
+    one greedy and one sampled (T = 0 and 1.5); request 2 writes slot 0. Then a batch of padding only."""
+    R, gamma, V, rank, slots = 5, 3, 211, 8, 7
+    drafter = on_device(make_drafter(V, gamma, rank, seed=3))
+    h, anchor_ids, anchor_pos, temperature, request_ids = to_device(*make_inputs(R, gamma, V, seed=6))
+    want = fast.sample_block(drafter, h, anchor_ids, anchor_pos, temperature, 13, request_ids, **variant)
+    rows = torch.tensor([4, -1, 0, -1, 2], dtype=torch.int32, device=DEVICE)  # [R]
+    live = rows >= 0  # [R]
+    buffer = torch.full((slots, gamma, V), SENTINEL, device=DEVICE)  # [S, γ, V]
+    got = fast.sample_block(drafter, h, anchor_ids, anchor_pos, temperature, 13, request_ids, **variant,
+                            probs_out=buffer, probs_rows=rows)
+    assert torch.equal(buffer[rows[live].long()], want.probs[live])
+    assert bool(buffer[[1, 3, 5, 6]].isnan().all())
+    assert torch.equal(got.tokens[live], want.tokens[live]) and not got.tokens[~live].any()
+    assert torch.equal(got.conf_logits[live], want.conf_logits[live]) and not got.conf_logits[~live].any()
+
+    buffer.fill_(SENTINEL)
+    got = fast.sample_block(drafter, h, anchor_ids, anchor_pos, temperature, 13, request_ids, **variant,
+                            probs_out=buffer, probs_rows=torch.full_like(rows, -1))
+    assert bool(buffer.isnan().all()) and not got.tokens.any() and not got.conf_logits.any()
+
+
+def test_probs_rows_needs_a_buffer():
+    R, gamma, V, d, r = 2, 3, 11, 4, 5
+    base, h = torch.zeros(R, gamma, V), torch.zeros(R, gamma, d)
+    ids, temp = torch.zeros(R, dtype=torch.int64), torch.ones(R)
+    weights = torch.zeros(V, r), torch.zeros(V, r), torch.zeros(d + r), torch.zeros(1)
+    with pytest.raises(ValueError, match="probs_rows needs probs_out"):
+        fast.sample_draft_block(base, h, ids, ids, temp, 0, ids, *weights, probs_rows=ids)
+    with pytest.raises(ValueError, match="probs_rows must be"):
+        fast.sample_draft_block(base, h, ids, ids, temp, 0, ids, *weights, probs_out=torch.zeros(4, gamma, V),
+                                probs_rows=ids.float())
+    with pytest.raises(ValueError, match="probs_out must be"):  # S rows are fine, another block shape is not
+        fast.sample_draft_block(base, h, ids, ids, temp, 0, ids, *weights, probs_out=torch.zeros(4, gamma + 1, V),
+                                probs_rows=ids)
+    with pytest.raises(ValueError, match="Markov head"):
+        fast.sample_block(make_drafter(V, gamma, r, head="rnn"), h, ids, ids, temp, 0, ids,
+                          probs_out=torch.zeros(4, gamma, V), probs_rows=ids)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
