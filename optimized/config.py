@@ -44,12 +44,24 @@ class EngineConfig:
     # (tests/equivalence/test_end_to_end.py). None: wherever plan_ahead is on (1.02-1.13x adaptive's tokens/s in a
     # steady state on an H200, docs/benchmarks/index.md).
     draft_ahead: bool | None = None
-    # Plain decoding (mode none) one step ahead: step n+1's verify is launched before step n's tokens are read (the
-    # token each request feeds next is already on the device), so the host's commit and the next launch overlap the
-    # device's forward. Outputs come back one step later; a request that finished at step n has run one wasted row
-    # in step n+1, whose token is dropped. Ignored when the mode drafts. None: on CUDA (1.06-1.13x plain decoding's
-    # tokens/s on an H200); on the CPU the forward has finished before the read, so there is nothing to overlap.
+    # Steps one ahead of their token reads: step n+1's verify is launched before step n's tokens are read (each
+    # request's next anchor, and its next drafts, are already on the device), so the host's commit, the draft gate
+    # and the next launches overlap the device's forward. Plain decoding and the modes that plan without this step's
+    # outcome (none, fixed, dsd, adaptive: SchedulingMode.plans_blind) with the DSpark drafter; the n-gram proposer
+    # and the synchronous policies step synchronously. Outputs come back one step later; a request that finished at
+    # step n has run one wasted row in step n+1, whose tokens are dropped; near the end of a slot the engine steps
+    # synchronously. The adaptive budget then reads survivals one draft older at steps where requests join or
+    # finish, so its verify lengths can differ from the synchronous engine's there (greedy tokens never do). None:
+    # on CUDA (plain decoding 1.06-1.13x faster on an H200); on the CPU the forward has finished before the read, so
+    # there is nothing to overlap.
     async_decode: bool | None = None
+    # Compare each decoding step's measured time with the cost table's price, per kind of step (plain, speculative),
+    # and price a kind at its measured ratio once it drifts by more than 10 % (optimized/cost_monitor.py): the draft
+    # gate then weighs what steps cost now (another process on the GPU, a table profiled in other conditions). It
+    # makes the adaptive schedule depend on measured times, so sampled adaptive outputs are then not repeatable from
+    # run to run (greedy outputs are unaffected). None: on CUDA; off on the CPU, where the equivalence tests hold the
+    # schedule to the reference's.
+    cost_feedback: bool | None = None
     device: str = "cpu"  # where the caches, graphs and kernels live: "cpu" or "cuda[:N]" (the target's device)
     dtype: torch.dtype = torch.float32  # the caches' dtype = the target's (bfloat16 on a GPU, float32 for exact tests)
 

@@ -19,11 +19,13 @@ Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix sur
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from optimized.config import EngineConfig
+from optimized.cost_monitor import CostMonitor
 from optimized.runner import LaunchedVerify, ModelRunner, StageOutput
 from optimized.scheduler import Scheduler, StepPlan
 from optimized.sequence import SamplingParams, Sequence, Status, StepOutput, StepStats
@@ -61,9 +63,17 @@ class Engine:
         self._draft_ahead_on = self._ahead_on and config.draft_ahead is not False
         self._async_on = (config.async_decode if config.async_decode is not None
                           else self.runner.device.type == "cuda")
+        self._feedback_on = (config.cost_feedback if config.cost_feedback is not None
+                             else self.runner.device.type == "cuda")
+        self._monitor: CostMonitor | None = None  # measured step times against the table (cost_feedback)
+        if cost is not None:
+            self._watch(cost)
         self._drafted_ahead: tuple[list[Sequence], torch.Tensor] | None = None  # this step's early draft, if any
-        # Plain decoding one step ahead (EngineConfig.async_decode): the launched verify whose tokens are unread.
+        # One step ahead (EngineConfig.async_decode): the launched verify whose tokens are unread, the most tokens it
+        # can emit per request (keyed by id(seq)), and the block drafted behind it whose survivals are not recorded.
         self._in_flight: tuple[StepPlan, LaunchedVerify] | None = None
+        self._reach: dict[int, int] = {}
+        self._pending: tuple[list[Sequence], torch.Tensor] | None = None
         self.reset_stats()
 
     @property
@@ -131,6 +141,23 @@ class Engine:
     def set_cost_table(self, cost: CostTable) -> None:
         """Install the step-cost table (e.g. ``optimized.cost_model.cached_profile(engine.runner)``)."""
         self.scheduler.set_cost_table(cost)
+        self._watch(cost)
+
+    def _watch(self, cost: CostTable) -> None:
+        """Measure steps against ``cost`` from now on (``EngineConfig.cost_feedback``)."""
+        self._monitor = CostMonitor(cost, self.runner.device) if self._feedback_on else None
+
+    @property
+    def cost_drift(self) -> dict[str, float | None] | None:
+        """Per kind of step (``plain``, ``speculative``): measured time over the cost table's price, minus one (None
+        until enough steps of that kind ran), or None without a cost table or with ``cost_feedback`` off."""
+        return self._monitor.drift if self._monitor is not None else None
+
+    @property
+    def price_scales(self) -> dict[str, float]:
+        """The multipliers of the table's prices the draft gate uses now (1.0: the table's own)."""
+        p = self.scheduler.planner
+        return {"plain": p.plain_scale, "speculative": p.speculative_scale}
 
     def set_scheduler(self, sched: SchedulerConfig) -> None:
         """Switch the verify-length policy between runs, keeping caches and graphs (benchmarks of every mode)."""
@@ -144,6 +171,7 @@ class Engine:
                              "drafter: build a separate engine (mode none never drafts, the others need a drafter)")
         if sched.mode.needs_cost_table and self.cost is None:
             raise ValueError(f"mode '{sched.mode}' needs a cost table: call set_cost_table first")
+        self._pending = None  # a block drafted one step ahead for requests that have all finished since
         self.scheduler.set_config(sched)
 
     def warmup(self) -> float:
@@ -192,19 +220,27 @@ class Engine:
     # ------------------------------------------------------------------------------------------------------
 
     @property
-    def _async(self) -> bool:
-        """Whether steps run one ahead of their token reads (``EngineConfig.async_decode``, plain decoding only)."""
-        return self._async_on and not self.sched_config.mode.drafts
+    def _one_ahead(self) -> bool:
+        """Whether steps run one ahead of their token reads (``EngineConfig.async_decode``): plain decoding, and every
+        mode whose next plan needs nothing of this step's tokens (``SchedulingMode.plans_blind``) with the DSpark
+        drafter, whose drafts come from device state. Not the n-gram proposer (it looks its drafts up in the committed
+        tokens) nor the synchronous policies."""
+        mode = self.sched_config.mode
+        return self._async_on and mode.plans_blind and (self.runner.proposer is None or not mode.drafts)
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """One engine step: schedule (host), run (device, one token read), postprocess (host), draft (device)."""
-        if self._async:
+        """One engine step: schedule (host), run (device, one token read), postprocess (host), draft (device).
+
+        One step ahead where the mode allows it (:meth:`_step_one_ahead`); synchronously otherwise, and for as long
+        as a decoding request is near the end of its slot (the read must then come first: :meth:`_room_ahead`)."""
+        if self._one_ahead and self._room_ahead():
             return self._step_one_ahead()
+        outputs = self._drain()  # a step left in flight by the pipeline: read it before stepping synchronously
         t0 = time.perf_counter()
         plan = self._schedule()
         t1 = time.perf_counter()
-        outputs = self._prefill(plan) + self._verify(plan)
+        outputs += self._prefill(plan) + self._verify(plan)
         t2 = time.perf_counter()
         drafters = self.scheduler.drafters()  # the draft gate: who drafts for the next step
         t3 = time.perf_counter()
@@ -216,49 +252,122 @@ class Engine:
         return outputs
 
     def _step_one_ahead(self) -> list[StepOutput]:
-        """Plain decoding with the token read one step behind: plan and launch this step's verify (each request's
-        next input token is on the device already), then read and commit the previous step's tokens while the device
-        runs it. The plan is made before the previous step's tokens are committed, so a request that finished in
-        that step is verified once more here; its row is dropped when this step is read."""
+        """A step launched before the previous step's tokens are read: plan and launch this step's verify (each
+        request's anchor and its drafts are on the device already), then read and commit the previous step's tokens
+        while the device runs it, then let the draft gate decide — on the committed tokens — whether the requests
+        draft the next block, launched behind this verify.
+
+        The plan is made before the previous step's tokens are committed, so a request that finished in that step
+        may be verified once more here (its row is dropped when this step is read), and the adaptive budget reads
+        survivals one draft older than the synchronous engine would (the draft this step verifies is still on its way
+        to the host: ``Scheduler.schedule(ahead=1)``). Requests the step in flight surely finishes by length are
+        left out. Plain decoding (``none``, or a gate that stays closed) is this same loop without the draft."""
         t0 = time.perf_counter()
-        plan = self._schedule()
-        if self._in_flight is not None and plan.decoding:  # not who will surely have finished in the step in flight
-            flying = {id(s) for s in self._in_flight[0].decoding}
-            keep = [s for s in plan.decoding if id(s) not in flying or not self._last_token_in_flight(s)]
-            if len(keep) < len(plan.decoding):
-                plan = StepPlan(plan.prefill, keep, plan.mode, lengths=[0] * len(keep))
+        plan = self._schedule(exclude=self._surely_done, unrecorded=int(self._pending is not None))
         t1 = time.perf_counter()
         outputs = self._prefill(plan)  # its read waits for the step in flight too (one stream)
-        launched = self.runner.launch_verify(plan) if plan.decoding else None
-        previous, self._in_flight = self._in_flight, (plan, launched) if launched is not None else None
+        launched = None
+        if plan.decoding:
+            self._monitor_launch(plan)
+            launched = self.runner.launch_verify(plan)
+        previous = self._in_flight
+        self._in_flight = (plan, launched) if launched is not None else None
+        self._reach = self._reach_of(plan) if launched is not None else {}
         if previous is not None:
             done_plan, done = previous
             out = self.runner.collect_verify(done)
-            self._verified, self._survivals = out, [None] * len(out.seqs)
-            live = [i for i, s in enumerate(out.seqs) if not s.finished]  # finished (or aborted) since its launch
-
-            def pick(rows: list | None) -> list | None:
-                return None if rows is None else [rows[i] for i in live]
-
-            outputs += self.scheduler.postprocess([out.seqs[i] for i in live], pick(out.tokens), pick(out.logprobs),
-                                                  pick(out.verified), pick(out.top_logprobs))
+            # The survivals of the drafts that step verified: recorded at the previous call, before its gate.
+            self._verified = out
+            self._survivals = [s.survivals[-1] if done_plan.mode.drafts and s.survivals else None for s in out.seqs]
+            outputs += self._commit(out)
+        self._record_pending()
+        drafted, drained = self._draft_next()
+        outputs += drained
         # The statistics describe the step whose tokens were read (none: only this step's prefill, if any).
         self._account(done_plan if previous is not None else StepPlan(plan.prefill, [], plan.mode), t0, t1 - t0,
-                      False)
+                      drafted)
         return outputs
 
-    def _last_token_in_flight(self, seq: Sequence) -> bool:
-        """Whether the token ``seq`` has in flight finishes it by length (its limit, or the end of its slot), as the
-        scheduler's commit will find: then it needs no further step. (EOS and stop strings cannot be known before
-        the read: such a request runs one dropped row.)"""
-        return len(seq.output_ids) + 1 >= seq.params.max_new_tokens or self.scheduler.slot_full(seq.anchor_pos + 1)
+    def _draft_next(self) -> tuple[bool, list[StepOutput]]:
+        """One step ahead: the draft gate on the requests decoding after this read, and, if they draft, their next
+        block launched behind the verify in flight (its survivals recorded at the next call, once their copy has
+        landed). A block that could run past the end of a request's slot after the step in flight (it may emit up to
+        ℓ + 1 tokens) waits for that step's read. Returns whether the drafter ran and the outputs of such a read."""
+        if not self.sched_config.mode.drafts:
+            return False, []
+        drafters = self.scheduler.drafters()
+        if not drafters:
+            return False, []
+        drained = []
+        if any(self.scheduler.slot_full(s.anchor_pos + self._reach.get(id(s), 0)) for s in drafters):
+            drained = self._drain()
+            drafters = [s for s in drafters if not s.finished]
+            if not drafters:
+                return False, drained
+        self._pending = (drafters, self._launch_draft(drafters, blocking=False))
+        return True, drained
 
-    def _schedule(self) -> StepPlan:
+    def _record_pending(self) -> None:
+        """Record the survivals of the block drafted one step ahead, once their copy to the host has landed (the
+        device has then finished that draft; the verify queued behind it keeps it busy)."""
+        if self._pending is None:
+            return
+        seqs, survivals = self._pending
+        self._pending = None
+        self.runner.wait_for_drafts()
+        self.scheduler.record_drafts(seqs, survivals)
+
+    def _drain(self) -> list[StepOutput]:
+        """Read and commit the step in flight, if any, and record the pending draft: what an engine one step ahead
+        leaves behind when it next steps synchronously."""
+        outputs = []
+        if self._in_flight is not None:
+            _, launched = self._in_flight
+            self._in_flight, self._reach = None, {}
+            outputs = self._commit(self.runner.collect_verify(launched))
+        self._record_pending()
+        return outputs
+
+    def _commit(self, out: StageOutput) -> list[StepOutput]:
+        """Commit a step read one step late: rows of requests that finished (or were aborted) since its launch are
+        dropped."""
+        live = [i for i, s in enumerate(out.seqs) if not s.finished]
+
+        def pick(rows: list | None) -> list | None:
+            return None if rows is None else [rows[i] for i in live]
+
+        return self.scheduler.postprocess([out.seqs[i] for i in live], pick(out.tokens), pick(out.logprobs),
+                                          pick(out.verified), pick(out.top_logprobs))
+
+    def _reach_of(self, plan: StepPlan) -> dict[int, int]:
+        """The most tokens the step of ``plan`` can emit for each of its requests (ℓ + 1), keyed by ``id(seq)``."""
+        if plan.budget is not None:  # top-B: each request gets at most min(γ, B) drafts
+            return dict.fromkeys(map(id, plan.decoding), min(self.gamma, plan.budget) + 1)
+        lengths = plan.lengths or [0] * len(plan.decoding)
+        return {id(s): n + 1 for s, n in zip(plan.decoding, lengths)}
+
+    def _surely_done(self, seq: Sequence) -> bool:
+        """Whether the step in flight surely finishes ``seq`` by length — it emits at least one token: the request's
+        limit, or the end of its slot, as the scheduler's commit will find — so that it needs no further step. (EOS
+        and stop strings cannot be known before the read: such a request runs one dropped row.)"""
+        return id(seq) in self._reach and (len(seq.output_ids) + 1 >= seq.params.max_new_tokens
+                                           or self.scheduler.slot_full(seq.anchor_pos + 1))
+
+    def _room_ahead(self) -> bool:
+        """Whether every decoding request can be verified before the step in flight is read: after that step its
+        anchor lies up to ℓ + 1 positions further, and the block verified from there must still fit its slot (near
+        the end of a slot, the synchronous engine's rule — finish when the next block would not fit — needs the
+        exact anchor). Requests that step surely finishes are left out anyway."""
+        reach = self._reach
+        return not any(reach.get(id(s), 0) > 1 and not self._surely_done(s)
+                       and self.scheduler.slot_full(s.anchor_pos + reach[id(s)]) for s in self.scheduler.decoding())
+
+    def _schedule(self, exclude: Callable[[Sequence], bool] | None = None, unrecorded: int = 0) -> StepPlan:
         if not self.scheduler.ready:
             raise RuntimeError(f"mode '{self.sched_config.mode}' needs a cost table: call set_cost_table (e.g. with "
                                "optimized.cost_model.cached_profile(engine.runner)) before stepping")
         self._verified, self._survivals, self._drafted_ahead = None, [], None
-        return self.scheduler.schedule()
+        return self.scheduler.schedule(exclude, ahead=unrecorded)
 
     def _prefill(self, plan: StepPlan) -> list[StepOutput]:
         if not plan.prefill:
@@ -278,6 +387,7 @@ class Engine:
             self._survivals = [s.survivals[-1] if s.survivals else None for s in plan.decoding]
         else:
             self._survivals = [None] * len(plan.decoding)
+        self._monitor_launch(plan)
         out: StageOutput = self.runner.verify(plan, self._plan_ahead if self._ahead_on else None)
         self._verified = out
         return self.scheduler.postprocess(out.seqs, out.tokens, out.logprobs, out.verified, out.top_logprobs)
@@ -304,7 +414,7 @@ class Engine:
         if (not seqs or self.runner.proposer is not None or self.sched_config.staleness == 0
                 or any(self.scheduler.slot_full(s.anchor_pos + self.gamma + 1) for s in seqs)):  # ≤ γ+1 emitted
             return
-        self._drafted_ahead = (seqs, self.runner.draft(seqs, blocking=False))
+        self._drafted_ahead = (seqs, self._launch_draft(seqs, blocking=False))
 
     def _keep_early_drafts(self, drafters: list[Sequence]) -> None:
         """Commit the early draft for the requests the gate lets draft, after the read: all of them, or those that
@@ -328,9 +438,26 @@ class Engine:
             self.scheduler.record_proposals(seqs, self.runner.propose(seqs))
             return
         stale = self.sched_config.staleness > 0  # staleness 0 reads the copy at the next step's start: it blocks
-        self.scheduler.record_drafts(seqs, self.runner.draft(seqs, blocking=not stale))
+        self.scheduler.record_drafts(seqs, self._launch_draft(seqs, blocking=not stale))
+
+    def _launch_draft(self, seqs: list[Sequence], blocking: bool) -> torch.Tensor:
+        """The drafter stage for ``seqs`` (``ModelRunner.draft``), counted in the step being measured."""
+        if self._monitor is not None:
+            self._monitor.drafted(len(seqs))
+        return self.runner.draft(seqs, blocking=blocking)
+
+    def _monitor_launch(self, plan: StepPlan) -> None:
+        """Stamp the launch of this step's verify for the cost monitor (``EngineConfig.cost_feedback``)."""
+        if self._monitor is not None:
+            self._monitor.launch(len(plan.decoding), plan.num_verify_tokens, bool(plan.prefill))
 
     def _account(self, plan: StepPlan, t0: float, host_s: float, drafted: bool) -> None:
+        if self._monitor is not None:  # steps whose end has been reached: measured against the table
+            scales = self._monitor.update()
+            if scales is not None:
+                self.scheduler.set_price_scales(scales["plain"], scales["speculative"])
+            if not self.has_unfinished():
+                self._monitor.idle()
         step_s = time.perf_counter() - t0
         self.stats["steps"] += 1
         self.stats["draft_steps"] += drafted

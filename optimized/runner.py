@@ -200,8 +200,7 @@ class ModelRunner:
         # The Markov head's sampling kernels read only device tensors, so the whole drafter stage — backbone, fused
         # head, STS survivals — is one graph. The RNN and parallel-only heads run the reference loop after it.
         self.head_in_graph = self.drafter is not None and self.ref_drafter.config.head == "markov"
-        self.buffers = StaticBuffers(cfg.max_num_seqs, max_tokens, self.device, self.target.lm_head.shape[0],
-                                     draft_gamma=g if self.head_in_graph else 0)
+        self.buffers = StaticBuffers(cfg.max_num_seqs, max_tokens, self.device, self.target.lm_head.shape[0])
         self.max_q_len = g + 1
         b = self.buffers
 
@@ -219,7 +218,7 @@ class ModelRunner:
             temperature = b.draft_temperature[:r]
             out = sample_block(self.ref_drafter, h, b.anchor_ids[:r], b.anchor_pos[:r], temperature,
                                self.config.seed, b.draft_request_id[:r], backend=self.config.kernel_backend,
-                               probs_out=b.draft_probs[:r])
+                               probs_out=self.draft_probs, probs_rows=b.draft_slots[:r])  # p_d into the slots
             return out.tokens, out.probs, self._survival(out.conf_logits, temperature)
 
         self.verify_graphs = GraphRunner("verify", verify_fn, bucket_sizes(max_tokens), use_graphs)
@@ -416,8 +415,9 @@ class ModelRunner:
             # Every request greedy: p_t is the one-hot of the argmax, with which rejection sampling accepts a draft
             # iff it is the argmax and otherwise draws the argmax (uniforms lie in (0, 1)), and log p_t of every
             # emitted token is log 1 = 0. Verify from the logits directly: no softmax, no one-hot, the same tokens.
-            if g:
-                result = greedy_verify(self.draft_tokens[rows], lens, logits[src], backend=self.config.kernel_backend)
+            if g:  # read in place from the packed rows: row (r, j) is packed row cu[r] + j
+                result = greedy_verify(self.draft_tokens[rows], lens, logits, backend=self.config.kernel_backend,
+                                       row_starts=b.cu[: r + 1])
                 emitted, n_emitted = result.tokens, result.num_emitted
             else:
                 emitted = logits[src[:, 0]].argmax(dim=-1, keepdim=True)  # [R, 1] lowest index on ties, as the race
@@ -506,20 +506,21 @@ class ModelRunner:
         rows = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
         r = len(seqs)
         r_pad = self.draft_graphs.padded(r)
-        if self.head_in_graph:
+        if self.head_in_graph:  # the graph writes p_d straight into the slots' rows of self.draft_probs
             self.buffers.load_draft(self.anchor[rows], self.anchor_pos[rows], rows.to(torch.int32), r_pad,
                                     self.temperature[rows], self.request_id[rows])
-            tokens, probs, survival = (t[:r] for t in self.draft_graphs.run(r_pad))  # [R, γ], [R, γ, V], [R, γ]
+            tokens, _, survival = self.draft_graphs.run(r_pad)
+            tokens, survival = tokens[:r], survival[:r]  # [R, γ] each
         else:
             self.buffers.load_draft(self.anchor[rows], self.anchor_pos[rows], rows.to(torch.int32), r_pad)
             (h,) = self.draft_graphs.run(r_pad)  # [R_pad, γ, d]
             out = sample_block(self.ref_drafter, h[:r], self.anchor[rows], self.anchor_pos[rows],
                                self.temperature[rows], self.config.seed, self.request_id[rows],
                                backend=self.config.kernel_backend)
-            tokens, probs = out.tokens, out.probs
+            tokens = out.tokens
+            self.draft_probs[rows] = out.probs  # [R, γ, V]
             survival = self._survival(out.conf_logits, self.temperature[rows])
         self.draft_tokens[rows] = tokens
-        self.draft_probs[rows] = probs
         self.survival[rows] = survival
         host = survival.to("cpu", non_blocking=not blocking)  # sync: only when blocking (staleness 0)
         if dev.type == "cuda" and not blocking:

@@ -26,7 +26,7 @@ import itertools
 import math
 import operator
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -105,6 +105,9 @@ class BudgetPlanner:
         self.cost = cost
         self._curves: dict[tuple[int, int, int], tuple[np.ndarray, list[float]]] = {}
         self._verify_times: dict[tuple[int, int], float] = {}
+        # Multipliers of the table's prices of plain and of speculative steps, from the engine's measurements
+        # (optimized/cost_monitor.py); 1.0 is the table as it is (the reference's twin: a product with 1.0 is exact).
+        self.plain_scale = self.speculative_scale = 1.0
 
     def _step_times(self, t0: int, r: int, candidates: int) -> tuple[np.ndarray, list[float]]:
         """What Θ(B) divides τ(B) by, for B = 0..``candidates``: the step time ``step_time(T_0 + B, R)``, at least
@@ -149,7 +152,8 @@ class BudgetPlanner:
         plain = self.verify_time(num_anchor_tokens, a_latest.shape[0])
         theta_plain = n_s / plain if plain > 0 else 0.0
         theta = self._theta(a_latest, num_anchor_tokens, num_requests, check)
-        scale = 1.0 + margin
+        # Θ_plain and every Θ(B) at the measured prices: Θ(B) / s_spec against Θ_plain / s_plain (both 1: the table's).
+        scale = (1.0 + margin) * self.plain_scale / self.speculative_scale
         if isinstance(theta, np.ndarray) or scale <= 0:
             return scale * self._best(theta)[1] >= theta_plain
         # Θ on Python floats, one budget at a time: the first that pays answers. The same boolean as with the best
@@ -237,6 +241,10 @@ class DraftGate:
     @property
     def active(self) -> bool:
         return self.config.mode.has_draft_gate and self.config.draft_gate
+
+    def forget_verdict(self) -> None:
+        """Drop the cached verdict (the prices changed): the next decision weighs the costs again."""
+        self._cache = None
 
     def reset(self, config: SchedulerConfig, planner: BudgetPlanner) -> None:
         """A new policy or cost table: forget the cached verdict and the plain-step count, as a new reference
@@ -363,6 +371,16 @@ class Scheduler:
         self.policy = self._policy()
         self.gate.reset(config, self.planner)
 
+    def set_price_scales(self, plain: float, speculative: float) -> None:
+        """Price plain and speculative steps at these multiples of the cost table's prices (the engine's measured
+        ratios, ``optimized/cost_monitor.py``): the draft gate weighs Θ_plain / ``plain`` against Θ(B) /
+        ``speculative``. The budget is unchanged by them (every Θ(B) scales alike); the gate's cached verdict is
+        dropped, its plain-step count kept."""
+        if not (plain > 0 and speculative > 0):
+            raise ValueError(f"price scales must be positive, got {plain} and {speculative}")
+        self.planner.plain_scale, self.planner.speculative_scale = float(plain), float(speculative)
+        self.gate.forget_verdict()
+
     # ------------------------------------------------------------------------------------------------ requests
 
     def add(self, seq: Sequence) -> None:
@@ -396,8 +414,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------------ planning
 
-    def schedule(self) -> StepPlan:
-        """Admit, choose the prompt chunks, and plan the verify of the decoding requests (never waits for a device)."""
+    def schedule(self, exclude: Callable[[Sequence], bool] | None = None, ahead: int = 0) -> StepPlan:
+        """Admit, choose the prompt chunks, and plan the verify of the decoding requests (never waits for a device).
+
+        For an engine running one step ahead of its token reads (``EngineConfig.async_decode``): ``exclude`` leaves
+        out decoding requests that the step still in flight surely finishes, and ``ahead = 1`` says that the drafts
+        these requests verify now have not been recorded yet (their survivals are still on their way to the host), so
+        the stale survivals sit one place nearer the end of each request's list (:meth:`_stale_survivals`)."""
         while self.waiting and self.free_slots:  # first come, first served
             seq = self.waiting.popleft()
             seq.slot, seq.status = self.free_slots.pop(), Status.PREFILL
@@ -405,15 +428,16 @@ class Scheduler:
         chunks, room, decoding = [], self.prefill_chunk, []
         for seq in self.running:
             if seq.status is Status.DECODE:
-                decoding.append(seq)
+                if exclude is None or not exclude(seq):
+                    decoding.append(seq)
             elif seq.status is Status.PREFILL and room > 0:
                 n = min(len(seq.prompt_ids) - seq.num_prefilled, room)
                 chunks.append(PrefillChunk(seq, seq.num_prefilled, n))
                 seq.num_prefilled += n
                 room -= n
-        return self._plan_verify(chunks, decoding)
+        return self._plan_verify(chunks, decoding, ahead)
 
-    def _plan_verify(self, chunks: list[PrefillChunk], decoding: list[Sequence]) -> StepPlan:
+    def _plan_verify(self, chunks: list[PrefillChunk], decoding: list[Sequence], unrecorded: int = 0) -> StepPlan:
         r, mode = len(decoding), self.config.mode
         ahead, self._ahead = self._ahead, None  # a budget planned ahead lives until the very next schedule
         if not decoding:
@@ -421,10 +445,10 @@ class Scheduler:
         if not (mode.drafts and self.drafted):  # no drafter, or the draft gate closed: ordinary decoding
             return StepPlan(chunks, decoding, SchedulingMode.NONE, lengths=[0] * r)
         if mode is SchedulingMode.ADAPTIVE:
-            if ahead is not None and ahead[0] == holdings(decoding):  # planned during the last verify
+            if not unrecorded and ahead is not None and ahead[0] == holdings(decoding):  # planned during the verify
                 self.ahead_hits += 1
                 return StepPlan(chunks, decoding, mode, budget=ahead[1])
-            stale = self._stale_survivals(decoding)  # [R, γ] host copy, NaN rows = too new
+            stale = self._stale_survivals(decoding, ahead=unrecorded)  # [R, γ] host copy, NaN rows = too new
             # The engine's own survivals (no range or monotonicity check: they hold by construction).
             budget = self.planner.budget(stale, num_anchor_tokens=r, num_requests=r, check=False)
             return StepPlan(chunks, decoding, mode, budget=budget)
@@ -444,7 +468,8 @@ class Scheduler:
 
     def _stale_survivals(self, decoding: list[Sequence], ahead: int = 0) -> np.ndarray:
         """``[R, γ]``: each request's survivals ``staleness`` drafts before its current one (NaN when too new), or,
-        with ``ahead = 1``, what that will be once every request has drafted once more."""
+        with ``ahead = 1``, what that will be once every request has drafted once more — which is also the row of the
+        current draft's stale survivals while that draft is not recorded yet (an engine one step ahead)."""
         k = self.config.staleness - ahead
         # seq.survivals[-1] is the current draft (k = 0 reads it); the reference appends it after reading the stale row.
         return np.array([s.survivals[-(k + 1)] if len(s.survivals) > k else self._nan_row for s in decoding])

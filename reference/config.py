@@ -83,6 +83,14 @@ class SchedulingMode(str, enum.Enum):
         """The draft gate may skip the drafter for a step (``SchedulerConfig.draft_gate``)."""
         return self is SchedulingMode.ADAPTIVE
 
+    @property
+    def plans_blind(self) -> bool:
+        """The next step can be planned without this step's tokens or survivals, so an engine may launch it before
+        reading them: ℓ is known in advance (``none``, ``fixed``, ``dsd``) or comes from stale survivals on the host
+        and the current ones on the device (``adaptive``). Not the synchronous policies (they read this step's
+        survivals) nor ``oracle`` (it reads the outcome)."""
+        return self in (SchedulingMode.NONE, SchedulingMode.FIXED, SchedulingMode.DSD, SchedulingMode.ADAPTIVE)
+
 
 SCHEDULER_MODES: tuple[str, ...] = tuple(m.value for m in SchedulingMode)  # the CLI spellings, in order
 
