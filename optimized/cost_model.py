@@ -67,7 +67,12 @@ log = logging.getLogger("dspark.cost_model")
 DEFAULT_CONTEXT_LEN = 256  # keys per placeholder request: a short ShareGPT turn plus its answer so far
 RECHECK_TOLERANCE = 0.25  # re-profile a cached table when a re-timed size differs by more than this fraction
 EAGER_MAX_SIZES = {"cpu": 8, "cuda": 16}  # sizes per curve without graphs: smooth curves, short start-up
-FINGERPRINT_VERSION = 4  # bump when the profiling method changes, so old cached tables stop matching
+FINGERPRINT_VERSION = 5  # bump when the profiling method changes, so old cached tables stop matching
+# Stages per timed sample of an engine that runs one step ahead of its reads (ModelRunner.pipelined): launched back to
+# back, only the last one's tokens read, so that each stage's price is what it costs in the pipeline (the larger of
+# its host launches and its device work) rather than launch + device + read in series. Four amortise the one read
+# and the fill of the pipeline to a quarter while keeping a sample's context growth (≤ 3 blocks) small.
+PIPELINE_DEPTH = 4
 # Request-count curves: (request counts, token counts per curve) measured at most, with CUDA graphs and without
 # (eager steps are smooth and slow to time, so fewer points do).
 REQUEST_CURVE_POINTS = {True: (None, 6), False: (4, 3)}
@@ -102,6 +107,7 @@ def profile_engine(runner: ModelRunner, *, context_len: int = DEFAULT_CONTEXT_LE
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats ≥ 1 and warmup ≥ 0, got repeats={repeats}, warmup={warmup}")
     context_len = _fit_context(runner, context_len)
+    depth = _depth(runner)
     graphs = runner.uses_graphs
     if max_sizes is None:
         max_sizes = None if graphs else EAGER_MAX_SIZES.get(runner.device.type, 8)
@@ -113,11 +119,12 @@ def profile_engine(runner: ModelRunner, *, context_len: int = DEFAULT_CONTEXT_LE
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else None  # sync: profiling, off the step loop
     t0 = time.perf_counter()
     table = measure_cost_table(
-        lambda n: runner.prepare_dummy_verify(n, context_len), lambda r: runner.prepare_dummy_draft(r, context_len),
+        lambda n: runner.prepare_dummy_verify(n, context_len, repeat=depth),
+        lambda r: runner.prepare_dummy_draft(r, context_len, repeat=depth),
         token_counts, request_counts, repeats=repeats, warmup=warmup, synchronize=sync,
         hardware=hardware_name(runner.device), graph_max_tokens=max(token_counts), progress=progress,
-        verify_requests_fn=lambda r, n: runner.prepare_dummy_verify(n, context_len, num_requests=r),
-        tokens_by_requests=tokens_by_requests)
+        verify_requests_fn=lambda r, n: runner.prepare_dummy_verify(n, context_len, num_requests=r, repeat=depth),
+        tokens_by_requests=tokens_by_requests, steps_per_call=depth)
     table.meta.update({
         "context_len": context_len, "max_num_seqs": runner.config.max_num_seqs, "gamma": runner.gamma,
         "cuda_graphs": graphs, "dtype": str(runner.target.dtype), "torch": torch.__version__,
@@ -125,6 +132,7 @@ def profile_engine(runner: ModelRunner, *, context_len: int = DEFAULT_CONTEXT_LE
                   "over r requests",
         "verify_stage": "layout + verify graph + p_t + rejection sampling + token read",
         "draft_stage": "backbone graph + fused sequential head + STS",
+        "pipelined": depth > 1,  # stages launched back to back, the price per stage (PIPELINE_DEPTH a sample)
         "profile_s": round(time.perf_counter() - t0, 3),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
@@ -169,8 +177,14 @@ def spread_sizes(sizes: list[int], max_sizes: int | None) -> list[int]:
     return sorted(picked)
 
 
+def _depth(runner: ModelRunner) -> int:
+    """Stages per timed sample: ``PIPELINE_DEPTH`` where the engine runs one step ahead of its reads, else 1."""
+    return PIPELINE_DEPTH if runner.pipelined else 1
+
+
 def _fit_context(runner: ModelRunner, context_len: int) -> int:
-    most = runner.config.max_seq_len - 2 * runner.gamma - 4  # the placeholders' bound (ModelRunner.dummy_verify)
+    # the placeholders' bound (ModelRunner.prepare_dummy_verify), less the blocks a pipelined sample moves on by
+    most = runner.config.max_seq_len - 2 * runner.gamma - 4 - (_depth(runner) - 1) * (runner.gamma + 1)
     if context_len < 1:
         raise ValueError(f"context_len must be ≥ 1, got {context_len}")
     if context_len > most:
@@ -220,6 +234,7 @@ def fingerprint(runner: ModelRunner, context_len: int = DEFAULT_CONTEXT_LEN) -> 
         # steps of at most this many tokens run the fused small-batch projections: their cost changes with it
         "linear_rows": runner.target.linear_rows,
         "context_len": _fit_context(runner, context_len),
+        "pipelined": runner.pipelined,  # stages priced back to back (one step ahead) or launch-to-read
     }
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return key, inputs
@@ -264,18 +279,19 @@ def recheck_table(runner: ModelRunner, table: CostTable, *, tolerance: float = R
                   repeats: int = 3) -> bool:
     """Re-time the smallest and the largest verify size; False (and a warning) if either moved by > tolerance."""
     context_len = int(table.meta.get("context_len", DEFAULT_CONTEXT_LEN))
+    depth = int(table.meta.get("steps_per_call", 1))  # timed the way the table was
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)  # sync: profiling only
     sizes = sorted(table.verify_ms)
     for n in (sizes[0], sizes[-1]):
-        runner.dummy_verify(n, context_len)  # warm-up
+        runner.prepare_dummy_verify(n, context_len, repeat=depth)()  # warm-up
         samples = []
         for _ in range(repeats):
-            step = runner.prepare_dummy_verify(n, context_len)  # untimed: the placeholders' slot set-up
+            step = runner.prepare_dummy_verify(n, context_len, repeat=depth)  # untimed: the placeholders' set-up
             sync()
             start = time.perf_counter()
             step()
             sync()
-            samples.append((time.perf_counter() - start) * 1e3)
+            samples.append((time.perf_counter() - start) * 1e3 / depth)
         now, then = statistics.median(samples), table.verify_ms[n]
         if abs(now - then) > tolerance * then:
             log.warning("cached cost table is stale: verify(%d) took %.3f ms now vs %.3f ms cached (> %.0f%%); "

@@ -61,8 +61,7 @@ class Engine:
         self._survivals: list[np.ndarray | None] = []  # [γ] host survivals of each verified request's draft
         self._ahead_on = config.plan_ahead if config.plan_ahead is not None else self.runner.device.type == "cuda"
         self._draft_ahead_on = self._ahead_on and config.draft_ahead is not False
-        self._async_on = (config.async_decode if config.async_decode is not None
-                          else self.runner.device.type == "cuda")
+        self._async_on = self.runner.pipelined
         self._feedback_on = (config.cost_feedback if config.cost_feedback is not None
                              else self.runner.device.type == "cuda")
         self._monitor: CostMonitor | None = None  # measured step times against the table (cost_feedback)
@@ -203,7 +202,9 @@ class Engine:
             num_decoding=len(plan.decoding), verify_tokens=verified.num_tokens if verified is not None else 0,
             budget=budget, drafted=drafted, verified=list(lengths),
             accepted=[len(t) - 1 for t in verified.tokens] if verified is not None else [],
-            predicted_survival=predicted, request_ids=[s.request_id for s in plan.decoding])
+            predicted_survival=predicted, request_ids=[s.request_id for s in plan.decoding],
+            gate_closed=bool(plan.decoding) and plan.mode is SchedulingMode.NONE and self.sched_config.mode.drafts,
+            cost_drift=self.cost_drift, price_scales=self.price_scales if self._monitor is not None else None)
 
     def reset_stats(self) -> None:
         """Zero the cumulative counters in ``stats``: steps, drafting steps (of which ``draft_ahead_steps`` drafted

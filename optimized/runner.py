@@ -261,6 +261,14 @@ class ModelRunner:
                 self.draft_graphs.capture()
 
     @property
+    def pipelined(self) -> bool:
+        """Whether the engine runs steps one ahead of their token reads (``EngineConfig.async_decode``, None: on
+        CUDA): its stages then run back to back on the device, the host's work behind them, and the cost profile
+        prices them that way."""
+        flag = self.config.async_decode
+        return flag if flag is not None else self.device.type == "cuda"
+
+    @property
     def uses_graphs(self) -> bool:
         """Whether verify steps replay captured CUDA graphs (False on CPU or with ``enforce_eager``)."""
         return bool(self.verify_graphs.graphs)
@@ -602,9 +610,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prepare_dummy_verify(self, num_tokens: int, context_len: int, temperature: float = 0.0,
-                             num_requests: int | None = None) -> Callable[[], None]:
+                             num_requests: int | None = None, repeat: int = 1) -> Callable[[], None]:
         """:meth:`dummy_verify` in two parts: place the placeholder requests in their slots now (what a request's
-        admission does once, not every step), and return the verify stage itself, which a profile times alone."""
+        admission does once, not every step), and return the verify stage itself, which a profile times alone.
+
+        ``repeat`` > 1: the stage launched that many times back to back and only the last one's tokens read, as an
+        engine one step ahead runs it (:attr:`pipelined`); each launch moves the anchors on by what it emits, so the
+        context must leave room for ``repeat - 1`` more blocks."""
+        if repeat < 1 or context_len + (repeat - 1) * (self.gamma + 1) > self.config.max_seq_len - 2 * self.gamma - 4:
+            raise ValueError(f"{repeat} verify stages from context {context_len} do not fit max_seq_len "
+                             f"{self.config.max_seq_len} (γ = {self.gamma})")
         r = min(num_tokens, self.config.max_num_seqs) if num_requests is None else num_requests
         if not 1 <= r <= self.config.max_num_seqs:
             raise ValueError(f"num_requests must lie in 1..{self.config.max_num_seqs}, got {r}")
@@ -616,7 +631,14 @@ class ModelRunner:
             plan = StepPlan([], seqs, SchedulingMode.ADAPTIVE, budget=num_tokens - r)
         else:
             plan = StepPlan([], seqs, SchedulingMode.NONE, lengths=[0] * r)
-        return torch.inference_mode()(lambda: self.verify(plan))
+
+        @torch.inference_mode()
+        def stage() -> None:
+            for _ in range(repeat - 1):
+                self.launch_verify(plan)
+            self.verify(plan)
+
+        return stage
 
     @torch.inference_mode()
     def dummy_draft(self, num_requests: int, context_len: int, temperature: float = 0.0) -> None:
@@ -624,15 +646,27 @@ class ModelRunner:
         self.prepare_dummy_draft(num_requests, context_len, temperature)()
 
     @torch.inference_mode()
-    def prepare_dummy_draft(self, num_requests: int, context_len: int,
-                            temperature: float = 0.0) -> Callable[[], None]:
-        """:meth:`dummy_draft` in two parts: the placeholders' slot set-up now, the drafter stage returned."""
+    def prepare_dummy_draft(self, num_requests: int, context_len: int, temperature: float = 0.0,
+                            repeat: int = 1) -> Callable[[], None]:
+        """:meth:`dummy_draft` in two parts: the placeholders' slot set-up now, the drafter stage returned (``repeat``
+        > 1: launched that many times back to back, the last survivals' copy waited for, as :attr:`pipelined`)."""
         if self.drafter is None:
             raise RuntimeError("this runner has no drafter (mode none)")
         if not 1 <= num_requests <= self.config.max_num_seqs:
             raise ValueError(f"num_requests must lie in 1..{self.config.max_num_seqs}, got {num_requests}")
+        if repeat < 1:
+            raise ValueError(f"repeat must be ≥ 1, got {repeat}")
         seqs = self._placeholder_decoding(num_requests, context_len, temperature)
-        return torch.inference_mode()(lambda: self.draft(seqs))
+        if repeat == 1:
+            return torch.inference_mode()(lambda: self.draft(seqs))
+
+        @torch.inference_mode()
+        def stage() -> None:
+            for _ in range(repeat):
+                self.draft(seqs, blocking=False)
+            self.wait_for_drafts()
+
+        return stage
 
     @torch.inference_mode()
     def warmup(self) -> None:

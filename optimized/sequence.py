@@ -120,3 +120,10 @@ class StepStats:
     accepted: list[int]  # accepted drafts of each decoding request
     predicted_survival: list[list[float]]  # the calibrated a_{r,1..ℓ_r} of each request's verified slots ([] if none)
     request_ids: list[int]  # the decoding requests, in the order of the lists above
+    # The step verified no drafts because the adaptive mode's draft gate had closed (None: not reported; a consumer
+    # then infers it from the previous step's ``drafted``, which only holds for an engine that reads every step).
+    gate_closed: bool | None = None
+    # Per kind of step ("plain", "speculative"): measured time over the cost table's price minus one, and the price
+    # multiplier the gate uses now (EngineConfig.cost_feedback; None when off or before enough steps).
+    cost_drift: dict[str, float | None] | None = None
+    price_scales: dict[str, float] | None = None

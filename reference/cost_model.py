@@ -302,7 +302,8 @@ def measure_cost_table(verify_fn: Callable[[int], Callable[[], None] | None],
                        warmup: int = 2, synchronize: Callable[[], None] | None = None, hardware: str = "",
                        graph_max_tokens: int | None = None, progress: bool = True,
                        verify_requests_fn: Callable[[int, int], Callable[[], None] | None] | None = None,
-                       tokens_by_requests: dict[int, Sequence[int]] | None = None) -> CostTable:
+                       tokens_by_requests: dict[int, Sequence[int]] | None = None,
+                       steps_per_call: int = 1) -> CostTable:
     """Profile dummy steps and return a monotone cost table.
 
     Each size is run ``warmup`` times untimed (allocator, autotuning, lazy graph capture), then ``repeats``
@@ -327,9 +328,12 @@ def measure_cost_table(verify_fn: Callable[[int], Callable[[], None] | None],
             requests, called as ``verify_requests_fn(r, n)``; with ``tokens_by_requests`` it fills
             ``verify_ms_by_requests``.
         tokens_by_requests: request count ``r`` -> the token counts (each ≥ r) to measure it at.
+        steps_per_call: how many steps one timed call runs (steps launched back to back, as an engine that runs
+            ahead of its reads does); each sample is the call's time divided by it.
     """
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats ≥ 1 and warmup ≥ 0, got repeats={repeats}, warmup={warmup}")
+    if repeats < 1 or warmup < 0 or steps_per_call < 1:
+        raise ValueError(f"need repeats ≥ 1, warmup ≥ 0 and steps_per_call ≥ 1, got repeats={repeats}, "
+                         f"warmup={warmup}, steps_per_call={steps_per_call}")
     sync = synchronize or (lambda: None)
 
     def median_ms(fn: Callable[[int], Callable[[], None] | None], size: int) -> float:
@@ -347,7 +351,7 @@ def measure_cost_table(verify_fn: Callable[[int], Callable[[], None] | None],
                 start = time.perf_counter()
                 step()
             sync()
-            samples.append((time.perf_counter() - start) * 1e3)
+            samples.append((time.perf_counter() - start) * 1e3 / steps_per_call)
         return statistics.median(samples)
 
     tokens_by_requests = tokens_by_requests or {}
@@ -361,7 +365,7 @@ def measure_cost_table(verify_fn: Callable[[int], Callable[[], None] | None],
              for r in sorted(tokens_by_requests) for n in tokens_by_requests[r]]
     for curve, fn, size in tqdm(jobs, desc="profiling step costs", disable=not progress):
         curve[size] = median_ms(fn, size)
-    meta = {"repeats": repeats, "warmup": warmup}
+    meta = {"repeats": repeats, "warmup": warmup, "steps_per_call": steps_per_call}
     return CostTable(verify, draft, graph_max_tokens, hardware, meta, by_requests).monotone()
 
 

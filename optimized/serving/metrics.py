@@ -207,6 +207,17 @@ class ServerMetrics:
                   "Predicted minus realised survival of slot k over the window (> 0: over-confident).", slot,
                   registry=r),
             Gauge("dspark:calibration_trials", "Verified trials of slot k in the window.", slot, registry=r))
+        # The engine's measured step costs against its table (EngineConfig.cost_feedback), as last reported.
+        self.cost_drift: dict[str, float | None] = {}
+        self.price_scales: dict[str, float] = {}
+        kind = ["kind"]
+        self._cost_gauges = (
+            Gauge("dspark:step_cost_drift", "Measured step time over the cost table's price, minus one, by kind of "
+                  "step (plain, speculative); a kind appears once the engine has measured enough of its steps.", kind,
+                  registry=r),
+            Gauge("dspark:step_cost_scale", "Multiplier of the cost table's prices the draft gate uses now, by kind "
+                  "of step (1: the table's own).", kind, registry=r))
+        self._cost_kinds: set[str] = set()  # kinds whose gauges exist
         self._calibrated_slots = 0  # slots 1..this have had a trial: their gauges exist
         self.calibration = CalibrationWindow(gamma, calibration_window) if gamma else None
         self._drafted_before = False  # whether the last step ran the drafter (so this step verifies drafts)
@@ -233,6 +244,11 @@ class ServerMetrics:
         """One ``optimized.sequence.StepStats``."""
         self.steps.inc()
         self.step_time.observe(st.step_time_s)
+        drift = getattr(st, "cost_drift", None)  # fields an engine may not report (tests, simulated engines)
+        if drift is not None:
+            self.cost_drift = drift
+            self.price_scales = getattr(st, "price_scales", None) or self.price_scales
+            self._show_cost_kinds()
         self.num_running, self.num_waiting = st.num_running, st.num_waiting
         drafted_before, self._drafted_before = self._drafted_before, st.drafted
         if not st.num_decoding:
@@ -244,8 +260,10 @@ class ServerMetrics:
             self.budget.observe(st.budget)
         accepted, verified = sum(st.accepted), sum(st.verified)
         held = sum(1 for a in st.predicted_survival if a)  # requests that verified at least one draft
-        # The gate closed for this step when the previous step ran no drafter: nobody held drafts to verify.
-        closed = self.has_drafter and not drafted_before
+        # The gate closed for this step: as the engine reports it, else when the previous step ran no drafter
+        # (nobody held drafts to verify; true of an engine that reads each step before the next).
+        reported = getattr(st, "gate_closed", None)
+        closed = self.has_drafter and (reported if reported is not None else not drafted_before)
         if closed:
             self.gate_closed.inc()
         for v in st.verified:
@@ -261,6 +279,14 @@ class ServerMetrics:
         if self.calibration is not None and held:
             self.calibration.add(st.predicted_survival, st.verified, st.accepted)
             self._show_calibrated_slots()
+
+    def _show_cost_kinds(self) -> None:
+        """The step-cost gauges of every kind of step the engine has measured (a kind appears with its first value)."""
+        for k, value in self.cost_drift.items():
+            if value is not None and k not in self._cost_kinds:
+                self._cost_gauges[0].labels(k).set_function(lambda k=k: self.cost_drift[k])
+                self._cost_gauges[1].labels(k).set_function(lambda k=k: self.price_scales.get(k, 1.0))
+                self._cost_kinds.add(k)
 
     def _show_calibrated_slots(self) -> None:
         """The calibration gauges of every slot that has had a trial (a slot's gauges appear with its first)."""
@@ -304,6 +330,7 @@ class ServerMetrics:
                            if isinstance(m, LoopHistogram)},
             "requests": (self.num_running, self.num_waiting),
             "recent": (self._recent.copy(), self._recent_n),
+            "costs": (dict(self.cost_drift), dict(self.price_scales)),
             "calibration": None if cal is None else ([list(q) for q in cal.predicted], [list(q) for q in cal.survived],
                                                       list(cal.count)),
         }
@@ -332,6 +359,10 @@ class ServerMetrics:
         recent, n = snap["recent"]
         if n > self._recent_n:
             self._recent, self._recent_n = recent.copy(), n
+        drift, scales = snap.get("costs", ({}, {}))
+        if drift:  # the engine's step statistics reach one API server
+            self.cost_drift, self.price_scales = dict(drift), dict(scales)
+            self._show_cost_kinds()
         cal = snap["calibration"]
         if self.calibration is not None and cal is not None and sum(cal[2]) > sum(self.calibration.count):
             size = self.calibration.size

@@ -253,6 +253,85 @@ def test_plain_decoding_one_step_ahead_equals_the_reference(temperature, monkeyp
     assert out[2] == alone
 
 
+def _run_one_ahead(target, drafter, mode: str, one_ahead: bool, temperature: float, draft_ms: float = 0.0):
+    """Requests joining after step 3, one aborted after step 6 (a step of it in flight when one ahead) and one
+    running into the end of its 64-position slot, in ``mode``, with steps one ahead of their reads or not. Returns
+    per request (tokens, verify lengths, finish reason), whether the streamed tokens equal the committed ones, and
+    the drafter launches that came behind a verify still in flight."""
+    cost = CostTable.affine(fixed_ms=5.0, per_token_ms=0.3, draft_fixed_ms=draft_ms, sizes=list(range(1, 129)))
+    prompts = {0: [5, 6, 7, 8, 9, 10, 11], 1: [3], 2: [40, 41], 3: [7, 7, 7] * 9, 4: [9, 1]}
+    lengths = {0: 21, 1: 6, 2: 13, 3: 40, 4: 30}  # request 3 runs into the end of its 64-position slot
+    engine = Engine(target, drafter, EngineConfig(max_num_seqs=3, max_seq_len=64, prefill_chunk=5, seed=5,
+                                                  kernel_backend="torch", async_decode=one_ahead),
+                    SchedulerConfig(mode=mode, k=3, probe_every=3), cost)
+    params = {rid: SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True) for rid, n in
+              lengths.items()}
+    for rid in (0, 1, 2):
+        engine.add_request(prompts[rid], params[rid], request_id=rid)
+    steps, streamed, behind = 0, {rid: [] for rid in prompts}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed[out.request_id] += out.new_token_ids
+        behind += engine._in_flight is not None and engine._pending is not None
+        steps += 1
+        if steps == 3:
+            engine.add_request(prompts[3], params[3], request_id=3)
+            engine.add_request(prompts[4], params[4], request_id=4)
+        if steps == 6:
+            assert engine.abort(4)
+    seqs = [engine.sequence(r) for r in prompts]
+    runs = [(s.output_ids, s.verify_lengths, s.finish_reason) for s in seqs]
+    return runs, [streamed[r] for r in prompts] == [s.output_ids for s in seqs], behind
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("mode", ["fixed", "dsd"])
+def test_speculation_one_step_ahead_changes_nothing_known_in_advance(mode, temperature):
+    """``async_decode`` with a drafter: step n+1 (and the block it verifies) launched before step n's tokens are
+    read. Where ℓ is known in advance (fixed K, DSD's table), every token, verify length and finish reason equals the
+    synchronous engine's, greedy and sampled — the random numbers are keyed by position, not by when a step runs —
+    with requests joining, one running into the end of its slot (the engine steps synchronously there) and one
+    aborted. The only difference: the aborted request's in-flight step is dropped."""
+    target = Target.from_model(tiny_hf_model("llama"))
+    drafter = _drafter(target)
+    sync, sync_streamed, _ = _run_one_ahead(target, drafter, mode, False, temperature)
+    ahead, ahead_streamed, behind = _run_one_ahead(target, drafter, mode, True, temperature)
+    assert sync_streamed and ahead_streamed, "streamed = committed"
+    assert behind > 10, "drafts were launched behind a verify in flight"
+    for rid, (a, b) in enumerate(zip(sync, ahead)):
+        if rid == 4:  # aborted: one step fewer committed when its step was in flight
+            assert b[2] == a[2] == "abort" and a[0][:len(b[0])] == b[0]
+            continue
+        assert a == b, f"request {rid}"
+    assert sync[3][2] == "length" and len(sync[3][0]) < 40, "request 3 ended at its slot"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("draft_ms", [0.0, 40.0])  # a drafter that pays, and one the gate keeps closing on
+def test_adaptive_one_step_ahead_is_lossless(draft_ms, temperature):
+    """``adaptive`` one step ahead: the budget reads survivals one draft older where requests join or finish, so its
+    verify lengths may differ from the synchronous engine's there; greedy tokens never do, and equal plain decoding's
+    (up to where the drafter's slot scratch ends request 3 earlier). With the gate closing (a costly drafter), its
+    plain steps run one ahead too, and the probes draft behind them."""
+    target = Target.from_model(tiny_hf_model("llama"))
+    drafter = _drafter(target)
+    sync, _, _ = _run_one_ahead(target, drafter, "adaptive", False, temperature, draft_ms)
+    ahead, streamed, behind = _run_one_ahead(target, drafter, "adaptive", True, temperature, draft_ms)
+    assert streamed and behind > 0
+    for rid, ((a, _, reason_a), (b, lens_b, reason_b)) in enumerate(zip(sync, ahead)):
+        assert reason_a == reason_b
+        assert all(0 <= n <= drafter.config.gamma for n in lens_b)
+        if temperature == 0:
+            assert a[:len(b)] == b if rid == 4 else a == b, f"request {rid}"
+    if temperature == 0:
+        plain, _, _ = _run_one_ahead(target, None, "none", True, 0.0)
+        for rid, ((tokens, _, _), (plain_tokens, _, _)) in enumerate(zip(ahead, plain)):
+            n = min(len(tokens), len(plain_tokens))
+            assert tokens[:n] == plain_tokens[:n], f"request {rid}"
+    if draft_ms:
+        assert sum(n == 0 for n in ahead[0][1]) > len(ahead[0][1]) / 2, "the gate kept closing"
+
+
 def test_engine_abort_frees_the_slot():
     target = Target.from_model(tiny_hf_model("llama"))
     engine = Engine(target, _drafter(target), EngineConfig(max_num_seqs=1, max_seq_len=64),

@@ -211,3 +211,22 @@ def test_prepared_dummy_stages_run_only_when_called(models):
     runner.survival[:3] = -1.0
     draft()
     assert ((runner.survival[:3] >= 0) & (runner.survival[:3] <= 1)).all()
+
+
+def test_pipelined_engine_is_priced_back_to_back(models):
+    """An engine one step ahead of its reads (``async_decode``) gets a table of stages launched back to back
+    (``PIPELINE_DEPTH`` a sample, the price per stage), fingerprinted apart from the launch-to-read table."""
+    target, drafter = models
+    cfg = EngineConfig(max_num_seqs=2, max_seq_len=64, kernel_backend="torch", async_decode=True)
+    engine = Engine(target, drafter, cfg, SchedulerConfig(mode="fixed", k=GAMMA))
+    assert engine.runner.pipelined and engine.pipelining["async_decode"]
+    table = profile_engine(engine.runner, context_len=8, repeats=1, warmup=0, max_sizes=2, progress=False)
+    assert table.meta["pipelined"] and table.meta["steps_per_call"] == cost_model.PIPELINE_DEPTH
+    assert fingerprint(engine.runner, 8)[0] != fingerprint(_engine(models, max_num_seqs=2).runner, 8)[0]
+    runner = engine.runner
+    stage = runner.prepare_dummy_verify(2 * (GAMMA + 1), 8, repeat=cost_model.PIPELINE_DEPTH)
+    stage()  # four verifies, every draft: the anchors moved on by what each emitted
+    assert all(8 + cost_model.PIPELINE_DEPTH <= p <= 8 + cost_model.PIPELINE_DEPTH * (GAMMA + 1)
+               for p in runner.anchor_pos[:2].tolist())
+    with pytest.raises(ValueError, match="do not fit"):
+        runner.prepare_dummy_verify(2, 60, repeat=cost_model.PIPELINE_DEPTH)

@@ -444,3 +444,29 @@ def test_api_server_count_flag():
                           (["--api-server-count", "2", "--no-engine-process"], "own process")):
         with pytest.raises(ValueError, match=message):
             parse(*argv)
+
+
+def test_step_cost_gauges_follow_the_engine():
+    """The engine's measured step costs (``StepStats.cost_drift`` / ``price_scales``) become two labelled gauges,
+    each appearing once the engine has measured that kind; a gate the engine reports closed counts whatever the
+    previous step drafted."""
+    from optimized.sequence import StepStats
+    from optimized.serving.metrics import ServerMetrics
+
+    m = ServerMetrics("m", 3, True)
+
+    def value(name, kind):
+        return m.registry.get_sample_value(name, {"kind": kind})
+
+    assert value("dspark:step_cost_drift", "plain") is None, "no gauge before the engine reports"
+    st = StepStats(step_time_s=0.001, num_running=1, num_waiting=0, num_decoding=1, verify_tokens=1, budget=None,
+                   drafted=True, verified=[0], accepted=[0], predicted_survival=[[]], request_ids=[0],
+                   gate_closed=True, cost_drift={"plain": 0.25, "speculative": None},
+                   price_scales={"plain": 1.25, "speculative": 1.0})
+    m.observe_step(st)
+    assert value("dspark:step_cost_drift", "plain") == 0.25
+    assert value("dspark:step_cost_drift", "speculative") is None, "not measured yet"
+    assert value("dspark:step_cost_scale", "plain") == 1.25
+    assert m.registry.get_sample_value("dspark:draft_gate_closed_steps_total") == 1
+    merged = ServerMetrics.merged("m", 3, True, [ServerMetrics("m", 3, True).snapshot(), m.snapshot()])
+    assert merged.registry.get_sample_value("dspark:step_cost_scale", {"kind": "plain"}) == 1.25

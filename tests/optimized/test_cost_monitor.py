@@ -1,0 +1,139 @@
+"""The cost monitor (optimized/cost_monitor.py): measured step times against the table, and the prices it sets.
+
+The monitor's clock on the CPU is ``time.perf_counter``; these tests replace it by a counter they advance, so every
+measured step time is exact."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import optimized.cost_monitor as cm
+from optimized.cost_monitor import CostMonitor
+from optimized.engine import Engine, EngineConfig, SamplingParams
+from optimized.scheduler import BudgetPlanner
+from reference.config import SchedulerConfig
+from reference.cost_model import CostTable
+from reference.target import Target
+from reference.testing import tiny_drafter, tiny_hf_model
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(cm.time, "perf_counter", c)
+    return c
+
+
+def _table() -> CostTable:
+    # plain step of R requests: 1 + 0.01 R ms; speculative adds 0.01 ms a draft token and 0.5 ms of drafter
+    return CostTable.affine(fixed_ms=1.0, per_token_ms=0.01, draft_fixed_ms=0.5, sizes=list(range(1, 257)))
+
+
+def _steps(monitor: CostMonitor, clock: Clock, n: int, seconds: float, requests: int = 4, tokens: int = 4,
+           drafted: int = 0, prefill: bool = False) -> None:
+    for _ in range(n):
+        monitor.launch(requests, tokens, prefill)
+        if drafted:
+            monitor.drafted(drafted)
+        clock.now += seconds
+
+
+def test_ratio_per_kind_and_the_rescale(clock):
+    table = _table()
+    monitor = CostMonitor(table, "cpu", window=8, min_samples=4, tolerance=0.1)
+    plain = table.verify_time(4, 4)
+    spec = table.verify_time(20, 4) + table.draft_time(4)
+    _steps(monitor, clock, 3, 2.0 * plain)  # three plain steps at twice the price: two complete samples
+    assert monitor.update() is None and monitor.drift == {"plain": None, "speculative": None}
+    _steps(monitor, clock, 3, 2.0 * plain)
+    scales = monitor.update()  # five samples ≥ min_samples: the ratio 2 is 100 % off the scale 1
+    assert scales["plain"] == pytest.approx(2.0) and scales["speculative"] == 1.0
+    assert monitor.drift["plain"] == pytest.approx(1.0)
+    _steps(monitor, clock, 6, 0.5 * spec, tokens=20, drafted=4)  # speculative steps at half their price
+    scales = monitor.update()
+    # the first of these samples is the last plain step (its end is the first speculative launch)
+    assert monitor.samples == {"plain": 6, "speculative": 5}
+    assert scales["speculative"] == pytest.approx(0.5)
+    assert monitor.update() is None, "nothing new: no rescale"
+
+
+def test_hysteresis_and_the_moving_average(clock):
+    table = _table()
+    monitor = CostMonitor(table, "cpu", window=4, min_samples=2, tolerance=0.1)
+    plain = table.verify_time(4, 4)
+    _steps(monitor, clock, 4, 1.05 * plain)  # 5 % off: inside the tolerance, the table's prices stay
+    assert monitor.update() is None and monitor.scales["plain"] == 1.0
+    assert monitor.drift["plain"] == pytest.approx(0.05)
+    _steps(monitor, clock, 12, 3.0 * plain)  # a shared GPU: the window forgets the old steps
+    scales = monitor.update()
+    assert scales is not None and math.isclose(scales["plain"], 3.0, rel_tol=0.05)
+
+
+def test_prefill_and_idle_are_not_sampled(clock):
+    table = _table()
+    monitor = CostMonitor(table, "cpu", window=8, min_samples=1, tolerance=0.1)
+    plain = table.verify_time(4, 4)
+    monitor.launch(4, 4, prefill=False)
+    clock.now += 10 * plain  # the step and then a prompt's forward before the next launch
+    monitor.launch(4, 4, prefill=True)
+    clock.now += plain
+    monitor.update()
+    assert monitor.samples["plain"] == 0, "a step followed by a prefill is not a sample"
+    monitor.idle()
+    clock.now += 100.0  # nothing to do for a while
+    monitor.launch(4, 4, prefill=False)
+    clock.now += plain
+    monitor.launch(4, 4, prefill=False)
+    monitor.update()
+    assert monitor.samples["plain"] == 1 and monitor.drift["plain"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_bad_settings_fail_fast():
+    with pytest.raises(ValueError, match="window"):
+        CostMonitor(_table(), "cpu", window=0)
+
+
+def test_price_scales_move_the_gate_not_the_budget():
+    """The gate weighs Θ_plain / s_plain against Θ(B) / s_spec; the budget is the same argmax whatever the scales."""
+    table = CostTable.affine(fixed_ms=5.0, per_token_ms=0.3, draft_fixed_ms=2.0, sizes=list(range(1, 129)))
+    planner = BudgetPlanner(table)
+    a = np.tile(np.array([0.9, 0.8, 0.7, 0.6], dtype=np.float32), (4, 1))  # [R, γ]
+    budget = planner.budget(a, 4, 4)
+    assert planner.speculation_pays(a, 4, 4)
+    planner.speculative_scale = 3.0  # speculative steps measured at three times their price
+    assert not planner.speculation_pays(a, 4, 4)
+    assert planner.budget(a, 4, 4) == budget
+    planner.plain_scale = 3.0  # and plain ones too: back to the table's verdict
+    assert planner.speculation_pays(a, 4, 4)
+
+
+def test_engine_feedback_rescales_and_reports_drift():
+    """With ``cost_feedback`` on, a table far from this machine's times is rescaled after a few steps; off (the CPU
+    default), the engine keeps the table's prices and reports no drift."""
+    target = Target.from_model(tiny_hf_model("llama"))
+    drafter = tiny_drafter(target, gamma=3, seed=0, noise=0.2)
+    table = CostTable.affine(fixed_ms=1e-4, per_token_ms=1e-6, draft_fixed_ms=1e-4, sizes=list(range(1, 129)))
+    for feedback in (False, True):
+        engine = Engine(target, drafter, EngineConfig(max_num_seqs=2, max_seq_len=128, kernel_backend="torch",
+                                                      cost_feedback=feedback), SchedulerConfig(mode="adaptive"), table)
+        for rid in range(2):
+            engine.add_request([5, 6, 7 + rid], SamplingParams(max_new_tokens=40, ignore_eos=True), request_id=rid)
+        while engine.has_unfinished():
+            engine.step()
+        if feedback:
+            drift = engine.cost_drift
+            assert drift["speculative"] is not None and drift["speculative"] > 10, "CPU steps cost far more"
+            assert engine.price_scales["speculative"] > 10
+        else:
+            assert engine.cost_drift is None and engine.price_scales == {"plain": 1.0, "speculative": 1.0}
