@@ -7,6 +7,7 @@ same model, drafter, seed, mode and cost table, the emitted token ids and per-st
 
 from __future__ import annotations
 
+import argparse
 import gc
 import logging
 import sys
@@ -76,13 +77,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="engine slots (default: the batch size)")
+    parser.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=None,
+                        help="launch each step before the previous step's tokens are read (EngineConfig.async_decode; "
+                             "default: on with CUDA)")
+    parser.add_argument("--cost-feedback", action=argparse.BooleanOptionalAction, default=None,
+                        help="price steps at their measured times once these drift from the cost table "
+                             "(EngineConfig.cost_feedback; default: on with CUDA)")
     args = parser.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target, drafter, gen, sched, prompts = setup_from_args(args, device=args.device, dtype=dtype, forward=False)
     # Without --cost-table, generate() profiles the serving engine itself (no second engine, no second capture).
     cost = CostTable.load(args.cost_table) if args.cost_table else None
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs or len(prompts), device=args.device, dtype=dtype,
-                       enforce_eager=args.enforce_eager, seed=gen.seed)
+                       enforce_eager=args.enforce_eager, seed=gen.seed, async_decode=args.async_decode,
+                       cost_feedback=args.cost_feedback)
     t0 = time.perf_counter()
     results = generate(target, drafter, prompts, gen, sched, cost, engine_config=cfg, warmup=True)
     print_results(results, args.json, time.perf_counter() - t0, sched.mode)

@@ -162,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prompt tokens per step over all prefilling requests (chunked prefill)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each step before the previous step's tokens are read (plain decoding and the fixed, "
+                        "dsd and adaptive modes), so that the host's work overlaps the device's (default: on with "
+                        "CUDA, off on the CPU)")
+    p.add_argument("--cost-feedback", action=argparse.BooleanOptionalAction, default=None,
+                   help="price plain and speculative steps at their measured times once these drift more than 10%% "
+                        "from the cost table (the /metrics gauges dspark:step_cost_*); it makes sampled adaptive "
+                        "outputs depend on timing (default: on with CUDA, off on the CPU)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients may use; the first is reported (default: --model)")
     p.add_argument("--speculative-config", default=None,
@@ -294,7 +302,8 @@ def build_runtime(sa: ServeArgs):
     extra = {"prefill_chunk": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
     # Positions per slot: the longest request plus the drafter's scratch block (as optimized.generate sizes them).
     cfg = EngineConfig(max_num_seqs=sa.max_num_seqs, max_seq_len=args.max_model_len + 2 * gamma + 2,
-                       enforce_eager=args.enforce_eager, seed=args.seed, device=sa.device, dtype=dtype, **extra)
+                       enforce_eager=args.enforce_eager, seed=args.seed, device=sa.device, dtype=dtype,
+                       async_decode=args.async_decode, cost_feedback=args.cost_feedback, **extra)
     graphs = sa.device == "cuda" and not args.enforce_eager
     with _stage("engine (static caches" + (", CUDA graphs)" if graphs else ")"), times):
         engine = Engine(target, drafter, cfg, sched, cost)

@@ -6,9 +6,11 @@ max_new_tokens``) as the named baseline. Modes prefixed ``ngram:`` (``ngram:fixe
 training-free n-gram proposer (``reference/ngram.py``, block ``--ngram-gamma``) instead of the DSpark drafter: the
 free baseline a trained drafter must beat, measured in the same run. A DSpark mode suffixed ``+ahead``
 (``adaptive+ahead``, ``fixed:7+ahead``) runs on a second engine built with ``EngineConfig.draft_ahead`` (the next
-block drafted before the token read), and ``none+async`` on one built with ``EngineConfig.async_decode`` (plain
-decoding with the token read one step behind), each beside the same mode without it (the plain modes run with
-both switches off, although on CUDA the engine's defaults turn them on). Names follow
+block drafted before the token read), and a mode suffixed ``+async`` (``none+async``, ``fixed:7+async``,
+``adaptive+async``) on one built with ``EngineConfig.async_decode`` (steps launched one ahead of their token reads;
+with a drafter also ``cost_feedback`` and a cost table profiled the way it runs: the engine a server runs on CUDA),
+each beside the same mode without it (the plain modes run with every switch off, although on CUDA the engine's
+defaults turn them on). Names follow
 ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``τ`` emitted tokens
 per verify step).
 
@@ -131,8 +133,9 @@ class BenchConfig:
             kind, mode, _ = parse_config(base, gamma=None, ngram_gamma=self.ngram_gamma)
             if variant == "ahead" and (kind is not ProposerKind.DSPARK or not mode.drafts):
                 raise ValueError(f"mode {m!r}: '+ahead' drafts ahead with the DSpark drafter; it needs a drafting mode")
-            if variant == "async" and mode.drafts:
-                raise ValueError(f"mode {m!r}: '+async' is plain decoding one step ahead; use it with mode none")
+            if variant == "async" and mode.drafts and (kind is not ProposerKind.DSPARK or not mode.plans_blind):
+                raise ValueError(f"mode {m!r}: '+async' runs steps one ahead of their reads, which needs mode none or "
+                                 "a DSpark mode planned without the step's outcome (fixed, dsd, adaptive)")
         self.batch_sizes = sorted(set(self.batch_sizes))
 
     def workload_size(self, batch_size: int) -> int:
@@ -287,12 +290,13 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     econf = dict(max_num_seqs=max_b, max_seq_len=max_seq_len, device=str(device), dtype=target.dtype,
                  enforce_eager=cfg.enforce_eager, layer_backend=cfg.layer_backend, seed=cfg.seed,
                  linear_rows=cfg.linear_rows,
-                 prefill_graph_tokens=cfg.prefill_graph_tokens, draft_ahead=False, async_decode=False)
+                 prefill_graph_tokens=cfg.prefill_graph_tokens, draft_ahead=False, async_decode=False,
+                 cost_feedback=False)
     engines: dict[str, Engine] = {}
     t_build = time.perf_counter()
     if any(not m.drafts for _, _, m, _ in modes):
         engines["none"] = Engine(target, None, EngineConfig(**econf), SchedulerConfig(mode="none"))
-    if any(split_variant(label)[1] == "async" for label, *_ in modes):  # plain decoding, the read one step behind
+    if any(split_variant(label)[1] == "async" for label, _, m, _ in modes if not m.drafts):  # plain, one step ahead
         engines["none+async"] = Engine(target, None, EngineConfig(**{**econf, "async_decode": True}),
                                        SchedulerConfig(mode="none"))
     if uses_ngram:  # no drafter, no cost table: the fixed and dsd modes need neither
@@ -306,6 +310,16 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
         if any(split_variant(label)[1] == "ahead" for label, *_ in modes):  # drafting before the token read
             ahead = EngineConfig(**{**econf, "draft_ahead": True}, plan_ahead=True)
             engines["spec+ahead"] = Engine(target, drafter, ahead, SchedulerConfig(mode="fixed", k=gamma), table)
+        if any(split_variant(label)[1] == "async" for label, kind, m, _ in modes if m.drafts):
+            # One step ahead of the reads, with the cost monitor: the engine as a server runs it on CUDA. Its table is
+            # priced the way it runs (stages back to back), so it is profiled on its own runner.
+            one_ahead = Engine(target, drafter, EngineConfig(**{**econf, "async_decode": True,
+                                                                "cost_feedback": None}),
+                               SchedulerConfig(mode="fixed", k=gamma))
+            one_ahead.set_cost_table(cached_profile(one_ahead.runner, cache_dir=cfg.cost_cache_dir,
+                                                    context_len=cfg.context_len))
+            engines["spec+async"] = one_ahead
+            report["cost_table_async"] = one_ahead.cost.to_dict()
         report["cost_table"] = table.to_dict()
         log.info("cost table (%s): verify ms %s | draft ms %s", table.hardware, _brief(table.verify_ms),
                  _brief(table.draft_ms))
@@ -429,6 +443,14 @@ def summarize(results: list[dict]) -> dict[str, Any]:
             s["adaptive_ahead_over_adaptive"] = round(tps["adaptive+ahead"] / adaptive, 3)
         if tps.get("adaptive:nogate") and none:
             s["adaptive_nogate_over_none"] = round(tps["adaptive:nogate"] / none, 3)
+        # adaptive's best variant against the best of every other mode measured (plain, fixed K, dsd, n-gram; any
+        # pipelining): the policy is meant to pick, at every batch size, whichever of them pays best.
+        adaptive_all = {lbl: v for lbl, v in tps.items() if split_variant(lbl)[0].startswith("adaptive")}
+        others = {lbl: v for lbl, v in tps.items() if lbl != "hf" and lbl not in adaptive_all}
+        if adaptive_all and others:
+            best_a, best_o = max(adaptive_all, key=adaptive_all.get), max(others, key=others.get)
+            s.update({"best_adaptive": best_a, "best_other": best_o,
+                      "best_adaptive_over_best_other": round(adaptive_all[best_a] / others[best_o], 3)})
         if "none" in rows and "host_schedule_fraction" in rows["none"]:
             s["host_schedule_fraction_none"] = round(rows["none"]["host_schedule_fraction"], 4)
         if "adaptive" in rows:

@@ -638,11 +638,13 @@ def run_config(target: Target, drafter: DSparkDrafter, prompts: list[tuple[str, 
     ref = ref_generate(target, drafter, ids, gen, sched, cost)
     t_ref = time.perf_counter() - t0
     longest = max(len(p) for p in ids)
-    # One prefill step for the whole batch keeps the engine in lockstep with the reference (module docstring).
+    # One prefill step for the whole batch keeps the engine in lockstep with the reference (module docstring), and so
+    # do steps read one by one with the table's prices as they are: an engine one step ahead plans the adaptive budget
+    # from survivals one draft older where requests finish, and cost feedback prices steps at measured times.
     cfg = EngineConfig(max_num_seqs=len(ids), max_seq_len=longest + settings.max_new_tokens + 2 * gamma + 8,
                        prefill_chunk=max(8192, sum(len(p) for p in ids)), enforce_eager=settings.enforce_eager,
                        kernel_backend=settings.kernel_backend, seed=settings.seed, device=str(target.device),
-                       dtype=target.dtype)
+                       dtype=target.dtype, async_decode=False, cost_feedback=False)
     t0 = time.perf_counter()
     with count_graph_runs() as graph_runs:
         opt = opt_generate(target, drafter, ids, gen, sched, cost, engine_config=cfg)

@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a server's steady state: requests of seeded lengths in [TOKENS/2, TOKENS], the waiting queue "
                         "topped up to --batch-size before every step (0: one closed batch)")
     p.add_argument("--async-decode", action="store_true",
-                   help="EngineConfig.async_decode: plain decoding with the token read one step behind (mode none)")
+                   help="EngineConfig.async_decode: steps launched one ahead of their token reads (modes none, fixed, "
+                        "dsd, adaptive)")
     add_engine_source_args(p)
     p.add_argument("--context-len", type=int, default=DEFAULT_CONTEXT_LEN, help="KV length of the cost profile")
     p.add_argument("--cost-cache-dir", default=None)

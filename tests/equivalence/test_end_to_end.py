@@ -36,8 +36,9 @@ def _compare(target, drafter, prompts, gen, mode, backend="torch"):
     op in this folder, and end to end through the interpreter by test_triton_kernels_end_to_end below)."""
     sched = SchedulerConfig(mode=mode, k=3, threshold=0.05, dsd_table={1: 4, 2: 2, 3: 1})
     ref = ref_generate(target, drafter, prompts, gen, sched, _cost())
+    # The reference's schedule: steps read one by one, the table's prices as they are (the defaults on CUDA differ).
     cfg = EngineConfig(max_num_seqs=len(prompts), seed=gen.seed, kernel_backend=backend,
-                       device=str(target.device), dtype=target.dtype)
+                       device=str(target.device), dtype=target.dtype, async_decode=False, cost_feedback=False)
     opt = opt_generate(target, drafter, prompts, gen, sched, _cost(), engine_config=cfg)
     for a, b in zip(ref, opt):
         assert b.token_ids == a.token_ids, f"{mode}: tokens differ"

@@ -77,7 +77,7 @@ def test_graphs_equal_eager_token_for_token(temperature):
         out, runs = {}, {}
         for eager in (False, True):
             cfg = EngineConfig(max_num_seqs=len(PROMPTS), seed=gen.seed, kernel_backend="triton", device="cuda",
-                               dtype=torch.float32, enforce_eager=eager)
+                               dtype=torch.float32, enforce_eager=eager, cost_feedback=False)  # timing-free schedule
             with ge.count_graph_runs() as counts:
                 out[eager] = opt_generate(target, drafter, PROMPTS, gen, sched, _cost(), engine_config=cfg)
             runs[eager] = counts
@@ -98,7 +98,8 @@ def test_drafting_ahead_equals_drafting_after_the_read(temperature):
     out, ahead = {}, {}
     for early in (False, True):
         cfg = EngineConfig(max_num_seqs=len(PROMPTS), seed=99, kernel_backend="triton", device="cuda",
-                           dtype=torch.float32, plan_ahead=True, draft_ahead=early)
+                           dtype=torch.float32, plan_ahead=True, draft_ahead=early, async_decode=False,
+                           cost_feedback=False)
         engine = Engine(target, drafter, cfg, SchedulerConfig(mode="adaptive"), _cost())
         for i, (prompt, n) in enumerate(zip(PROMPTS, lengths)):
             engine.add_request(prompt, SamplingParams(max_new_tokens=n, temperature=temperature, ignore_eos=True),
@@ -110,6 +111,25 @@ def test_drafting_ahead_equals_drafting_after_the_read(temperature):
         ahead[early] = engine.stats["draft_ahead_steps"]
     assert out[True] == out[False]
     assert ahead[False] == 0 < ahead[True]
+
+
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
+def test_speculation_one_step_ahead_on_cuda(mode):
+    """Speculation one step ahead of the reads (``async_decode``, the CUDA default) with CUDA graphs, greedy: the same
+    tokens as the synchronous engine and as plain decoding (each step's anchors and drafts are read on the device)."""
+    target, drafter = _cuda_models("llama")
+    lengths = [9, 17, 13]
+    out = {}
+    for one_ahead, d, m in ((False, drafter, mode), (True, drafter, mode), (True, None, "none")):
+        cfg = EngineConfig(max_num_seqs=len(PROMPTS), seed=99, kernel_backend="triton", device="cuda",
+                           dtype=torch.float32, async_decode=one_ahead, cost_feedback=False)
+        engine = Engine(target, d, cfg, SchedulerConfig(mode=m, k=3), _cost())
+        for i, (prompt, n) in enumerate(zip(PROMPTS, lengths)):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), request_id=i)
+        while engine.has_unfinished():
+            engine.step()
+        out[(one_ahead, m)] = [engine.sequence(i).output_ids for i in range(len(PROMPTS))]
+    assert out[(True, mode)] == out[(False, mode)] == out[(True, "none")]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

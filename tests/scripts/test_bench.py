@@ -82,6 +82,23 @@ def test_bench_engine_writes_the_schema_and_plot(models, tmp_path):
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
+def test_bench_engine_one_step_ahead_variants(models, tmp_path):
+    """``+async`` on plain decoding and on the DSpark modes planned without the step's outcome: an engine one step
+    ahead of its reads, the drafting one with its own (pipelined) cost table; the summary names adaptive's best
+    variant against the best other mode. '+async' on a synchronous policy is refused."""
+    report, out = _run(models, tmp_path, "--modes", "none,none+async,fixed:2+async,adaptive,adaptive+async",
+                       "--hf-max-batch", "0")
+    labels = {(r["label"], r["batch_size"]) for r in report["results"]}
+    assert {("fixed:2+async", 2), ("adaptive+async", 1)} <= labels
+    assert CostTable.from_dict(report["cost_table_async"]).meta["pipelined"] is True
+    assert report["cost_table"]["meta"]["pipelined"] is False
+    summary = report["summary"]["2"]
+    assert summary["best_adaptive"] in ("adaptive", "adaptive+async") and summary["best_other"] != "hf"
+    assert summary["best_adaptive_over_best_other"] > 0
+    with pytest.raises(ValueError, match="one ahead"):
+        bench_engine.BenchConfig(modes=["threshold+async"])
+
+
 def test_bench_engine_time_budget_leaves_partial_results(models, tmp_path):
     report, out = _run(models, tmp_path, "--time-budget-s", "0", "--hf-max-batch", "0")
     on_disk = json.loads(out.read_text())
@@ -199,7 +216,7 @@ def test_bench_engine_variant_modes_run_beside_the_plain_ones(models, tmp_path):
     with pytest.raises(ValueError, match="ahead"):
         bench_engine.BenchConfig(modes=["none+ahead"])
     with pytest.raises(ValueError, match="async"):
-        bench_engine.BenchConfig(modes=["fixed:2+async"])
+        bench_engine.BenchConfig(modes=["ngram:fixed:2+async"])  # the n-gram lookup reads the committed tokens
     with pytest.raises(ValueError, match="suffix"):
         bench_engine.BenchConfig(modes=["fixed:2+later"])
 
