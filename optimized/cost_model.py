@@ -26,6 +26,11 @@ measured on the model runner of the engine that will serve (``engine.runner``):
 * **Context length.** Every placeholder request attends over ``context_len`` keys (default 256, a short chat
   turn). Profiling at a long context while serving short requests inflates the fixed part of the cost and
   argues against speculation.
+* **Priced the way the engine runs.** An engine one step ahead of its token reads (``EngineConfig.async_decode``, the
+  CUDA default) overlaps a stage's host work with the previous stage's device work, so a sample there launches the
+  stage ``PIPELINE_DEPTH`` times back to back, reads only the last one's tokens, and divides: the larger of the host's
+  launches and the device's work, not their sum. A synchronous engine's sample is one stage, launch to read. While
+  serving, ``optimized/cost_monitor.py`` compares the table with measured steps and rescales its prices if they drift.
 * **Median of repeats**, with a CUDA synchronisation around each timed call on CUDA (a verify sample ends
   with a host read anyway; the drafter's does not).
 * **Every bucket on the GPU with graphs**; eagerly (CPU, ``--enforce-eager``) the step time is dominated by

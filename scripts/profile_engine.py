@@ -82,24 +82,33 @@ def build_engine(target: Target, drafter: DSparkDrafter | None, mode: Scheduling
 
 def decoding_steps(engine: Engine, count: int, feed: Callable[[], None] | None = None,
                    prefills: list[tuple[bool, float]] | None = None) -> list[float]:
-    """Run ``count`` engine steps, each synchronised; their wall times in ms (fewer if every request finished).
-    ``feed`` runs before each step (``--refill``: top up the waiting queue); ``prefills`` receives, per step, whether
-    it ran a prefill stage and that stage's ms."""
-    times = []
+    """Run ``count`` engine steps; their wall times in ms (fewer if every request finished). Each step is
+    synchronised, except on an engine one step ahead of its reads (``async_decode``), whose steps overlap by design:
+    there a step's time is the wall time from its start to the next one's (the device synchronised before the first
+    and after the last). ``feed`` runs before each step (``--refill``: top up the waiting queue); ``prefills``
+    receives, per step, whether it ran a prefill stage and that stage's ms."""
+    overlap = engine.pipelining["async_decode"]
+    starts, ends = [], []
+    sync(engine.device)
     for _ in range(count):
         if feed is not None:
             feed()
         if not engine.has_unfinished():
             break
-        sync(engine.device)
+        if not overlap:
+            sync(engine.device)
         before = engine.stats["prefill_steps"], engine.stats["prefill_s"]
-        t0 = time.perf_counter()
+        starts.append(time.perf_counter())
         engine.step()
-        sync(engine.device)
-        times.append(1e3 * (time.perf_counter() - t0))
+        if not overlap:
+            sync(engine.device)
+        ends.append(time.perf_counter())
         if prefills is not None:
             prefills.append((engine.stats["prefill_steps"] > before[0], 1e3 * (engine.stats["prefill_s"] - before[1])))
-    return times
+    sync(engine.device)
+    if overlap and starts:
+        ends = starts[1:] + [time.perf_counter()]  # a step lasts until the next one starts (the last: until idle)
+    return [1e3 * (b - a) for a, b in zip(starts, ends)]
 
 
 class Refill:

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# What a speculative step costs against a plain one, and whether `adaptive` keeps up with the best mode at every batch
+# size (one H200, two parts of under ten minutes each; PART picks one):
+#
+#   PART=engine    the GPU tests of speculation one step ahead (tests/equivalence/test_gpu.py), then the engine
+#                  benchmark in closed batches (docs/benchmarks/engine-h200.json) and with continuous arrivals
+#                  (engine-h200-steady.json): plain decoding, fixed K = 7 and adaptive, each synchronous and one
+#                  step ahead of its reads ("+async": the engine a server runs on CUDA, with cost feedback)
+#   PART=profiles  where a step's time goes, one step ahead (profile-h200-*.json), at batch 1, 16, 64 and 256, then
+#                  the remaining GPU tests (every gpu-marked test; the kernels' equivalence tests compiled for the GPU)
+#
+# Needs the target at $MODEL and ShareGPT at $SHAREGPT (docs/training.md, "Reproduction scripts on a GPU machine").
+# Run it on a copy of the repository; `bash scripts/reproduce/pack.sh` packs $RES for the trip back.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+MODEL=${MODEL:-/tmp/stage/target.gguf}
+SHAREGPT=${SHAREGPT:-/tmp/stage/sharegpt.json.gz}
+DRAFTER=${DRAFTER:-checkpoints/smollm2-135m-instruct-dspark}
+RES=${RES:-/tmp/res}
+PART=${PART:-engine}
+source "$(dirname "$0")/timeline.sh"  # stamp, run
+SRC=(--model "$MODEL" --drafter "$DRAFTER" --sharegpt-file "$SHAREGPT")
+MODES=none,none+async,fixed:7,fixed:7+async,adaptive,adaptive+async
+
+run cache python -c "from reference.target import Target; Target.load('$MODEL')"
+if [ "$PART" = engine ]; then
+  run tests-ahead timeout 150 python -m pytest -q -p no:cacheprovider tests/equivalence/test_gpu.py -k "one_step_ahead"
+  run bench timeout 260 python -m scripts.bench_engine "${SRC[@]}" --modes "$MODES" --batch-sizes 1,4,16,64,256 \
+    --min-requests 16 --hf-max-batch 0 --repeats 2 --time-budget-s 210 --out "$RES/engine-h200.json"
+  run steady timeout 170 python -m scripts.bench_engine "${SRC[@]}" --modes none+async,fixed:7+async,adaptive+async \
+    --batch-sizes 1,16,64,256 --requests-per-slot 4 --output-len-spread 0.5 --hf-max-batch 0 --repeats 1 \
+    --time-budget-s 130 --out "$RES/engine-h200-steady.json"
+else
+  for cfg in "fixed:7 1" "none 1" "fixed:7 16" "fixed:7 64" "fixed:7 256" "adaptive 64" "adaptive 256"; do
+    set -- $cfg
+    run "profile-${1/:/}-b$2" timeout 90 python -m scripts.profile_engine "${SRC[@]}" --mode "$1" --batch-size "$2" \
+      --async-decode --out "$RES/profile-h200-${1/:/}-b$2.json"
+  done
+  run tests-gpu timeout 200 python -m pytest -q -p no:cacheprovider -m gpu tests/
+  run tests-kernels timeout 150 python -m pytest -q -p no:cacheprovider tests/equivalence/test_verify.py \
+    tests/equivalence/test_draft_head.py tests/equivalence/test_layout.py tests/equivalence/test_allocate.py
+fi
+stamp DONE
+touch "$RES/DONE"
