@@ -172,6 +172,24 @@ def test_recheck_detects_a_stale_table(models, tmp_path, monkeypatch):
     assert CostTable.load(path).verify_ms == table.verify_ms  # the stale file was replaced
 
 
+def test_recheck_tells_noise_from_drift(models, monkeypatch):
+    """One slow round (a busy CPU at start-up) does not make a cached table stale; two rounds beyond the tolerance on
+    the same side do; a second round inside it clears the first."""
+    from optimized.cost_model import recheck_table
+
+    engine = _engine(models)
+    table = CostTable({1: 1.0, 20: 2.0}, {}, 20, "test", {"context_len": 8})
+
+    def check(times):  # each value: the ms one timed call (one round, repeats=1) reads off the clock
+        clock = iter([t for ms in times for t in (0.0, ms / 1e3)])
+        monkeypatch.setattr(cost_model.time, "perf_counter", lambda: next(clock))
+        return recheck_table(engine.runner, table, repeats=1, rounds=2)
+
+    assert check([1.6, 1.0, 2.0])  # verify(1): 60 % slow, then on time; verify(20) on time
+    assert not check([1.6, 1.5])  # two slow rounds: stale
+    assert check([1.6, 0.5, 2.0])  # one slow, one fast: noise, not a drift in one direction
+
+
 def test_profile_engine_cost_table_entry_point(models, tmp_path):
     target, drafter = models
     table = profile_engine_cost_table(target, drafter, max_num_seqs=2, device="cpu", dtype=torch.float32,
