@@ -11,9 +11,11 @@ back:
               survivals on the device (or the plan's lengths), then rejection sampling (greedy verification from the
               logits when every request is greedy: the same tokens without p_t), then the one token read
     draft     backbone over [x_0, M, …, M]; fused sequential-head sampling + confidence; STS → survivals for the next
-              step (one graph per request bucket for the Markov head)
+              step (one graph per request bucket for the Markov head); p_d written into the slots' rows, except a
+              greedy request's, whose p_d is the one-hot of its drafts and stays implicit (``draft_onehot``)
     propose   the n-gram proposer's draft stage instead (reference/ngram.py): a lookup on the host in each request's
-              own tokens (optimized/ngram.py), uploaded as drafts with one-hot p_d; no drafter forward, no context
+              own tokens (optimized/ngram.py), uploaded as drafts whose p_d is one-hot (implicit, as for greedy
+              drafts); no drafter forward, no context
 
 Every per-request length, offset and position is derived on the device from device tensors. The host holds totals
 only (the number of decoding requests, the budget B). The single host↔device synchronisation per step is the read of
@@ -186,6 +188,9 @@ class ModelRunner:
         self.anchor_pos = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] its absolute position
         self.draft_tokens = torch.zeros(slots, g, dtype=torch.long, device=dev)  # [S, γ]
         self.draft_probs = torch.zeros(slots, g, self.vocab, dtype=torch.float32, device=dev)  # [S, γ, V]
+        # [S] p_d of the slot's drafts is the one-hot of its own tokens (greedy drafts, n-gram proposals), implicit:
+        # its draft_probs rows are neither written nor read (rejection_sample's draft_onehot).
+        self.draft_onehot = torch.zeros(slots, dtype=torch.bool, device=dev)
         self.survival = torch.zeros(slots, g, dtype=torch.float32, device=dev)  # [S, γ] calibrated a_k
         self.request_id = torch.zeros(slots, dtype=torch.long, device=dev)  # [S]
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)  # [S]
@@ -218,7 +223,8 @@ class ModelRunner:
             temperature = b.draft_temperature[:r]
             out = sample_block(self.ref_drafter, h, b.anchor_ids[:r], b.anchor_pos[:r], temperature,
                                self.config.seed, b.draft_request_id[:r], backend=self.config.kernel_backend,
-                               probs_out=self.draft_probs, probs_rows=b.draft_slots[:r])  # p_d into the slots
+                               probs_out=self.draft_probs, probs_rows=b.draft_slots[:r],  # p_d into the slots
+                               store_greedy=False)  # greedy rows' one-hot p_d stays implicit (draft_onehot)
             return out.tokens, out.probs, self._survival(out.conf_logits, temperature)
 
         self.verify_graphs = GraphRunner("verify", verify_fn, bucket_sizes(max_tokens), use_graphs)
@@ -439,7 +445,7 @@ class ModelRunner:
             if g:
                 result = rejection_sample(self.draft_tokens[rows], lens, self.draft_probs[rows], target_probs,
                                           self.config.seed, self.request_id[rows], self.anchor_pos[rows],
-                                          backend=self.config.kernel_backend)
+                                          backend=self.config.kernel_backend, draft_onehot=self.draft_onehot[rows])
                 emitted, n_emitted = result.tokens, result.num_emitted
             else:
                 bonus = sample(target_probs[:, 0], self.config.seed, self.request_id[rows], self.anchor_pos[rows] + 1,
@@ -529,6 +535,7 @@ class ModelRunner:
             self.draft_probs[rows] = out.probs  # [R, γ, V]
             survival = self._survival(out.conf_logits, self.temperature[rows])
         self.draft_tokens[rows] = tokens
+        self.draft_onehot[rows] = self.temperature[rows] == 0  # a greedy draft's p_d is the one-hot of its token
         self.survival[rows] = survival
         host = survival.to("cpu", non_blocking=not blocking)  # sync: only when blocking (staleness 0)
         if dev.type == "cuda" and not blocking:
@@ -547,10 +554,10 @@ class ModelRunner:
 
     def propose(self, seqs: list[Sequence]) -> list[int]:
         """The n-gram proposer's draft stage for ``seqs``: the host lookup (``optimized/ngram.py``) in each request's
-        tokens, uploaded into the draft buffers with one-hot ``p_d``; returns the proposal lengths ``m_r`` (0..γ).
+        tokens, uploaded into the draft buffers; returns the proposal lengths ``m_r`` (0..γ).
 
-        The buffers keep the invariant "row ``(s, j)`` of ``p_d`` is zero but at ``draft_tokens[s, j]``" (they start
-        at zero), so a new proposal clears the old ones and sets the new ones: ``R·γ`` writes, not ``R·γ·V``.
+        A proposal's ``p_d`` is the one-hot of its own tokens at any temperature: the rows are flagged in
+        ``draft_onehot`` and no ``p_d`` is written.
         """
         g, dev = self.gamma, self.device
         proposals = []
@@ -565,10 +572,8 @@ class ModelRunner:
         # are never verified.
         new = torch.tensor([p + [0] * (g - len(p)) for p in proposals], dtype=torch.long, device=dev)  # [R, γ]
         rows = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)  # [R]
-        slots = torch.arange(g, device=dev)[None, :]  # [1, γ]
-        self.draft_probs[rows[:, None], slots, self.draft_tokens[rows]] = 0.0  # clear the previous one-hot entries
         self.draft_tokens[rows] = new
-        self.draft_probs[rows[:, None], slots, new] = 1.0
+        self.draft_onehot[rows] = True
         return [len(p) for p in proposals]
 
     def _survival(self, conf_logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

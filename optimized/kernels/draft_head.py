@@ -18,7 +18,9 @@ Two variants run that loop, with identical arithmetic per vocabulary lane:
 * one program per request (:func:`_sample_draft_block_kernel`, grid ``(R,)``). Each slot makes two passes over
   the vocabulary: pass 1 computes the tempered logits tile by tile (the ``[BLOCK_V, r]`` slice of W2 times
   ``e``), keeps an online max/sum for the softmax and the greedy argmax, and parks the tempered logits in the
-  ``probs`` output row; pass 2 turns them into ``p_d`` in place and runs the race. W2 is read once per slot
+  ``probs`` output row; pass 2 turns them into ``p_d`` in place and runs the race. A greedy row parks nothing: its
+  ``p_d`` is the one-hot of the argmax and its race the argmax itself (below), so pass 2 only stores the one-hot
+  (or nothing, with ``store_greedy=False``). W2 is read once per slot
   (the dominant traffic: ``V·r`` weights, resident in L2 across the batch). Its limit: one program streams all
   of W2 γ times, serially (~2 ms at R = 1 and at R = 64, γ = 7, V = 49152, r = 64 on an H200).
 * split vocabulary (grid ``(R, NB)``, ``NB = cdiv(V, BLOCK_V)`` blocks; host loop over the slots, two launches
@@ -28,17 +30,24 @@ Two variants run that loop, with identical arithmetic per vocabulary lane:
   sum of ``exp(x - max)`` and its greedy argmax. Launch B_k: every program combines the row's A partials in one
   fixed order (so all blocks of a row see bit-identical max and sum), turns its block into ``p_d`` and writes
   its race partial; a greedy row's ``p_d`` is the one-hot of its argmax, whose race needs no draws (the hot lane
-  always wins), so launch A does not park its logits and launch B only stores the one-hot. A last launch reduces
-  slot γ's race. Cross-block ties resolve like the serial tiles (a later
-  block wins only with a strictly larger value: the lowest index). The softmax sum is accumulated in another
-  order, so ``p_d`` may differ from the one-program kernel in the last ulp; tokens agree except on such an
-  ulp-level tie of the race.
+  always wins), so launch A does not park its logits and launch B only stores the one-hot (or nothing, with
+  ``store_greedy=False``). A last launch reduces slot γ's race. Cross-block ties resolve like the serial tiles
+  (a later block wins only with a strictly larger value: the lowest index). The softmax sum is accumulated in
+  another order, so ``p_d`` may differ from the one-program kernel in the last ulp; tokens agree except on such
+  an ulp-level tie of the race.
 
 Output rows. ``p_d`` of request ``i`` goes to ``probs[i]``, or, given ``probs_rows``, to row ``probs_rows[i]`` of a
 caller's ``[S, γ, V]`` buffer (the engine's per-slot state: no copy after the draft). Every store and every re-read
 of the parked logits goes through that index, so the scratch of request ``i`` is its own destination row. A negative
 index marks a padding row (a CUDA-graph bucket's tail): the kernels skip its work, store nothing into the buffer and
 zeros into its tokens and confidence logits.
+
+Greedy rows without ``p_d`` (``store_greedy=False``). A greedy row's ``p_d`` is the one-hot of its own draft token,
+so a consumer that knows which rows are greedy needs none of its ``V`` floats per slot (``verify.rejection_sample``
+with ``draft_onehot``; greedy verification reads no ``p_d`` at all). The kernels then store nothing for such a row:
+its ``probs`` rows keep whatever they held, its tokens and confidence logits are unchanged. (On an H200, fixed K = 7
+at R = 64, greedy, the race launches that stored them took 0.26 ms of a step's 3.2 ms of device time:
+``scripts/profile_engine.py``, docs/benchmarks/profile-h200-fixed7-b64.json.)
 
 Precision. Compute is fp32. Where the reference rounds a result to the weight dtype (``nn.Linear`` in
 fp16/bf16 returns that dtype), the kernel rounds the same intermediate (``B_k`` and ``z_k``) the same way, so
@@ -147,6 +156,7 @@ def _sample_draft_block_kernel(
     d,  # hidden size
     r,  # Markov rank
     HAS_ROWS: tl.constexpr,  # probs rows come from probs_rows_ptr (else request i writes probs row i)
+    STORE_GREEDY: tl.constexpr,  # a greedy row writes its one-hot p_d (else it writes no probs at all)
     BLOCK_V: tl.constexpr,  # vocabulary tile
     BLOCK_D: tl.constexpr,  # hidden tile
     BLOCK_R: tl.constexpr,  # next power of two >= r
@@ -164,6 +174,7 @@ def _sample_draft_block_kernel(
         temp = tl.load(temperature_ptr + row)
         greedy = temp == 0.0
         temp_div = tl.where(greedy, 1.0, temp)  # the reference divides greedy rows by 1 (then takes the one-hot)
+        park_len = tl.where(greedy, 0, V)  # lanes whose tempered logits are parked: none for a greedy row
         ranks = tl.arange(0, BLOCK_R)  # [BLOCK_R]
         rank_mask = ranks < r
         conf_w_e = tl.load(conf_w_ptr + d + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R]
@@ -197,7 +208,7 @@ def _sample_draft_block_kernel(
                 logits = tl.where(mask, u_k + bias, -float("inf"))  # [BLOCK_V]
                 best, best_index = argmax_update(best, best_index, logits, lanes)
                 x = tl.math.div_rn(logits, temp_div)  # [BLOCK_V]
-                tl.store(out_row + lanes, x, mask=mask)
+                tl.store(out_row + lanes, x, mask=lanes < park_len)
                 new_max = tl.maximum(run_max, tl.max(x, axis=0))
                 # -inf - -inf is NaN: a row that is -inf so far keeps its zero sum (the reference needs one finite
                 # logit).
@@ -208,20 +219,30 @@ def _sample_draft_block_kernel(
             tl.debug_barrier()
 
             # Pass 2: p_d in place and the exponential race for x_k.
-            key = hash_key(seed_lo, seed_hi, rid, anchor + j + 1, PURPOSE_DRAFT + 16 * (j + 1))
-            race_score = -1.0
-            race_index = 0
-            for start in range(0, V, BLOCK_V):
-                lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-                mask = lanes < V
-                x = tl.load(out_row + lanes, mask=mask, other=-float("inf"))  # [BLOCK_V]
-                soft = tl.math.div_rn(tl.exp(x - run_max), run_sum)
-                p = tl.where(greedy, (lanes == best_index).to(tl.float32), soft)  # [BLOCK_V] p_d
-                tl.store(out_row + lanes, p, mask=mask)
-                race_score, race_index = race_update(race_score, race_index, p, exponential_at(key, lanes), lanes,
-                                                     mask)
-            tl.store(tokens_ptr + row * gamma + j, race_index.to(tl.int64))
-            prev = race_index.to(tl.int64)
+            if greedy:
+                # p_d is the one-hot of the argmax, and a race over a one-hot returns its hot lane (its score 1 / E is
+                # positive and finite, every other lane scores 0; best_index always lies in [0, V)): x_k is the
+                # argmax, without draws and without reading the row (nothing was parked in it).
+                if STORE_GREEDY:
+                    for start in range(0, V, BLOCK_V):
+                        lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+                        tl.store(out_row + lanes, (lanes == best_index).to(tl.float32), mask=lanes < V)
+                x_k = best_index.to(tl.int64)
+            else:
+                key = hash_key(seed_lo, seed_hi, rid, anchor + j + 1, PURPOSE_DRAFT + 16 * (j + 1))
+                race_score = -1.0
+                race_index = 0
+                for start in range(0, V, BLOCK_V):
+                    lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+                    mask = lanes < V
+                    x = tl.load(out_row + lanes, mask=mask, other=-float("inf"))  # [BLOCK_V]
+                    p = tl.math.div_rn(tl.exp(x - run_max), run_sum)  # [BLOCK_V] p_d
+                    tl.store(out_row + lanes, p, mask=mask)
+                    race_score, race_index = race_update(race_score, race_index, p, exponential_at(key, lanes),
+                                                         lanes, mask)
+                x_k = race_index.to(tl.int64)
+            tl.store(tokens_ptr + row * gamma + j, x_k)
+            prev = x_k
 
 
 @triton.jit(do_not_specialize=["j"])
@@ -417,6 +438,7 @@ def _draft_split_race_kernel(
     V,  # vocabulary size
     nb,  # NB, vocabulary blocks per row
     HAS_ROWS: tl.constexpr,  # probs rows come from probs_rows_ptr (else request i writes probs row i)
+    STORE_GREEDY: tl.constexpr,  # a greedy row writes its one-hot p_d (else it writes no probs at all)
     BLOCK_V: tl.constexpr,  # vocabulary block of one program
     BLOCK_NB: tl.constexpr,  # next power of two >= NB
 ):
@@ -450,7 +472,8 @@ def _draft_split_race_kernel(
             # the argmax, with score 1 from the block that holds it and 0 from the others, and race_winner picks it,
             # as the race would. Launch A did not write a greedy row's tempered logits either: nothing is read here.
             p = (lanes == best_index).to(tl.float32)  # [BLOCK_V] p_d
-            tl.store(out_row + lanes, p, mask=mask)
+            if STORE_GREEDY:
+                tl.store(out_row + lanes, p, mask=mask)
             race_score = tl.max(tl.where(mask, p, 0.0), axis=0)
             race_index = best_index.to(tl.int64)
         else:
@@ -541,6 +564,7 @@ def sample_draft_block(
     split_rows: int | None = None,
     probs_out: Tensor | None = None,
     probs_rows: Tensor | None = None,
+    store_greedy: bool = True,
 ) -> DraftOutput:
     """Sample a Markov-head block and its confidence logits (the loop in the module docstring).
 
@@ -573,6 +597,10 @@ def sample_draft_block(
             written to ``probs_out`` for it (its work is skipped) and its tokens and confidence logits are 0. Rows
             of ``probs_out`` that no entry names are left untouched (the torch backend rewrites slot 0 with the
             bits it ends up with anyway).
+        store_greedy: ``False``: a greedy row (``T = 0``) writes no ``p_d`` (its one-hot of ``x_k``, implicit for
+            ``verify.rejection_sample(draft_onehot=...)``): its rows of ``probs_out`` are left untouched, or, without
+            ``probs_out``, its rows of the returned ``probs`` are unspecified. Tokens, confidence logits and the other
+            rows' ``p_d`` are the same bits as with ``True``.
 
     Returns:
         :class:`reference.drafter.DraftOutput`: tokens ``[R, γ]`` int64, probs ``[R, γ, V]`` fp32 (with
@@ -622,9 +650,12 @@ def sample_draft_block(
                                         w1, w2, conf_w, conf_b.to(conf_w.dtype))
         if probs_out is None:
             return out
+        greedy = temperature == 0  # [R]
         if probs_rows is None:
-            return DraftOutput(tokens=out.tokens, probs=probs_out.copy_(out.probs), conf_logits=out.conf_logits)
-        _scatter_rows(probs_out, out.probs, probs_rows)
+            probs = out.probs if store_greedy else torch.where(greedy[:, None, None], probs_out, out.probs)  # [R, γ, V]
+            return DraftOutput(tokens=out.tokens, probs=probs_out.copy_(probs), conf_logits=out.conf_logits)
+        # Unstored greedy rows are scattered like padding: they leave their slots as they are.
+        _scatter_rows(probs_out, out.probs, probs_rows if store_greedy else torch.where(greedy, -1, probs_rows))
         live = probs_rows[:, None] >= 0  # [R, 1]
         return DraftOutput(tokens=torch.where(live, out.tokens, 0), probs=probs_out,
                            conf_logits=torch.where(live, out.conf_logits, 0.0))
@@ -647,7 +678,7 @@ def sample_draft_block(
         if rows != 1 and (rows < 16 or rows & (rows - 1)):
             raise ValueError(f"split_rows must be 1 or a power of two >= 16, got {rows}")
         _launch_split(out, base_logits, h, anchor_ids, anchor_pos, temperature, rid, w1, w2, conf_w, conf_b,
-                      lo, hi, block_r, block_d, rows, probs_rows)
+                      lo, hi, block_r, block_d, rows, probs_rows, store_greedy)
         return out
     block_v = max(16, min(MAX_BLOCK_V, W2_TILE_ELEMENTS // block_r, triton.next_power_of_2(V)))
     _sample_draft_block_kernel[(R,)](
@@ -657,8 +688,8 @@ def sample_draft_block(
         anchor_ids, anchor_pos, temperature, rid,
         w1, w2, conf_w, conf_b,
         lo, hi, gamma, V, d, r,
-        HAS_ROWS=probs_rows is not None, BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=block_r,
-        num_warps=NUM_WARPS,
+        HAS_ROWS=probs_rows is not None, STORE_GREEDY=store_greedy, BLOCK_V=block_v, BLOCK_D=block_d,
+        BLOCK_R=block_r, num_warps=NUM_WARPS,
     )
     return out
 
@@ -666,12 +697,13 @@ def sample_draft_block(
 def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: Tensor, anchor_pos: Tensor,
                   temperature: Tensor, rid: Tensor, w1: Tensor, w2: Tensor, conf_w: Tensor, conf_b: Tensor,
                   lo: int, hi: int, block_r: int, block_d: int, rows: int = 1,
-                  probs_rows: Tensor | None = None) -> None:
+                  probs_rows: Tensor | None = None, store_greedy: bool = True) -> None:
     """The split-vocabulary variant into ``out``: 2γ + 1 launches, no host syncs (CUDA-graph capturable).
 
     Inputs as :func:`sample_draft_block` after its checks (contiguous weights, fp32 ``temperature``); ``out.probs``
-    is ``[S, γ, V]`` when ``probs_rows`` is given. The per-block partials live in ``[R, NB]`` scratch tensors
-    allocated here.
+    is ``[S, γ, V]`` when ``probs_rows`` is given. Only the race launch writes greedy rows' ``p_d`` (the logits
+    launches never park them), so ``store_greedy`` goes to it alone. The per-block partials live in ``[R, NB]``
+    scratch tensors allocated here.
     """
     R, gamma, V = base_logits.shape
     d, r = h.shape[2], w1.shape[1]
@@ -711,7 +743,7 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
             out.probs, dest, anchor_pos, temperature, rid,
             block_max, block_sum, arg_value, arg_index, race_score, race_index,
             lo, hi, j, gamma, V, nb,
-            HAS_ROWS=has_rows, BLOCK_V=block_v, BLOCK_NB=block_nb,
+            HAS_ROWS=has_rows, STORE_GREEDY=store_greedy, BLOCK_V=block_v, BLOCK_NB=block_nb,
             num_warps=SPLIT_NUM_WARPS,
         )
     _draft_split_last_kernel[(R,)](out.tokens, dest, race_score, race_index, gamma, nb, HAS_ROWS=has_rows,
@@ -733,6 +765,7 @@ def sample_block(
     split_rows: int | None = None,
     probs_out: Tensor | None = None,
     probs_rows: Tensor | None = None,
+    store_greedy: bool = True,
 ) -> DraftOutput:
     """``drafter.sample_block`` with the Markov head fused; the RNN and "none" heads run the reference loop.
 
@@ -745,6 +778,8 @@ def sample_block(
         probs_out: a buffer for the draft distributions, as :func:`sample_draft_block` (Markov head only).
         probs_rows: ``[R]`` rows of ``probs_out`` to write, negative for padding, as :func:`sample_draft_block`
             (Markov head only; the other heads reject it).
+        store_greedy: ``False``: greedy rows write no ``p_d``, as :func:`sample_draft_block` (Markov head; the other
+            heads return every row's ``p_d`` regardless).
     """
     if drafter.config.head != "markov":
         if probs_out is not None or probs_rows is not None:
@@ -757,4 +792,4 @@ def sample_block(
     return sample_draft_block(base, h, anchor_ids, anchor_pos, temperature, seed, request_ids,
                               w1, w2, drafter.conf_head.weight, drafter.conf_head.bias,
                               backend=backend, split=split, split_rows=split_rows, probs_out=probs_out,
-                              probs_rows=probs_rows)
+                              probs_rows=probs_rows, store_greedy=store_greedy)

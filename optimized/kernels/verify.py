@@ -20,6 +20,13 @@ launch reduces the chunk winners (``common.race_winner``, the whole-row race's t
 ``ℓ`` is read from the device inside the kernel: a padded row has ``ℓ = 0`` and draws a bonus from its row 0
 (whatever it holds), so nothing on the host needs the lengths.
 
+Implicit one-hot drafts (``draft_onehot``). A greedy draft, or an n-gram proposal, was drawn from the one-hot of its
+own token, so its ``p_d`` rows need not exist in memory: a flagged row's ``p_d_k`` is taken to be the one-hot of
+``x_k`` and ``draft_probs`` is never read for it. The arithmetic is the explicit one-hot's: the accept test uses
+``p_d_k(x_k) = 1`` (``u <= p_t_k(x_k)``), and the residual ``max(0, p_t_n - p_d_n)`` is formed lane by lane as before
+with ``p_d_n`` = 1 at lane ``x_{n+1}`` and 0 elsewhere (for ``p_t_n <= 1``: ``p_t_n`` with that lane zeroed), so the
+tokens are bit-identical to passing the one-hot rows.
+
 Greedy verification folds each verified logit row's argmax over vocabulary chunks in parallel, then scans each
 request in a second launch. It reads the logits either blocked ``[R, γ+1, V]`` (the reference's layout) or packed
 as the verify forward wrote them, ``[N, V]`` with request ``r``'s rows from ``row_starts[r]`` on, in place.
@@ -95,23 +102,29 @@ def _empty_result(R: int, gamma: int, device: torch.device) -> VerifyResult:
 
 
 @triton.jit
-def _accept_scan(draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, target_probs_ptr,
-                 stride_tr, stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V, row):
+def _accept_scan(draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, draft_onehot_ptr,
+                 target_probs_ptr, stride_tr, stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V,
+                 row, HAS_ONEHOT: tl.constexpr):
     """Row ``row``'s serial accept scan and what its final draw reads: ``n`` accepted, whether a verified slot was
-    rejected, the draw's key, the ``p_t`` row ``n`` and the ``p_d`` row it subtracts, and how many lanes of that
-    ``p_d`` row to read (``V`` for a residual, 0 for a bonus)."""
+    rejected, the draw's key, the ``p_t`` row ``n`` and the ``p_d`` row it subtracts, how many lanes of that ``p_d``
+    row to read (``V`` for a residual of an explicit row, 0 for a bonus or an implicit one-hot row), and the lane of
+    an implicit one-hot ``p_d`` row (``x_{n+1}`` for its residual, -1: no lane, otherwise)."""
     ell = tl.load(verify_lens_ptr + row)
     rid = tl.load(request_ids_ptr + row)
     anchor = tl.load(anchor_pos_ptr + row)
     draft_row = draft_probs_ptr + row * stride_dr
     target_row = target_probs_ptr + row * stride_tr
+    explicit = ell >= 0  # True: p_d is in draft_probs; a tensor so that it combines with the loads below
+    if HAS_ONEHOT:
+        explicit = tl.load(draft_onehot_ptr + row) == 0
     # Slot j (k = j + 1) is tested only while every earlier slot was accepted.
     n = ell * 0  # int64 accepted count
     alive = ell >= 0  # True; a tensor so the loop can carry it
     for j in range(0, gamma):
         x = tl.load(draft_tokens_ptr + row * gamma + j)
         live = alive & (j < ell) & (x >= 0) & (x < V)
-        pd_x = tl.load(draft_row + j * stride_dk + x, mask=live, other=1.0).to(tl.float32)
+        # An implicit one-hot row is not read: `other` is its p_d(x) = 1.
+        pd_x = tl.load(draft_row + j * stride_dk + x, mask=live & explicit, other=1.0).to(tl.float32)
         pt_x = tl.load(target_row + j * stride_tk + x, mask=live, other=0.0).to(tl.float32)
         u = uniform_at(hash_key(seed_lo, seed_hi, rid, anchor + j + 1, PURPOSE_ACCEPT), 0)
         accepted = live & (u * pd_x <= pt_x)
@@ -122,16 +135,21 @@ def _accept_scan(draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, 
     purpose = tl.where(rejected, PURPOSE_RESIDUAL, PURPOSE_BONUS)
     key = hash_key(seed_lo, seed_hi, rid, anchor + n + 1, purpose)
     pt_ptr = target_row + n * stride_tk
-    pd_ptr = draft_row + tl.minimum(n, gamma - 1) * stride_dk
-    pd_len = tl.where(rejected, V, 0)  # p_d is read only for a residual; as a bound, not a scalar mask
-    return n, rejected, key, pt_ptr, pd_ptr, pd_len
+    pd_slot = tl.minimum(n, gamma - 1)
+    pd_ptr = draft_row + pd_slot * stride_dk
+    pd_len = tl.where(rejected & explicit, V, 0)  # p_d is read only for a residual; as a bound, not a scalar mask
+    # The rejected draft x_{n+1}: the hot lane of an implicit one-hot row (out of [0, V) it is the all-zero row).
+    pd_hot = tl.where(rejected & (explicit == 0), tl.load(draft_tokens_ptr + row * gamma + pd_slot), -1)
+    return n, rejected, key, pt_ptr, pd_ptr, pd_len, pd_hot
 
 
 @triton.jit
-def _races(pt_ptr, pd_ptr, pd_len, key, first, count, V, BLOCK_V: tl.constexpr):
+def _races(pt_ptr, pd_ptr, pd_len, pd_hot, key, first, count, V, HAS_ONEHOT: tl.constexpr, BLOCK_V: tl.constexpr):
     """The final draw's two races over lanes ``first .. first + count - 1`` (below ``V``), tile by tile in ascending
     order with the same uniforms: the residual ``max(0, p_t - p_d)`` and ``p_t`` itself. Returns each race's best
-    score and index, and the residual's largest value (zero means "all zero": the rounding fallback to ``p_t``)."""
+    score and index, and the residual's largest value (zero means "all zero": the rounding fallback to ``p_t``).
+    ``p_d`` is read from ``pd_ptr`` below lane ``pd_len``, else 0, with a 1 at lane ``pd_hot`` (an implicit one-hot
+    row's; -1 for none)."""
     res_score = -1.0
     res_index = 0
     res_mass = 0.0
@@ -142,6 +160,8 @@ def _races(pt_ptr, pd_ptr, pd_len, key, first, count, V, BLOCK_V: tl.constexpr):
         mask = lanes < V
         p_t = tl.load(pt_ptr + lanes, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_V]
         p_d = tl.load(pd_ptr + lanes, mask=lanes < pd_len, other=0.0).to(tl.float32)  # [BLOCK_V]
+        if HAS_ONEHOT:
+            p_d = tl.where(lanes == pd_hot, 1.0, p_d)  # [BLOCK_V] the explicit one-hot's values: 1, else 0
         residual = tl.maximum(p_t - p_d, 0.0)  # [BLOCK_V]
         e = exponential_at(key, lanes)  # [BLOCK_V] the same uniforms serve both races
         res_score, res_index = race_update(res_score, res_index, residual, e, lanes, mask)
@@ -157,9 +177,10 @@ def _rejection_sample_kernel(
     num_emitted_ptr,  # [R] int64 out: τ = n + 1
     draft_tokens_ptr,  # [R, γ] int64 drafts x_1..x_γ (contiguous)
     verify_lens_ptr,  # [R] int64 ℓ in 0..γ (device-side: padded rows have 0)
-    draft_probs_ptr,  # [R, γ, V] p_d (fp32/fp16/bf16), last dim contiguous
+    draft_probs_ptr,  # [R, γ, V] p_d (fp32/fp16/bf16), last dim contiguous; not read for a one-hot row
     stride_dr,  # draft_probs stride over R
     stride_dk,  # draft_probs stride over γ
+    draft_onehot_ptr,  # [R] bool: row r's p_d is the one-hot of its drafts (read if HAS_ONEHOT)
     target_probs_ptr,  # [R, γ+1, V] p_t (fp32/fp16/bf16), last dim contiguous
     stride_tr,  # target_probs stride over R
     stride_tk,  # target_probs stride over γ+1
@@ -169,14 +190,16 @@ def _rejection_sample_kernel(
     seed_hi,  # high 32 bits of the seed
     gamma,  # γ
     V,  # vocabulary size
+    HAS_ONEHOT: tl.constexpr,  # draft_onehot_ptr flags implicit one-hot rows (else every row's p_d is explicit)
     BLOCK_V: tl.constexpr,  # vocabulary tile of the final draw
     BLOCK_G: tl.constexpr,  # next power of two >= γ + 1 (output row)
 ):
     row = tl.program_id(0).to(tl.int64)
-    n, rejected, key, pt_ptr, pd_ptr, pd_len = _accept_scan(
-        draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, target_probs_ptr, stride_tr,
-        stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V, row)
-    res_score, res_index, res_mass, pt_score, pt_index = _races(pt_ptr, pd_ptr, pd_len, key, 0, V, V, BLOCK_V)
+    n, rejected, key, pt_ptr, pd_ptr, pd_len, pd_hot = _accept_scan(
+        draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, draft_onehot_ptr, target_probs_ptr,
+        stride_tr, stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V, row, HAS_ONEHOT)
+    res_score, res_index, res_mass, pt_score, pt_index = _races(pt_ptr, pd_ptr, pd_len, pd_hot, key, 0, V, V,
+                                                                HAS_ONEHOT, BLOCK_V)
     last = tl.where(rejected & (res_mass > 0.0), res_index, pt_index)
     _store_result(tokens_ptr, num_accepted_ptr, num_emitted_ptr, draft_tokens_ptr, row, gamma, n, last, BLOCK_G)
 
@@ -188,9 +211,10 @@ def _rejection_sample_split_kernel(
     res_mass_ptr,  # [R, NB] fp32 out: the residual's largest value in the chunk
     pt_score_ptr,  # [R, NB] fp32 out: the p_t race's best score in the chunk
     pt_index_ptr,  # [R, NB] int64 out: its index
-    draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, target_probs_ptr, stride_tr,
-    stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V,
+    draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, draft_onehot_ptr, target_probs_ptr,
+    stride_tr, stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V,
     NB,  # chunks per row
+    HAS_ONEHOT: tl.constexpr,  # as in _rejection_sample_kernel
     CHUNK: tl.constexpr,  # vocabulary lanes per program (a multiple of BLOCK_V)
     BLOCK_V: tl.constexpr,
 ):
@@ -198,11 +222,11 @@ def _rejection_sample_split_kernel(
     :func:`_rejection_sample_kernel` over lanes b·CHUNK .. (b+1)·CHUNK-1, tile by tile in ascending order."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    n, rejected, key, pt_ptr, pd_ptr, pd_len = _accept_scan(
-        draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, target_probs_ptr, stride_tr,
-        stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V, row)
-    res_score, res_index, res_mass, pt_score, pt_index = _races(pt_ptr, pd_ptr, pd_len, key, chunk * CHUNK, CHUNK,
-                                                                V, BLOCK_V)
+    n, rejected, key, pt_ptr, pd_ptr, pd_len, pd_hot = _accept_scan(
+        draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, draft_onehot_ptr, target_probs_ptr,
+        stride_tr, stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V, row, HAS_ONEHOT)
+    res_score, res_index, res_mass, pt_score, pt_index = _races(pt_ptr, pd_ptr, pd_len, pd_hot, key, chunk * CHUNK,
+                                                                CHUNK, V, HAS_ONEHOT, BLOCK_V)
     out = row * NB + chunk
     tl.store(res_score_ptr + out, res_score)
     tl.store(res_index_ptr + out, res_index.to(tl.int64))
@@ -215,18 +239,19 @@ def _rejection_sample_split_kernel(
 def _rejection_sample_split_reduce_kernel(
     tokens_ptr, num_accepted_ptr, num_emitted_ptr,  # outputs as in _rejection_sample_kernel
     res_score_ptr, res_index_ptr, res_mass_ptr, pt_score_ptr, pt_index_ptr,  # [R, NB] chunk partials
-    draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, target_probs_ptr, stride_tr,
-    stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V,
+    draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, draft_onehot_ptr, target_probs_ptr,
+    stride_tr, stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V,
     NB,
+    HAS_ONEHOT: tl.constexpr,  # as in _rejection_sample_kernel
     BLOCK_NB: tl.constexpr,  # next power of two >= NB
     BLOCK_G: tl.constexpr,
 ):
     """One program per row: the scan once more (for ``n``), then the two race winners and the residual's mass
     from the chunk partials, and the row's result exactly as :func:`_rejection_sample_kernel` writes it."""
     row = tl.program_id(0).to(tl.int64)
-    n, rejected, key, pt_ptr, pd_ptr, pd_len = _accept_scan(
-        draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, target_probs_ptr, stride_tr,
-        stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V, row)
+    n, rejected, key, _, _, _, _ = _accept_scan(
+        draft_tokens_ptr, verify_lens_ptr, draft_probs_ptr, stride_dr, stride_dk, draft_onehot_ptr, target_probs_ptr,
+        stride_tr, stride_tk, request_ids_ptr, anchor_pos_ptr, seed_lo, seed_hi, gamma, V, row, HAS_ONEHOT)
     res_index = race_winner(res_score_ptr, res_index_ptr, row, NB, BLOCK_NB)
     pt_index = race_winner(pt_score_ptr, pt_index_ptr, row, NB, BLOCK_NB)
     blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
@@ -235,8 +260,9 @@ def _rejection_sample_split_reduce_kernel(
     _store_result(tokens_ptr, num_accepted_ptr, num_emitted_ptr, draft_tokens_ptr, row, gamma, n, last, BLOCK_G)
 
 
-def _rejection_sample_torch(draft_tokens, verify_lens, draft_probs, target_probs, seed, rid, anchor):
-    """Torch fallback: the same arithmetic, vectorised over rows and slots (no host sync)."""
+def _rejection_sample_torch(draft_tokens, verify_lens, draft_probs, target_probs, seed, rid, anchor, draft_onehot):
+    """Torch fallback: the same arithmetic, vectorised over rows and slots (no host sync). A flagged row's ``p_d``
+    values are selected away (``torch.where``), so whatever ``draft_probs`` holds there never reaches a result."""
     R, gamma = draft_tokens.shape
     V = target_probs.shape[-1]
     p_t = target_probs.float()  # [R, γ+1, V]
@@ -246,6 +272,8 @@ def _rejection_sample_torch(draft_tokens, verify_lens, draft_probs, target_probs
     live = (k[None, :] <= verify_lens[:, None]) & (draft_tokens >= 0) & (draft_tokens < V)  # [R, γ]
     x = torch.where(live, draft_tokens, torch.zeros_like(draft_tokens))[..., None]  # [R, γ, 1]
     pd_x = p_d.gather(-1, x).squeeze(-1)  # [R, γ]
+    if draft_onehot is not None:
+        pd_x = torch.where(draft_onehot[:, None], 1.0, pd_x)  # [R, γ] a one-hot row's p_d_k(x_k) = 1
     pt_x = p_t[:, :gamma].gather(-1, x).squeeze(-1)  # [R, γ]
     positions = anchor[:, None] + k[None, :]  # [R, γ] P + k
     u = hash_uniform(seed, rid[:, None], positions, int(Purpose.ACCEPT), 0, backend="torch")  # [R, γ]
@@ -255,6 +283,10 @@ def _rejection_sample_torch(draft_tokens, verify_lens, draft_probs, target_probs
     rows = torch.arange(R, device=dev)
     pt_n = p_t[rows, n]  # [R, V]
     pd_n = p_d[rows, n.clamp(max=gamma - 1)]  # [R, V]
+    if draft_onehot is not None:  # the one-hot of the rejected draft x_{n+1} (all zero when it lies outside [0, V))
+        x_n = draft_tokens[rows, n.clamp(max=gamma - 1)]  # [R]
+        hot = (torch.arange(V, device=dev)[None, :] == x_n[:, None]).float()  # [R, V]
+        pd_n = torch.where(draft_onehot[:, None], hot, pd_n)  # [R, V]
     residual = (pt_n - pd_n).clamp(min=0)  # [R, V]
     residual = torch.where((residual.amax(-1) > 0)[:, None], residual, pt_n)  # rounding fallback to p_t
     dist = torch.where(rejected[:, None], residual, pt_n)  # [R, V]
@@ -274,13 +306,15 @@ def rejection_sample(
     backend: str = "auto",
     *,
     split: bool | None = None,
+    draft_onehot: Tensor | None = None,
 ) -> VerifyResult:
     """Verify each request's first ``ℓ_r`` drafts; twin of ``reference.verify.rejection_sample``.
 
     Args:
         draft_tokens: ``[R, γ]`` int64 drafts ``x_1..x_γ``; slots past ``ℓ_r`` are ignored.
         verify_lens: ``[R]`` int64 ``ℓ_r`` in 0..γ (device tensor; 0 for padded rows).
-        draft_probs: ``[R, γ, V]`` p_d each draft was sampled from (fp32/fp16/bf16).
+        draft_probs: ``[R, γ, V]`` p_d each draft was sampled from (fp32/fp16/bf16); rows flagged in
+            ``draft_onehot`` are never read (they may hold anything, NaN included).
         target_probs: ``[R, γ+1, V]`` p_t rows; row ``i`` is for position ``P + i + 1``.
         seed: generation seed.
         request_ids: ``[R]`` request ids.
@@ -289,6 +323,9 @@ def rejection_sample(
         split: Triton variant: ``True`` gives each row's final draw ``VERIFY_SPLIT_CHUNK``-lane programs and reduces
             their winners in a second launch; ``False`` one program per row; ``None`` splits on CUDA below
             ``VERIFY_SPLIT_MAX_R`` rows. Same tokens either way.
+        draft_onehot: optional ``[R]`` bool device tensor: where true, row ``r``'s ``p_d_k`` is the one-hot of
+            ``draft_tokens[r, k-1]`` at every slot (a greedy draft's or an n-gram proposal's) and ``draft_probs[r]`` is
+            not read. The result is bit-identical to passing those one-hot rows in ``draft_probs``.
 
     Returns:
         :class:`reference.verify.VerifyResult` (tokens ``[R, γ+1]``, num_accepted ``[R]``, num_emitted ``[R]``).
@@ -301,25 +338,32 @@ def rejection_sample(
     if not (draft_probs.dtype.is_floating_point and target_probs.dtype.is_floating_point):
         raise ValueError(f"probabilities must be float tensors, got {draft_probs.dtype} and {target_probs.dtype}")
     dev = target_probs.device
+    if draft_onehot is not None and (draft_onehot.shape != (R,) or draft_onehot.dtype != torch.bool
+                                     or draft_onehot.device != dev):
+        raise ValueError(f"draft_onehot must be a bool [R={R}] tensor on {dev}, got {draft_onehot.dtype} "
+                         f"{tuple(draft_onehot.shape)} on {draft_onehot.device}")
     rid = per_row_words(request_ids, R, dev, "request_ids")  # [R]
     anchor = per_row_words(anchor_positions, R, dev, "anchor_positions")  # [R]
     lo, hi = split_seed(seed)
     if resolve_backend(backend, target_probs) == "torch":
-        return _rejection_sample_torch(draft_tokens, verify_lens, draft_probs, target_probs, seed, rid, anchor)
+        return _rejection_sample_torch(draft_tokens, verify_lens, draft_probs, target_probs, seed, rid, anchor,
+                                       draft_onehot)
     out = _empty_result(R, gamma, dev)
     if R == 0:
         return out
     draft_probs = draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous()
     target_probs = target_probs if target_probs.stride(-1) == 1 else target_probs.contiguous()
+    has_onehot = draft_onehot is not None
+    onehot = draft_onehot.contiguous() if has_onehot else verify_lens  # [R]; any pointer when unread
     inputs = (draft_tokens.contiguous(), verify_lens.contiguous(), draft_probs, draft_probs.stride(0),
-              draft_probs.stride(1), target_probs, target_probs.stride(0), target_probs.stride(1), rid, anchor, lo, hi,
-              gamma, V)  # what every variant's kernels read
+              draft_probs.stride(1), onehot, target_probs, target_probs.stride(0), target_probs.stride(1), rid, anchor,
+              lo, hi, gamma, V)  # what every variant's kernels read
     block_g = triton.next_power_of_2(gamma + 1)
     if split is None:
         split = target_probs.is_cuda and R < VERIFY_SPLIT_MAX_R
     if not split:
         _rejection_sample_kernel[(R,)](out.tokens, out.num_accepted, out.num_emitted, *inputs,
-                                       BLOCK_V=RACE_BLOCK_V, BLOCK_G=block_g)
+                                       HAS_ONEHOT=has_onehot, BLOCK_V=RACE_BLOCK_V, BLOCK_G=block_g)
         return out
     chunk = VERIFY_SPLIT_CHUNK
     nb = triton.cdiv(V, chunk)
@@ -327,9 +371,9 @@ def rejection_sample(
     res_score, res_mass, pt_score = (torch.empty(R, nb, **partial) for _ in range(3))  # [R, NB] each
     res_index, pt_index = (torch.empty(R, nb, dtype=torch.int64, device=dev) for _ in range(2))  # [R, NB] each
     _rejection_sample_split_kernel[(R, nb)](res_score, res_index, res_mass, pt_score, pt_index, *inputs, nb,
-                                            CHUNK=chunk, BLOCK_V=min(RACE_BLOCK_V, chunk))
+                                            HAS_ONEHOT=has_onehot, CHUNK=chunk, BLOCK_V=min(RACE_BLOCK_V, chunk))
     _rejection_sample_split_reduce_kernel[(R,)](out.tokens, out.num_accepted, out.num_emitted, res_score, res_index,
-                                                res_mass, pt_score, pt_index, *inputs, nb,
+                                                res_mass, pt_score, pt_index, *inputs, nb, HAS_ONEHOT=has_onehot,
                                                 BLOCK_NB=triton.next_power_of_2(nb), BLOCK_G=block_g, num_warps=1)
     return out
 

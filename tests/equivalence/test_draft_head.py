@@ -18,6 +18,7 @@ span several blocks and end in a partial one (the cross-block reductions are wha
 
 ``probs_rows`` (the engine's per-slot output) only moves where ``p_d`` is stored: every backend must give the block
 of the same call without it bit for bit (``torch.equal``), and leave the buffer's other rows as they were.
+``store_greedy=False`` only drops the greedy rows' (one-hot) stores: the rest stays bit for bit.
 """
 
 from __future__ import annotations
@@ -174,6 +175,38 @@ def test_probs_rows_padding_writes_nothing(backend, variant):
     got = fast.sample_block(drafter, h, anchor_ids, anchor_pos, temperature, 13, request_ids, **variant,
                             probs_out=buffer, probs_rows=torch.full_like(rows, -1))
     assert bool(buffer.isnan().all()) and not got.tokens.any() and not got.conf_logits.any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rows", [None, [5, 2, -1, 0, 7], [3, 0, 6, -1, 8]])
+def test_store_greedy_false_writes_no_greedy_rows(backend, variant, rows):
+    """``store_greedy=False``: greedy rows (requests 1 and 4, T = 0) write nothing, so their rows of the buffer keep
+    the sentinel; the sampled rows' p_d, every token and every confidence logit are the bits of the default call,
+    whose greedy rows are the one-hot of their own tokens (the implicit p_d the verifier assumes). Without probs_rows,
+    and with slots that include padding (request 2 or 3) and slot 0 owned by a sampled or by a greedy request."""
+    R, gamma, V, rank, slots = 5, 3, 211, 8, 9
+    drafter = on_device(make_drafter(V, gamma, rank, seed=7))
+    h, anchor_ids, anchor_pos, temperature, request_ids = to_device(*make_inputs(R, gamma, V, seed=8))
+    greedy = temperature == 0  # [R]
+    assert greedy.tolist() == [False, True, False, False, True]
+    want = fast.sample_block(drafter, h, anchor_ids, anchor_pos, temperature, 2**34 + 5, request_ids, **variant)
+    one_hot = (torch.arange(V, device=DEVICE)[None, None, :] == want.tokens[..., None]).float()  # [R, γ, V]
+    assert torch.equal(want.probs[greedy], one_hot[greedy])
+    if rows is None:
+        dest, buffer = torch.arange(R, device=DEVICE), torch.full((R, gamma, V), SENTINEL, device=DEVICE)
+    else:
+        dest, buffer = torch.tensor(rows, device=DEVICE), torch.full((slots, gamma, V), SENTINEL, device=DEVICE)
+    got = fast.sample_block(drafter, h, anchor_ids, anchor_pos, temperature, 2**34 + 5, request_ids, **variant,
+                            probs_out=buffer, probs_rows=None if rows is None else dest.to(torch.int32),
+                            store_greedy=False)
+    live = dest >= 0  # [R]
+    assert torch.equal(got.tokens[live], want.tokens[live]) and not got.tokens[~live].any()
+    assert torch.equal(got.conf_logits[live], want.conf_logits[live]) and not got.conf_logits[~live].any()
+    stored = live & ~greedy  # [R] the sampled live requests
+    assert torch.equal(buffer[dest[stored]], want.probs[stored])
+    written = torch.zeros(buffer.shape[0], dtype=torch.bool, device=DEVICE)
+    written[dest[stored]] = True
+    assert bool(buffer[~written].isnan().all())  # greedy requests' slots, padding, slots no request names
 
 
 def test_probs_rows_needs_a_buffer():

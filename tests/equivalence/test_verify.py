@@ -29,13 +29,13 @@ RS_BACKENDS = [pytest.param("triton", marks=needs_triton), pytest.param("triton-
 SPLIT_TEST_CHUNK = 32
 
 
-def rejection_sample(*args, backend: str) -> ref.VerifyResult:
+def rejection_sample(*args, backend: str, **kwargs) -> ref.VerifyResult:
     """``fast.rejection_sample`` with ``backend`` one of RS_BACKENDS (``triton`` is the one-program kernel)."""
     if backend != "triton-split":
-        return fast.rejection_sample(*args, backend=backend, split=False if backend == "triton" else None)
+        return fast.rejection_sample(*args, backend=backend, split=False if backend == "triton" else None, **kwargs)
     chunk, fast.VERIFY_SPLIT_CHUNK = fast.VERIFY_SPLIT_CHUNK, SPLIT_TEST_CHUNK
     try:
-        return fast.rejection_sample(*args, backend="triton", split=True)
+        return fast.rejection_sample(*args, backend="triton", split=True, **kwargs)
     finally:
         fast.VERIFY_SPLIT_CHUNK = chunk
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -148,6 +148,79 @@ def test_rejection_sample_is_lossless():
     counts = torch.bincount(out.tokens[:, 0].cpu(), minlength=4).double()
     expected = p_t.double() / p_t.double().sum() * R
     assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def make_onehot_case(R: int, gamma: int, V: int, dtype: torch.dtype, seed: int):
+    """A mixed batch with implicit one-hot drafts: ``flags`` [R] marks the rows whose p_d is the one-hot of their own
+    drafts (greedy drafts or n-gram proposals), every third row unflagged with its real p_d. Flagged rows of every
+    second kind verify against a greedy (one-hot) p_t whose argmax is the draft about half the time; the others
+    against a sampled p_t. Row 0 is padding (ℓ = 0, drafts -1, NaN past ℓ), as in :func:`make_case`.
+
+    Returns ``(drafts, lens, explicit, garbage, p_t, rid, anchor, flags)``: ``explicit`` holds the one-hot rows, and
+    ``garbage`` the same p_d with NaN and huge values in the flagged rows (which must not be read)."""
+    drafts, lens, p_d, p_t, rid, anchor = make_case(R, gamma, V, torch.float32, seed, agreement=0.5)
+    gen = torch.Generator().manual_seed(seed)
+    flags = torch.arange(R) % 3 != 2  # [R]
+    greedy_target = flags & (torch.arange(R) % 2 == 1)  # [R] one-hot p_t as well (a greedy request)
+    follow = torch.rand(R, gamma + 1, generator=gen) < 0.5  # [R, γ+1] the target's argmax is the draft
+    argmax = torch.randint(0, V, (R, gamma + 1), generator=gen)  # [R, γ+1]
+    argmax[:, :gamma] = torch.where(follow[:, :gamma], drafts.cpu().clamp(min=0), argmax[:, :gamma])
+    one_hot_t = torch.nn.functional.one_hot(argmax, V).float()  # [R, γ+1, V]
+    p_t = torch.where(greedy_target[:, None, None], one_hot_t, p_t.cpu())  # [R, γ+1, V]
+    slot = torch.arange(gamma + 1)[None, :]
+    p_t[slot > lens.cpu()[:, None]] = float("nan")  # rows past ℓ are never read
+    one_hot_d = (torch.arange(V)[None, None, :] == drafts.cpu()[..., None]).float()  # [R, γ, V] (drafts -1: zeros)
+    explicit = torch.where(flags[:, None, None], one_hot_d, p_d.cpu())  # [R, γ, V]
+    junk = torch.tensor([float("nan"), 1e30, -5.0])[torch.arange(gamma * V) % 3].reshape(gamma, V)  # [γ, V]
+    garbage = torch.where(flags[:, None, None], junk, p_d.cpu())  # [R, γ, V]
+    to = lambda t: t.to(DEVICE)
+    return (drafts, lens, to(explicit.to(dtype)), to(garbage.to(dtype)), to(p_t.to(dtype)), rid, anchor,
+            to(flags))
+
+
+@pytest.mark.parametrize("backend", RS_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R,gamma,V", [(1, 1, 97), (6, 4, 97), (9, 7, 130)])
+def test_rejection_sample_implicit_onehot(backend, dtype, R, gamma, V):
+    """``draft_onehot``: flagged rows take p_d as the one-hot of their drafts and never read ``draft_probs`` (NaN and
+    junk there), unflagged rows use theirs; tokens, accepted and emitted counts are identical to the explicit one-hot
+    rows' (fast, and the reference's), with greedy and sampled target rows in one batch."""
+    for seed in range(2):
+        drafts, lens, explicit, garbage, p_t, rid, anchor, flags = make_onehot_case(R, gamma, V, dtype, 17 * R + seed)
+        want = reference_rejection_sample(drafts, lens, explicit, p_t, 2**36 + seed, rid, anchor)
+        assert_same(rejection_sample(drafts, lens, explicit, p_t, 2**36 + seed, rid, anchor, backend=backend), want)
+        got = rejection_sample(drafts, lens, garbage, p_t, 2**36 + seed, rid, anchor, backend=backend,
+                               draft_onehot=flags)
+        assert_same(got, want)
+        if backend == "torch":
+            continue
+        twin = fast.rejection_sample(drafts, lens, garbage, p_t, 2**36 + seed, rid, anchor, draft_onehot=flags,
+                                     backend="torch")  # Triton against the torch twin directly
+        for field in ("tokens", "num_accepted", "num_emitted"):
+            assert torch.equal(getattr(got, field), getattr(twin, field)), field
+
+
+@pytest.mark.parametrize("backend", RS_BACKENDS)
+def test_rejection_sample_implicit_onehot_exercises_every_branch(backend):
+    """A larger mixed batch: flagged rows accept, reject (a residual of p_t minus the implicit one-hot) and draw
+    bonuses; a flagged row whose p_t is half its one-hot (unnormalised) takes the residual's rounding fallback. All
+    equal to the explicit one-hot rows."""
+    R, gamma, V = 40, 4, 97
+    drafts, lens, explicit, garbage, p_t, rid, anchor, flags = make_onehot_case(R, gamma, V, torch.float32, 5)
+    lens[1:] = torch.randint(1, gamma + 1, (R - 1,), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    p_t = p_t.nan_to_num(0.25)  # every row verified now: no NaN left in rows 0..ℓ
+    p_t[3] = torch.cat([explicit[3], explicit[3, :1]]) * 0.5  # flagged row 3: accept iff u <= 1/2, else the fallback
+    want = reference_rejection_sample(drafts, lens, explicit, p_t, 9, rid, anchor)
+    got = rejection_sample(drafts, lens, garbage, p_t, 9, rid, anchor, backend=backend, draft_onehot=flags)
+    assert_same(got, want)
+    hot = flags & (lens > 0)
+    assert bool((hot & (got.num_accepted < lens)).any()) and bool((hot & (got.num_accepted == lens)).any())
+    assert bool((hot & (got.num_accepted > 0)).any())
+    everything = torch.ones(R, dtype=torch.bool, device=DEVICE)  # a batch of one-hot rows only, p_d never read
+    nan = torch.full_like(explicit, float("nan"))
+    all_hot = rejection_sample(drafts, lens, nan, p_t, 9, rid, anchor, backend=backend, draft_onehot=everything)
+    one_hot_d = (torch.arange(V, device=DEVICE)[None, None, :] == drafts[..., None]).float()  # [R, γ, V]
+    assert_same(all_hot, reference_rejection_sample(drafts, lens, one_hot_d, p_t, 9, rid, anchor))
 
 
 # --------------------------------------------------------------------------- greedy_verify
@@ -318,3 +391,6 @@ def test_bad_inputs_fail_fast():
         fast.greedy_verify(drafts, lens, packed.long(), row_starts=cu)
     with pytest.raises(ValueError, match="target_probs"):
         fast.rejection_sample(drafts, lens, torch.zeros(2, 3, 5), torch.zeros(2, 3, 5), 0, lens, lens)
+    with pytest.raises(ValueError, match="draft_onehot"):
+        fast.rejection_sample(drafts, lens, torch.zeros(2, 3, 5), torch.zeros(2, 4, 5), 0, lens, lens,
+                              draft_onehot=lens)  # int64, not bool
