@@ -19,6 +19,7 @@ Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix sur
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -72,7 +73,9 @@ class Engine:
         # can emit per request (keyed by id(seq)), and the block drafted behind it whose survivals are not recorded.
         self._in_flight: tuple[StepPlan, LaunchedVerify] | None = None
         self._reach: dict[int, int] = {}
-        self._pending: tuple[list[Sequence], torch.Tensor] | None = None
+        # Blocks drafted one step ahead whose survivals are not recorded yet (seqs, host copy, its copy's event),
+        # oldest first: at most one between steps, two within one.
+        self._pending: deque[tuple[list[Sequence], torch.Tensor, torch.cuda.Event | None]] = deque()
         self.reset_stats()
 
     @property
@@ -170,7 +173,7 @@ class Engine:
                              "drafter: build a separate engine (mode none never drafts, the others need a drafter)")
         if sched.mode.needs_cost_table and self.cost is None:
             raise ValueError(f"mode '{sched.mode}' needs a cost table: call set_cost_table first")
-        self._pending = None  # a block drafted one step ahead for requests that have all finished since
+        self._pending.clear()  # blocks drafted one step ahead for requests that have all finished since
         self.scheduler.set_config(sched)
 
     def warmup(self) -> float:
@@ -208,11 +211,11 @@ class Engine:
 
     def reset_stats(self) -> None:
         """Zero the cumulative counters in ``stats``: steps, drafting steps (of which ``draft_ahead_steps`` drafted
-        before the token read, see ``EngineConfig.draft_ahead``; ``drafts_dropped`` counts early drafts that nobody
-        kept: the gate closed once some requests had finished), seconds of step, of host planning on the critical path
-        (``host_schedule_s``) and of planning done while the device verified (``host_ahead_s``), steps that ran prompt
-        chunks (``prefill_steps``) and the seconds of their prefill stage (``prefill_s``: launch to the read of the
-        first tokens, which waits for the prefill's device work when a prompt completes)."""
+        before the token read: ``EngineConfig.draft_ahead``, or one step ahead; ``drafts_dropped`` counts early drafts
+        that nobody kept: the gate closed once some requests had finished), seconds of step, of host planning on the
+        critical path (``host_schedule_s``) and of planning done while the device verified (``host_ahead_s``), steps
+        that ran prompt chunks (``prefill_steps``) and the seconds of their prefill stage (``prefill_s``: launch to
+        the read of the first tokens, which waits for the prefill's device work when a prompt completes)."""
         self.stats = {"steps": 0, "draft_steps": 0, "draft_ahead_steps": 0, "drafts_dropped": 0,
                       "host_schedule_s": 0.0, "host_ahead_s": 0.0, "step_s": 0.0, "prefill_steps": 0, "prefill_s": 0.0}
 
@@ -254,48 +257,72 @@ class Engine:
 
     def _step_one_ahead(self) -> list[StepOutput]:
         """A step launched before the previous step's tokens are read: plan and launch this step's verify (each
-        request's anchor and its drafts are on the device already), then read and commit the previous step's tokens
-        while the device runs it, then let the draft gate decide — on the committed tokens — whether the requests
-        draft the next block, launched behind this verify.
+        request's anchor and its drafts are on the device already), let the draft gate decide on the tokens committed
+        so far and launch the next block's draft behind the verify, then read and commit the previous step's tokens
+        while the device runs both. The device's queue never waits for the host's commit.
 
         The plan is made before the previous step's tokens are committed, so a request that finished in that step
-        may be verified once more here (its row is dropped when this step is read), and the adaptive budget reads
-        survivals one draft older than the synchronous engine would (the draft this step verifies is still on its way
-        to the host: ``Scheduler.schedule(ahead=1)``). Requests the step in flight surely finishes by length are
-        left out. Plain decoding (``none``, or a gate that stays closed) is this same loop without the draft."""
+        may be verified, and drafted for, once more (its rows are dropped when this step is read), and the adaptive
+        budget reads survivals one draft older than the synchronous engine would (the draft this step verifies is
+        still on its way to the host: ``Scheduler.schedule(ahead=1)``). Requests the step in flight surely finishes by
+        length are left out. A request whose next block might not fit its slot after the steps in flight drafts after
+        the read instead (:meth:`_draft_late`). Plain decoding (``none``, or a gate that stays closed) is this same
+        loop without the draft."""
         t0 = time.perf_counter()
-        plan = self._schedule(exclude=self._surely_done, unrecorded=int(self._pending is not None))
+        plan = self._schedule(exclude=self._surely_done, unrecorded=len(self._pending))
         t1 = time.perf_counter()
         outputs = self._prefill(plan)  # its read waits for the step in flight too (one stream)
         launched = None
         if plan.decoding:
             self._monitor_launch(plan)
             launched = self.runner.launch_verify(plan)
-        previous = self._in_flight
+        previous, reach_before = self._in_flight, self._reach
         self._in_flight = (plan, launched) if launched is not None else None
         self._reach = self._reach_of(plan) if launched is not None else {}
+        drafters = self._draft_early(reach_before)
         if previous is not None:
             done_plan, done = previous
             out = self.runner.collect_verify(done)
-            # The survivals of the drafts that step verified: recorded at the previous call, before its gate.
+            # The survivals of the drafts that step verified: recorded at the previous call.
             self._verified = out
             self._survivals = [s.survivals[-1] if done_plan.mode.drafts and s.survivals else None for s in out.seqs]
             outputs += self._commit(out)
-        self._record_pending()
-        drafted, drained = self._draft_next()
-        outputs += drained
+        self._record_pending(keep_last=int(bool(drafters)))
+        drafted = bool(drafters)
+        self.stats["draft_ahead_steps"] += drafted  # drafted before the token read
+        if drafters is None:  # a block might not fit before the read: draft now, after it
+            drafted, drained = self._draft_late()
+            outputs += drained
         # The statistics describe the step whose tokens were read (none: only this step's prefill, if any).
         self._account(done_plan if previous is not None else StepPlan(plan.prefill, [], plan.mode), t0, t1 - t0,
                       drafted)
         return outputs
 
-    def _draft_next(self) -> tuple[bool, list[StepOutput]]:
-        """One step ahead: the draft gate on the requests decoding after this read, and, if they draft, their next
-        block launched behind the verify in flight (its survivals recorded at the next call, once their copy has
-        landed). A block that could run past the end of a request's slot after the step in flight (it may emit up to
-        ℓ + 1 tokens) waits for that step's read. Returns whether the drafter ran and the outputs of such a read."""
+    def _draft_early(self, reach_before: dict[int, int]) -> list[Sequence] | None:
+        """One step ahead, before the read: the draft gate on the requests decoding now (the tokens committed so far)
+        and, if they draft, their next block launched behind the verify just launched. Returns who drafted ([] when
+        the gate said no), or None when a block might not fit a slot after the two steps in flight (each emits up to
+        ℓ + 1 tokens): then the draft waits for the read (:meth:`_draft_late`), and so does the gate.
+
+        The drafters are this step's requests and those that start decoding with it (their prompt ended in this
+        call); not those the step in flight surely finishes, which this step left out."""
         if not self.sched_config.mode.drafts:
-            return False, []
+            return []
+        reach = self._reach
+        seqs = [s for s in self.scheduler.decoding() if id(s) in reach or id(s) not in reach_before]
+        if any(self.scheduler.slot_full(s.anchor_pos + reach_before.get(id(s), 0) + reach.get(id(s), 0))
+               for s in seqs):
+            return None
+        drafters = self.scheduler.drafters(seqs)
+        if drafters:
+            self._launch_pending(drafters)
+        return drafters
+
+    def _draft_late(self) -> tuple[bool, list[StepOutput]]:
+        """One step ahead, after the read: the draft gate on the requests decoding now, and, if they draft, their next
+        block launched behind the verify in flight; one that could run past the end of its slot after that step
+        (it may emit up to ℓ + 1 tokens) waits for that step's read too. Returns whether the drafter ran and the
+        outputs of such a read."""
         drafters = self.scheduler.drafters()
         if not drafters:
             return False, []
@@ -305,18 +332,23 @@ class Engine:
             drafters = [s for s in drafters if not s.finished]
             if not drafters:
                 return False, drained
-        self._pending = (drafters, self._launch_draft(drafters, blocking=False))
+        self._launch_pending(drafters)
         return True, drained
 
-    def _record_pending(self) -> None:
-        """Record the survivals of the block drafted one step ahead, once their copy to the host has landed (the
-        device has then finished that draft; the verify queued behind it keeps it busy)."""
-        if self._pending is None:
-            return
-        seqs, survivals = self._pending
-        self._pending = None
-        self.runner.wait_for_drafts()
-        self.scheduler.record_drafts(seqs, survivals)
+    def _launch_pending(self, seqs: list[Sequence]) -> None:
+        """Launch the drafter for ``seqs`` without waiting; its survivals are recorded once their copy has landed."""
+        host = self._launch_draft(seqs, blocking=False)
+        self._pending.append((seqs, host, self.runner.draft_copied))
+
+    def _record_pending(self, keep_last: int = 0) -> None:
+        """Record the survivals of the blocks drafted one step ahead, oldest first, once their copies to the host have
+        landed (the device has then finished those drafts; what is queued behind them keeps it busy), leaving the
+        newest ``keep_last`` in flight."""
+        while len(self._pending) > keep_last:
+            seqs, survivals, copied = self._pending.popleft()
+            if copied is not None:
+                copied.synchronize()  # sync: this draft's copy only, not the work queued behind it
+            self.scheduler.record_drafts(seqs, survivals)
 
     def _drain(self) -> list[StepOutput]:
         """Read and commit the step in flight, if any, and record the pending draft: what an engine one step ahead

@@ -543,6 +543,12 @@ class ModelRunner:
             self._drafts_copied.record()  # after the copy: wait_for_drafts waits for exactly this much of the stream
         return host
 
+    @property
+    def draft_copied(self) -> torch.cuda.Event | None:
+        """The event recorded after the last non-blocking copy of survivals (None on the CPU, or once waited for): an
+        engine with two drafts in flight waits for each one's copy on its own event."""
+        return self._drafts_copied
+
     def wait_for_drafts(self) -> None:
         """Wait until the last draft's host copy of the survivals has landed (it was issued without waiting).
 

@@ -549,10 +549,13 @@ class Scheduler:
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
         return any(s in text for s in seq.params.stop)
 
-    def drafters(self) -> list[Sequence]:
-        """The requests that draft at the end of this step for the next one: every decoding request, or nobody when
-        the draft gate closes (or there is no drafter)."""
-        seqs = self.decoding() if self.config.mode.drafts else []
+    def drafters(self, seqs: list[Sequence] | None = None) -> list[Sequence]:
+        """The requests that draft at the end of this step for the next one: every decoding request (or ``seqs``, an
+        engine one step ahead drafting before its read), or nobody when the draft gate closes (or there is no
+        drafter)."""
+        if seqs is None:
+            seqs = self.decoding()
+        seqs = seqs if self.config.mode.drafts else []
         self.drafted = bool(seqs) and self.gate.decide(seqs)
         return seqs if self.drafted else []
 

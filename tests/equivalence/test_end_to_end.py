@@ -273,7 +273,7 @@ def _run_one_ahead(target, drafter, mode: str, one_ahead: bool, temperature: flo
     while engine.has_unfinished():
         for out in engine.step():
             streamed[out.request_id] += out.new_token_ids
-        behind += engine._in_flight is not None and engine._pending is not None
+        behind += engine._in_flight is not None and bool(engine._pending)
         steps += 1
         if steps == 3:
             engine.add_request(prompts[3], params[3], request_id=3)
@@ -282,6 +282,8 @@ def _run_one_ahead(target, drafter, mode: str, one_ahead: bool, temperature: flo
             assert engine.abort(4)
     seqs = [engine.sequence(r) for r in prompts]
     runs = [(s.output_ids, s.verify_lengths, s.finish_reason) for s in seqs]
+    if one_ahead and mode != "none":  # most blocks were drafted before the read; after it only near a slot's end
+        assert engine.stats["draft_ahead_steps"] >= engine.stats["draft_steps"] - 8, engine.stats
     return runs, [streamed[r] for r in prompts] == [s.output_ids for s in seqs], behind
 
 
