@@ -8,7 +8,8 @@ Kinds (one renderer each, below): ``provenance``, ``engine-throughput``, ``cost-
 ``acceptance``, ``training``, ``kernels``, ``calibration``, ``calibration-methods``, ``gpu-equivalence``,
 ``summary``, ``serving`` and ``startup`` (scripts/bench_serving.py), ``startup-launches``
 (scripts/bench_startup.py), ``server-overhead``
-(scripts/bench_server_overhead.py), ``linear-chain`` (scripts/bench_linear.py), ``engine-ab`` (alternating
+(scripts/bench_server_overhead.py), ``step-cost`` (scripts/report_step_cost.py), ``linear-chain``
+(scripts/bench_linear.py), ``engine-ab`` (alternating
 scripts/bench_engine.py runs of one switch, merged into one file), and ``checkpoint`` (how a shipped drafter was
 made, from its ``summary.json``).
 An unknown kind, a missing file or a file without the expected fields fails the build.
@@ -120,19 +121,28 @@ def engine_throughput(page_dir: Path, files: list[str]) -> str:
     return _table(header, rows) + "\nOutput tokens per second; the best policy of each batch size in bold.\n"
 
 
+def _base(label: str) -> str:
+    """A policy label's mode: ``"fixed:7+async"`` -> ``"fixed:7"`` (the suffix names an engine variant)."""
+    return label.partition("+")[0]
+
+
 def frontier(data: dict) -> list[dict]:
-    """Per batch: plain decoding, the best speculative policy, and the verdict (ratios inside 1 ± SPREAD tie)."""
+    """Per batch: plain decoding at its best (``none`` or a pipelined variant), the best speculative policy, and the
+    verdict (ratios inside 1 ± SPREAD tie); ``adaptive`` is its best variant."""
     batches, labels, tps = _engine_rows(data)
     out = []
     for b in batches:
-        none = tps[b]["none"]
-        spec = {lab: tps[b][lab] for lab in labels if lab != "none" and lab in tps[b]}
+        plain = {lab: tps[b][lab] for lab in labels if _base(lab) == "none" and lab in tps[b]}
+        none_label = max(plain, key=plain.get)
+        none = plain[none_label]
+        spec = {lab: tps[b][lab] for lab in labels if _base(lab) != "none" and lab in tps[b]}
         best = max(spec, key=spec.get)
         ratio = spec[best] / none
         verdict = ("speculation helps" if ratio > 1 + SPREAD else
                    "plain decoding is faster" if ratio < 1 - SPREAD else "a tie (within the spread)")
-        out.append({"batch": b, "none": none, "best": best, "best_tps": spec[best], "ratio": ratio,
-                    "adaptive": spec.get("adaptive", float("nan")) / none, "verdict": verdict})
+        adaptive = max((v for lab, v in spec.items() if _base(lab) == "adaptive"), default=float("nan"))
+        out.append({"batch": b, "none": none, "none_label": none_label, "best": best, "best_tps": spec[best],
+                    "ratio": ratio, "adaptive": adaptive / none, "verdict": verdict})
     return out
 
 
@@ -145,11 +155,14 @@ def cost_check(page_dir: Path, files: list[str]) -> str:
     data = _load(page_dir, files[0])
     if "cost_table" not in data or "results" not in data:
         raise ValueError(f"benchmark tables: {files[0]} has no cost table (scripts/bench_engine.py records one)")
-    table = CostTable.from_dict(data["cost_table"])
+    tables = {False: CostTable.from_dict(data["cost_table"])}
+    if "cost_table_async" in data:  # the engine one step ahead is priced by its own (pipelined) profile
+        tables[True] = CostTable.from_dict(data["cost_table_async"])
     rows = []
     for r in data["results"]:
         if r.get("engine") != "optimized" or r.get("step_ms") is None:
             continue
+        table = tables.get(r["label"].endswith("+async") and r["mode"] != "none", tables[False])
         n, drafts = r["batch_size"], r["mode"] != "none"
         tokens = round(n * (1 + (r.get("mean_verify_length") or 0))) if drafts else n
         drafting = r.get("draft_step_fraction", 1.0) if drafts else 0.0  # the share of steps that ran the drafter
@@ -165,10 +178,10 @@ def cost_check(page_dir: Path, files: list[str]) -> str:
 def speculation_frontier(page_dir: Path, files: list[str]) -> str:
     rows = []
     for r in frontier(_load(page_dir, files[0])):
-        rows.append([str(r["batch"]), _int(r["none"]), f"`{r['best']}`", _int(r["best_tps"]),
-                     f"{r['ratio']:.2f}×", f"{r['adaptive']:.2f}×", r["verdict"]])
-    header = ["batch", "plain decoding (`none`)", "best speculative policy", "its tokens/s", "best / none",
-              "`adaptive` / none", "verdict"]
+        rows.append([str(r["batch"]), f"{_int(r['none'])} (`{r['none_label']}`)", f"`{r['best']}`",
+                     _int(r["best_tps"]), f"{r['ratio']:.2f}×", f"{r['adaptive']:.2f}×", r["verdict"]])
+    header = ["batch", "plain decoding, its best variant", "best speculative policy", "its tokens/s",
+              "best / plain", "`adaptive` (best variant) / plain", "verdict"]
     return _table(header, rows) + (f"\nA ratio within 1 ± {SPREAD:.2f} counts as a tie: that is the run-to-run "
                                    "spread of the same configuration on this machine.\n")
 
@@ -466,7 +479,27 @@ def engine_ab(page_dir: Path, files: list[str]) -> str:
     return _table(["run", "`--linear-rows`"] + [f"batch {b} `{lab}` (ms/step)" for b, lab in columns], rows)
 
 
+def step_cost(page_dir: Path, files: list[str]) -> str:
+    """Where a step's time goes, before and after (scripts/report_step_cost.py): wall and device ms per step and the
+    device ms of each component, per configuration."""
+    data = _load(page_dir, files[0])
+    comps = data["components"]
+    rows = []
+    for r in data["results"]:
+        if "before" not in r or "after" not in r:
+            continue
+        b, a = r["before"], r["after"]
+        cells = [f"`{r['mode']}`", str(r["batch_size"]), f"{b['step_ms']:.2f} → {a['step_ms']:.2f}",
+                 f"{b['device_ms']:.2f} → {a['device_ms']:.2f}"]
+        cells += [f"{b['components_ms'][c]:.2f} → {a['components_ms'][c]:.2f}" for c in comps]
+        rows.append(cells)
+    return _table(["mode", "batch", "wall ms / step", "device ms / step"] + comps, rows) + (
+        "\nms per step, before → after; components are device time (scripts/report_step_cost.py says which kernels "
+        "each holds).\n")
+
+
 RENDERERS = {
+    "step-cost": step_cost,
     "linear-chain": linear_chain,
     "engine-ab": engine_ab,
     "provenance": provenance,
