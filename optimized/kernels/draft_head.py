@@ -23,18 +23,30 @@ Two variants run that loop, with identical arithmetic per vocabulary lane:
   (or nothing, with ``store_greedy=False``). W2 is read once per slot
   (the dominant traffic: ``V·r`` weights, resident in L2 across the batch). Its limit: one program streams all
   of W2 γ times, serially (~2 ms at R = 1 and at R = 64, γ = 7, V = 49152, r = 64 on an H200).
-* split vocabulary (grid ``(R, NB)``, ``NB = cdiv(V, BLOCK_V)`` blocks; host loop over the slots, two launches
-  per slot and one at the end, no host syncs: CUDA-graph capturable). Launch A_k: every program reduces the
-  row's race partials of slot k-1 to ``prev = x_{k-1}`` (``x_0`` for k = 1; block 0 also writes ``x_{k-1}``
-  and ``z_k``), computes its block of tempered logits into the ``probs`` row, and writes the block's max, its
-  sum of ``exp(x - max)`` and its greedy argmax. Launch B_k: every program combines the row's A partials in one
-  fixed order (so all blocks of a row see bit-identical max and sum), turns its block into ``p_d`` and writes
-  its race partial; a greedy row's ``p_d`` is the one-hot of its argmax, whose race needs no draws (the hot lane
-  always wins), so launch A does not park its logits and launch B only stores the one-hot (or nothing, with
-  ``store_greedy=False``). A last launch reduces slot γ's race. Cross-block ties resolve like the serial tiles
-  (a later block wins only with a strictly larger value: the lowest index). The softmax sum is accumulated in
-  another order, so ``p_d`` may differ from the one-program kernel in the last ulp; tokens agree except on such
-  an ulp-level tie of the race.
+* split vocabulary (grid ``(R, NB)``, ``NB = cdiv(V, BLOCK_V)`` blocks; host loop over the slots, no host syncs:
+  CUDA-graph capturable). A slot has two dependencies across blocks: every block's ``p_d`` needs the row's softmax
+  max and sum, and the next slot's ``W1[prev]`` needs the race winner. Each costs a launch boundary, and each is
+  met by a wide launch that leaves one partial per (request, block) and a narrow one (grid ``(R,)``) that reduces a
+  row's NB partials once, so the wide launches read their row's result as a scalar (O(R·NB) partial loads per slot;
+  re-reducing them in every program of the next wide launch was O(R·NB²): at R = 64, NB = 192 the race launch read
+  four partials of all 192 blocks in each of its 12,288 programs). Four launches per slot, 4γ in all:
+
+  - A_k (logits, grid ``(R, NB)``): ``prev = x_{k-1}`` from ``tokens`` (``x_0`` for k = 1); block 0 writes ``z_k``;
+    every block computes its tempered logits into the ``probs`` row and writes the block's max, its sum of
+    ``exp(x - max)`` and its greedy argmax. Or 16 requests per program (``split_rows``, grid ``(cdiv(R, 16), NB)``),
+    which read the block's ``[BLOCK_V, r]`` tile of W2 once for all of them and apply it with ``tl.dot``.
+  - S_k (stats, grid ``(R,)``): a sampled row's block maxima and sums combined in one fixed order into the softmax
+    max and sum (``[R]`` scratch: every block of the row reads the same bits); a greedy row's block argmaxes into its
+    argmax, which is ``x_k`` (its ``p_d`` is the one-hot of the argmax, and a race over a one-hot returns the hot
+    lane), written straight into ``tokens``.
+  - B_k (race, grid ``(R, NB)``): a sampled row's block turns into ``p_d`` and writes its part of the race (best
+    score, lowest index). A greedy row has no race and parked no logits: its blocks store the one-hot, or, with
+    ``store_greedy=False``, return at once.
+  - W_k (winner, grid ``(R,)``): a sampled row's race partials into ``x_k``, written into ``tokens``.
+
+  Cross-block ties resolve like the serial tiles (a later block wins only with a strictly larger value: the lowest
+  index). The softmax sum is accumulated in another order, so ``p_d`` may differ from the one-program kernel in the
+  last ulp; tokens agree except on such an ulp-level tie of the race.
 
 Output rows. ``p_d`` of request ``i`` goes to ``probs[i]``, or, given ``probs_rows``, to row ``probs_rows[i]`` of a
 caller's ``[S, γ, V]`` buffer (the engine's per-slot state: no copy after the draft). Every store and every re-read
@@ -93,9 +105,10 @@ MAX_BLOCK_V = 1024  # as RACE_BLOCK_V in common.py
 MAX_BLOCK_D = 1024  # hidden-state tile of the confidence dot product (d = 576 for SmolLM2-135M: one tile)
 # Split variant: one W2 tile of BLOCK_V · BLOCK_R ≤ SPLIT_TILE_ELEMENTS products per program, 64 per thread at 8
 # warps (r = 64 -> BLOCK_V = 256, NB = 192 blocks for V = 49152: at R = 1 about 1.5 programs per H200 SM, all of W2
-# in flight at once). Compiled ahead of time for sm_90 (triton 3.9 on a CPU host, bf16 W2, r = 64): the logits kernel
-# takes 102 registers at 8 warps (190 at 4), no spills. Chosen by that reasoning, not yet swept on the H200:
-# measure with scripts/bench_kernels.py --op draft_head.
+# in flight at once). Compiled ahead of time for sm_90 (triton 3.9 on a CPU host, bf16 W2, r = 64, 8 warps): the logits
+# kernel takes 32 registers where the launcher marks r, V, d and the strides divisible by 16 (SmolLM2's shapes), about
+# 100 where it marks none, no spills. Chosen by that reasoning, not yet swept on the H200: measure with
+# scripts/bench_kernels.py --op draft_head.
 SPLIT_TILE_ELEMENTS = 16384
 SPLIT_NUM_WARPS = 8
 # `sample_draft_block(split=None)` takes the split variant on CUDA below this many requests. At small R the
@@ -104,13 +117,16 @@ SPLIT_NUM_WARPS = 8
 # device time per draft at R = 64 inside the engine's graph (the split kernels 0.064 ms at R = 1), and
 # scripts/bench_kernels.py put the split variant ahead at R = 16 (0.89 vs 1.59 ms) and behind at R = 256 (3.9 vs
 # 2.4 ms, both including ~0.9 ms of eager launch overhead). The crossover lies between 64 and 256: 128 until an
-# in-graph sweep pins it.
+# in-graph sweep pins it. Those split timings predate the per-row reduction launches (every program re-reduced its
+# row's NB partials then), which moved the crossover by an amount not yet measured; split=True works at any R.
 SPLIT_MAX_R = 128
 # Rows per program of the split variant's logits launch. 1: one program per (request, vocabulary block), each reading
 # its block of W2 (at R = 64, 64 reads of all of W2 per slot: 0.65 of the 1.0 ms the head took in an H200 profile).
 # 16 or more: one program per (16 requests, block), W2's block read once for all of them and applied with tl.dot
-# (_draft_split_logits_rows_kernel). Tested through the interpreter; 1 stays the default until the GPU measures the
-# rows kernel (scripts/bench_kernels.py --op draft_head reports both).
+# (_draft_split_logits_rows_kernel; sm_90 compile as above with BLOCK_M = 16: 161-188 registers over fp32/bf16 U_k
+# with and without probs_rows at SmolLM2's shapes, 233 with V and r not multiples of 16, no spills; with no int
+# divisible by 16 at all it reaches 255 and spills). Tested through the interpreter; 1 stays the default until the GPU
+# measures the rows kernel (scripts/bench_kernels.py --op draft_head reports both).
 SPLIT_ROWS = 1
 
 
@@ -247,7 +263,7 @@ def _sample_draft_block_kernel(
 
 @triton.jit(do_not_specialize=["j"])
 def _draft_split_logits_kernel(
-    tokens_ptr,  # [R, γ] int64 out: x_{k-1} (slot j - 1), written by block 0 when j >= 1
+    tokens_ptr,  # [R, γ] int64 in: x_{k-1} (slot j - 1), read when j >= 1
     probs_ptr,  # [R or S, γ, V] fp32 out: the tempered logits of slot k (scratch; launch B turns them into p_d)
     probs_rows_ptr,  # [R] int32/int64: the probs row of each request, negative for padding (read if HAS_ROWS)
     conf_ptr,  # [R, γ] fp32 out: z_k, written by block 0
@@ -257,14 +273,12 @@ def _draft_split_logits_kernel(
     h_ptr,  # [R, γ, d] backbone output h_k, last dim contiguous
     stride_hr,  # h stride over R
     stride_hk,  # h stride over γ
-    anchor_ids_ptr,  # [R] int64 x_0
+    anchor_ids_ptr,  # [R] int64 x_0, read when j = 0
     temperature_ptr,  # [R] fp32 T (0 = greedy)
     w1_ptr,  # [V, r] W1, row-major
     w2_ptr,  # [V, r] W2 as stored, row-major
     conf_w_ptr,  # [d + r] confidence weight (h part, then the W1 part)
     conf_b_ptr,  # [1] confidence bias
-    race_score_ptr,  # [R, NB] fp32 in: slot k-1's race partials (read when j >= 1)
-    race_index_ptr,  # [R, NB] int64 in
     block_max_ptr,  # [R, NB] fp32 out: max of the block's tempered logits
     block_sum_ptr,  # [R, NB] fp32 out: sum of exp(x - block max) over the block
     arg_value_ptr,  # [R, NB] fp32 out: the block's greedy maximum of the (untempered) logits
@@ -279,21 +293,16 @@ def _draft_split_logits_kernel(
     BLOCK_V: tl.constexpr,  # vocabulary block of one program
     BLOCK_D: tl.constexpr,  # hidden tile
     BLOCK_R: tl.constexpr,  # next power of two >= r
-    BLOCK_NB: tl.constexpr,  # next power of two >= NB
 ):
+    """Launch A_k, one program per (request, vocabulary block): ``z_k`` (block 0) and the block's partials."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     dest = _dest_row(probs_rows_ptr, row, HAS_ROWS)
-    if dest < 0:  # padding: zeros for x_{k-1} and z_k; no partials (launch B and the last launch skip the row too)
-        if blk == 0:
-            if j > 0:
-                tl.store(tokens_ptr + row * gamma + j - 1, 0)
-            tl.store(conf_ptr + row * gamma + j, 0.0)
-    else:
+    if dest >= 0:  # a padding row writes nothing here: the stats launch stores its zeros
         if j == 0:
             prev = tl.load(anchor_ids_ptr + row)
-        else:
-            prev = race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB)
+        else:  # x_{k-1}, reduced once for the row by slot k-1's stats (greedy) or winner (sampled) launch
+            prev = tl.load(tokens_ptr + row * gamma + j - 1)
         temp = tl.load(temperature_ptr + row)
         temp_div = tl.where(temp == 0.0, 1.0, temp)  # the reference divides greedy rows by 1 (then takes the one-hot)
         ranks = tl.arange(0, BLOCK_R)  # [BLOCK_R]
@@ -301,8 +310,6 @@ def _draft_split_logits_kernel(
         e = tl.load(w1_ptr + prev * r + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R] W1[prev]
 
         if blk == 0:
-            if j > 0:
-                tl.store(tokens_ptr + row * gamma + j - 1, prev)
             # Confidence z_k = conf_w · [h_k; e] + b, before x_k exists.
             conf_w_e = tl.load(conf_w_ptr + d + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R]
             z = tl.sum(e * conf_w_e, axis=0)
@@ -339,40 +346,35 @@ def _draft_split_logits_kernel(
 
 @triton.jit(do_not_specialize=["j"])
 def _draft_split_logits_rows_kernel(
-    tokens_ptr, probs_ptr, probs_rows_ptr, conf_ptr,  # outputs and probs rows as in _draft_split_logits_kernel
+    tokens_ptr, probs_ptr, probs_rows_ptr, conf_ptr,  # x_{k-1} in, the rest out, as in _draft_split_logits_kernel
     base_ptr, stride_br, stride_bk, h_ptr, stride_hr, stride_hk, anchor_ids_ptr, temperature_ptr,
     w1_ptr, w2_ptr, conf_w_ptr, conf_b_ptr,
-    race_score_ptr, race_index_ptr, block_max_ptr, block_sum_ptr, arg_value_ptr, arg_index_ptr,
-    j, gamma, R, V, d, r, nb,
+    block_max_ptr, block_sum_ptr, arg_value_ptr, arg_index_ptr,  # [R, NB] out
+    j, gamma,
+    R,  # requests (the last program's rows past R are masked out)
+    V, d, r, nb,
     HAS_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # requests per program (>= 16: the tl.dot minimum)
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,  # next power of two >= max(r, 16)
-    BLOCK_NB: tl.constexpr,
 ):
     """:func:`_draft_split_logits_kernel` for BLOCK_M requests at once (grid ``(cdiv(R, BLOCK_M), NB)``): the
     block's W2 tile is loaded once and ``B_k = W1[prev] · W2ᵀ`` is one ``[BLOCK_M, r] × [r, BLOCK_V]`` product
     (float32, IEEE: the products of half-precision weights are exact, only the order of their sum differs from the
-    one-row kernel's). Every other step is that kernel's, row by row; a padding row (``probs_rows`` < 0) stores
-    zeros into its tokens and confidence logits and reads nothing."""
+    one-row kernel's). Every other step is that kernel's, row by row; a padding row (``probs_rows`` < 0) reads and
+    writes nothing (the stats launch stores its zeros)."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BLOCK_M]
     row_ok = rows < R
     dest = rows  # [BLOCK_M] the probs row of each request
     if HAS_ROWS:
         dest = tl.load(probs_rows_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
-    live = row_ok & (dest >= 0)  # [BLOCK_M] requests past R and padding rows are masked out of every read
+    live = row_ok & (dest >= 0)  # [BLOCK_M] requests past R and padding rows are masked out of every access
     blk = tl.program_id(1)
     if j == 0:
         prev = tl.load(anchor_ids_ptr + rows, mask=live, other=0)  # [BLOCK_M]
-    else:  # race_winner of every row: the best score, the lowest index among the blocks holding it
-        blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
-        valid = live[:, None] & (blocks[None, :] < nb)  # [BLOCK_M, BLOCK_NB]
-        offs = rows[:, None] * nb + blocks[None, :]
-        scores = tl.load(race_score_ptr + offs, mask=valid, other=-2.0)  # real partials are >= -1
-        indices = tl.load(race_index_ptr + offs, mask=valid, other=0)
-        best_score = tl.max(scores, axis=1)  # [BLOCK_M]
-        prev = tl.min(tl.where(valid & (scores == best_score[:, None]), indices, BIG_INDEX), axis=1).to(tl.int64)
+    else:  # x_{k-1}, reduced once per row by slot k-1's stats (greedy) or winner (sampled) launch
+        prev = tl.load(tokens_ptr + rows * gamma + j - 1, mask=live, other=0)  # [BLOCK_M]
     temp = tl.load(temperature_ptr + rows, mask=live, other=0.0)  # [BLOCK_M]
     temp_div = tl.where(temp == 0.0, 1.0, temp)
     ranks = tl.arange(0, BLOCK_R)  # [BLOCK_R]
@@ -381,8 +383,6 @@ def _draft_split_logits_rows_kernel(
                 other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_R] W1[prev]
 
     if blk == 0:
-        if j > 0:
-            tl.store(tokens_ptr + rows * gamma + j - 1, tl.where(live, prev, 0), mask=row_ok)
         conf_w_e = tl.load(conf_w_ptr + d + ranks, mask=rank_mask, other=0.0).to(tl.float32)  # [BLOCK_R]
         z = tl.sum(e * conf_w_e[None, :], axis=1)  # [BLOCK_M]
         for ds in range(0, d, BLOCK_D):
@@ -392,7 +392,7 @@ def _draft_split_logits_rows_kernel(
             cw = tl.load(conf_w_ptr + dims, mask=dims < d, other=0.0).to(tl.float32)
             z += tl.sum(hk * cw[None, :], axis=1)
         z = _round_to(z + tl.load(conf_b_ptr).to(tl.float32), conf_w_ptr)  # [BLOCK_M]
-        tl.store(conf_ptr + rows * gamma + j, tl.where(live, z, 0.0), mask=row_ok)
+        tl.store(conf_ptr + rows * gamma + j, z, mask=live)
 
     lanes = blk * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
     lane_ok = lanes < V
@@ -418,17 +418,61 @@ def _draft_split_logits_rows_kernel(
     tl.store(arg_index_ptr + part, best_index.to(tl.int64), mask=live)
 
 
+@triton.jit(do_not_specialize=["j"])
+def _draft_split_stats_kernel(
+    tokens_ptr,  # [R, γ] int64 out: x_k of a greedy row (its argmax), 0 for a padding row
+    conf_ptr,  # [R, γ] fp32 out: z_k = 0 for a padding row
+    probs_rows_ptr,  # [R] int32/int64: negative for padding rows (read if HAS_ROWS)
+    temperature_ptr,  # [R] fp32 T (0 = greedy)
+    block_max_ptr,  # [R, NB] fp32 in: launch A's partials
+    block_sum_ptr,  # [R, NB] fp32 in
+    arg_value_ptr,  # [R, NB] fp32 in
+    arg_index_ptr,  # [R, NB] int64 in
+    row_max_ptr,  # [R] fp32 out: the softmax max of a sampled row's tempered logits
+    row_sum_ptr,  # [R] fp32 out: its sum of exp(x - max)
+    j,  # slot index k - 1
+    gamma,  # γ
+    nb,  # NB, vocabulary blocks per row
+    HAS_ROWS: tl.constexpr,  # padding rows are marked in probs_rows_ptr
+    BLOCK_NB: tl.constexpr,  # next power of two >= NB
+):
+    """Launch S_k, one program per request: the row's NB partials of launch A combined once, in one fixed order."""
+    row = tl.program_id(0).to(tl.int64)
+    if _dest_row(probs_rows_ptr, row, HAS_ROWS) < 0:  # padding: launch A wrote no partials, B and W skip the row
+        tl.store(tokens_ptr + row * gamma + j, 0)
+        tl.store(conf_ptr + row * gamma + j, 0.0)
+    else:
+        blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
+        valid = blocks < nb
+        if tl.load(temperature_ptr + row) == 0.0:
+            # A greedy row's p_d is the one-hot of its argmax, and a race over a one-hot returns its hot lane (its
+            # score 1 / E is positive and finite, every other lane scores 0): x_k is the argmax, no race needed.
+            values = tl.load(arg_value_ptr + row * nb + blocks, mask=valid, other=-float("inf"))  # [BLOCK_NB]
+            indices = tl.load(arg_index_ptr + row * nb + blocks, mask=valid, other=0)  # [BLOCK_NB] int64
+            best = tl.max(values, axis=0)
+            # Lowest index among the blocks holding the maximum: blocks cover ascending lanes and each reports its
+            # lowest maximal lane, so this is the serial argmax's first maximum.
+            best_index = tl.min(tl.where(valid & (values == best), indices, BIG_INDEX), axis=0)
+            tl.store(tokens_ptr + row * gamma + j, best_index.to(tl.int64))
+        else:
+            maxes = tl.load(block_max_ptr + row * nb + blocks, mask=valid, other=-float("inf"))  # [BLOCK_NB]
+            sums = tl.load(block_sum_ptr + row * nb + blocks, mask=valid, other=0.0)  # [BLOCK_NB]
+            run_max = tl.max(maxes, axis=0)
+            run_sum = tl.sum(tl.where(maxes > -float("inf"), sums * tl.exp(maxes - run_max), 0.0), axis=0)
+            tl.store(row_max_ptr + row, run_max)
+            tl.store(row_sum_ptr + row, run_sum)
+
+
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "j"])
 def _draft_split_race_kernel(
+    tokens_ptr,  # [R, γ] int64 in: x_k of a greedy row (read if STORE_GREEDY)
     probs_ptr,  # [R or S, γ, V] fp32 in: tempered logits of slot k; out: p_d
     probs_rows_ptr,  # [R] int32/int64: the probs row of each request, negative for padding (read if HAS_ROWS)
     anchor_pos_ptr,  # [R] int64 P
     temperature_ptr,  # [R] fp32 T (0 = greedy)
     request_ids_ptr,  # [R] int64 request ids
-    block_max_ptr,  # [R, NB] fp32 in: launch A's partials
-    block_sum_ptr,  # [R, NB] fp32 in
-    arg_value_ptr,  # [R, NB] fp32 in
-    arg_index_ptr,  # [R, NB] int64 in
+    row_max_ptr,  # [R] fp32 in: the stats launch's softmax max
+    row_sum_ptr,  # [R] fp32 in: its sum
     race_score_ptr,  # [R, NB] fp32 out: the block's best p_d / E
     race_index_ptr,  # [R, NB] int64 out: its lowest index
     seed_lo,  # low 32 bits of the seed
@@ -440,71 +484,54 @@ def _draft_split_race_kernel(
     HAS_ROWS: tl.constexpr,  # probs rows come from probs_rows_ptr (else request i writes probs row i)
     STORE_GREEDY: tl.constexpr,  # a greedy row writes its one-hot p_d (else it writes no probs at all)
     BLOCK_V: tl.constexpr,  # vocabulary block of one program
-    BLOCK_NB: tl.constexpr,  # next power of two >= NB
 ):
+    """Launch B_k, one program per (request, vocabulary block): the block's ``p_d`` and its part of the race."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     dest = _dest_row(probs_rows_ptr, row, HAS_ROWS)
-    if dest >= 0:  # a padding row has no logits parked and no race: launch A and the last launch write its zeros
-        rid = tl.load(request_ids_ptr + row)
-        anchor = tl.load(anchor_pos_ptr + row)
-        greedy = tl.load(temperature_ptr + row) == 0.0
-
-        # The row's softmax statistics and greedy argmax, combined in one fixed order: identical in every block.
-        blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
-        valid = blocks < nb
-        maxes = tl.load(block_max_ptr + row * nb + blocks, mask=valid, other=-float("inf"))  # [BLOCK_NB]
-        sums = tl.load(block_sum_ptr + row * nb + blocks, mask=valid, other=0.0)  # [BLOCK_NB]
-        run_max = tl.max(maxes, axis=0)
-        run_sum = tl.sum(tl.where(maxes > -float("inf"), sums * tl.exp(maxes - run_max), 0.0), axis=0)
-        values = tl.load(arg_value_ptr + row * nb + blocks, mask=valid, other=-float("inf"))  # [BLOCK_NB]
-        indices = tl.load(arg_index_ptr + row * nb + blocks, mask=valid, other=0)  # [BLOCK_NB] int64
-        best = tl.max(values, axis=0)
-        best_index = tl.min(tl.where(valid & (values == best), indices, BIG_INDEX), axis=0)
-
-        # p_d in place and the block's part of the exponential race for x_k (the one-program kernel's pass 2).
+    if dest >= 0:  # a padding row has no logits parked and no race: the stats launch wrote its zeros
         lanes = blk * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
         mask = lanes < V
         out_row = probs_ptr + (dest * gamma + j) * V
-        if greedy:
-            # p_d is the one-hot of the argmax, and a race over a one-hot always returns its hot lane (its score
-            # 1 / E is positive and finite, every other lane scores 0), so the race is not run: every block reports
-            # the argmax, with score 1 from the block that holds it and 0 from the others, and race_winner picks it,
-            # as the race would. Launch A did not write a greedy row's tempered logits either: nothing is read here.
-            p = (lanes == best_index).to(tl.float32)  # [BLOCK_V] p_d
+        if tl.load(temperature_ptr + row) == 0.0:
+            # The stats launch already wrote x_k, the argmax; launch A parked nothing. Only the one-hot p_d is left.
             if STORE_GREEDY:
-                tl.store(out_row + lanes, p, mask=mask)
-            race_score = tl.max(tl.where(mask, p, 0.0), axis=0)
-            race_index = best_index.to(tl.int64)
+                hot = tl.load(tokens_ptr + row * gamma + j)
+                tl.store(out_row + lanes, (lanes == hot).to(tl.float32), mask=mask)
         else:
+            run_max = tl.load(row_max_ptr + row)  # the same bits for every block of the row
+            run_sum = tl.load(row_sum_ptr + row)
             x = tl.load(out_row + lanes, mask=mask, other=-float("inf"))  # [BLOCK_V]
             p = tl.math.div_rn(tl.exp(x - run_max), run_sum)  # [BLOCK_V] p_d
             tl.store(out_row + lanes, p, mask=mask)
             # Purpose 1 + 16k; the runtime `j` first (the interpreter cannot add a tensor to a constexpr on the
             # left).
+            rid = tl.load(request_ids_ptr + row)
+            anchor = tl.load(anchor_pos_ptr + row)
             key = hash_key(seed_lo, seed_hi, rid, anchor + j + 1, 16 * (j + 1) + PURPOSE_DRAFT)
             race_score, race_index = race_update(-1.0, 0, p, exponential_at(key, lanes), lanes, mask)
-            race_index = race_index.to(tl.int64)
-        tl.store(race_score_ptr + row * nb + blk, race_score)
-        tl.store(race_index_ptr + row * nb + blk, race_index)
+            tl.store(race_score_ptr + row * nb + blk, race_score)
+            tl.store(race_index_ptr + row * nb + blk, race_index.to(tl.int64))
 
 
-@triton.jit
-def _draft_split_last_kernel(
-    tokens_ptr,  # [R, γ] int64 out: x_γ
+@triton.jit(do_not_specialize=["j"])
+def _draft_split_winner_kernel(
+    tokens_ptr,  # [R, γ] int64 out: x_k of a sampled row
     probs_rows_ptr,  # [R] int32/int64: negative for padding rows (read if HAS_ROWS)
-    race_score_ptr,  # [R, NB] fp32 in: slot γ's race partials
+    temperature_ptr,  # [R] fp32 T (0 = greedy)
+    race_score_ptr,  # [R, NB] fp32 in: slot k's race partials (sampled rows only)
     race_index_ptr,  # [R, NB] int64 in
+    j,  # slot index k - 1
     gamma,  # γ
     nb,  # NB, vocabulary blocks per row
     HAS_ROWS: tl.constexpr,  # padding rows are marked in probs_rows_ptr
     BLOCK_NB: tl.constexpr,  # next power of two >= NB
 ):
+    """Launch W_k, one program per request: a sampled row's race winner from its NB partials, reduced once."""
     row = tl.program_id(0).to(tl.int64)
-    if _dest_row(probs_rows_ptr, row, HAS_ROWS) < 0:  # padding: its partials were never written
-        tl.store(tokens_ptr + row * gamma + gamma - 1, 0)
-    else:
-        tl.store(tokens_ptr + row * gamma + gamma - 1, race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB))
+    if _dest_row(probs_rows_ptr, row, HAS_ROWS) >= 0:
+        if tl.load(temperature_ptr + row) != 0.0:  # greedy and padding rows ran no race: the stats launch wrote x_k
+            tl.store(tokens_ptr + row * gamma + j, race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB))
 
 
 def _sample_draft_block_torch(base_logits, h, anchor_ids, anchor_pos, temperature, seed, rid, w1, w2, conf_w, conf_b):
@@ -698,12 +725,14 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
                   temperature: Tensor, rid: Tensor, w1: Tensor, w2: Tensor, conf_w: Tensor, conf_b: Tensor,
                   lo: int, hi: int, block_r: int, block_d: int, rows: int = 1,
                   probs_rows: Tensor | None = None, store_greedy: bool = True) -> None:
-    """The split-vocabulary variant into ``out``: 2γ + 1 launches, no host syncs (CUDA-graph capturable).
+    """The split-vocabulary variant into ``out``: 4γ launches (A, S, B, W per slot), no host syncs (CUDA-graph
+    capturable).
 
     Inputs as :func:`sample_draft_block` after its checks (contiguous weights, fp32 ``temperature``); ``out.probs``
     is ``[S, γ, V]`` when ``probs_rows`` is given. Only the race launch writes greedy rows' ``p_d`` (the logits
-    launches never park them), so ``store_greedy`` goes to it alone. The per-block partials live in ``[R, NB]``
-    scratch tensors allocated here.
+    launches never park them), so ``store_greedy`` goes to it alone. ``out.tokens`` doubles as the hand-over of
+    ``x_k`` from a slot's reductions to the next slot's logits launch. The per-block partials live in ``[R, NB]``
+    scratch tensors allocated here, the row statistics in ``[R]`` ones.
     """
     R, gamma, V = base_logits.shape
     d, r = h.shape[2], w1.shape[1]
@@ -713,6 +742,7 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
     dev = base_logits.device
     block_max, block_sum, arg_value, race_score = torch.empty(4, R, nb, dtype=torch.float32, device=dev)
     arg_index, race_index = torch.empty(2, R, nb, dtype=torch.int64, device=dev)
+    row_max, row_sum = torch.empty(2, R, dtype=torch.float32, device=dev)
     has_rows = probs_rows is not None
     dest = out.probs if probs_rows is None else probs_rows  # [R]; any pointer when unread (HAS_ROWS=False)
     for j in range(gamma):
@@ -722,10 +752,9 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
                 base_logits, base_logits.stride(0), base_logits.stride(1),
                 h, h.stride(0), h.stride(1),
                 anchor_ids, temperature, w1, w2, conf_w, conf_b,
-                race_score, race_index, block_max, block_sum, arg_value, arg_index,
+                block_max, block_sum, arg_value, arg_index,
                 j, gamma, R, V, d, r, nb,
                 HAS_ROWS=has_rows, BLOCK_M=rows, BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=max(16, block_r),
-                BLOCK_NB=block_nb,
                 num_warps=SPLIT_NUM_WARPS,
             )
         else:
@@ -734,20 +763,27 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
                 base_logits, base_logits.stride(0), base_logits.stride(1),
                 h, h.stride(0), h.stride(1),
                 anchor_ids, temperature, w1, w2, conf_w, conf_b,
-                race_score, race_index, block_max, block_sum, arg_value, arg_index,
+                block_max, block_sum, arg_value, arg_index,
                 j, gamma, V, d, r, nb,
-                HAS_ROWS=has_rows, BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_NB=block_nb,
+                HAS_ROWS=has_rows, BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=block_r,
                 num_warps=SPLIT_NUM_WARPS,
             )
+        # SPLIT_NUM_WARPS as the race launch had when it combined the sums itself: the same reduction tree over the
+        # same [BLOCK_NB] layout, so the softmax sum keeps its bits.
+        _draft_split_stats_kernel[(R,)](
+            out.tokens, out.conf_logits, dest, temperature, block_max, block_sum, arg_value, arg_index,
+            row_max, row_sum, j, gamma, nb,
+            HAS_ROWS=has_rows, BLOCK_NB=block_nb, num_warps=SPLIT_NUM_WARPS,
+        )
         _draft_split_race_kernel[(R, nb)](
-            out.probs, dest, anchor_pos, temperature, rid,
-            block_max, block_sum, arg_value, arg_index, race_score, race_index,
+            out.tokens, out.probs, dest, anchor_pos, temperature, rid, row_max, row_sum, race_score, race_index,
             lo, hi, j, gamma, V, nb,
-            HAS_ROWS=has_rows, STORE_GREEDY=store_greedy, BLOCK_V=block_v, BLOCK_NB=block_nb,
+            HAS_ROWS=has_rows, STORE_GREEDY=store_greedy, BLOCK_V=block_v,
             num_warps=SPLIT_NUM_WARPS,
         )
-    _draft_split_last_kernel[(R,)](out.tokens, dest, race_score, race_index, gamma, nb, HAS_ROWS=has_rows,
-                                   BLOCK_NB=block_nb, num_warps=1)
+        # One warp: a max and a min over NB partials, exact in any order.
+        _draft_split_winner_kernel[(R,)](out.tokens, dest, temperature, race_score, race_index, j, gamma, nb,
+                                         HAS_ROWS=has_rows, BLOCK_NB=block_nb, num_warps=1)
 
 
 @torch.no_grad()

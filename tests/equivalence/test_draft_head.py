@@ -13,8 +13,9 @@ The Triton cases run through Triton's interpreter on the CPU (``TRITON_INTERPRET
 and skip without it. Every Triton variant is checked: one program per request (``"triton"``), the
 split-vocabulary kernels (``"triton-split"``) and the split kernels whose logits launch takes 16 requests per program
 (``"triton-split-rows"``, ``B_k`` by ``tl.dot``), the split ones with a shrunken tile so that even small vocabularies
-span several blocks and end in a partial one (the cross-block reductions are what they add). Their softmax sums
-(and the rows kernel's ``B_k``) are combined in another order, an ulp-level change inside the same tolerances.
+span several blocks and end in a partial one (the cross-block reductions are what they add: per slot, the per-row
+launches that combine the blocks' softmax statistics and greedy argmax, and the blocks' race partials). Their softmax
+sums (and the rows kernel's ``B_k``) are combined in another order, an ulp-level change inside the same tolerances.
 
 ``probs_rows`` (the engine's per-slot output) only moves where ``p_d`` is stored: every backend must give the block
 of the same call without it bit for bit (``torch.equal``), and leave the buffer's other rows as they were.
@@ -291,7 +292,8 @@ def test_split_matches_reference(monkeypatch, R, rank, V, tile):
 
 
 @needs_triton
-def test_triton_variants_agree(monkeypatch):
+@pytest.mark.parametrize("split_rows", [1, 16])
+def test_triton_variants_agree(monkeypatch, split_rows):
     # Masked vocabulary (-inf U_k: a whole 16-lane block in row 0, scattered lanes in row 3) and greedy rows whose
     # maximum is tied across blocks (W2 = 0 keeps U_k's ties): both variants and the torch twin pick the same tokens.
     monkeypatch.setattr(fast, "SPLIT_TILE_ELEMENTS", SMALL_SPLIT_TILE)
@@ -308,7 +310,8 @@ def test_triton_variants_agree(monkeypatch):
     for w2 in (torch.randn(V, r, generator=gen), torch.zeros(V, r)):
         args = to_device(base, h, anchor_ids, anchor_pos, temperature)
         rest = to_device(request_ids, w1, w2, conf_w, conf_b)
-        outs = [fast.sample_draft_block(*args, 5, *rest, backend="triton", split=split) for split in (False, True)]
+        outs = [fast.sample_draft_block(*args, 5, *rest, backend="triton", split=split, split_rows=split_rows)
+                for split in (False, True)]
         want = fast.sample_draft_block(base, h, anchor_ids, anchor_pos, temperature, 5, request_ids, w1, w2, conf_w,
                                        conf_b, backend="torch")
         one, split = outs
@@ -322,6 +325,59 @@ def test_triton_variants_agree(monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("split_rows", [1, 16])
+@pytest.mark.parametrize("R,mode", [(1, "mixed"), (3, "mixed"), (17, "greedy"), (17, "sampled"), (17, "mixed"),
+                                    (33, "mixed")])
+def test_split_reductions_match_one_program(monkeypatch, split_rows, R, mode):
+    """The split launches of each slot (logits, per-row statistics, race, per-row race winner) against the
+    one-program kernel and the torch twin: the same tokens, ``p_d`` and ``z_k`` within the fp32 tolerances. One and
+    16 requests per logits program, batches that end in a partial 16-row program (17, 33), greedy, sampled and mixed
+    rows. Requests 1, 5, 9, ... tie their maximum across vocabulary blocks 1 and 2 (U_k = 50 and a zero W2 row at
+    lanes 21 and 37, so every ``prev`` keeps the tie): a greedy one takes lane 21. Then the same call with
+    ``probs_rows`` (every third request from the second on is padding) and both ``store_greedy``: the same tokens and
+    ``z_k`` bit for bit (zeros for padding), the same ``p_d`` bits in the named slots, nothing anywhere else."""
+    monkeypatch.setattr(fast, "SPLIT_TILE_ELEMENTS", SMALL_SPLIT_TILE)  # BLOCK_V = 16: NB = 3, the last 8 lanes
+    gamma, V, d, r = 2, 40, 32, 8
+    gen = torch.Generator().manual_seed(10 * R + split_rows)
+    base = torch.randn(R, gamma, V, generator=gen) * 2  # [R, γ, V]
+    base[1::4, :, 21] = base[1::4, :, 37] = 50.0
+    h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(R, gamma, V, d=d, seed=R)
+    if mode != "mixed":
+        temperature = torch.full((R,), 0.0 if mode == "greedy" else 0.8)
+    w1, w2 = torch.randn(V, r, generator=gen), torch.randn(V, r, generator=gen)
+    w2[[21, 37]] = 0.0
+    conf_w, conf_b = torch.randn(d + r, generator=gen), torch.tensor([0.1])
+    args, rest = to_device(base, h, anchor_ids, anchor_pos, temperature), to_device(request_ids, w1, w2, conf_w, conf_b)
+    want = fast.sample_draft_block(base, h, anchor_ids, anchor_pos, temperature, 3, request_ids, w1, w2, conf_w,
+                                   conf_b, backend="torch")
+    one = fast.sample_draft_block(*args, 3, *rest, backend="triton", split=False)
+    split = dict(backend="triton", split=True, split_rows=split_rows)
+    got = fast.sample_draft_block(*args, 3, *rest, **split)
+    assert torch.equal(got.tokens, one.tokens)
+    assert_close_fp32(got, want)
+    torch.testing.assert_close(got.probs, one.probs, atol=PROB_ATOL_FP32, rtol=0)
+    torch.testing.assert_close(got.conf_logits, one.conf_logits, atol=CONF_ATOL_FP32, rtol=0)
+    greedy = temperature.to(DEVICE) == 0  # [R]
+    tied = torch.zeros(R, dtype=torch.bool, device=DEVICE)  # [R]
+    tied[1::4] = True
+    assert (got.tokens[greedy & tied] == 21).all()
+
+    dest = torch.randperm(R + 2, generator=gen)[:R].to(DEVICE)  # [R] slots of an [R + 2, γ, V] buffer
+    dest[1::3] = -1
+    live = dest >= 0  # [R]
+    for store_greedy in (True, False):
+        buffer = torch.full((R + 2, gamma, V), SENTINEL, device=DEVICE)  # [S, γ, V]
+        again = fast.sample_draft_block(*args, 3, *rest, **split, probs_out=buffer, probs_rows=dest.to(torch.int32),
+                                        store_greedy=store_greedy)
+        assert torch.equal(again.tokens[live], got.tokens[live]) and not again.tokens[~live].any()
+        assert torch.equal(again.conf_logits[live], got.conf_logits[live]) and not again.conf_logits[~live].any()
+        stored = live if store_greedy else live & ~greedy  # [R]
+        assert torch.equal(buffer[dest[stored]], got.probs[stored])
+        written = torch.zeros(R + 2, dtype=torch.bool, device=DEVICE)  # [S]
+        written[dest[stored]] = True
+        assert bool(buffer[~written].isnan().all())
+
+
 @needs_triton
 @pytest.mark.parametrize("rows", [16, 32])
 def test_split_rows_over_several_row_blocks(monkeypatch, rows):
