@@ -125,9 +125,13 @@ SPLIT_MAX_R = 128
 # 16 or more: one program per (16 requests, block), W2's block read once for all of them and applied with tl.dot
 # (_draft_split_logits_rows_kernel; sm_90 compile as above with BLOCK_M = 16: 161-188 registers over fp32/bf16 U_k
 # with and without probs_rows at SmolLM2's shapes, 233 with V and r not multiples of 16, no spills; with no int
-# divisible by 16 at all it reaches 255 and spills). Tested through the interpreter; 1 stays the default until the GPU
-# measures the rows kernel (scripts/bench_kernels.py --op draft_head reports both).
-SPLIT_ROWS = 1
+# divisible by 16 at all it reaches 255 and spills). On one H200 (triton 3.6, greedy rows, SmolLM2's shapes, with the
+# per-row reductions; `python -m scripts.bench_kernels --op draft_head --batches 16,64,256`, eager, the two variants
+# launching the same kernels, so their difference is device time), µs per draft, 1 row / 16 rows a program: R = 16
+# 1,372 / 1,392, R = 64 1,201 / 818, R = 256 2,142 / 2,779. So 16 rows from SPLIT_ROWS_FROM requests (between the
+# tie at 16 and the gain at 64) up to SPLIT_MAX_R, where the one-program kernel takes over; None picks by R.
+SPLIT_ROWS: int | None = None
+SPLIT_ROWS_FROM = 32
 
 
 @triton.jit
@@ -612,7 +616,8 @@ def sample_draft_block(
         split: Triton variant: ``True`` the split-vocabulary kernels (grid ``(R, NB)``), ``False`` one program per
             request, ``None`` split on CUDA when ``R < SPLIT_MAX_R``. Ignored by the torch backend.
         split_rows: requests per program of the split variant's logits launch: 1, or a power of two >= 16 (W2's
-            block shared by that many requests); ``None``: ``SPLIT_ROWS``.
+            block shared by that many requests); ``None``: ``SPLIT_ROWS``, or by ``R`` (16 from
+            ``SPLIT_ROWS_FROM`` requests).
         probs_out: optional contiguous ``[R, γ, V]`` float32 buffer the draft distributions are written into (and
             returned as). The engine's draft graphs pass views of one static buffer, so the graphs of all request
             buckets share it instead of each keeping its own output (5.5 GiB over the buckets of 256 requests at
@@ -701,7 +706,9 @@ def sample_draft_block(
     if split is None:  # the interpreter runs programs one by one: there the split variant only adds launches
         split = base_logits.is_cuda and R < SPLIT_MAX_R
     if split:
-        rows = SPLIT_ROWS if split_rows is None else split_rows
+        rows = split_rows if split_rows is not None else SPLIT_ROWS
+        if rows is None:
+            rows = 16 if R >= SPLIT_ROWS_FROM else 1
         if rows != 1 and (rows < 16 or rows & (rows - 1)):
             raise ValueError(f"split_rows must be 1 or a power of two >= 16, got {rows}")
         _launch_split(out, base_logits, h, anchor_ids, anchor_pos, temperature, rid, w1, w2, conf_w, conf_b,
