@@ -26,7 +26,7 @@ import itertools
 import math
 import operator
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -414,13 +414,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------------ planning
 
-    def schedule(self, exclude: Callable[[Sequence], bool] | None = None, ahead: int = 0) -> StepPlan:
+    def schedule(self, exclude: set[int] | None = None, ahead: int = 0) -> StepPlan:
         """Admit, choose the prompt chunks, and plan the verify of the decoding requests (never waits for a device).
 
         For an engine running one step ahead of its token reads (``EngineConfig.async_decode``): ``exclude`` leaves
-        out decoding requests that the step still in flight surely finishes, and ``ahead = 1`` says that the drafts
-        these requests verify now have not been recorded yet (their survivals are still on their way to the host), so
-        the stale survivals sit one place nearer the end of each request's list (:meth:`_stale_survivals`)."""
+        out decoding requests (by ``id``) that the step still in flight surely finishes, and ``ahead = 1`` says that
+        the drafts these requests verify now have not been recorded yet (their survivals are still on their way to the
+        host), so the stale survivals sit one place nearer the end of each request's list (:meth:`_stale_survivals`)."""
         while self.waiting and self.free_slots:  # first come, first served
             seq = self.waiting.popleft()
             seq.slot, seq.status = self.free_slots.pop(), Status.PREFILL
@@ -428,7 +428,7 @@ class Scheduler:
         chunks, room, decoding = [], self.prefill_chunk, []
         for seq in self.running:
             if seq.status is Status.DECODE:
-                if exclude is None or not exclude(seq):
+                if not exclude or id(seq) not in exclude:
                     decoding.append(seq)
             elif seq.status is Status.PREFILL and room > 0:
                 n = min(len(seq.prompt_ids) - seq.num_prefilled, room)
