@@ -94,10 +94,11 @@ class APIError(Exception):
     """An error that leaves as an OpenAI error body with this HTTP status."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.body = status, ErrorResponse(error=ErrorInfo(message=message, type=type, param=param,
                                                                        code=code))
+        self.headers = headers  # extra response headers (Retry-After on 429 and 503)
 
 
 class ClientDisconnected(Exception):
@@ -105,7 +106,12 @@ class ClientDisconnected(Exception):
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body.model_dump(), status_code=err.status)
+    return JSONResponse(err.body.model_dump(), status_code=err.status, headers=err.headers)
+
+
+# Retry-After on a 429 (full) or a 503 (not ready yet), in whole seconds as the header allows: a slot frees whenever
+# any running request finishes, which at the engine's step rates (a few ms a step) is well within the smallest value.
+RETRY_AFTER_S = "1"
 
 
 @dataclass
@@ -280,11 +286,12 @@ class Server:
         try:
             return self.loop.submit(prompt_ids, params)
         except NotReady as err:
-            raise APIError(503, "the engine is not ready", type="server_error", code="not_ready") from err
+            raise APIError(503, "the engine is not ready", type="server_error", code="not_ready",
+                           headers={"Retry-After": RETRY_AFTER_S}) from err
         except Overloaded as err:
             raise APIError(429, f"too many requests in flight ({self.loop.capacity} = --max-num-seqs + "
                                 "--max-waiting); retry later", type="rate_limit_error",
-                           code="too_many_requests") from err
+                           code="too_many_requests", headers={"Retry-After": RETRY_AFTER_S}) from err
 
     # ---------------------------------------------------------------- logprobs in OpenAI's two shapes
 

@@ -299,6 +299,7 @@ def test_disconnects_free_their_slots_and_the_queue_is_bounded(server):
                 streams.append((cm, r))
             over = await c.post(CHAT, json=body)
             assert over.status_code == 429 and over.json()["error"]["code"] == "too_many_requests"
+            assert over.headers["retry-after"] == "1", "a 429 says when to come back"
             lines = streams[0][1].aiter_lines()  # a running request: read a few events mid-stream
             got = 0
             while got < 3:
