@@ -36,7 +36,8 @@ the engine; a further server's ending aborts that server's requests only.
 If the child dies (killed, crashed), the results pipe reaches its end: every request in flight gets
 ``EngineFailed``, ``/health`` answers 503 and the server stops, as when the engine thread dies. The child never
 outlives the server: it is a daemon process, ``stop`` asks it to finish and joins it (then terminates, then kills
-it), and a child whose command pipe closes (the HTTP process is gone, however it ended) stops by itself. The child
+it), and a child whose command pipe closes (the HTTP process is gone, however it ended) stops by itself — at once if
+that happens during its start-up. The child
 ignores SIGINT: a Ctrl-C reaches the whole process group, and the HTTP process drains the requests in flight before
 it stops the engine.
 """
@@ -370,9 +371,10 @@ def engine_main(build: Callable[[], Runtime], channels: list[tuple[Connection, C
     count = len(channels)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     stop = threading.Event()
+    started = threading.Event()  # the runtime is built: from then on a stop ends the step loop in order
     live: list[set[int]] = [set() for _ in range(count)]  # per server: its request ids still in the engine
     for i, (commands, _) in enumerate(channels):
-        threading.Thread(target=_receive_commands, args=(commands, inbox, stop, live[i], i == 0),
+        threading.Thread(target=_receive_commands, args=(commands, inbox, stop, live[i], i == 0, started),
                          name=f"dspark-commands-{i}", daemon=True).start()
     sends = [framed_sender(results) for _, results in channels]
     gone = [False] * count  # further servers whose results pipe broke
@@ -388,6 +390,7 @@ def engine_main(build: Callable[[], Runtime], channels: list[tuple[Connection, C
 
     try:
         runtime = build()
+        started.set()
         ready = Runtime(None, runtime.tokenizer, runtime.vocab_size, runtime.gamma, runtime.has_drafter)
         for i in reversed(range(count)):  # server 0 last: once it answers /health, every server has the engine
             send(i, ("ready", ready))
@@ -425,9 +428,14 @@ def engine_main(build: Callable[[], Runtime], channels: list[tuple[Connection, C
 
 
 def _receive_commands(commands: Connection, inbox: queue.SimpleQueue, stop: threading.Event, live: set[int],
-                      primary: bool) -> None:
+                      primary: bool, started: threading.Event) -> None:
     """Child thread, one per API server: its commands into the step loop's inbox until ``None`` or the end of the
-    pipe. Then API server 0 (``primary``) stops the engine; a further server has its requests aborted."""
+    pipe. Then API server 0 (``primary``) stops the engine; a further server has its requests aborted.
+
+    API server 0 gone before the runtime is built (killed during start-up, however it ended): nobody will ever use
+    this engine, and its start-up (graph capture, a cost profile) would run on for up to a minute at full speed, so
+    the process ends at once (no request can be in flight yet, nothing is left to flush)."""
+    ended = False
     try:
         while (cmd := commands.recv()) is not None:
             if cmd[0] == "add":
@@ -436,8 +444,11 @@ def _receive_commands(commands: Connection, inbox: queue.SimpleQueue, stop: thre
                 live.discard(cmd[1])
             inbox.put(cmd)
     except (EOFError, OSError):  # that server is gone
-        pass
+        ended = True
     if primary:
+        if ended and not started.is_set():
+            log.warning("the server went away while the engine was starting: the engine process stops")
+            os._exit(0)
         stop.set()
         inbox.put(None)  # wakes an idle step loop
         return

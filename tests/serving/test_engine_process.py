@@ -373,6 +373,40 @@ def test_the_engine_process_does_not_outlive_a_killed_server():
         parent.wait()
 
 
+_STARTING_ORPHAN_SCRIPT = """
+import asyncio, sys
+sys.path.insert(0, {root!r})
+from optimized.serving.engine_process import EngineProcess
+from tests.serving.test_engine_process import SlowBuild, sim_build
+async def main():
+    client = EngineProcess(SlowBuild(60.0, sim_build()), max_num_seqs=2, max_waiting=4, on_ready=lambda rt: None,
+                           on_fatal=lambda err: None)
+    client.start(asyncio.get_running_loop())
+    print(client.pid, flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+def test_the_engine_process_does_not_outlive_a_server_killed_during_its_start_up():
+    """SIGKILL while the engine is still building (a 60 s start-up here): the engine sees its command pipe close and
+    exits at once instead of finishing a start-up nobody will use."""
+    parent = subprocess.Popen([sys.executable, "-c", _STARTING_ORPHAN_SCRIPT.format(root=str(ROOT))], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        child = int(parent.stdout.readline())
+        time.sleep(1.0)  # the child is importing or building by now
+        assert psutil.pid_exists(child)
+        parent.kill()
+        parent.wait()
+        t0 = time.monotonic()
+        assert gone(child, timeout=15), "the starting engine process outlived its server"
+        assert time.monotonic() - t0 < 15
+    finally:
+        parent.kill()
+        parent.wait()
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Live servers, one per mode
 # ------------------------------------------------------------------------------------------------------------
