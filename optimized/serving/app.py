@@ -159,6 +159,8 @@ class Server:
             self.loop = EngineProcess(build, spawned=spawned, **share) if engine_process else EngineLoop(build, **share)
             self.exchange = None
         self._all_ready = group is None  # server 0 of a group: whether every further server has the engine
+        self._aio: asyncio.AbstractEventLoop | None = None  # the event loop, once started
+        self.cut_requests = 0  # requests ended with an error because --shutdown-timeout ran out
         self.runtime: Runtime | None = None
         self.tokenizer: Any = None
         self.metrics: ServerMetrics | None = None
@@ -184,12 +186,28 @@ class Server:
     # ---------------------------------------------------------------- lifecycle (the app's lifespan)
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._aio = asyncio.get_running_loop()
         self.loop.start(loop)
         if self.exchange is not None:
             await self.exchange.start(self.metrics_snapshot)
         if self.group is not None:  # the engine process exists now, with a pair of pipes for each further server
             self.group.start(self.loop.peer_channels, loop)
+
+    def cut_after(self, seconds: float) -> None:
+        """From any thread (a signal handler): in ``seconds``, end every request still in flight with a 503
+        ``shutting_down`` error — in the stream for a streaming request, so that its client reads why it ended and the
+        server's drain finishes before uvicorn cuts the connection."""
+        if self._aio is not None and not self._aio.is_closed():
+            self._aio.call_soon_threadsafe(self._aio.call_later, seconds, self._cut)
+
+    def _cut(self) -> None:
+        err = APIError(503, "the server is shutting down, and its --shutdown-timeout ran out before this request "
+                            "finished", type="server_error", code="shutting_down")
+        n = self.loop.cut(err)
+        self.cut_requests += n
+        if n:
+            log.warning("shutdown: %d request(s) still running when --shutdown-timeout ran out were ended with an "
+                        "error", n)
 
     async def stop(self) -> None:
         if self.group is not None:  # they drain first: the engine serves their requests until they have left
@@ -723,9 +741,16 @@ def serve_until_stopped(server: Server, *, sockets: list | None = None,
     """Run ``server``'s app under uvicorn (``config``: ``uvicorn.Config``'s keywords) until SIGTERM / SIGINT has
     drained it (returns 0) or its engine failed (1). ``on_signal(sig)`` runs on each stop signal first and says
     whether this process drains on it (API server 0 forwards it to the others; they ignore Ctrl-C themselves)."""
+    # uvicorn cuts the connections still open when its graceful shutdown times out; the requests still running are
+    # ended with an error event a little before (a tenth of the timeout, at most a second), so that they end cleanly.
+    timeout = config.get("timeout_graceful_shutdown")
+    cut_after = None if timeout is None else max(0.0, timeout - min(1.0, 0.1 * timeout))
+
     class HTTPServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:
             if on_signal(sig):
+                if cut_after is not None and not self.should_exit:  # the first stop signal
+                    server.cut_after(cut_after)
                 super().handle_exit(sig, frame)
 
     http = HTTPServer(uvicorn.Config(build_app(server), **config))
@@ -739,7 +764,14 @@ def serve_until_stopped(server: Server, *, sockets: list | None = None,
     server.on_fatal = fatal
     # uvicorn drains on SIGTERM / SIGINT, then re-raises the signal to the handler it found at start: these make
     # that a no-op, so a drained server exits 0.
+    def stopped(signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if server.cut_requests:
+            log.warning("%s: stopped; %d request(s) were ended by --shutdown-timeout", name, server.cut_requests)
+        else:
+            log.info("%s: drained", name)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: log.info("%s: drained", signal.Signals(signum).name))
+        signal.signal(sig, stopped)
     http.run(sockets=sockets)
     return exit_code

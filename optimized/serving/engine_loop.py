@@ -148,6 +148,16 @@ class EngineClient:
             self._send(("abort", handle.request_id))
             self.metrics.request_finished("abort", time.perf_counter() - handle.arrival)
 
+    def cut(self, err: BaseException) -> int:
+        """On the event loop: end every request in flight with ``err`` (its stream raises it next) and free its slot in
+        the engine; returns how many there were. A server whose ``--shutdown-timeout`` runs out does this, so that its
+        clients read an error rather than a cut connection."""
+        handles = list(self._requests.values())
+        for handle in handles:
+            self.abort(handle)
+            handle.queue.put_nowait(err)
+        return len(handles)
+
     def _dispatch(self, outputs: list, stats, errors: list[tuple[int, Exception]], idle: bool) -> None:
         """On the event loop: sort one step's outputs into the request queues; record latencies and step stats."""
         now = time.perf_counter()

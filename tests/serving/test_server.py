@@ -538,3 +538,32 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server):
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     assert server.proc.wait(30) == 0
     assert "drained" in server.log.read_text()
+
+
+def test_requests_left_at_the_shutdown_timeout_end_with_an_error_event(tiny_dirs, tmp_path):
+    """SIGTERM with ``--shutdown-timeout 0`` while a long stream runs: the stream ends with an OpenAI error event
+    (``shutting_down``) instead of a cut connection, the server exits 0, and its log says that requests were ended,
+    not that it drained."""
+    import signal
+
+    srv = LiveServer(tiny_server_args(tiny_dirs, "--max-model-len", "500", "--shutdown-timeout", "0"), tmp_path,
+                     tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        body = {"model": "tiny", "messages": MSG, "max_tokens": 450, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        with httpx.Client(base_url=srv.url, timeout=60) as c, c.stream("POST", CHAT, json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))  # the stream is under way
+            srv.proc.send_signal(signal.SIGTERM)
+            events = [line.removeprefix("data: ") for line in lines if line.startswith("data:")]
+        assert events and events[-1] != "[DONE]", "the request finished before the timeout: make it longer"
+        err = json.loads(events[-1])["error"]
+        assert err["code"] == "shutting_down" and err["type"] == "server_error"
+        assert "--shutdown-timeout" in err["message"]
+        assert srv.proc.wait(30) == 0
+        log = srv.log.read_text()
+        assert "ended by --shutdown-timeout" in log and "drained" not in log
+    finally:
+        srv.stop()
