@@ -484,12 +484,23 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _BodyTimeout(Exception):
+    pass
+
+
+# A request body must arrive within this many seconds of its previous part (or of the headers): the largest body a
+# prompt of --max-model-len tokens makes is a few hundred kB, seconds even on a slow link; a client that stops
+# half-way would otherwise hold a connection and a task for ever.
+BODY_READ_TIMEOUT_S = 30.0
+
+
 class BodyLimitMiddleware:
     """Refuse a body larger than any request whose prompt fits ``--max-model-len`` could be (413), before reading
-    it. A body without Content-Length that grows past the limit is cut off while being read (FastAPI answers 400)."""
+    it. A body without Content-Length that grows past the limit is cut off while being read (FastAPI answers 400).
+    A body that stops arriving (``read_timeout`` seconds without its next part) gets a 408."""
 
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, read_timeout: float = BODY_READ_TIMEOUT_S) -> None:
+        self.app, self.max_bytes, self.read_timeout = app, max_bytes, read_timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -499,17 +510,41 @@ class BodyLimitMiddleware:
             err = APIError(413, f"request body of {length} bytes exceeds {self.max_bytes} bytes, more than a prompt "
                                 "of --max-model-len tokens needs", code="request_too_large")
             return await error_response(err)(scope, receive, send)
-        seen = 0
+        seen, body_done, timed_out = 0, False, False
 
         async def limited_receive():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done, timed_out
+            if body_done:  # after the body: the disconnect watch waits here as long as a stream lasts
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout)
+            except TimeoutError:
+                timed_out = True
+                raise _BodyTimeout() from None
             seen += len(message.get("body", b""))
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             if seen > self.max_bytes:
                 raise _BodyTooLarge()
             return message
 
-        await self.app(scope, limited_receive, send)
+        forwarded = False  # whether any of the app's response reached the client
+
+        async def timed_send(message) -> None:
+            # The app answers a body it could not read in its own way (a 400, a 422, a 500); a body that stopped
+            # arriving gets the 408 below instead, so nothing of that answer is forwarded.
+            nonlocal forwarded
+            if not timed_out:
+                forwarded = True
+                await send(message)
+
+        try:
+            await self.app(scope, limited_receive, timed_send)
+        except _BodyTimeout:  # the app let the read's failure through
+            pass
+        if timed_out and not forwarded:
+            err = APIError(408, f"the request body stopped arriving ({self.read_timeout:g} s without its next part)",
+                           code="request_timeout")
+            await error_response(err)(scope, receive, send)
 
 
 class APIKeyMiddleware:

@@ -470,3 +470,59 @@ def test_step_cost_gauges_follow_the_engine():
     assert m.registry.get_sample_value("dspark:draft_gate_closed_steps_total") == 1
     merged = ServerMetrics.merged("m", 3, True, [ServerMetrics("m", 3, True).snapshot(), m.snapshot()])
     assert merged.registry.get_sample_value("dspark:step_cost_scale", {"kind": "plain"}) == 1.25
+
+
+def test_a_body_that_stops_arriving_gets_a_408_and_a_whole_one_is_untouched():
+    """The body-limit middleware times out a body whose next part does not come (a client that stopped half-way),
+    answering 408 in the OpenAI error shape instead of holding the connection; a body sent whole passes, and the
+    receive after it (a stream's disconnect watch) is not timed."""
+    import asyncio
+    import json
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from optimized.serving.app import BodyLimitMiddleware
+
+    waited = []
+
+    async def echo(request):
+        body = await request.json()
+        waited.append(await asyncio.wait_for(request.receive(), 1.0))  # after the body: untimed, here 1 s
+        return JSONResponse(body)
+
+    inner = Starlette(routes=[Route("/echo", echo, methods=["POST"])])
+
+    app = BodyLimitMiddleware(inner, max_bytes=10_000, read_timeout=0.2)
+    scope = {"type": "http", "method": "POST", "path": "/echo", "raw_path": b"/echo", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"20")],
+             "http_version": "1.1", "scheme": "http", "server": ("t", 80), "client": ("c", 1), "root_path": ""}
+
+    async def call(parts: list[bytes], complete: bool, then_disconnect_after: float) -> tuple[int, dict]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for i, part in enumerate(parts):
+            queue.put_nowait({"type": "http.request", "body": part,
+                              "more_body": i < len(parts) - 1 or not complete})
+
+        async def receive():
+            if queue.empty():
+                await asyncio.sleep(then_disconnect_after)
+                return {"type": "http.disconnect"}
+            return await queue.get()
+
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        await app(scope, receive, send)
+        status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+        body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        return status, json.loads(body)
+
+    status, body = asyncio.run(call([b'{"a": 1, "b'], False, then_disconnect_after=5.0))  # half a body, then nothing
+    assert status == 408 and body["error"]["code"] == "request_timeout"
+    status, body = asyncio.run(call([b'{"a": 1, "b": 22222}'], True, then_disconnect_after=0.5))
+    assert status == 200 and body == {"a": 1, "b": 22222}
+    assert waited == [{"type": "http.disconnect"}], "the receive after the body waited past the body timeout"
