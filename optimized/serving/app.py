@@ -771,6 +771,33 @@ def build_app(server: Server) -> FastAPI:
     return app
 
 
+# A new connection must complete its first request's headers within this many seconds, or it is closed: uvicorn arms
+# its keep-alive timer only after a response, so a connection that never sends a request (or sends its headers a
+# byte at a time) would hold a socket and a protocol for ever. A client sends its request as it connects.
+HEADER_TIMEOUT_S = 10.0
+
+
+def first_request_timeout(protocol: type, seconds: float = HEADER_TIMEOUT_S) -> type:
+    """uvicorn's HTTP protocol class ``protocol`` (h11 or httptools: both keep ``cycle`` None until a request's headers
+    are complete), closing a connection whose first request has not begun within ``seconds``."""
+
+    class FirstRequestTimeout(protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._first_request_timer = self.loop.call_later(seconds, self._close_without_request)
+
+        def _close_without_request(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            self._first_request_timer.cancel()
+            super().connection_lost(exc)
+
+    FirstRequestTimeout.__name__ = f"FirstRequestTimeout{protocol.__name__}"
+    return FirstRequestTimeout
+
+
 def serve_until_stopped(server: Server, *, sockets: list | None = None,
                         on_signal: Callable[[int], bool] = lambda sig: True, **config: Any) -> int:
     """Run ``server``'s app under uvicorn (``config``: ``uvicorn.Config``'s keywords) until SIGTERM / SIGINT has
@@ -788,6 +815,10 @@ def serve_until_stopped(server: Server, *, sockets: list | None = None,
                     server.cut_after(cut_after)
                 super().handle_exit(sig, frame)
 
+    if "http" not in config:  # uvicorn's choice ("auto": httptools if installed, else h11), with the header timeout
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        config["http"] = first_request_timeout(AutoHTTPProtocol)
     http = HTTPServer(uvicorn.Config(build_app(server), **config))
     exit_code = 0
 

@@ -526,3 +526,50 @@ def test_a_body_that_stops_arriving_gets_a_408_and_a_whole_one_is_untouched():
     status, body = asyncio.run(call([b'{"a": 1, "b": 22222}'], True, then_disconnect_after=0.5))
     assert status == 200 and body == {"a": 1, "b": 22222}
     assert waited == [{"type": "http.disconnect"}], "the receive after the body waited past the body timeout"
+
+
+def test_a_connection_that_sends_no_request_is_closed():
+    """uvicorn's protocol with the first-request timeout (what ``serve_until_stopped`` runs): a connection that sends
+    nothing, or half a request line, is closed after the timeout; a whole request is answered as usual."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from optimized.serving.app import first_request_timeout
+    from tests.serving.conftest import free_port
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+                            http=first_request_timeout(AutoHTTPProtocol, 0.3))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+        def closed_by_server(payload: bytes) -> bool:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(payload)
+                t0 = time.monotonic()
+                data = sock.recv(1024)  # b"": the server closed the connection
+                return data == b"" and 0.2 < time.monotonic() - t0 < 4
+
+        assert closed_by_server(b""), "an idle connection stayed open"
+        assert closed_by_server(b"POST /v1/chat/completions HTT"), "half a request line stayed open"
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+    finally:
+        server.should_exit = True
+        thread.join(10)
