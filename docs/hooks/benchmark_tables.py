@@ -4,6 +4,10 @@ A page line ``<!-- benchmark: KIND FILE… -->`` becomes a Markdown table (or a 
 the JSON files it names, paths relative to the page. So a new benchmark run updates the pages by itself, and a
 number on the site is always the number in the file, with the hardware and the command stored beside it.
 
+A number inside a sentence is written ``<!-- value: NAME FILE key=value… -->`` (anywhere in a line) and becomes
+that one number, rendered by :data:`VALUES` from the file (a τ, a speed-up at one batch size, the batch sizes where
+speculation pays, a start-up time): prose never retypes a measured number that a run can change.
+
 Kinds (one renderer each, below): ``provenance``, ``engine-throughput``, ``cost-check``, ``speculation-frontier``,
 ``acceptance``, ``training``, ``kernels``, ``calibration``, ``calibration-methods``, ``gpu-equivalence``,
 ``summary``, ``serving`` and ``startup`` (scripts/bench_serving.py), ``startup-launches``
@@ -40,9 +44,9 @@ PLACEHOLDERS = [
     (re.compile(r"/tmp/sd/(\w+)"), r"data/\1"),
     (re.compile(r"/tmp/runs\d*/(\w+)"), r"runs/\1"),
 ]
-# Run-to-run spread of a throughput on the shared H200 machine: the same configuration measured in two
-# committed runs of one session differed by up to ~10 % (plain decoding at batch 64: 30,430 vs 26,851 tokens/s,
-# engine-h200-2layer.json vs engine-h200-gate-window.json). A ratio inside 1 ± this is reported as a tie.
+# Run-to-run spread of a throughput on the shared H200 machine: the same configuration measured in two runs on
+# one machine differed by up to ~10 % (plain decoding at batch 64: 30,430 vs 26,851 tokens/s with the earlier
+# 2-layer drafter's build). A ratio inside 1 ± this is reported as a tie.
 SPREAD = 0.10
 
 
@@ -203,10 +207,28 @@ def _slots(rates: list[float | None], counts: list[int] | None) -> str:
     return " ".join(out)
 
 
+def _arm_label(arm: str) -> str:
+    """A drafter's label as a reader needs it: what it is (layers, step, trainer), without the bookkeeping of the
+    runs that trained it (bracketed remarks on how the GPU time was split)."""
+    arm = re.sub(r"\s*\([^()]*\bloans?\b[^()]*\)", "", arm)
+    arm = re.sub(r",?\s*measured in its training loan(?:\s*\(loan \d+\))?", "", arm)
+    return arm.strip(" ,")
+
+
+def _select_arms(data: dict, args: list[str]) -> list[tuple[str, dict]]:
+    """The runs of an acceptance file, all of them or those of ``arms=0,3`` (indices in the file's order)."""
+    runs = list(data["runs"].items())
+    named = dict(a.split("=", 1) for a in args if "=" in a)
+    if "arms" in named:
+        runs = [runs[int(i)] for i in named["arms"].split(",")]
+    return runs
+
+
 def acceptance(page_dir: Path, files: list[str]) -> str:
     data = _load(page_dir, files[0])
     rows = []
-    for arm, temps in data["runs"].items():
+    for arm, temps in _select_arms(data, files[1:]):
+        arm = _arm_label(arm)
         for t, run in temps.items():
             dom = run.get("per_domain", {})
             where = " ".join(x for x in (_short_hardware(run.get("hardware", "")),
@@ -216,7 +238,7 @@ def acceptance(page_dir: Path, files: list[str]) -> str:
             rows.append([arm, t.replace("T=", ""), tau,
                          " / ".join(f"{dom[d]:.2f}" for d in dom), str(run["counts"]["steps"]),
                          _slots(run["per_position_acceptance"], run.get("per_position_counts")), where])
-    domains = " / ".join(next(iter(next(iter(data["runs"].values())).values())).get("per_domain", {}))
+    domains = " / ".join(next(iter(_select_arms(data, files[1:])[0][1].values())).get("per_domain", {}))
     header = ["drafter", "T", "τ", f"τ by domain ({domains})", "steps",
               "P(slot k accepted, given slots 1..k-1 accepted), k = 1..γ", "measured on"]
     return _table(header, rows) + ("\nτ counts the accepted drafts plus the token the target emits; ± is its standard "
@@ -318,8 +340,9 @@ def summary(page_dir: Path, files: list[str]) -> str:
     lines = [
         "| question | answer | measured on |", "|---|---|---|",
         f"| Do `reference/` and `optimized/` emit the same tokens? | **{eq_ok}/{eq_total}** prompt × mode × "
-        f"temperature runs identical, CUDA graphs and Triton kernels on | {eq['hardware']} |",
-        f"| How many tokens does one verification emit (τ)? | **{taus}** (drafter `{arm}`, full block of γ = 7) "
+        f"temperature runs identical in float32, CUDA graphs and Triton kernels on | {eq['hardware']} |",
+        f"| How many tokens does one verification emit (τ)? | **{taus}** (drafter `{_arm_label(arm)}`, full block "
+        f"of γ = 7, on the project's evaluation prompts) "
         f"| {temps[next(iter(temps))].get('hardware', '')} |",
         f"| Where does speculation beat plain decoding? | best gain **{best['ratio']:.2f}×** at batch "
         f"{best['batch']}; helps at batch {', '.join(helps) or 'none'}; tie at {', '.join(ties) or 'none'}; "
@@ -498,6 +521,100 @@ def step_cost(page_dir: Path, files: list[str]) -> str:
         "each holds).\n")
 
 
+# ---------------------------------------------------------------------------------------------------- inline values
+
+INLINE = re.compile(r"<!-- value: (?P<name>[\w-]+)(?P<args>[^>]*?) -->")
+
+
+VERDICTS = {"helps": "speculation helps", "loses": "plain decoding is faster", "ties": "a tie"}
+
+
+def _and(items: list[str]) -> str:
+    return "none" if not items else items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _range(xs: list[float], digits: int = 2, unit: str = "×") -> str:
+    """``1.17×`` for one value (or several that round alike), ``1.17–1.40×`` for a range."""
+    lo, hi = f"{min(xs):.{digits}f}", f"{max(xs):.{digits}f}"
+    return (lo if lo == hi else f"{lo}–{hi}") + unit
+
+
+def _engine_quantity(data: dict, batch: int, q: str) -> float:
+    """One engine-benchmark ratio at one batch size: ``ratio`` (best speculative policy / plain decoding at its
+    best), ``adaptive`` (adaptive's best variant / plain decoding at its best), ``adaptive-vs-best`` (adaptive's
+    best variant / the best of every other policy, plain decoding included)."""
+    row = next((r for r in frontier(data) if r["batch"] == batch), None)
+    if row is None:
+        raise ValueError(f"benchmark values: no batch {batch} in the engine file")
+    if q == "ratio":
+        return row["ratio"]
+    if q == "adaptive":
+        return row["adaptive"]
+    if q == "adaptive-vs-best":
+        tps = data["summary"][str(batch)]["tokens_per_s"]
+        mine = max(v for lab, v in tps.items() if _base(lab) == "adaptive")
+        return mine / max(v for lab, v in tps.items() if _base(lab) != "adaptive" and lab != "hf")
+    raise ValueError(f"benchmark values: unknown engine quantity {q!r}")
+
+
+def _serving_quantity(data: dict, concurrency: int, q: str) -> float:
+    """One serving-benchmark ratio at one concurrency: ``ratio`` (best speculative mode / plain decoding),
+    ``adaptive`` (adaptive / plain decoding), ``adaptive-vs-best`` (adaptive / the best other mode)."""
+    here = {r["label"]: r["output_tokens_per_s"] for r in data["results"] if r["concurrency"] == concurrency}
+    if not here:
+        raise ValueError(f"benchmark values: no concurrency {concurrency} in the serving file")
+    if q == "ratio":
+        return max(v for lab, v in here.items() if lab != "none") / here["none"]
+    if q == "adaptive":
+        return here["adaptive"] / here["none"]
+    if q == "adaptive-vs-best":
+        return here["adaptive"] / max(v for lab, v in here.items() if lab != "adaptive")
+    raise ValueError(f"benchmark values: unknown serving quantity {q!r}")
+
+
+def value(name: str, args: list[str], page_dir: Path) -> str:
+    """The inline number ``<!-- value: NAME FILE key=value… -->`` stands for (see the module docstring)."""
+    if not args:
+        raise ValueError(f"benchmark values: {name} needs a JSON file")
+    data = _load(page_dir, args[0])
+    opt = dict(a.split("=", 1) for a in args[1:] if "=" in a)
+    if name == "tau":  # τ of one drafter (arm index, default the first: the shipped one) at one temperature
+        arm = list(data["runs"].values())[int(opt.get("arm", 0))]
+        return f"{arm['T=' + opt.get('T', '0')]['mean_accepted_length']:.2f}"
+    if name in ("engine", "engine-range"):
+        batches = [int(b) for b in opt["batch"].split(",")] if "batch" in opt else \
+            sorted(int(b) for b in data["summary"])
+        if "verdict" in opt:  # only the batch sizes with that verdict (helps, loses, ties)
+            word = VERDICTS[opt["verdict"]]
+            batches = [r["batch"] for r in frontier(data) if r["verdict"].startswith(word)]
+        return _range([_engine_quantity(data, b, opt.get("q", "ratio")) for b in batches])
+    if name == "engine-batches":  # the batch sizes with a verdict: helps, loses or ties
+        word = VERDICTS[opt["verdict"]]
+        return _and([str(r["batch"]) for r in frontier(data) if r["verdict"].startswith(word)])
+    if name == "engine-tau":  # mean accepted length of one policy, over the batch sizes named (default all)
+        taus = [r["mean_accepted_length"] for r in data["results"] if r.get("label") == opt["label"]
+                and ("batch" not in opt or r["batch_size"] in {int(b) for b in opt["batch"].split(",")})]
+        return _range(taus, unit="")
+    if name in ("serving", "serving-range"):
+        levels = [int(c) for c in opt["concurrency"].split(",")] if "concurrency" in opt else \
+            sorted({r["concurrency"] for r in data["results"]})
+        return _range([_serving_quantity(data, c, opt.get("q", "ratio")) for c in levels])
+    if name == "serving-tps":  # aggregate output tokens/s of one mode at one concurrency
+        level = int(opt["concurrency"])
+        r = next(r for r in data["results"] if r["label"] == opt["label"] and r["concurrency"] == level)
+        return _int(r["output_tokens_per_s"])
+    if name == "startup":  # command → /health 200 of a start-up benchmark's launches: first (cold) or the rest
+        ready = [r["ready_s"] for r in data["launches"]]
+        return _range(ready[:1] if opt.get("launch") == "cold" else ready[1:], digits=1, unit=" s")
+    if name == "equivalence":  # identical prompt × mode × temperature runs over every named file
+        ok = total = 0
+        for f in args:
+            for counts in _load(page_dir, f)["summary"]["per_mode"].values():
+                ok, total = ok + counts["identical"], total + sum(counts.values())
+        return f"{ok}/{total}"
+    raise ValueError(f"benchmark values: unknown value {name!r}")
+
+
 RENDERERS = {
     "step-cost": step_cost,
     "linear-chain": linear_chain,
@@ -535,4 +652,5 @@ def on_page_markdown(markdown, page, config, files):
         text = render(m["kind"], shlex.split(m["args"]), page_dir)
         return "\n".join(m["indent"] + line if line else line for line in text.split("\n"))
 
-    return DIRECTIVE.sub(rendered, markdown)
+    markdown = DIRECTIVE.sub(rendered, markdown)
+    return INLINE.sub(lambda m: value(m["name"], shlex.split(m["args"]), page_dir), markdown)
