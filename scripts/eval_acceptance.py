@@ -100,6 +100,23 @@ def summarise(results: list[GenerationResult], gamma: int) -> dict:
     }
 
 
+def spread_over_domains(rows: list[tuple[str, list[int]]], limit: int | None) -> list[tuple[str, list[int]]]:
+    """At most ``limit`` of the (domain, ids) rows, taken in turn from each domain (its rows in file order, the
+    domains in order of first appearance), returned in file order: a limited run still reports every domain."""
+    if limit is None or limit >= len(rows):
+        return rows
+    by_domain: dict[str, list[int]] = {}
+    for i, (domain, _) in enumerate(rows):
+        by_domain.setdefault(domain, []).append(i)
+    queues = [list(idx) for idx in by_domain.values()]
+    picked: list[int] = []
+    while len(picked) < limit:
+        for q in queues:
+            if q and len(picked) < limit:
+                picked.append(q.pop(0))
+    return [rows[i] for i in sorted(picked)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -123,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=1,
                    help="sampled runs (T > 0): decode every prompt with seeds --seed .. --seed + N - 1 and pool "
                         "them, which shrinks τ's standard error by about √N (each (prompt, seed) is one cluster)")
-    p.add_argument("--limit", type=int, default=None, help="use the first N prompts only")
+    p.add_argument("--limit", type=int, default=None,
+                   help="use N prompts, taken in turn from each domain in file order (the evaluation file is sorted "
+                        "by domain: the first N lines would be one domain); default: all (%(default)s)")
     p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
     p.add_argument("--engine", choices=["optimized", "reference"], default="optimized",
                    help="who runs the loop: the batched engine (fast) or the reference loop (one request at a "
@@ -167,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         drafter = load_drafter(args.drafter, target, device=device, dtype=target.dtype)
         drafter_config = {"head": cfg.head, "num_layers": cfg.num_layers, "markov_rank": cfg.markov_rank,
                           "sts_temperatures": cfg.sts_temperatures}
-    prompts = read_domain_prompts(args.prompts_file, target, chat_template=not args.no_chat_template, limit=args.limit)
+    prompts = spread_over_domains(read_domain_prompts(args.prompts_file, target,
+                                                      chat_template=not args.no_chat_template), args.limit)
     seeds = list(range(args.seed, args.seed + args.seeds))
     sched = SchedulerConfig(mode="fixed", k=gamma)  # full block verified every step: τ of the drafter alone
     log.info("%d prompts, %s, γ = %d, T = %g, %d new tokens, seed(s) %s, %s", len(prompts), args.proposer, gamma,

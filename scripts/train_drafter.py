@@ -24,11 +24,11 @@ linearly to its weight, for a drafter that is then tuned for T = 1 acceptance.
 Resuming. Rerunning the same command resumes from ``OUT/_state`` (safetensors weights and optimizer moments,
 JSON step count and RNG). Across machines, where only the shipped checkpoint travels (bf16 shards ≤ 15 MB),
 ``--init-from DIR`` starts from its weights and its recorded step, so one learning-rate schedule spans
-several machine loans; the AdamW moments restart from zero, and ``--rewarm-steps`` ramps the learning rate
+several runs on different machines; the AdamW moments restart from zero, and ``--rewarm-steps`` ramps the learning rate
 back up over a few steps while they refill. ``--time-budget-min`` then counts this invocation's training (a
 resumed ``OUT/_state`` counts the time already spent, since it continues one invocation), and
-``--anneal-frac F`` decays the learning rate to 0 over the last fraction ``F`` of that budget, so a loan that ends
-mid-schedule still ships an annealed drafter (a warm-stable-decay schedule: the next loan re-warms and continues
+``--anneal-frac F`` decays the learning rate to 0 over the last fraction ``F`` of that budget, so a run that ends
+mid-schedule still ships an annealed drafter (a warm-stable-decay schedule: the next run re-warms and continues
 the cosine underneath from the recorded step). ``--init-schedule restart`` instead starts a new schedule of
 ``--steps`` from the checkpoint's weights (step 0, the usual warm-up): a deepened drafter's own schedule, say, once
 the one it came from has ended.
@@ -329,9 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=1024, help="longer sequences are truncated")
     p.add_argument("--steps", type=int, default=2000,
                    help="optimizer steps; sizes the cosine schedule (0: schedule over --time-budget-min instead)")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--warmup-frac", type=float, default=0.04)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (default: %(default)s)")
+    p.add_argument("--warmup-frac", type=float, default=0.04,
+                   help="linear warm-up over this fraction of the schedule, then a cosine to 0 (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: %(default)s)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
     p.add_argument("--loss-weights", type=parse_weights, default=LossWeights(ce=0.0, l1=0.0, conf=1.0, kl=1.0),
                    help="w_ce,w_l1,w_conf[,w_kl]; the paper's mix is 0.1,0.9,1.0 and its CE-only ('DFlash') arm 1,0,0")
@@ -344,16 +345,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=("auto", "einsum", "flex"), default="auto",
                    help="the backbone's block attention (optimized.training.dense_backbone): auto = flex on CUDA, "
                         "einsum elsewhere (FlexAttention has no backward on a CPU)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=20)
-    p.add_argument("--eval-every", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initialisation and of the batch order (default: %(default)s)")
+    p.add_argument("--log-every", type=int, default=20,
+                   help="log the training loss and throughput every N steps (default: %(default)s)")
+    p.add_argument("--eval-every", type=int, default=500,
+                   help="held-out evaluation (loss terms, per-slot acceptance proxy) every N steps "
+                        "(default: %(default)s)")
     p.add_argument("--save-every", type=int, default=1000, help="resume-state interval in steps")
     p.add_argument("--time-budget-min", type=float, default=None,
                    help="stop and save when this invocation's training time reaches this (a resumed OUT/_state "
                         "counts the time already spent; --init-from does not); the schedule stays sized by --steps")
     p.add_argument("--anneal-frac", type=float, default=0.0,
                    help="decay the learning rate to 0 along a cosine over the last fraction F of --time-budget-min "
-                        "(the schedule underneath continues on the next loan, see --init-from)")
+                        "(the schedule underneath continues in the next run, see --init-from; default: %(default)s)")
     p.add_argument("--stop-after", type=int, default=None,
                    help="end this invocation after N more steps (resume later); splits a run over short device calls")
     p.add_argument("--init-from", default=None,
