@@ -445,3 +445,238 @@ def test_hook_cleans_roles_and_literal_markers_only_in_prose():
     html = "<p>The :class:<code>DrafterConfig</code> stored in a directory::</p><pre>x :: y</pre>"
     out = hook.on_page_content(html, _Page(), None, None)
     assert out == "<p>The <code>DrafterConfig</code> stored in a directory:</p><pre>x :: y</pre>"
+
+
+# ---------------------------------------------------------------------------------------------------- numbers
+
+BENCH = ROOT / "docs" / "benchmarks"
+HAND_WRITTEN = [*sorted((ROOT / "docs").glob("*.md")), BENCH / "index.md", ROOT / "README.md"]
+
+
+def _prose(text: str) -> str:
+    """A page's own words: without HTML comments (the hooks' directives, rendered from JSON) and fenced code."""
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    return re.sub(r"^[ ]*```.*?^[ ]*```", "", text, flags=re.S | re.M)
+
+
+def _markdown_of(path: Path) -> str:
+    if path.suffix == ".ipynb":
+        return "\n".join("".join(c["source"]) for c in _cells(path) if c["cell_type"] == "markdown")
+    return path.read_text(encoding="utf-8")
+
+
+def _inline_values():
+    hook = _hook("benchmark_tables")
+    for page in DOC_PAGES:
+        for m in hook.INLINE.finditer(page.read_text(encoding="utf-8")):
+            yield pytest.param(page, m["name"], m["args"], id=f"{page.relative_to(ROOT / 'docs')}:{m['name']}")
+
+
+@pytest.mark.parametrize(("page", "name", "args"), list(_inline_values()))
+def test_inline_values_render_from_the_committed_json(page: Path, name: str, args: str):
+    import shlex
+
+    out = _hook("benchmark_tables").value(name, shlex.split(args), page.parent)
+    assert out and "\n" not in out and re.search(r"\d", out), f"{name} {args} rendered {out!r}"
+
+
+def test_inline_values_render_ranges_and_verdicts():
+    hook = _hook("benchmark_tables")
+    engine = json.loads((BENCH / "engine-h200.json").read_text())
+    rows = hook.frontier(engine)
+    helps = [r for r in rows if r["verdict"] == "speculation helps"]
+    lo, hi = min(r["ratio"] for r in helps), max(r["ratio"] for r in helps)
+    want = f"{lo:.2f}×" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}×"
+    assert hook.value("engine-range", ["engine-h200.json", "verdict=helps"], BENCH) == want
+    assert hook.value("engine-batches", ["engine-h200.json", "verdict=helps"], BENCH).replace(" and ", ", ") == \
+        ", ".join(str(r["batch"]) for r in helps)
+    acc = json.loads((BENCH / "acceptance.json").read_text())
+    shipped = next(iter(acc["runs"].values()))
+    assert hook.value("tau", ["acceptance.json", "T=1"], BENCH) == f"{shipped['T=1']['mean_accepted_length']:.2f}"
+
+
+def test_acceptance_labels_name_the_drafter_not_how_it_was_trained():
+    hook = _hook("benchmark_tables")
+    assert hook._arm_label("dspark, 5 layers, int8 (dense trainer, step 40,000 of 40,000: nine loans, deepened)") == \
+        "dspark, 5 layers, int8"
+    assert hook._arm_label("5 layers, int8, step 34,274 (eight loans), re-measured") == \
+        "5 layers, int8, step 34,274, re-measured"
+    assert hook._arm_label("step 23,670 with its bfloat16 weights, measured in its training loan (loan 5)") == \
+        "step 23,670 with its bfloat16 weights"
+
+
+# Words about how the measurements were organised, not about what ran: a result is labelled by its hardware,
+# command and drafter checkpoint.
+WORKSHOP_WORDS = re.compile(r"(?i)\bloans?\b|\b(?:work|GPU|training) sessions?\b")
+
+
+@pytest.mark.parametrize("path", [*HAND_WRITTEN, *NOTEBOOKS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_results_are_labelled_by_what_ran(path: Path):
+    hits = WORKSHOP_WORDS.findall(_markdown_of(path))
+    assert not hits, f"{path.relative_to(ROOT)} says {hits[:3]}: label a result by hardware, command and checkpoint"
+
+
+# A page a user reads in minutes: none over 4,000 words, the hand-written site under 35,000 (generated pages, the
+# API reference and the configuration tables, are not counted).
+PAGE_WORDS, TOTAL_WORDS = 4_000, 35_000
+
+
+def test_pages_stay_within_their_word_budget():
+    counts = {p.relative_to(ROOT).as_posix(): len(p.read_text(encoding="utf-8").split()) for p in HAND_WRITTEN}
+    long = {p: n for p, n in counts.items() if n > PAGE_WORDS}
+    assert not long, f"pages over {PAGE_WORDS:,} words: {long}"
+    assert sum(counts.values()) <= TOTAL_WORDS, f"{sum(counts.values()):,} words in all (budget {TOTAL_WORDS:,})"
+
+
+# The measurements a speed-up is a ratio of (throughputs and times), what a comparison holds fixed, and the fields
+# that name the alternatives it compares.
+SPEED_KEY = re.compile(r"^(?:tokens_per_s|output_tokens_per_s|slot_predictions_per_s|step_ms|median_step_s|us"
+                       r"|\w+_us_per_layer)$")
+GROUP_KEYS = ("batch_size", "concurrency", "R", "rows", "tokens_per_step")
+ALTERNATIVES = ("label", "mode", "backend", "step", "arm", "engine", "name", "variant", "streaming")
+
+
+@functools.cache
+def _ratio_candidates(files: tuple[str, ...] | None = None) -> list[float]:
+    """Every ratio the current benchmark files support: two measurements of one kind in one file at the same batch
+    size, concurrency or row count (tokens/s of two policies, step times, slot predictions per second, ...), and
+    every ratio a file records itself (keys with over, ratio, speedup, efficiency)."""
+    out: list[float] = []
+
+    def pairs(values: list[float]) -> None:
+        out.extend(a / b for a in values for b in values if a > 0 and b > 0 and a != b)
+
+    def walk(node, key: str = "") -> None:
+        if isinstance(node, dict):
+            nums = [v for v in node.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if key == "tokens_per_s":
+                pairs(nums)
+            for k, v in node.items():
+                if isinstance(v, (int, float)) and re.search(r"over|ratio|speedup|efficiency", k):
+                    out.append(float(v))
+                walk(v, k)
+        elif isinstance(node, list) and node and all(isinstance(x, dict) for x in node):
+            groups: dict[tuple, list[dict]] = {}
+            for x in node:  # the same op, case, batch size ...: only the compared alternative differs
+                same = tuple(sorted((k, v) for k, v in x.items() if k in GROUP_KEYS or
+                                    (isinstance(v, str) and k not in ALTERNATIVES)))
+                groups.setdefault(same, []).append(x)
+            for items in groups.values():
+                if len(items) > 16:  # a parameter sweep, not a comparison
+                    continue
+                for k in {k for x in items for k in x if SPEED_KEY.search(k)}:
+                    pairs([x[k] for x in items if isinstance(x.get(k), (int, float)) and not isinstance(x[k], bool)])
+            for x in node:
+                walk(x, key)
+        elif isinstance(node, list):
+            for x in node:
+                walk(x, key)
+
+    for path in sorted(BENCH.glob("*.json")):
+        if files is None or path.name in files:
+            walk(json.loads(path.read_text()))
+    return out
+
+
+def _cited_benchmarks(text: str) -> tuple[str, ...] | None:
+    """The benchmark files a page names (in directives, links or backquotes); None if it names none."""
+    names = {n for n in re.findall(r"([\w.-]+\.json)\b", text) if (BENCH / n).is_file()}
+    return tuple(sorted(names)) or None
+
+
+# Ratios a page may state that no benchmark file holds, each with its reason.
+RATIOS_NOT_MEASURED_HERE = {
+    ("docs/architecture.md", "1.25"): "the spacing of the engine's CUDA-graph token buckets, a design constant",
+    ("docs/benchmarks/index.md", "1.16"): "the paper's own gain from its sequential head, quoted for comparison",
+    ("docs/benchmarks/index.md", "1.18"): "the paper's own gain from its sequential head, quoted for comparison",
+}
+RATIO = re.compile(r"(?<![\w.,])(\d+(?:\.\d+)?)(?:\s*[–-]\s*(\d+(?:\.\d+)?))?\s?×")
+
+
+def _stated_ratios(text: str) -> list[str]:
+    return [r for m in RATIO.finditer(_prose(text)) for r in m.groups() if r]
+
+
+def test_ratio_support_is_specific():
+    """What supports a ratio is narrow enough to catch a wrong one: the engine benchmark alone leaves most
+    two-digit ratios between 1 and 2 unsupported, and a ratio it does hold is found."""
+    engine = _ratio_candidates(("engine-h200.json",))
+    covered = {round(c, 2) for c in engine if 1.0 <= c <= 2.0}
+    assert len(covered) < 60, f"{len(covered)} of 101 ratios in [1, 2] would pass"
+    best = max(r["ratio"] for r in _hook("benchmark_tables").frontier(json.loads((BENCH / "engine-h200.json")
+                                                                                    .read_text())))
+    assert any(abs(c - round(best, 2)) <= 0.005 for c in engine)
+
+
+def test_stated_ratios_are_found():
+    assert _stated_ratios("1.17× at batch 1, 0.74–0.83× of it, 3.1× faster; `2×` in code") == \
+        ["1.17", "0.74", "0.83", "3.1", "2"]
+    assert _stated_ratios("<!-- value: engine x.json --> and\n```\n1.5×\n```\n") == []
+
+
+@pytest.mark.parametrize("path", [*HAND_WRITTEN, *NOTEBOOKS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_stated_speedups_are_supported_by_a_current_benchmark(path: Path):
+    """A speed-up a page types by hand (`1.23×`) must be a ratio that a benchmark file the page cites supports
+    (any current file, if it cites none), within the rounding of its digits. Where a number can change with the next
+    run, render it instead (``<!-- value: … -->``, docs/hooks/benchmark_tables.py)."""
+    name = path.relative_to(ROOT).as_posix()
+    text = _markdown_of(path)
+    candidates = _ratio_candidates(_cited_benchmarks(text))  # the files the page cites, else every file
+    unsupported = []
+    for r in _stated_ratios(text):
+        if (name, r) in RATIOS_NOT_MEASURED_HERE:
+            continue
+        half = 0.5 * 10 ** -len(r.partition(".")[2]) + 1e-9
+        if not any(abs(c - float(r)) <= half for c in candidates):
+            unsupported.append(f"{r}×")
+    assert not unsupported, f"{name} states {unsupported}, which no file in docs/benchmarks/ supports"
+
+
+def _shipped() -> dict:
+    acc = json.loads((BENCH / "acceptance.json").read_text())
+    shipped = next(iter(acc["runs"].values()))
+    summary = json.loads((ROOT / "checkpoints" / "smollm2-135m-instruct-dspark" / "summary.json").read_text())
+    int8 = json.loads((BENCH / "int8-check-cpu.json").read_text())["weight_bytes"]
+    return {"tau0": shipped["T=0"]["mean_accepted_length"], "tau1": shipped["T=1"]["mean_accepted_length"],
+            "minutes": summary["wall_s"] / 60, "steps": summary["steps_planned"], "int8_mb": int8["int8"] / 1e6,
+            "bf16_mb": int8["original"] / 1e6}
+
+
+# Named quantities that pages type by hand: where any page states one, it must be the committed file's value (so
+# two pages can never disagree). Each pattern's group is the number; the key names its value in _shipped().
+NAMED_QUANTITIES = [
+    ("the shipped drafter's greedy τ", r"τ\s*(?:=|≈)\s*(\d\.\d+)\s+greedy", "tau0"),
+    ("the shipped drafter's τ at T = 1", r"τ\s*(?:=|≈)\s*\d\.\d+\s+greedy\s+and\s+(\d\.\d+)\s+at\s+T\s*=\s*1", "tau1"),
+    ("the shipped drafter's training time", r"(\d+) minutes(?: of training)? on one H200", "minutes"),
+    ("the shipped drafter's schedule", r"(\d{1,3}(?:,\d{3})+)-step schedule", "steps"),
+    ("the int8 drafter's size", r"int8[^.]{0,40}?\((\d+\.\d) MB", "int8_mb"),
+    ("the bfloat16 drafter's size", r"against (\d+\.\d) MB in bfloat16", "bf16_mb"),
+]
+
+
+@pytest.mark.parametrize(("what", "pattern", "key"), NAMED_QUANTITIES, ids=[q[0] for q in NAMED_QUANTITIES])
+def test_named_quantities_agree_with_the_committed_files(what: str, pattern: str, key: str):
+    want = _shipped()[key]
+    found = []
+    for path in [*HAND_WRITTEN, *NOTEBOOKS]:
+        text = re.sub(r"\s+", " ", re.sub(r"(?m)^[ ]*>[ ]?", "", _prose(_markdown_of(path))))  # one line, no quotes
+        for m in re.finditer(pattern, text):
+            stated = m.group(1)
+            digits = len(stated.partition(".")[2])
+            value = float(stated.replace(",", ""))
+            found.append(path.name)
+            assert abs(value - want) <= 0.5 * 10 ** -digits + 1e-9, \
+                f"{path.relative_to(ROOT)} states {what} as {stated}; the committed files say {want:.4g}"
+    assert found, f"no page states {what} any more: drop its entry from NAMED_QUANTITIES"
+
+
+def test_eval_acceptance_limit_reports_every_domain():
+    """The training guide says ``--limit N`` on the domain-sorted evaluation file still reports every domain."""
+    from scripts.eval_acceptance import spread_over_domains
+
+    rows = [(d, [i]) for i, d in enumerate(["chat"] * 4 + ["code"] * 4 + ["math"] * 4)]
+    picked = spread_over_domains(rows, 6)
+    assert [d for d, _ in picked] == ["chat", "chat", "code", "code", "math", "math"]
+    assert [ids[0] for _, ids in picked] == [0, 1, 4, 5, 8, 9]  # file order within a domain
+    assert spread_over_domains(rows, None) == rows and spread_over_domains(rows, 99) == rows
+    assert [d for d, _ in spread_over_domains(rows, 4)] == ["chat", "chat", "code", "math"]
