@@ -62,6 +62,12 @@ class EngineConfig:
     # run to run (greedy outputs are unaffected). None: on CUDA; off on the CPU, where the equivalence tests hold the
     # schedule to the reference's.
     cost_feedback: bool | None = None
+    # A step that verifies no drafts (plain decoding on an engine with a drafter: the draft gate closed) runs the
+    # target alone, as the engine without a drafter does (its own CUDA graphs, a one-token query per request): the
+    # tapped features of its tokens wait in a per-slot buffer of this many positions instead of being projected into
+    # the drafter's context, and are appended in one batched call before the request's next draft (or when the
+    # buffer is full). The drafter's context ends up with the same features either way. 0: every step appends them.
+    draft_context_lag: int = 32
     device: str = "cpu"  # where the caches, graphs and kernels live: "cpu" or "cuda[:N]" (the target's device)
     dtype: torch.dtype = torch.float32  # the caches' dtype = the target's (bfloat16 on a GPU, float32 for exact tests)
 
@@ -74,5 +80,7 @@ class EngineConfig:
             raise ValueError("max_num_seqs, max_seq_len and prefill_chunk must be positive")
         if self.linear_rows is not None and self.linear_rows < 0:
             raise ValueError(f"linear_rows must be None or ≥ 0 (0: never fused), got {self.linear_rows}")
+        if self.draft_context_lag < 0:
+            raise ValueError(f"draft_context_lag must be ≥ 0 (0: append every step), got {self.draft_context_lag}")
         if self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be ≥ 0 (0: eager prefill), got {self.prefill_graph_tokens}")

@@ -77,7 +77,7 @@ DEFAULT_CONTEXT_LEN = 256  # keys per placeholder request: a short ShareGPT turn
 # there a table is stale only when it is off by 2x.
 RECHECK_TOLERANCE = {"cuda": 0.25, "cpu": 1.0}
 EAGER_MAX_SIZES = {"cpu": 8, "cuda": 16}  # sizes per curve without graphs: smooth curves, short start-up
-FINGERPRINT_VERSION = 5  # bump when the profiling method changes, so old cached tables stop matching
+FINGERPRINT_VERSION = 6  # bump when the profiling method changes, so old cached tables stop matching
 # Stages per timed sample of an engine that runs one step ahead of its reads (ModelRunner.pipelined): launched back to
 # back, only the last one's tokens read, so that each stage's price is what it costs in the pipeline (the larger of
 # its host launches and its device work) rather than launch + device + read in series. Four amortise the one read
@@ -245,6 +245,7 @@ def fingerprint(runner: ModelRunner, context_len: int = DEFAULT_CONTEXT_LEN) -> 
         "linear_rows": runner.target.linear_rows,
         "context_len": _fit_context(runner, context_len),
         "pipelined": runner.pipelined,  # stages priced back to back (one step ahead) or launch-to-read
+        "draft_context_lag": runner.context_lag,  # plain steps with a drafter: the target alone, or + the context
     }
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return key, inputs

@@ -7,9 +7,11 @@ back:
     prefill   prompt chunks through the target (a prefill graph per token bucket, eager past the largest; never in a
               decode graph); finished prompts sample their first token; the features go to the drafter context
     verify    one varlen target forward over [x_0, x_1..x_ℓ] of every decoding request (CUDA graph per token bucket;
-              the graph also appends the verified features to the drafter context), ℓ_r = top-B of the *current*
-              survivals on the device (or the plan's lengths), then rejection sampling (greedy verification from the
-              logits when every request is greedy: the same tokens without p_t), then the one token read
+              the graph also appends the verified features to the drafter context; a step that verifies no
+              drafts runs the target alone and parks the features until the request's next draft), ℓ_r = top-B of
+              the *current* survivals on the device (or the plan's lengths), then rejection sampling (greedy
+              verification from the logits when every request is greedy: the same tokens without p_t), then the one
+              token read
     draft     backbone over [x_0, M, …, M]; fused sequential-head sampling + confidence; STS → survivals for the next
               step (one graph per request bucket for the Markov head); p_d written into the slots' rows, except a
               greedy request's, whose p_d is the one-hot of its drafts and stays implicit (``draft_onehot``)
@@ -175,6 +177,13 @@ class ModelRunner:
             self.sts_logw = None if not any(weights.values()) else {
                 mode: torch.tensor(w or [0.0] * self.gamma, device=self.device) for mode, w in weights.items()}
         self._alloc_state(config.max_num_seqs)
+        # Plain steps' tapped features not yet in the drafter's context (EngineConfig.draft_context_lag): per slot,
+        # position p's row sits at p mod lag; the last slot takes padding rows. _lag[slot] counts them (host).
+        self.context_lag = config.draft_context_lag if self.drafter is not None else 0
+        self._lag = [0] * config.max_num_seqs
+        if self.context_lag:
+            self.pending_features = torch.zeros(config.max_num_seqs + 1, self.context_lag, self.target.feature_size,
+                                                dtype=self.target.dtype, device=self.device)  # [S+1, lag, m·d]
         self._owner: list[Sequence | None] = [None] * config.max_num_seqs  # the request whose state a slot holds
         self._placeholders_cache: tuple[int, list[Sequence]] | None = None  # (context length, placeholder sequences)
         self._drafts_copied: torch.cuda.Event | None = None  # recorded after the last non-blocking survivals copy
@@ -229,6 +238,23 @@ class ModelRunner:
 
         self.verify_graphs = GraphRunner("verify", verify_fn, bucket_sizes(max_tokens), use_graphs)
         self.verify_graphs.capture()
+
+        # Plain steps of an engine with a drafter (EngineConfig.draft_context_lag): the target alone, a one-token
+        # query per request as in an engine without a drafter, and the features parked for a later append.
+        self.plain_graphs = None
+        if self.context_lag:
+            trash, lag = cfg.max_num_seqs, self.context_lag
+
+            def plain_fn(n: int):
+                logits, features = self.target.forward(b.input_ids[:n], b.positions[:n], b.cu, b.kv_lens, b.slot_ids,
+                                                       None, max_q_len=1, logits_out=b.logits[:n])
+                slot = b.token_slot[:n]
+                self.pending_features[torch.where(slot < 0, trash, slot), b.positions[:n] % lag] = features
+                return (logits,)
+
+            self.plain_graphs = GraphRunner("plain", plain_fn, bucket_sizes(cfg.max_num_seqs), use_graphs,
+                                            pool=self.verify_graphs.pool)
+            self.plain_graphs.capture()
 
         # Prefill: the last token of each chunk gets logits (only completed prompts' rows are read).
         pb = self.prefill_buffers = PrefillBuffers(min(PREFILL_GRAPH_ROWS, cfg.max_num_seqs),
@@ -409,7 +435,14 @@ class ModelRunner:
         else:
             lens = torch.tensor(plan.lengths, dtype=torch.long, device=dev)  # [R] known to the host
         n_tokens = plan.num_verify_tokens
-        n_pad = self.verify_graphs.padded(n_tokens)
+        plain = self.context_lag and plan.mode is SchedulingMode.NONE  # the target alone, features parked
+        graphs = self.plain_graphs if plain else self.verify_graphs
+        if plain:
+            if any(self._lag[s.slot] >= self.context_lag for s in decoding):  # a full buffer: append it first
+                self.catch_up_context(decoding)
+            for s in decoding:
+                self._lag[s.slot] += 1
+        n_pad = graphs.padded(n_tokens)
         # Token layout, on the device, straight into the graphs' static buffers (one launch with Triton): request j
         # owns tokens cu[j] .. cu[j+1]-1 = [x_0, x_1..x_ℓ] (optimized/kernels/layout.py).
         b = self.buffers
@@ -417,7 +450,7 @@ class ModelRunner:
                       backend=self.config.kernel_backend)
         cu = b.cu[: r + 1].long()  # [R+1]
         slot_of = b.token_slot[:n_pad]  # [N_pad] slot of each packed token, -1 for padding
-        (logits,) = self.verify_graphs.run(n_pad)  # [N_pad, V]; also appends drafter context (see _capture_graphs)
+        (logits,) = graphs.run(n_pad)  # [N_pad, V]; also appends (or parks) drafter context (see _capture_graphs)
         # Row j of request r is packed token cu[r] + j. Rows past ℓ_r repeat row ℓ_r (the verifier never reads
         # them), so the verifier's [R, γ+1, ...] layout is one gather, and nothing is zero-filled or scattered.
         j = torch.arange(g + 1, device=dev)
@@ -509,6 +542,26 @@ class ModelRunner:
         probs = torch.where(greedy, torch.zeros((), dtype=probs.dtype, device=probs.device), probs)
         return probs.scatter_add_(1, x.argmax(dim=-1, keepdim=True), greedy.to(probs.dtype))
 
+    def catch_up_context(self, seqs: list[Sequence]) -> None:
+        """Append the parked features of ``seqs``' plain steps to the drafter's context, in one batched call.
+
+        A slot's k parked tokens are its last k verified ones, one a plain step: positions anchor - k .. anchor - 1
+        (the device's anchor, after every step launched so far; a step that verifies drafts appends its own
+        features, and none runs between a request's plain steps and its next draft, which calls this first)."""
+        lagging = [(s.slot, self._lag[s.slot]) for s in seqs if self._lag[s.slot]]
+        if not lagging:
+            return
+        slots, back = [], []
+        for slot, k in lagging:
+            slots += [slot] * k
+            back += range(k, 0, -1)
+            self._lag[slot] = 0
+        dev = self.device
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)  # [M]
+        pos = self.anchor_pos[slot_t] - torch.tensor(back, dtype=torch.long, device=dev)  # [M]
+        features = self.pending_features[slot_t, pos % self.context_lag]  # [M, m·d]
+        self.drafter.append_context(features, pos, slot_t)
+
     def draft(self, seqs: list[Sequence], *, blocking: bool = True) -> torch.Tensor:
         """Backbone + fused sequential head for ``seqs``; returns the host copy ``[R, γ]`` of the new survivals.
 
@@ -517,6 +570,8 @@ class ModelRunner:
         next step's token read (on CUDA it overlaps with the next step's work).
         """
         dev = self.device
+        if self.context_lag:
+            self.catch_up_context(seqs)  # the features of their plain steps, if any, join the context first
         rows = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
         r = len(seqs)
         r_pad = self.draft_graphs.padded(r)
@@ -600,6 +655,7 @@ class ModelRunner:
         """Give ``seq``'s slot its request id and sampling parameters."""
         p, s = seq.params, seq.slot
         self._owner[s] = seq
+        self._lag[s] = 0  # the previous owner's parked features are never appended
         # The request word of the random-number contract: the request id, or the request's own seed.
         self.request_id[s] = seq.request_id if p.seed is None else p.seed
         self.temperature[s] = p.temperature
@@ -637,7 +693,7 @@ class ModelRunner:
         if num_tokens < r or num_tokens > r * (self.gamma + 1):
             raise ValueError(f"{r} requests carry {r}..{r * (self.gamma + 1)} tokens, got num_tokens={num_tokens}")
         seqs = self._placeholder_decoding(r, context_len, temperature)
-        if self.gamma:
+        if self.gamma and num_tokens > r:
             self.survival[:r] = 1.0  # equal survivals: ties go by (slot, request), which spreads the drafts evenly
             plan = StepPlan([], seqs, SchedulingMode.ADAPTIVE, budget=num_tokens - r)
         else:

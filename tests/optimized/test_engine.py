@@ -213,3 +213,33 @@ def test_prefill_in_groups_equals_one_eager_prefill(models, temperature, monkeyp
     assert forwards[0] == 2 < forwards[10]  # without prefill graphs: one forward per step, as before them
     assert runs[10]["eager"] >= 3  # 20 prompts of ≤ 13 tokens: several groups (and the long prompts alone)
     assert out[10] == out[0]
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_plain_steps_park_the_drafter_context_and_append_it_before_the_next_draft(models, async_decode):
+    """With the gate closed, steps run the target alone (the plain graphs) and park their features; a probe's draft
+    first appends them. The drafts (their survivals) and every token equal an engine that appends the context at
+    every step — also when the parking buffer fills (2 positions here) and is appended in the middle of a run."""
+    target, drafter = models
+    results = {}
+    for lag in (0, 2, 32):
+        cfg = EngineConfig(max_num_seqs=3, max_seq_len=96, kernel_backend="torch", seed=3, draft_context_lag=lag,
+                           async_decode=async_decode)
+        engine = Engine(target, drafter, cfg, SchedulerConfig(mode="adaptive", probe_every=4), _cost(draft_ms=40.0))
+        plain_runs = []
+        if lag:
+            run = engine.runner.plain_graphs.run
+            engine.runner.plain_graphs.run = lambda n, run=run, seen=plain_runs: seen.append(n) or run(n)
+        else:
+            assert engine.runner.plain_graphs is None
+        outputs, stats = _run(engine, temperature=1.0, max_new_tokens=20)
+        closed = [st for st in stats if st.gate_closed]
+        assert closed and any(st.drafted for st in stats[stats.index(closed[0]):]), "the gate never reopened"
+        assert len(plain_runs) == (len(closed) if lag else 0)
+        results[lag] = (outputs, [st.predicted_survival for st in stats], [st.gate_closed for st in stats])
+    assert results[2] == results[0] and results[32] == results[0]
+
+
+def test_draft_context_lag_must_not_be_negative():
+    with pytest.raises(ValueError, match="draft_context_lag"):
+        EngineConfig(draft_context_lag=-1)
