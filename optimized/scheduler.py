@@ -516,6 +516,13 @@ class Scheduler:
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float],
               top: list[list[tuple[int, float]]] | None = None) -> StepOutput:
         """Append emitted tokens; stop at EOS (later tokens dropped), the length limit or a stop string."""
+        if not logprobs and not top and not (seq.params.stop and self.tokenizer is not None):
+            return self._emit_plain(seq, tokens)
+        return self._emit_each(seq, tokens, logprobs, top)
+
+    def _emit_each(self, seq: Sequence, tokens: list[int], logprobs: list[float],
+                   top: list[list[tuple[int, float]]] | None = None) -> StepOutput:
+        """:meth:`_emit` token by token (logprobs to keep, stop strings to look for)."""
         new, new_lp, new_top = [], [], []
         for i, tok in enumerate(tokens):
             seq.output_ids.append(tok)
@@ -539,6 +546,26 @@ class Scheduler:
                 self.finish(seq, reason)
                 break
         return StepOutput(seq.request_id, new, seq.finished, seq.finish_reason, new_lp, new_top)
+
+    def _emit_plain(self, seq: Sequence, tokens: list[int]) -> StepOutput:
+        """:meth:`_emit` for a request without logprobs or stop strings, the tokens appended at once (a per-token loop
+        over 256 requests cost a large share of a step's host time): the first token that finishes the request — EOS,
+        then the length limit, then the end of the slot, in :meth:`_emit`'s order of checks — is the last kept."""
+        out, n = seq.output_ids, len(tokens)
+        # The length limit is reached with the k-th token for k ≥ limit: len(out) + k ≥ max_new_tokens, or the anchor
+        # len(prompt) + len(out) + k - 1 fills the slot; EOS at the same token wins (it is checked first).
+        limit = max(1, min(seq.params.max_new_tokens - len(out),
+                           self.max_seq_len - self.gamma - 1 - len(seq.prompt_ids) - len(out)))
+        cut, reason = n, None  # tokens kept, and why the request finished
+        if not seq.params.ignore_eos and self.eos and not self.eos.isdisjoint(tokens):
+            cut, reason = next(i for i, t in enumerate(tokens) if t in self.eos) + 1, "stop"
+        if limit < cut or (reason is None and limit == cut):
+            cut, reason = limit, "length"
+        new = tokens[:cut]
+        out.extend(new)
+        if reason is not None:
+            self.finish(seq, reason)
+        return StepOutput(seq.request_id, new, seq.finished, seq.finish_reason, [], [])
 
     def slot_full(self, anchor_pos: int) -> bool:
         """Whether a request whose anchor sits at ``anchor_pos`` is finished by its slot: the next block (the anchor and

@@ -111,3 +111,29 @@ def test_record_drafts_keeps_numpy_row_views_and_plans_as_the_reference():
                                                                                                          drafts))
     plan = sched.schedule()
     assert plan.budget == stale_budget(drafts[0], sched.cost, 2)  # staleness 1: the draft before the current one
+
+
+def test_emitting_tokens_at_once_finishes_as_token_by_token():
+    """The fast commit (no logprobs, no stop strings) keeps the same tokens and finishes for the same reason as the
+    token-by-token loop: EOS before, at and after the length limit and the end of the slot, ignore_eos, empty steps."""
+    rng = np.random.default_rng(0)
+    sched = {}
+    for path in ("plain", "each"):
+        sched[path] = Scheduler(SchedulerConfig(mode="fixed", k=3), gamma=3, max_num_seqs=1, max_seq_len=24,
+                                prefill_chunk=64, eos_token_ids=[2, 7])
+    cases = 0
+    for _ in range(3000):
+        prompt = [1] * int(rng.integers(1, 12))
+        params = dict(max_new_tokens=int(rng.integers(1, 14)), ignore_eos=bool(rng.integers(0, 4) == 0))
+        out0 = [int(t) for t in rng.integers(3, 9, size=int(rng.integers(1, 6)))]
+        tokens = [int(t) for t in rng.integers(0, 10, size=int(rng.integers(0, 6)))]
+        results = []
+        for path, s in sched.items():
+            seq = Sequence(request_id=0, prompt_ids=prompt, params=SamplingParams(**params), slot=0,
+                           status=Status.DECODE, output_ids=list(out0))
+            s.running, s.free_slots = [seq], []
+            emit = s._emit_plain(seq, tokens) if path == "plain" else s._emit_each(seq, tokens, [])
+            results.append((emit, seq.output_ids, seq.finish_reason, seq.status, s.free_slots))
+        assert results[0] == results[1], (prompt, params, out0, tokens)
+        cases += results[0][2] is not None
+    assert cases > 500  # both reasons and both paths were exercised often
