@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m optimized.generate`` (the flags of :func:`reference.cli.build_parser` and three of the engine)."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     parser = build_parser(prog="python -m optimized.generate")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
+                        help="cuda if present, else cpu (default: %(default)s)")
     parser.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="engine slots (default: the batch size)")
     parser.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=None,

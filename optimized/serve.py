@@ -146,21 +146,23 @@ class SpeculativeConfig:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m optimized.serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="target: 'smollm2-135m-instruct', a .gguf file or a local HF directory")
+                   help="target: 'smollm2-135m-instruct', a .gguf file or a local HF directory (default: %(default)s)")
     p.add_argument("--drafter", default=None,
                    help=f"drafter checkpoint directory (default for the default target: {DEFAULT_DRAFTER})")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if present")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda if present, else cpu (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on CUDA, float32 on the CPU")
+                   help="auto: bfloat16 on CUDA, float32 on the CPU (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help=f"engine slots (default {DEFAULT_MAX_NUM_SEQS['cuda']} on CUDA, "
                         f"{DEFAULT_MAX_NUM_SEQS['cpu']} on the CPU)")
     p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
-                   help="prompt + completion tokens per request")
+                   help="prompt + completion tokens per request (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="prompt tokens per step over all prefilling requests (chunked prefill)")
+                   help="prompt tokens per step over all prefilling requests (chunked prefill; default: the engine's "
+                        "EngineConfig.prefill_chunk, 8192)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the previous step's tokens are read (plain decoding and the fixed, "
@@ -179,11 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: adaptive with the drafter's γ")
     p.add_argument("--cost-table", default=None,
                    help="step-cost table JSON (adaptive modes; default: profiled at start-up, cached on disk)")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every /v1 request")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every /v1 request (default: none)")
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
-                   help="requests queued beyond --max-num-seqs before answering 429")
+                   help="requests queued beyond --max-num-seqs before answering 429 (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let requests in flight finish")
+                   help="on SIGTERM, seconds to let requests in flight finish (default: %(default)s)")
     p.add_argument("--stream-each-step", action="store_true",
                    help="send every engine step as its own chunk, even to a stream that has fallen behind (default: "
                         "the steps that queued up for a request leave as one chunk)")
@@ -195,9 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP processes in front of the engine process, sharing the port (vLLM's flag): one HTTP "
                         "process saturates its core long before an H200 engine does (docs/serving.md); default: "
                         "with the engine process on CUDA, a quarter of the CPU cores (1 to 4), else 1")
-    p.add_argument("--seed", type=int, default=0, help="root of the random-number contract")
-    p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="root of the random-number contract (default: %(default)s)")
+    p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default: %(default)s)")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access-log line per request (default: %(default)s)")
     return p
 
 

@@ -51,12 +51,15 @@ def threshold_sweep(conf_logits: torch.Tensor, num_accepted: torch.Tensor, tempe
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
-    p = argparse.ArgumentParser(prog="python -m scripts.analyze_proposals", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                prog="python -m scripts.analyze_proposals", description=__doc__.split("\n")[0])
     p.add_argument("--proposals", required=True, help="directory holding proposals-<mode>.safetensors")
     p.add_argument("--drafter", default=None, help="checkpoint whose config.json receives the temperatures")
     p.add_argument("--write", action="store_true", help="write the fitted STS temperatures into --drafter")
-    p.add_argument("--fit-fraction", type=float, default=0.5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fit-fraction", type=float, default=0.5,
+                   help="share of the proposals the calibration is fitted on; the rest measure it (default: "
+                         "%(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fit/report split (default: %(default)s)")
     p.add_argument("--method", default="sts-bias", choices=list(METHODS),
                    help="calibration fitted (scripts/calibrate.py --method)")
     p.add_argument("--source", default="", help="free text recorded in the JSON (hardware, command of the dump)")

@@ -88,12 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", required=True, help="drafter checkpoint directory")
     p.add_argument("--prompts-file", required=True, help='JSONL, one {"prompt": ..., "domain": ...} per line')
     p.add_argument("--every", type=int, default=1, help="use every N-th prompt of the file")
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens decoded per prompt (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, help="the sampling temperature studied (> 0)")
     p.add_argument("--factors", default=",".join(map(str, DEFAULT_FACTORS)), help="comma list of sharpening factors s")
     p.add_argument("--model", default=DEFAULT_TARGET, help="target: 'smollm2-135m-instruct', a .gguf or an HF dir")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="root of the random-number contract (default: %(default)s)")
     p.add_argument("--json", default=None, help="write the report here")
     return p
 

@@ -225,7 +225,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
-    p = argparse.ArgumentParser(prog="python -m scripts.bench_host", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                prog="python -m scripts.bench_host", description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="1,4,16,64,256", help="comma list of R")
     p.add_argument("--gamma", type=int, default=7, help="the tiny drafter's block size γ")
     p.add_argument("--repeats", type=int, default=7, help="runs per R (the median is reported)")
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "host_us then counts the critical path only and ahead_us what moved off it (on the CPU the "
                         "forward has run by then, so it is moved, not hidden)")
     p.add_argument("--tag", default="cpu", help="output name host-<tag>.json")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None,
+                   help="write the results as JSON to this path (none: print only) (default: %(default)s)")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     if args.repeats < 1 or args.steps < 1 or args.warmup < 3:

@@ -406,17 +406,23 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     p = argparse.ArgumentParser(prog="python -m scripts.bench_kernels", description=__doc__.split("\n")[0])
-    p.add_argument("--op", default="all", choices=[*OPS, "all"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--op", default="all", choices=[*OPS, "all"],
+                   help="the op to benchmark, or all (default: %(default)s)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
+                   help="cuda if present, else cpu (default: %(default)s)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="activations and caches (default bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--batches", default=None, help="comma list of R (default 1,4,16,64,256; tiny: 1,4)")
     p.add_argument("--tiny", action="store_true", help="miniature shapes (default on the CPU)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed calls per configuration (the median is reported) (default: %(default)s)")
     p.add_argument("--iters", type=int, default=None, help="calls per timed loop (default 20 on cuda, 2 on cpu)")
-    p.add_argument("--roofline-gbps", type=float, default=H200_HBM_GBPS)
+    p.add_argument("--roofline-gbps", type=float, default=H200_HBM_GBPS,
+                   help="memory bandwidth the %% of roofline is computed against, GB/s (the H200's HBM) (default: "
+                         "%(default)s)")
     p.add_argument("--tag", default=None, help="output name kernels-<tag>.json (default from the device)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None,
+                   help="write the results as JSON to this path (and a PNG beside it) (default: %(default)s)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     tiny = args.tiny or device.type == "cpu"

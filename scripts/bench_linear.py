@@ -150,8 +150,10 @@ def sweep_configs(rows: int, k_max: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
-    p = argparse.ArgumentParser(prog="python -m scripts.bench_linear", description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                prog="python -m scripts.bench_linear", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
+                   help="cuda if present, else cpu (default: %(default)s)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--rows", default=None, help="comma list of token rows M (default 1,2,4,8,16,32,64; tiny 1,3)")
@@ -164,7 +166,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--sweep-rows", default="1,8", help="row counts of the sweep")
     p.add_argument("--sweep-max-configs", type=int, default=None,
                    help="try at most this many tiles per op, evenly spaced over the grid (default: all)")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=7,
+                   help="timed graph replays per configuration (the median is reported) (default: %(default)s)")
     p.add_argument("--iters", type=int, default=None, help="runs per timed loop (default 20 on cuda, 1 on cpu)")
     p.add_argument("--out", default=None, help="JSON path (default docs/benchmarks/linear-<device tag>.json)")
     args = p.parse_args(argv)

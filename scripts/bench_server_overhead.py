@@ -437,16 +437,20 @@ def _engine_modes(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd")
-    s = sub.add_parser("serve", help="(internal) the server process")
+    s = sub.add_parser("serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="(internal) the server process")
     for q in (p, s):
         q.add_argument("--model", default="smollm2-135m-instruct", help="target whose tokenizer the server uses")
-        q.add_argument("--max-num-seqs", type=int, default=256)
+        q.add_argument("--max-num-seqs", type=int, default=256,
+                       help="slots of the simulated engine (default: %(default)s)")
         q.add_argument("--step-ms", type=float, default=2.5, help="simulated device time per step (GIL free)")
         q.add_argument("--host-ms", type=float, default=0.3, help="simulated host work per step (GIL held)")
-    s.add_argument("--port", type=int, required=True)
-    s.add_argument("--tokens-per-step", type=int, default=1)
+    s.add_argument("--port", type=int, required=True, help="port to listen on (default: %(default)s)")
+    s.add_argument("--tokens-per-step", type=int, default=1,
+                   help="tokens each running request gets per simulated step (default: %(default)s)")
     s.add_argument("--per-step", action="store_true", help="one chunk per engine step (no coalescing)")
     s.add_argument("--engine-process", action="store_true", help="the simulated engine in its own process")
     s.add_argument("--api-server-count", type=int, default=1, help="HTTP processes (with --engine-process)")
@@ -458,15 +462,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list: thread (the engine on a thread of the server process), process (in its own "
                         "process, optimized.serve --engine-process), process:N (that and N HTTP processes, "
                         "--api-server-count N); each crossed with --arms")
-    p.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 16, 64, 256])
+    p.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 16, 64, 256],
+                   help="comma list of concurrency levels (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every arm this many times (arms interleaved); the report keeps the median run")
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--prompts-per-user", type=int, default=4)
-    p.add_argument("--min-requests", type=int, default=16)
-    p.add_argument("--prompts-file", default=str(ROOT / "docs/benchmarks/eval_prompts.jsonl"))
-    p.add_argument("--out", default=str(ROOT / "docs/benchmarks/server-overhead-cpu.json"))
-    p.add_argument("--plot", default=None)
+    p.add_argument("--output-len", type=int, default=128, help="tokens per request (default: %(default)s)")
+    p.add_argument("--prompts-per-user", type=int, default=4,
+                   help="requests per simulated user and level (default: %(default)s)")
+    p.add_argument("--min-requests", type=int, default=16, help="fewest requests per level (default: %(default)s)")
+    p.add_argument("--prompts-file", default=str(ROOT / "docs/benchmarks/eval_prompts.jsonl"),
+                   help="JSONL of {'prompt': ...} lines: the requests' prompts (default: %(default)s)")
+    p.add_argument("--out", default=str(ROOT / "docs/benchmarks/server-overhead-cpu.json"),
+                   help="JSON path of the results (default: %(default)s)")
+    p.add_argument("--plot", default=None, help="PNG path of the plot (none: no plot) (default: %(default)s)")
     p.add_argument("--log-dir", default=None, help="server logs (default: next to --out)")
     return p
 

@@ -495,7 +495,8 @@ def write(report: dict, out: str | Path | None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scripts.bench_serving", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                prog="python -m scripts.bench_serving", description=__doc__.split("\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000 (one mode)")
     where.add_argument("--launch", action="store_true", help="start python -m optimized.serve once per --modes")
@@ -507,13 +508,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default="1,4,16,64,256", help="comma-separated user counts")
     p.add_argument("--prompts-per-user", type=int, default=4, help="measured requests per level = C × this")
     p.add_argument("--min-requests", type=int, default=16, help="but at least this many per level")
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--output-len", type=int, default=128,
+                   help="tokens per request (ignore_eos: exactly this many) (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of the requests (0: greedy) (default: %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="drop prompts longer than 4× this in characters")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts-file", default=None, help='JSONL, one {"prompt": ...} per line')
-    src.add_argument("--sharegpt-file", default=None, help="ShareGPT .json(.gz) (default: the packaged file)")
-    p.add_argument("--api-key", default=None)
+    src.add_argument("--sharegpt-file", default=None, help="ShareGPT .json(.gz) (none: the packaged file)")
+    p.add_argument("--api-key", default=None, help="bearer token, if the server requires one (default: %(default)s)")
     p.add_argument("--client-processes", type=int, default=max(1, min(4, usable_cores() // 4)),
                    help="client processes sharing the users of a level (default: a quarter of the cores, 1 to 4), so "
                         "that the client is not what limits a fast server")

@@ -121,13 +121,16 @@ def summarize(report: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=type("Formatter", (argparse.RawDescriptionHelpFormatter,
+                                                               argparse.ArgumentDefaultsHelpFormatter), {}))
     p.add_argument("--server-args", default="", help="flags for python -m optimized.serve (quoted, one string)")
     p.add_argument("--launches", type=int, default=3, help="launches in a row: the first may be cold, the rest warm")
     p.add_argument("--requests", type=int, default=10, help="greedy completions timed after each launch")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=32,
+                   help="completion tokens of each timed request (default: %(default)s)")
     p.add_argument("--log-dir", default="runs/startup", help="the servers' logs")
-    p.add_argument("--hardware", default=None)
+    p.add_argument("--hardware", default=None,
+                   help="hardware label recorded in the JSON (none: detected) (default: %(default)s)")
     p.add_argument("--out", default=None, help="JSON path")
     args = p.parse_args(argv)
     if args.launches < 1 or args.requests < 1:

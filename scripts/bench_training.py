@@ -143,17 +143,20 @@ def profile(step, batches, device: torch.device, path: Path, steps: int = 3) -> 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description=__doc__.split("\n")[0])
     p.add_argument("--data", required=True, help="self-distilled data (scripts/make_dataset.py --out)")
     p.add_argument("--model", default=DEFAULT_TARGET, help="target: name, .gguf file or HF directory")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--tokens-per-batch", type=int, default=16384)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
+    p.add_argument("--tokens-per-batch", type=int, default=16384,
+                   help="padded tokens per training step (default: %(default)s)")
     p.add_argument("--anchors-per-seq", type=int, default=32, help="the reference step's anchors per sequence")
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--num-layers", type=int, default=2, help="drafter backbone depth (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before the timed ones (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=10,
+                   help="timed steps per variant (the median is reported) (default: %(default)s)")
     p.add_argument("--limit", type=int, default=4096, help="sequences loaded")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the results as JSON to this path (default: %(default)s)")
     p.add_argument("--steps", default="reference,fast-torch,fast",
                    help="which steps to time: reference (sparse anchors), fast-torch (every anchor, per-row loss work "
                         "in torch on every row), fast (the trainer's step), fast-flex (it with FlexAttention in the "

@@ -307,11 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-batch", type=int, default=16384, help="padded tokens per target forward")
     p.add_argument("--fit-fraction", type=float, default=0.5,
                    help="share of sequences used to fit; ECE is reported on the rest (1 = fit and report on all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="root of the random-number contract (proposals and the fit/report split) (default: "
+                         "%(default)s)")
     p.add_argument("--method", default="sts-bias", choices=list(METHODS),
                    help="sts-bias: temperature + bias per slot by log-loss; sts: the paper's temperature-only ECE "
                         "grid search; beta: beta calibration (3 parameters per slot) by log-loss")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
     p.add_argument("--json", default=None, help="write the report here (default DRAFTER/calibration.json)")
     p.add_argument("--dump-proposals", default=None,
                    help="directory for proposals-<mode>.safetensors (raw confidence logits + accepted counts, "

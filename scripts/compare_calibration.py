@@ -75,7 +75,8 @@ def compare(conf_logits: torch.Tensor, num_accepted: torch.Tensor, gamma: int, s
 
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    p = argparse.ArgumentParser(prog="python -m scripts.compare_calibration", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                prog="python -m scripts.compare_calibration", description=__doc__.split("\n")[0])
     p.add_argument("--proposals", nargs="+", required=True, help="directories holding proposals-<mode>.safetensors")
     p.add_argument("--splits", type=int, default=10, help="random half splits averaged")
     p.add_argument("--out", required=True, help="JSON report path")

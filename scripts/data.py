@@ -317,15 +317,20 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("stats", help="count records, splits and domains")
-    s.add_argument("--sharegpt-file", default=None, help="ShareGPT .json/.json.gz (default: the packaged file)")
-    e = sub.add_parser("eval-prompts", help="write held-out chat/code/math prompts as JSONL")
-    e.add_argument("--out", required=True)
-    e.add_argument("--n-per-domain", type=int, default=50)
+    s = sub.add_parser("stats", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="count records, splits and domains")
+    s.add_argument("--sharegpt-file", default=None, help="ShareGPT .json/.json.gz (none: the packaged file)")
+    e = sub.add_parser("eval-prompts", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="write held-out chat/code/math prompts as JSONL")
+    e.add_argument("--out", required=True, help="JSONL path to write (default: %(default)s)")
+    e.add_argument("--n-per-domain", type=int, default=50,
+                   help="prompts per domain (chat, code, math) (default: %(default)s)")
     e.add_argument("--max-chars", type=int, default=2000, help="drop longer prompts")
-    e.add_argument("--sharegpt-file", default=None)
+    e.add_argument("--sharegpt-file", default=None,
+                   help="ShareGPT .json/.json.gz (none: the packaged file) (default: %(default)s)")
     args = p.parse_args(argv)
     if args.cmd == "stats":
         prompts = load_sharegpt(args.sharegpt_file)

@@ -243,7 +243,8 @@ def export_speculators(drafter_dir: str | os.PathLike, out_dir: str | os.PathLik
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description=__doc__.split("\n")[0])
     p.add_argument("--drafter", required=True, help="our drafter checkpoint directory")
     p.add_argument("--out", required=True, help="directory for the speculators-format checkpoint")
     p.add_argument("--model", default=DEFAULT_TARGET,

@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_TARGET,
                    help="target: 'smollm2-135m-instruct', a .gguf file or a local HF model directory")
     p.add_argument("--split", choices=("train", "heldout"), default="train", help="which ShareGPT split to answer")
-    p.add_argument("--sharegpt-file", default=None, help="ShareGPT .json/.json.gz (default: the packaged file)")
+    p.add_argument("--sharegpt-file", default=None, help="ShareGPT .json/.json.gz (none: the packaged file)")
     p.add_argument("--prompt-ids", default=None,
                    help='JSONL of {"id", "input_ids"}: tokenised prompts instead of ShareGPT (tests, custom data)')
     p.add_argument("--limit", type=int, default=None, help="use at most this many prompts")

@@ -114,7 +114,8 @@ def compare(target: Target, drafters: dict[str, DSparkDrafter], seqs: list[tuple
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=type("Formatter", (argparse.RawDescriptionHelpFormatter,
+                                                               argparse.ArgumentDefaultsHelpFormatter), {}))
     p.add_argument("--drafter", required=True, help="checkpoint directory to quantize")
     p.add_argument("--out", required=True, help="where the int8 copy goes (may be --drafter itself)")
     p.add_argument("--check", action="store_true", help="measure the copy against the original (see above)")

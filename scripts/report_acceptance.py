@@ -21,7 +21,8 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description=__doc__.split("\n")[0])
     p.add_argument("--eval", action="append", required=True, help="ARM:TEMPERATURE=FILE.json")
     p.add_argument("--out", required=True, help="output prefix")
     p.add_argument("--note", default=None, help="free text recorded in the JSON")

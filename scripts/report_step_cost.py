@@ -154,7 +154,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--before", nargs="+", required=True, help="profile_engine JSON files or folders (the baseline)")
     p.add_argument("--after", nargs="+", required=True, help="profile_engine JSON files or folders (the change)")
     p.add_argument("--out", required=True, help="JSON path; the plot goes next to it as .png")

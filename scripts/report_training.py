@@ -26,7 +26,8 @@ def implied_tau(proxy: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description=__doc__.split("\n")[0])
     p.add_argument("--run", action="append", required=True, help="NAME=DIR of a training run")
     p.add_argument("--out", required=True, help="output prefix (writes OUT.json and OUT.png)")
     p.add_argument("--source", default="", help="free text: hardware and command of the runs")

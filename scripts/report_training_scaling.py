@@ -220,7 +220,8 @@ def plot(rep: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description=__doc__.split("\n")[0])
     p.add_argument("--run", action="append", required=True,
                    help="N=DIR: a train_drafter output directory trained on N GPUs (ranks)")
     p.add_argument("--out", required=True, help="output prefix (writes OUT.json and OUT.png)")
