@@ -509,12 +509,16 @@ def step_cost(page_dir: Path, files: list[str]) -> str:
     comps = data["components"]
     rows = []
     for r in data["results"]:
-        if "before" not in r or "after" not in r:
+        if "after" not in r:
             continue
-        b, a = r["before"], r["after"]
-        cells = [f"`{r['mode']}`", str(r["batch_size"]), f"{b['step_ms']:.2f} → {a['step_ms']:.2f}",
-                 f"{b['device_ms']:.2f} → {a['device_ms']:.2f}"]
-        cells += [f"{b['components_ms'][c]:.2f} → {a['components_ms'][c]:.2f}" for c in comps]
+        a, b = r["after"], r.get("before")  # a configuration profiled after only shows "–" before
+
+        def pair(before: float | None, after: float) -> str:
+            return f"{'–' if before is None else f'{before:.2f}'} → {after:.2f}"
+
+        cells = [f"`{r['mode']}`", str(r["batch_size"]), pair(b and b["step_ms"], a["step_ms"]),
+                 pair(b and b["device_ms"], a["device_ms"])]
+        cells += [pair(b and b["components_ms"][c], a["components_ms"][c]) for c in comps]
         rows.append(cells)
     return _table(["mode", "batch", "wall ms / step", "device ms / step"] + comps, rows) + (
         "\nms per step, before → after; components are device time (scripts/report_step_cost.py says which kernels "
