@@ -546,16 +546,17 @@ def _brief(curve: dict[int, float]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scripts.bench_engine", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.bench_engine", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="target: name, .gguf or HF directory")
     p.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one, else random init)")
-    p.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES)
+    p.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES, help="comma list of batch sizes B")
     p.add_argument("--modes", default=DEFAULT_MODES, help="comma list: none, fixed:K, dsd, threshold, adaptive-sync, "
                    "adaptive; ngram:fixed:K and ngram:dsd draft with the n-gram proposer")
     p.add_argument("--ngram-gamma", type=int, default=NgramConfig.gamma, help="the n-gram proposer's block γ")
     p.add_argument("--ngram-max-n", type=int, default=NgramConfig.max_n, help="n-gram proposer: longest suffix tried")
     p.add_argument("--ngram-min-n", type=int, default=NgramConfig.min_n, help="n-gram proposer: shortest match")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens each request generates (EOS ignored)")
     add_engine_source_args(p)
     p.add_argument("--requests-per-slot", type=int, default=1,
                    help="N: B·N requests at batch size B, at most B in flight (1: a closed batch of B requests)")
@@ -566,14 +567,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="F: request lengths uniform in [(1-F)·max-new-tokens, max-new-tokens], the same in every "
                         "mode (0: all equal); with --requests-per-slot, varied lengths desynchronise plain decoding's "
                         "refills as a server's traffic does")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per configuration before the timed ones")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (the median is reported)")
     p.add_argument("--hf-max-batch", type=int, default=256, help="skip HF generate above this batch size")
-    p.add_argument("--hf-repeats", type=int, default=1)
-    p.add_argument("--time-budget-s", type=float, default=None)
+    p.add_argument("--hf-repeats", type=int, default=1, help="timed runs of HF generate per batch size")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="stop starting new configurations after this many seconds (None: no limit); the JSON says "
+                        "whether it is complete")
     p.add_argument("--context-len", type=int, default=DEFAULT_CONTEXT_LEN, help="KV length of the cost profile")
-    p.add_argument("--cost-cache-dir", default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cost-cache-dir", default=None,
+                   help="where cost tables are cached by fingerprint (None: optimized.cost_model's default)")
+    p.add_argument("--seed", type=int, default=0, help="root of the random-number contract (EngineConfig.seed)")
     p.add_argument("--tag", default=None, help="output name engine-<tag>.json (default from the device)")
     p.add_argument("--out", default=None, help="JSON path (default docs/benchmarks/engine-<tag>.json)")
     return p

@@ -64,10 +64,11 @@ def add_engine_source_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts-file", default=None, help='JSONL, one {"prompt": ...} per line')
     src.add_argument("--sharegpt-file", default=None, help="ShareGPT .json(.gz) (default: the packaged file)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
+                   help="where the engine runs (cuda when a GPU is present)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (EngineConfig.enforce_eager)")
     p.add_argument("--prefill-graph-tokens", type=int, default=EngineConfig.prefill_graph_tokens,
                    help="longest prefill step that replays a CUDA graph (0: every prefill eager, to measure them)")
     p.add_argument("--layer-backend", default=None, choices=["auto", "triton", "torch"],

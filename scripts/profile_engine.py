@@ -277,10 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m-instruct", help="target: name, .gguf or HF directory")
     p.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one)")
     p.add_argument("--mode", default="fixed:3", help="none, fixed:K, dsd, threshold, adaptive-sync or adaptive")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1, help="decoding requests in the batch")
     p.add_argument("--steps", type=int, default=20, help="decoding steps timed, and as many profiled")
     p.add_argument("--warmup", type=int, default=5, help="decoding steps before timing")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--draft-ahead", action="store_true",
                    help="EngineConfig.draft_ahead: the next block drafted before the token read")
     p.add_argument("--refill", type=int, default=0, metavar="TOKENS",
@@ -291,8 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "dsd, adaptive)")
     add_engine_source_args(p)
     p.add_argument("--context-len", type=int, default=DEFAULT_CONTEXT_LEN, help="KV length of the cost profile")
-    p.add_argument("--cost-cache-dir", default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cost-cache-dir", default=None,
+                   help="where cost tables are cached by fingerprint (None: optimized.cost_model's default)")
+    p.add_argument("--seed", type=int, default=0, help="root of the random-number contract (EngineConfig.seed)")
     p.add_argument("--top", type=int, default=15, help="operators listed per table")
     p.add_argument("--trace", default=None, help="also write a Chrome trace (chrome://tracing, Perfetto) here")
     p.add_argument("--out", default=None, help="JSON report path")

@@ -167,9 +167,7 @@ def test_commands_on_the_page_parse(path: Path):
 # Modules whose flags are checked: every script that parses arguments, the server and the generation CLI.
 SCRIPTS = sorted(f"scripts.{p.stem}" for p in (ROOT / "scripts").glob("*.py")
                  if re.search(r"\.parse_(?:known_)?args\(", p.read_text()))
-HELP_CHECKED = [m for m in SCRIPTS if m not in ("scripts.bench_engine", "scripts.profile_engine")] + \
-    ["optimized.serve", "optimized.generate"]
-# Left out above: scripts.bench_engine and scripts.profile_engine are edited elsewhere and checked on their own.
+HELP_CHECKED = SCRIPTS + ["optimized.serve", "optimized.generate"]
 # Flags optimized.generate takes from reference.cli.build_parser (shared with python -m reference.generate), whose
 # help text lives in reference/cli.py:
 INHERITED_FROM_REFERENCE_CLI = {"--prompt", "--prompts-file", "--model", "--proposer", "--ngram-max-n",
