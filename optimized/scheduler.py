@@ -262,6 +262,9 @@ class DraftGate:
         # nothing is known yet.
         drafts = verdict or draft_forced(self.config, None if recent is None else torch.from_numpy(recent),
                                          self.steps_without_draft)
+        if drafts and self.steps_without_draft:  # a draft after plain steps restarts the moving averages (as
+            for s in seqs:  # reference.generate.step): every recorded draft is folded, the next one folds as the first
+                self._recent[s.slot], self._clean[s.slot] = self._none, False
         self.steps_without_draft = 0 if drafts else self.steps_without_draft + 1
         return drafts
 

@@ -271,6 +271,9 @@ def step(target: Target, drafter: DSparkDrafter | NgramProposer | None, schedule
         drafts = _empty_draft(len(reqs), target.vocab_size)
         lens = torch.zeros(len(reqs), dtype=torch.long)
     else:
+        # A draft after plain steps (a probe of the closed gate, or its reopening) restarts each request's moving
+        # average: the survivals folded before the plain run describe text that has since been decoded.
+        restart = scheduler.steps_without_draft > 0
         scheduler.steps_without_draft = 0
         drafts, survival = draft(drafter, reqs, gen)  # survival [R, γ]
         stale = _stale_survivals(reqs, scheduler.config.staleness, survival.shape[1])
@@ -280,7 +283,7 @@ def step(target: Target, drafter: DSparkDrafter | NgramProposer | None, schedule
             lens = scheduler.lengths(survival, a_stale=stale, num_anchor_tokens=len(reqs))
         for r, a in zip(reqs, survival):
             r.survivals.append(a)
-            r.recent = fold_recent(torch.full_like(a, float("nan")) if r.recent is None else r.recent, a,
+            r.recent = fold_recent(torch.full_like(a, float("nan")) if r.recent is None or restart else r.recent, a,
                                    scheduler.config.gate_window)
 
     result, features = verify(target, reqs, drafts, lens, gen)

@@ -156,7 +156,8 @@ def test_cached_verify_time_equals_the_cost_table():
 
 def test_draft_gate_decides_as_the_reference_should_draft():
     """The gate's verdict over a run (drafts appended between decisions, slots changing hands, the gate closing and
-    probing) equals the reference's ``Scheduler.should_draft`` on the reference's moving averages."""
+    probing) equals the reference's ``Scheduler.should_draft`` on the reference's moving averages, which a draft
+    after plain steps restarts (``reference.generate.step``)."""
     from optimized.scheduler import DraftGate
     from reference.config import SchedulerConfig
     from reference.scheduler import Scheduler as Policy
@@ -164,20 +165,25 @@ def test_draft_gate_decides_as_the_reference_should_draft():
     g, window = 3, 2
     gen = torch.Generator().manual_seed(3)
     row = lambda: torch.cumprod(torch.rand(g, generator=gen), 0).numpy()  # noqa: E731 (the engine keeps NumPy rows)
-    seen = set()
+    seen, restarts = set(), 0
     for draft_ms in (0.0, 3.0, 6.0, 30.0):
         cfg = SchedulerConfig(mode="adaptive", gate_window=window, probe_every=3, gate_margin=0.1)
         cost = CostTable.affine(fixed_ms=5.0, per_token_ms=0.3, draft_fixed_ms=draft_ms, sizes=list(range(1, 64)))
         gate = DraftGate(cfg, gamma=g, max_num_seqs=3, planner=BudgetPlanner(cost))
         policy = Policy(cfg, gamma=g, cost=cost)
-        seqs = [SimpleNamespace(request_id=i, slot=i, survivals=[]) for i in range(3)]
+        seqs = [SimpleNamespace(request_id=i, slot=i, survivals=[], since=0) for i in range(3)]
         for step in range(30):
             if step % 7 == 6:  # a request finishes; a new one takes its slot
-                seqs[step % 3] = SimpleNamespace(request_id=100 + step, slot=step % 3, survivals=[])
-            recent = [_fold_all(s.survivals, window) if s.survivals else None for s in seqs]
+                seqs[step % 3] = SimpleNamespace(request_id=100 + step, slot=step % 3, survivals=[], since=0)
+            # the reference's average: the drafts since the last restart (the draft after a run of plain steps)
+            recent = [_fold_all(s.survivals[s.since:], window) if s.survivals[s.since:] else None for s in seqs]
             latest = None if all(x is None for x in recent) else torch.stack(
                 [torch.full((g,), float("nan")) if x is None else x for x in recent])
             expected = policy.should_draft(latest, policy.steps_without_draft, num_anchor_tokens=len(seqs))
+            if expected and policy.steps_without_draft:
+                restarts += 1
+                for s in seqs:
+                    s.since = len(s.survivals)
             policy.steps_without_draft = 0 if expected else policy.steps_without_draft + 1
             assert gate.decide(seqs) == expected, (draft_ms, step)
             assert gate.steps_without_draft == policy.steps_without_draft
@@ -185,7 +191,7 @@ def test_draft_gate_decides_as_the_reference_should_draft():
             if expected:
                 for s in seqs:
                     s.survivals.append(row())
-    assert seen == {True, False}
+    assert seen == {True, False} and restarts > 2
 
 
 def _fold_all(rows: list[np.ndarray], window: int) -> torch.Tensor:
