@@ -72,7 +72,8 @@ def load_or_init_drafter(path: str | None, target: Target, gamma: int | None = N
 def build_parser(prog: str = "python -m reference.generate") -> argparse.ArgumentParser:
     """The flags both ``python -m reference.generate`` and ``python -m optimized.generate`` take."""
     p = argparse.ArgumentParser(prog=prog, description="Speculative decoding with a DSpark drafter: prefill, then "
-                                "draft → schedule → verify → commit (docs/method.md §1–§5).")
+                                "draft → schedule → verify → commit (docs/method.md §1–§5).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     src.add_argument("--prompts-file", help='JSONL file, one {"prompt": ...} per line')
@@ -90,11 +91,11 @@ def build_parser(prog: str = "python -m reference.generate") -> argparse.Argumen
     p.add_argument("--ngram-max-n", type=int, default=NgramConfig.max_n, help="n-gram proposer: longest suffix tried")
     p.add_argument("--ngram-min-n", type=int, default=NgramConfig.min_n, help="n-gram proposer: shortest match")
     p.add_argument("--threshold", type=float, default=0.5, help="prefix-survival threshold in mode threshold")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of this mass")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="root of the random-number contract (docs/contracts.md)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt at most")
     p.add_argument("--cost-table", default=None, help="SPS table JSON (measured at start-up if absent)")
     p.add_argument("--no-chat-template", action="store_true", help="feed prompts as raw text")
     p.add_argument("--ignore-eos", action="store_true", help="decode to --max-new-tokens (benchmarks)")

@@ -167,23 +167,16 @@ def test_commands_on_the_page_parse(path: Path):
 # Modules whose flags are checked: every script that parses arguments, the server and the generation CLI.
 SCRIPTS = sorted(f"scripts.{p.stem}" for p in (ROOT / "scripts").glob("*.py")
                  if re.search(r"\.parse_(?:known_)?args\(", p.read_text()))
-HELP_CHECKED = SCRIPTS + ["optimized.serve", "optimized.generate"]
-# Flags optimized.generate takes from reference.cli.build_parser (shared with python -m reference.generate), whose
-# help text lives in reference/cli.py:
-INHERITED_FROM_REFERENCE_CLI = {"--prompt", "--prompts-file", "--model", "--proposer", "--ngram-max-n",
-                                "--ngram-min-n", "--threshold", "--temperature", "--top-p", "--top-k", "--seed",
-                                "--max-new-tokens", "--cost-table"}
+HELP_CHECKED = SCRIPTS + ["optimized.serve", "optimized.generate", "reference.generate"]
 
 
-def _help_problems(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> list[str]:
+def _help_problems(parser: argparse.ArgumentParser) -> list[str]:
     shows_defaults = issubclass(parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter)
     problems = []
     for a in parser._actions:
         if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction, argparse._VersionAction)):
             continue
         name = "/".join(a.option_strings) or a.dest
-        if set(a.option_strings) & skip:
-            continue
         if not (a.help or "").strip() or a.help == argparse.SUPPRESS:
             problems.append(f"{name}: no help")
         elif a.option_strings and not a.required and \
@@ -195,11 +188,10 @@ def _help_problems(parser: argparse.ArgumentParser, skip: set[str] = frozenset()
 
 @pytest.mark.parametrize("module", HELP_CHECKED)
 def test_every_flag_has_help_with_its_default(module: str):
-    skip = INHERITED_FROM_REFERENCE_CLI if module == "optimized.generate" else set()
     problems = []
     for parser in _all_parsers(parser_of(module)):
         parser.format_help()  # what --help prints: a stray % in a help string fails here
-        problems += _help_problems(parser, skip)
+        problems += _help_problems(parser)
     assert not problems, f"python -m {module} --help: {problems}"
 
 
