@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -419,7 +418,7 @@ class Engine:
         longest = max([len(s.prompt_ids) + len(s.output_ids) for s in seqs])  # anchor_pos + 1 of the longest
         return self.scheduler.slot_full(longest - 1 + ahead)
 
-    def _schedule(self, exclude: Callable[[Sequence], bool] | None = None, unrecorded: int = 0) -> StepPlan:
+    def _schedule(self, exclude: set[int] | None = None, unrecorded: int = 0) -> StepPlan:
         if not self.scheduler.ready:
             raise RuntimeError(f"mode '{self.sched_config.mode}' needs a cost table: call set_cost_table (e.g. with "
                                "optimized.cost_model.cached_profile(engine.runner)) before stepping")

@@ -435,7 +435,7 @@ class ModelRunner:
         else:
             lens = torch.tensor(plan.lengths, dtype=torch.long, device=dev)  # [R] known to the host
         n_tokens = plan.num_verify_tokens
-        plain = self.context_lag and plan.mode is SchedulingMode.NONE  # the target alone, features parked
+        plain = bool(self.context_lag) and plan.mode is SchedulingMode.NONE  # the target alone, features parked
         graphs = self.plain_graphs if plain else self.verify_graphs
         if plain:
             if any(self._lag[s.slot] >= self.context_lag for s in decoding):  # a full buffer: append it first

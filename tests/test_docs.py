@@ -205,14 +205,16 @@ class Demo:
     assert d.reason == [] and d.default == "0.5"
 
 
-def _benchmark_directives():
-    hook = _hook("benchmark_tables")
+def _hook_comments(pattern: str, name: str):
+    """Every ``<!-- ... -->`` of the benchmark hook's ``pattern`` (DIRECTIVE: tables, INLINE: values) on every page,
+    as (page, its ``name`` group, its arguments)."""
+    regex = getattr(_hook("benchmark_tables"), pattern)
     for page in DOC_PAGES:
-        for m in hook.DIRECTIVE.finditer(page.read_text(encoding="utf-8")):
-            yield pytest.param(page, m["kind"], m["args"], id=f"{page.relative_to(ROOT / 'docs')}:{m['kind']}")
+        for m in regex.finditer(page.read_text(encoding="utf-8")):
+            yield pytest.param(page, m[name], m["args"], id=f"{page.relative_to(ROOT / 'docs')}:{m[name]}")
 
 
-@pytest.mark.parametrize(("page", "kind", "args"), list(_benchmark_directives()))
+@pytest.mark.parametrize(("page", "kind", "args"), list(_hook_comments("DIRECTIVE", "kind")))
 def test_benchmark_tables_render_from_the_committed_json(page: Path, kind: str, args: str):
     import shlex
 
@@ -465,14 +467,7 @@ def _markdown_of(path: Path) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def _inline_values():
-    hook = _hook("benchmark_tables")
-    for page in DOC_PAGES:
-        for m in hook.INLINE.finditer(page.read_text(encoding="utf-8")):
-            yield pytest.param(page, m["name"], m["args"], id=f"{page.relative_to(ROOT / 'docs')}:{m['name']}")
-
-
-@pytest.mark.parametrize(("page", "name", "args"), list(_inline_values()))
+@pytest.mark.parametrize(("page", "name", "args"), list(_hook_comments("INLINE", "name")))
 def test_inline_values_render_from_the_committed_json(page: Path, name: str, args: str):
     import shlex
 
