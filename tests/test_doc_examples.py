@@ -162,6 +162,23 @@ def test_commands_on_the_page_parse(path: Path):
     assert not unknown, f"{path.relative_to(ROOT)} passes flags that --help does not list: {unknown}"
 
 
+SHELL_BLOCK = re.compile(r"^(?P<indent>[ ]*)```(?:bash|sh|shell|console)\n(?P<code>.*?)^(?P=indent)```", flags=re.S | re.M)
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_commands_in_shell_blocks_pass_the_required_flags(path: Path):
+    """A command a reader copies from a shell block runs: it passes every flag its module requires (a command named
+    in prose may leave them out)."""
+    missing = []
+    for block in SHELL_BLOCK.finditer(path.read_text(encoding="utf-8")):
+        for module, flags in _commands(block["code"]):
+            if "--help" in flags or not importlib.util.find_spec(module):
+                continue
+            missing += [f"python -m {module} {a.option_strings[0]}" for a in parser_of(module)._actions
+                        if a.required and a.option_strings and not set(a.option_strings) & set(flags)]
+    assert not missing, f"{path.relative_to(ROOT)} leaves out required flags: {missing}"
+
+
 # ---------------------------------------------------------------------------------------------------- help text
 
 # Modules whose flags are checked: every script that parses arguments, the server and the generation CLI.

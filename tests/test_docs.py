@@ -289,14 +289,15 @@ def test_serving_table_compares_adaptive_with_the_best_other_mode():
 
 
 def test_speculation_claim_matches_the_committed_benchmark():
-    """when-speculation-helps.md says plainly where speculation pays on the H200 with the shipped drafter: under a
-    server's load (requests arriving) it is ahead at every batch size, in closed batches up to 16 but not from 64 up.
-    If a new engine benchmark says otherwise, this fails: update the page's warning."""
+    """when-speculation-helps.md says plainly where speculation pays on the H200 with the shipped drafter: in closed
+    batches up to 16 but not from 64 up, and under a server's load (requests arriving) ahead or level (within the
+    run-to-run spread) at every batch size, ahead at some. If a new engine benchmark says otherwise, this fails:
+    update the page's warning."""
     hook = _hook("benchmark_tables")
     closed = json.loads((ROOT / "docs" / "benchmarks" / "engine-h200.json").read_text())
     steady = json.loads((ROOT / "docs" / "benchmarks" / "engine-h200-steady.json").read_text())
     page = (ROOT / "docs" / "when-speculation-helps.md").read_text()
-    assert "under load speculation is ahead at every batch size, in closed batches up to 16" in page
+    assert "speculation is ahead in closed batches up to 16, ahead or level under load" in page
     assert "benchmarks/engine-h200.json" in page and "benchmarks/engine-h200-steady.json" in page
     for row in hook.frontier(closed):
         if row["batch"] <= 16:
@@ -304,7 +305,8 @@ def test_speculation_claim_matches_the_committed_benchmark():
         else:
             assert row["ratio"] < 1, f"closed batch {row['batch']}: speculation now wins: {row}"
     for row in hook.frontier(steady):
-        assert row["ratio"] > 1, f"under load at batch {row['batch']} speculation no longer pays: {row}"
+        assert row["ratio"] > 1 - hook.SPREAD, f"under load at batch {row['batch']} plain decoding is faster: {row}"
+    assert any(row["verdict"] == "speculation helps" for row in hook.frontier(steady)), "under load: no batch helps"
 
 
 # ---------------------------------------------------------------------------------------------------- references
@@ -488,6 +490,7 @@ def test_inline_values_render_ranges_and_verdicts():
     acc = json.loads((BENCH / "acceptance.json").read_text())
     shipped = next(iter(acc["runs"].values()))
     assert hook.value("tau", ["acceptance.json", "T=1"], BENCH) == f"{shipped['T=1']['mean_accepted_length']:.2f}"
+    assert hook.value("tau", ["acceptance.json", "domain=code"], BENCH) == f"{shipped['T=0']['per_domain']['code']:.2f}"
 
 
 def test_acceptance_labels_name_the_drafter_not_how_it_was_trained():

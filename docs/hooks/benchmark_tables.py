@@ -582,9 +582,10 @@ def value(name: str, args: list[str], page_dir: Path) -> str:
         raise ValueError(f"benchmark values: {name} needs a JSON file")
     data = _load(page_dir, args[0])
     opt = dict(a.split("=", 1) for a in args[1:] if "=" in a)
-    if name == "tau":  # τ of one drafter (arm index, default the first: the shipped one) at one temperature
-        arm = list(data["runs"].values())[int(opt.get("arm", 0))]
-        return f"{arm['T=' + opt.get('T', '0')]['mean_accepted_length']:.2f}"
+    if name == "tau":  # τ of one drafter (arm index, default the first: the shipped one) at one temperature,
+        arm = list(data["runs"].values())[int(opt.get("arm", 0))]  # over all prompts or one domain's (domain=code)
+        run = arm["T=" + opt.get("T", "0")]
+        return f"{run['per_domain'][opt['domain']] if 'domain' in opt else run['mean_accepted_length']:.2f}"
     if name in ("engine", "engine-range"):
         batches = [int(b) for b in opt["batch"].split(",")] if "batch" in opt else \
             sorted(int(b) for b in data["summary"])
