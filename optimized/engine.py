@@ -11,7 +11,10 @@ graphs, the prefill / verify / draft stages). One :meth:`Engine.step`::
                one host read of the emitted tokens
     postprocess  commit the tokens (finishing, streaming, stop strings); the draft gate decides whether the next
                step drafts, and if so the drafter proposes the next block (survivals stay on the device) — or, with
-               the n-gram proposer (reference/ngram.py), the host looks the next blocks up in the requests' tokens
+               the n-gram proposer (reference/ngram.py), the host looks the next blocks up in the requests' tokens,
+               or, with the hybrid proposer (reference/hybrid.py), the drafter proposes and the host chooses per
+               request between its block and the n-gram one (the survivals are read at once; the outcome of each
+               verified n-gram block is counted after the token read)
 
 Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
 """
@@ -32,6 +35,8 @@ from optimized.sequence import SamplingParams, Sequence, Status, StepOutput, Ste
 from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
+from reference.hybrid import HybridProposer
+from reference.hybrid import check_mode as check_hybrid_mode
 from reference.ngram import NgramProposer, check_mode
 from reference.target import Target
 
@@ -41,13 +46,16 @@ __all__ = ["Engine", "EngineConfig", "SamplingParams", "Sequence", "Status", "St
 class Engine:
     """``add_request`` / ``step`` / ``abort`` over a fixed set of slots."""
 
-    def __init__(self, target: Target, drafter: DSparkDrafter | NgramProposer | None, config: EngineConfig,
-                 sched: SchedulerConfig, cost: CostTable | None = None) -> None:
-        """``drafter``: the DSpark drafter, the n-gram proposer (modes none, fixed, dsd), or None (mode none)."""
+    def __init__(self, target: Target, drafter: DSparkDrafter | NgramProposer | HybridProposer | None,
+                 config: EngineConfig, sched: SchedulerConfig, cost: CostTable | None = None) -> None:
+        """``drafter``: the DSpark drafter, the n-gram proposer (modes none, fixed, dsd), the hybrid of the two (every
+        mode but oracle), or None (mode none)."""
         if sched.mode.drafts and drafter is None:
             raise ValueError(f"mode '{sched.mode}' needs a drafter")
         if isinstance(drafter, NgramProposer):
             check_mode(sched.mode)
+        if isinstance(drafter, HybridProposer):
+            check_hybrid_mode(sched.mode)
         # An adaptive engine may be built without a cost table so that the table can be profiled on this very
         # engine (its own graphs and buckets, no second capture); step() refuses to run until it is installed.
         self.config = config
@@ -167,6 +175,8 @@ class Engine:
         has_drafter = self.gamma > 0  # built with a drafter or the n-gram proposer
         if self.runner.proposer is not None:
             check_mode(sched.mode)
+        if self.runner.hybrid is not None:
+            check_hybrid_mode(sched.mode)
         if sched.mode.drafts != has_drafter:
             raise ValueError(f"mode '{sched.mode}' on an engine built {'with' if has_drafter else 'without'} a "
                              "drafter: build a separate engine (mode none never drafts, the others need a drafter)")
@@ -226,10 +236,10 @@ class Engine:
     def _one_ahead(self) -> bool:
         """Whether steps run one ahead of their token reads (``EngineConfig.async_decode``): plain decoding, and every
         mode whose next plan needs nothing of this step's tokens (``SchedulingMode.plans_blind``) with the DSpark
-        drafter, whose drafts come from device state. Not the n-gram proposer (it looks its drafts up in the committed
-        tokens) nor the synchronous policies."""
+        drafter, whose drafts come from device state. Not the n-gram or the hybrid proposer (they look their drafts up
+        in the committed tokens) nor the synchronous policies."""
         mode = self.sched_config.mode
-        return self._async_on and mode.plans_blind and (self.runner.proposer is None or not mode.drafts)
+        return self._async_on and mode.plans_blind and (not self.runner.host_proposals or not mode.drafts)
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
@@ -446,6 +456,9 @@ class Engine:
         self._monitor_launch(plan)
         out: StageOutput = self.runner.verify(plan, self._plan_ahead if self._ahead_on else None)
         self._verified = out
+        if self.runner.hybrid is not None:  # each verified n-gram block's outcome joins its request's counts
+            for seq, source in zip(out.seqs, self.runner.observe_hybrid(out)):
+                seq.proposal_sources.append(source)
         return self.scheduler.postprocess(out.seqs, out.tokens, out.logprobs, out.verified, out.top_logprobs)
 
     def _plan_ahead(self) -> None:
@@ -465,9 +478,10 @@ class Engine:
         device drafts while the host waits for the tokens and commits them. The drafter reads only device state the
         verify has already written (anchors, positions, the drafter's context), so each request's block is the one
         it would draft after the read. Not when a request may run out of slot this step (its block would not fit:
-        the read decides) or when the draft must block (staleness 0) or is the n-gram lookup (host)."""
+        the read decides) or when the draft must block (staleness 0) or is decided on the host (the n-gram and the
+        hybrid proposers)."""
         seqs = self.scheduler.decoding()
-        if (not seqs or self.runner.proposer is not None or self.sched_config.staleness == 0
+        if (not seqs or self.runner.host_proposals or self.sched_config.staleness == 0
                 or any(self.scheduler.slot_full(s.anchor_pos + self.gamma + 1) for s in seqs)):  # ≤ γ+1 emitted
             return
         self._drafted_ahead = (seqs, self._launch_draft(seqs, blocking=False))
@@ -489,9 +503,17 @@ class Engine:
         self.scheduler.record_drafts(drafters, [rows[index[s.request_id]] for s in drafters])
 
     def _draft(self, seqs: list[Sequence]) -> None:
-        """The next step's blocks: the n-gram lookup (host), or the drafter (device; survivals copied back)."""
+        """The next step's blocks: the n-gram lookup (host), the hybrid choice (the drafter, then the host), or the
+        drafter (device; survivals copied back)."""
         if self.runner.proposer is not None:
             self.scheduler.record_proposals(seqs, self.runner.propose(seqs))
+            return
+        if self.runner.hybrid is not None:
+            if self._monitor is not None:
+                self._monitor.drafted(len(seqs))
+            survivals, lengths = self.runner.draft_hybrid(seqs)
+            self.scheduler.record_drafts(seqs, survivals)
+            self.scheduler.record_proposals(seqs, lengths)
             return
         stale = self.sched_config.staleness > 0  # staleness 0 reads the copy at the next step's start: it blocks
         self.scheduler.record_drafts(seqs, self._launch_draft(seqs, blocking=not stale))

@@ -22,13 +22,14 @@ from reference.config import GenerationConfig, SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
 from reference.generate import GenerationResult
+from reference.hybrid import HybridProposer
 from reference.ngram import NgramProposer
 from reference.target import Target
 
 log = logging.getLogger("dspark.optimized.generate")
 
 
-def generate(target: Target, drafter: DSparkDrafter | NgramProposer | None, prompts: list[list[int]],
+def generate(target: Target, drafter: DSparkDrafter | NgramProposer | HybridProposer | None, prompts: list[list[int]],
              gen: GenerationConfig, sched: SchedulerConfig, cost: CostTable | None = None,
              request_ids: list[int] | None = None, engine_config: EngineConfig | None = None,
              warmup: bool = False) -> list[GenerationResult]:
@@ -57,11 +58,13 @@ def generate(target: Target, drafter: DSparkDrafter | NgramProposer | None, prom
     while engine.has_unfinished():
         engine.step()
     results = []
+    hybrid = engine.runner.hybrid is not None
     for rid in ids:
         s = engine.sequence(rid)
         text = target.decode(s.output_ids) if target.tokenizer is not None else ""
         results.append(GenerationResult(rid, s.prompt_ids, s.output_ids, s.finish_reason or "length",
-                                        s.verify_lengths, s.accepted_lengths, text))
+                                        s.verify_lengths, s.accepted_lengths, text,
+                                        s.proposal_sources if hybrid else None))
     if engine.device.type == "cuda":
         # The runner's graph closures refer back to it (a reference cycle): collect it now, so that a caller that
         # builds one engine per batch (scripts/eval_acceptance.py) never holds several engines' caches at once.

@@ -44,13 +44,22 @@ class NgramIndex:
             seen = len(prompt)
         self.extend(output[seen - len(prompt):])
 
-    def propose(self, gamma: int | None = None) -> list[int]:
-        """``reference.ngram.propose`` of the indexed context: up to γ tokens after the longest recurring suffix."""
+    def match(self) -> tuple[int, int] | None:
+        """``reference.ngram.find_match`` of the indexed context: ``(n, i)`` of the longest recurring suffix and its
+        earliest occurrence, or None."""
         cfg, c = self.config, self.tokens
-        gamma = cfg.gamma if gamma is None else gamma
         length = len(c)
         for n in range(min(cfg.max_n, length - 1), cfg.min_n - 1, -1):
             start = self.first[tuple(c[length - n:])]  # the suffix itself is indexed, so the key exists
             if start < length - n:  # an earlier occurrence: the one the reference finds first
-                return c[start + n:start + n + gamma]
-        return []
+                return n, start
+        return None
+
+    def propose(self, gamma: int | None = None) -> list[int]:
+        """``reference.ngram.propose`` of the indexed context: up to γ tokens after the longest recurring suffix."""
+        gamma = self.config.gamma if gamma is None else gamma
+        match = self.match()
+        if match is None:
+            return []
+        n, start = match
+        return self.tokens[start + n:start + n + gamma]

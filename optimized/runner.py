@@ -18,6 +18,10 @@ back:
     propose   the n-gram proposer's draft stage instead (reference/ngram.py): a lookup on the host in each request's
               own tokens (optimized/ngram.py), uploaded as drafts whose p_d is one-hot (implicit, as for greedy
               drafts); no drafter forward, no context
+    hybrid    the hybrid proposer's draft stage (reference/hybrid.py): the drafter stage, its survivals read at once,
+              then on the host each request's lookup and choice; the rows of requests that take the n-gram block get
+              its tokens, one-hot p_d, estimated survivals and length cap (ℓ ≤ m); after the token read, the outcome
+              of each verified n-gram block joins its request's acceptance counts
 
 Every per-request length, offset and position is derived on the device from device tensors. The host holds totals
 only (the number of decoding requests, the budget B). The single host↔device synchronisation per step is the read of
@@ -52,6 +56,7 @@ from optimized.sequence import SamplingParams, Sequence, Status
 from reference.calibration import biases_for, log_weights_for, temperatures_for
 from reference.config import SchedulingMode
 from reference.drafter import DSparkDrafter
+from reference.hybrid import NGRAM, HybridProposer, HybridState
 from reference.ngram import NgramProposer
 from reference.sampling import Purpose, logits_to_probs
 from reference.target import Target
@@ -141,11 +146,12 @@ def top_to_host(seqs: list[Sequence], want: list[int], top) -> list[list[list[tu
 class ModelRunner:
     """Static caches over ``max_num_seqs`` slots, the graphs, and the stages of a step."""
 
-    def __init__(self, target: Target, drafter: DSparkDrafter | NgramProposer | None, config: EngineConfig) -> None:
+    def __init__(self, target: Target, drafter: DSparkDrafter | NgramProposer | HybridProposer | None,
+                 config: EngineConfig) -> None:
         """Args:
             target: the reference target (its weights are read, never copied where they can be shared).
-            drafter: the reference drafter, the n-gram proposer, or None (no speculation: every verify carries the
-                anchor alone).
+            drafter: the reference drafter, the n-gram proposer, the hybrid of the two, or None (no speculation: every
+                verify carries the anchor alone).
             config: sizes and backends fixed for the runner's life.
         """
         self.config = config
@@ -154,7 +160,13 @@ class ModelRunner:
         # The n-gram proposer drafts on the host (propose); only a DSpark drafter has a model (draft).
         self.proposer = drafter if isinstance(drafter, NgramProposer) else None
         self._ngram: list[tuple[Sequence, NgramIndex] | None] = [None] * config.max_num_seqs  # (owner, index) per slot
+        # The hybrid proposer: the drafter's stage, then a host choice per request (draft_hybrid); per slot, its
+        # request's lookup index and HybridState.
+        self.hybrid = drafter if isinstance(drafter, HybridProposer) else None
+        self._hybrid: list[tuple[Sequence, NgramIndex, HybridState] | None] = [None] * config.max_num_seqs
         drafter = None if self.proposer is not None else drafter
+        if self.hybrid is not None:
+            drafter = self.hybrid.drafter
         self.reference_target, self.ref_drafter = target, drafter
         self.vocab = target.vocab_size
         # Static caches: max_num_seqs slots (+ a trash slot the models add for padding writes).
@@ -201,6 +213,8 @@ class ModelRunner:
         # its draft_probs rows are neither written nor read (rejection_sample's draft_onehot).
         self.draft_onehot = torch.zeros(slots, dtype=torch.bool, device=dev)
         self.survival = torch.zeros(slots, g, dtype=torch.float32, device=dev)  # [S, γ] calibrated a_k
+        # [S] the most slots of a slot's block a verify may take: γ, or a hybrid n-gram block's m (draft_hybrid)
+        self.proposal_cap = torch.full((slots,), g, dtype=torch.long, device=dev)
         self.request_id = torch.zeros(slots, dtype=torch.long, device=dev)  # [S]
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=dev)  # [S]
         self.top_p = torch.ones(slots, dtype=torch.float32, device=dev)  # [S]
@@ -430,6 +444,8 @@ class ModelRunner:
         r = len(decoding)
         if plan.budget is not None:  # ℓ = top-B of the current survivals, on the device
             lens = allocate_top_b(self.survival, plan.budget, self.config.kernel_backend, rows=rows)  # [R]
+            if self.hybrid is not None:  # top-B may reach an n-gram block's zero survivals past its m
+                lens = torch.minimum(lens, self.proposal_cap[rows])
         elif plan.mode is SchedulingMode.NONE:
             lens = torch.zeros(r, dtype=torch.long, device=dev)  # [R]
         else:
@@ -636,6 +652,67 @@ class ModelRunner:
         self.draft_tokens[rows] = new
         self.draft_onehot[rows] = True
         return [len(p) for p in proposals]
+
+    @property
+    def host_proposals(self) -> bool:
+        """Whether the blocks are decided on the host from the committed tokens (the n-gram or the hybrid proposer):
+        the engine then drafts after each token read, never ahead of it."""
+        return self.proposer is not None or self.hybrid is not None
+
+    def _hybrid_entry(self, seq: Sequence) -> tuple[Sequence, NgramIndex, HybridState]:
+        """``seq``'s lookup index and hybrid state (a slot that changed hands starts afresh)."""
+        entry = self._hybrid[seq.slot]
+        if entry is None or entry[0] is not seq:
+            cfg = self.hybrid.config
+            entry = self._hybrid[seq.slot] = (seq, NgramIndex(cfg.ngram), HybridState(cfg))
+        return entry
+
+    def draft_hybrid(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int | None]]:
+        """The hybrid proposer's draft stage for ``seqs`` (``reference/hybrid.py``): the drafter stage for all of
+        them, then per request the lookup and :meth:`HybridState.choose`, which reads the survivals of the request's
+        earlier DSpark draft and keeps this one's; the requests that take the n-gram block get its tokens, one-hot
+        ``p_d`` (``draft_onehot``), estimated survivals and length cap in their device rows.
+
+        Returns the host survivals ``[R, γ]`` of the chosen blocks (for the stale budget and the draft gate) and each
+        request's n-gram block length ``m`` (None: the drafter's block).
+        """
+        g, dev = self.gamma, self.device
+        # sync: the choice reads the drafter's survivals on the host (as the n-gram lookup, this stage is synchronous)
+        dspark = self.draft(seqs, blocking=True)  # [R, γ] host
+        rows_dspark = dspark.tolist()  # sync: none, a host tensor
+        chosen = dspark.clone()  # [R, γ] host: the drafter's rows, the n-gram rows replaced below
+        slots, tokens, lengths = [], [], []
+        for i, s in enumerate(seqs):
+            _, index, state = self._hybrid_entry(s)
+            index.sync(s.prompt_ids, s.output_ids)
+            match = index.match()
+            proposal = [] if match is None else index.tokens[match[1] + match[0]:match[1] + match[0] + g]
+            choice = state.choose(None if match is None else match[0], proposal, rows_dspark[i])
+            if choice.source == NGRAM:
+                m = len(choice.tokens)
+                slots.append(s.slot)
+                tokens.append(list(choice.tokens) + [0] * (g - m))  # slots past m are never verified
+                chosen[i] = torch.tensor(choice.survival, dtype=torch.float32)
+                lengths.append(m)
+            else:
+                lengths.append(None)
+        all_rows = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)  # [R]
+        self.proposal_cap[all_rows] = g
+        if slots:
+            # sync: pageable host→device copies of a few [K, γ] rows; the stream is idle (the token read drained it)
+            rows = torch.tensor(slots, dtype=torch.long, device=dev)  # [K]
+            self.draft_tokens[rows] = torch.tensor(tokens, dtype=torch.long, device=dev)  # [K, γ]
+            self.draft_onehot[rows] = True  # p_d = δ_{x_k}: the draft_probs rows are neither written nor read
+            picked = [i for i, m in enumerate(lengths) if m is not None]
+            self.survival[rows] = chosen[picked].to(dev)  # [K, γ] a^ng, zero past m
+            self.proposal_cap[rows] = torch.tensor([lengths[i] for i in picked], dtype=torch.long, device=dev)
+        return chosen, lengths
+
+    def observe_hybrid(self, out: StageOutput) -> list[str]:
+        """After a verify's token read: settle each request's hybrid block (``HybridState.observe``: an n-gram block's
+        outcome joins its counts). Returns each request's source of the verified block (``"none"`` without one)."""
+        return [self._hybrid_entry(s)[2].observe(ell, len(tokens) - 1)
+                for s, ell, tokens in zip(out.seqs, out.verified, out.tokens)]
 
     def _survival(self, conf_logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
         """Calibrated prefix survivals a_k = Π_{j≤k} σ(c_j / T_j + b_j + w_j · log σ(c_j)) with the calibration of

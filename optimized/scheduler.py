@@ -468,6 +468,9 @@ class Scheduler:
         r = len(plan.decoding)
         lengths = self.policy.lengths(a_current, a_stale=None, num_anchor_tokens=r)  # [R] host
         plan.lengths = lengths.tolist()  # sync: none, a_current is on the host (runner.current_survivals waited)
+        if any(s.proposal_len is not None for s in plan.decoding):  # the hybrid's n-gram blocks: ℓ ≤ m
+            plan.lengths = [n if s.proposal_len is None else min(n, s.proposal_len)
+                            for n, s in zip(plan.lengths, plan.decoding)]
 
     def _stale_survivals(self, decoding: list[Sequence], ahead: int = 0) -> np.ndarray:
         """``[R, γ]``: each request's survivals ``staleness`` drafts before its current one (NaN when too new), or,
@@ -601,7 +604,8 @@ class Scheduler:
             seq.survivals.append(row)
 
     @staticmethod
-    def record_proposals(seqs: list[Sequence], lengths: list[int]) -> None:
-        """Keep each request's n-gram proposal length ``m_r`` (its verify length is clipped to it)."""
+    def record_proposals(seqs: list[Sequence], lengths: list[int | None]) -> None:
+        """Keep each request's n-gram proposal length ``m_r`` (its verify length is clipped to it; None: a full γ
+        block, the hybrid proposer's DSpark blocks)."""
         for seq, m in zip(seqs, lengths):
             seq.proposal_len = m

@@ -77,6 +77,7 @@ class Sequence:
     accepted_lengths: list[int] = field(default_factory=list)  # accepted drafts of every verify step
     survivals: list[np.ndarray] = field(default_factory=list)  # host copies [γ] float32 of a_k, one per draft
     proposal_len: int | None = None  # the n-gram proposer's current block length m (ℓ ≤ m); None: a full γ block
+    proposal_sources: list[str] = field(default_factory=list)  # hybrid: each verify's block source (reference/hybrid)
 
     @property
     def anchor_pos(self) -> int:

@@ -23,12 +23,15 @@ from reference.config import (  # noqa: F401 (DEFAULT_DRAFTER, DEFAULT_MODEL: th
     SCHEDULER_MODES,
     DrafterConfig,
     GenerationConfig,
+    HybridConfig,
     NgramConfig,
     ProposerKind,
     SchedulerConfig,
     SchedulingMode,
 )
 from reference.drafter import DSparkDrafter
+from reference.hybrid import HybridProposer
+from reference.hybrid import check_mode as check_hybrid_mode
 from reference.ngram import NgramProposer, check_mode
 from reference.target import Target
 
@@ -81,15 +84,20 @@ def build_parser(prog: str = "python -m reference.generate") -> argparse.Argumen
                    help="target: 'smollm2-135m-instruct', a .gguf file or a local HF model directory")
     p.add_argument("--drafter", default=None, help=f"drafter checkpoint directory (default {DEFAULT_DRAFTER})")
     p.add_argument("--proposer", default=ProposerKind.DSPARK.value, choices=PROPOSER_KINDS,
-                   help="who drafts: the trained DSpark drafter, or the training-free n-gram lookup "
-                        "(reference/ngram.py; modes none, fixed and dsd; no checkpoint)")
+                   help="who drafts: the trained DSpark drafter, the training-free n-gram lookup "
+                        "(reference/ngram.py; modes none, fixed and dsd; no checkpoint), or the hybrid of the two "
+                        "(reference/hybrid.py: per request and step, the block expected to be accepted longer; the "
+                        "drafter's checkpoint; every mode but oracle)")
     p.add_argument("--mode", default=None, choices=SCHEDULER_MODES,
                    help="verify-length policy (default adaptive; fixed with --proposer ngram)")
     p.add_argument("--k", type=int, default=None, help="verify length in mode fixed (default γ)")
     p.add_argument("--gamma", type=int, default=None,
                    help="block size γ (must match the drafter; the n-gram proposer's, default 7)")
-    p.add_argument("--ngram-max-n", type=int, default=NgramConfig.max_n, help="n-gram proposer: longest suffix tried")
-    p.add_argument("--ngram-min-n", type=int, default=NgramConfig.min_n, help="n-gram proposer: shortest match")
+    p.add_argument("--ngram-max-n", type=int, default=NgramConfig.max_n,
+                   help="n-gram proposer (and the hybrid's lookup): longest suffix tried")
+    p.add_argument("--ngram-min-n", type=int, default=NgramConfig.min_n,
+                   help="n-gram proposer (and the hybrid's lookup): shortest match")
+    add_hybrid_args(p)
     p.add_argument("--threshold", type=float, default=0.5, help="prefix-survival threshold in mode threshold")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of this mass")
@@ -101,6 +109,26 @@ def build_parser(prog: str = "python -m reference.generate") -> argparse.Argumen
     p.add_argument("--ignore-eos", action="store_true", help="decode to --max-new-tokens (benchmarks)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt per line")
     return p
+
+
+def add_hybrid_args(p: argparse.ArgumentParser) -> None:
+    """The hybrid proposer's prior flags (HybridConfig), shared with the scripts that run it."""
+    p.add_argument("--hybrid-prior-accept", type=float, default=HybridConfig.prior_accept,
+                   help="hybrid proposer: prior mean of an n-gram slot's conditional acceptance, before the request's "
+                        "own verifications (HybridConfig.prior_accept)")
+    p.add_argument("--hybrid-prior-strength", type=float, default=HybridConfig.prior_strength,
+                   help="hybrid proposer: pseudo-counts of that prior, α + β of its Beta distribution "
+                        "(HybridConfig.prior_strength)")
+
+
+def hybrid_from_args(args: argparse.Namespace, drafter: DSparkDrafter) -> HybridProposer:
+    """The hybrid of ``drafter`` and the lookup the flags describe (a bad setting exits with its message)."""
+    try:
+        config = HybridConfig(gamma=drafter.config.block_size, max_n=args.ngram_max_n, min_n=args.ngram_min_n,
+                              prior_accept=args.hybrid_prior_accept, prior_strength=args.hybrid_prior_strength)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    return HybridProposer(drafter, config)
 
 
 def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
@@ -183,14 +211,21 @@ def cli_mode(args: argparse.Namespace) -> SchedulingMode:
     return SchedulingMode.FIXED if args.proposer == ProposerKind.NGRAM else SchedulingMode.ADAPTIVE
 
 
-def build_proposer(args: argparse.Namespace, target: Target) -> DSparkDrafter | NgramProposer | None:
-    """The drafter kind ``--proposer`` names (None in mode none): the checkpoint (or a loud random init), or the
-    n-gram proposer, which needs no checkpoint; its mode is checked here, before anything is measured."""
+def build_proposer(args: argparse.Namespace, target: Target) -> DSparkDrafter | NgramProposer | HybridProposer | None:
+    """The drafter kind ``--proposer`` names (None in mode none): the checkpoint (or a loud random init), the n-gram
+    proposer, which needs no checkpoint, or the hybrid of the two; the mode is checked here, before anything is
+    measured."""
     mode = cli_mode(args)
+    if args.proposer == ProposerKind.HYBRID:
+        try:
+            check_hybrid_mode(mode)
+        except ValueError as e:
+            raise SystemExit(str(e)) from e
     if args.proposer != ProposerKind.NGRAM:
         if not mode.drafts:
             return None
-        return load_or_init_drafter(args.drafter or str(DEFAULT_DRAFTER), target, args.gamma, args.seed)
+        drafter = load_or_init_drafter(args.drafter or str(DEFAULT_DRAFTER), target, args.gamma, args.seed)
+        return hybrid_from_args(args, drafter) if args.proposer == ProposerKind.HYBRID else drafter
     if args.drafter is not None:
         raise SystemExit("--drafter names a checkpoint; the n-gram proposer has none (drop one of the two)")
     try:

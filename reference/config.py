@@ -5,7 +5,9 @@ Separate types, never one global bag:
 * :class:`DrafterConfig`   – the drafter's architecture and its link to the target (docs/method.md §1), stored in
   the checkpoint's ``config.json`` together with the STS temperatures (docs/method.md §3).
 * :class:`NgramConfig`     – the training-free n-gram (prompt-lookup) proposer, the baseline drafter kind
-  (``reference/ngram.py``); :class:`ProposerKind` names the two kinds.
+  (``reference/ngram.py``); :class:`ProposerKind` names the kinds.
+* :class:`HybridConfig`    – the hybrid proposer (``reference/hybrid.py``): per request and step, the DSpark block or
+  the n-gram continuation, whichever is expected to be accepted longer.
 * :class:`SchedulerConfig` – which verify-length policy runs and its parameters (docs/method.md §5).
 * :class:`GenerationConfig` – how one batch of prompts is decoded (sampling, limits, seed).
 
@@ -103,6 +105,7 @@ class ProposerKind(str, enum.Enum):
 
     DSPARK = "dspark"  # the trained DSpark drafter (reference/drafter.py): γ drafts with p_d and confidences
     NGRAM = "ngram"  # prompt lookup (reference/ngram.py): up to γ tokens copied from the context, one-hot p_d
+    HYBRID = "hybrid"  # reference/hybrid.py: the DSpark block or the n-gram continuation, per request and step
 
     def __str__(self) -> str:
         return self.value
@@ -319,6 +322,50 @@ class NgramConfig:
     def block_size(self) -> int:
         """γ under the name :class:`DrafterConfig` uses, so a loop reads the block size of either kind alike."""
         return self.gamma
+
+
+@dataclass
+class HybridConfig:
+    """The hybrid proposer (``reference/hybrid.py``): the n-gram lookup it runs beside the DSpark drafter, and the prior
+    of its online estimate of the n-gram proposals' acceptance.
+
+    ``gamma`` is the drafter's block size (a hybrid block is either source's, so both have γ slots). The estimate of
+    slot k's conditional acceptance after a match of length n starts from a Beta(α, β) prior with
+    ``α = prior_accept · prior_strength`` and ``β = (1 − prior_accept) · prior_strength`` pseudo-counts: with no
+    history it is ``prior_accept``, and every verified slot of the request's own n-gram blocks moves it by one count.
+    """
+
+    gamma: int = 7  # γ: the DSpark drafter's block size (HybridProposer checks that they agree)
+    max_n: int = NgramConfig.max_n  # the lookup's longest suffix n-gram (as NgramConfig)
+    min_n: int = NgramConfig.min_n  # its shortest match
+    # Prior mean of P(slot k accepted | slots 1..k-1 accepted) for an n-gram block: 0.5 is no opinion either way. With
+    # no history the estimated survivals are 0.5, 0.25, ..., so E_ng < 1 and a drafter expected to emit one draft
+    # or more keeps the block until the request's own verifications have shown the n-gram proposals to be good.
+    prior_accept: float = 0.5
+    # Pseudo-counts of the prior (α + β): 2 is the uniform Beta(1, 1); larger trusts the prior for longer.
+    prior_strength: float = 2.0
+
+    def __post_init__(self) -> None:
+        NgramConfig(gamma=self.gamma, max_n=self.max_n, min_n=self.min_n)  # the same checks as the n-gram proposer's
+        if not 0.0 < self.prior_accept < 1.0:
+            raise ValueError(f"HybridConfig.prior_accept must lie in (0, 1), got {self.prior_accept!r}")
+        if not (self.prior_strength > 0 and math.isfinite(self.prior_strength)):
+            raise ValueError(f"HybridConfig.prior_strength must be a finite number > 0, got {self.prior_strength!r}")
+
+    @property
+    def block_size(self) -> int:
+        """γ under the name :class:`DrafterConfig` uses."""
+        return self.gamma
+
+    @property
+    def ngram(self) -> NgramConfig:
+        """The lookup's settings as the n-gram proposer's config (block γ)."""
+        return NgramConfig(gamma=self.gamma, max_n=self.max_n, min_n=self.min_n)
+
+    @property
+    def prior(self) -> tuple[float, float]:
+        """``(α, β)``: the Beta prior's pseudo-counts of accepted and of rejected slots."""
+        return self.prior_accept * self.prior_strength, (1.0 - self.prior_accept) * self.prior_strength
 
 
 @dataclass

@@ -15,7 +15,10 @@ One step, for the R unfinished requests of a batch::
 
 With the n-gram proposer (``reference/ngram.py``) in place of the drafter, *draft* is a lookup in the request's own
 tokens (one-hot ``p_d``, no confidences, no drafter context) and *schedule* clips the mode's uniform ℓ to each
-proposal's length.
+proposal's length. With the hybrid proposer (``reference/hybrid.py``), *draft* runs the drafter, then each request
+takes the drafter's block or its n-gram continuation (whichever is expected to be accepted longer), *schedule* reads
+the chosen block's survivals and clips ℓ to its length, and after *verify* the requests that verified an n-gram block
+count its outcome.
 
 Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length).
 """
@@ -41,6 +44,8 @@ from reference.cli import (
 from reference.config import GenerationConfig, SchedulerConfig, SchedulingMode
 from reference.cost_model import CostTable, default_bucket_sizes, hardware_name, measure_cost_table
 from reference.drafter import DSparkDrafter
+from reference.hybrid import HybridProposer, HybridState
+from reference.hybrid import check_mode as check_hybrid_mode
 from reference.ngram import NgramDraft, NgramProposer, check_mode
 from reference.sampling import Purpose, logits_to_probs, sample
 from reference.scheduler import Scheduler, fold_recent
@@ -62,6 +67,8 @@ class Request:
     accepted_lengths: list[int] = field(default_factory=list)  # drafts accepted at each step (τ - 1)
     survivals: list[torch.Tensor] = field(default_factory=list)  # [γ] calibrated a_k of each step's draft
     recent: torch.Tensor | None = None  # [γ] the draft gate's moving average of those (reference.scheduler.fold_recent)
+    hybrid: HybridState | None = None  # the hybrid proposer's per-request state (None with other proposers)
+    proposal_sources: list[str] = field(default_factory=list)  # hybrid: what each step verified (reference/hybrid.py)
     # Per-request caches (not part of the result).
     kv: Any = None  # the target's KV cache, holding positions 0..anchor_pos-1
     ctx: Any = None  # the drafter's context cache, holding positions 0..anchor_pos-1
@@ -92,6 +99,9 @@ class GenerationResult:
     verify_lengths: list[int]
     accepted_lengths: list[int]
     text: str = ""
+    # The hybrid proposer only: the source of each step's block, "dspark", "ngram" or "none" (no block: the draft gate
+    # closed), aligned with verify_lengths. None with the other proposers (and left out of to_json).
+    proposal_sources: list[str] | None = None
 
     @property
     def mean_accepted_length(self) -> float:
@@ -101,6 +111,8 @@ class GenerationResult:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        if d["proposal_sources"] is None:
+            del d["proposal_sources"]
         d["mean_accepted_length"] = self.mean_accepted_length
         d["num_steps"] = len(self.accepted_lengths)
         return d
@@ -136,6 +148,15 @@ def draft(drafter: DSparkDrafter, reqs: list[Request], gen: GenerationConfig):
     out = drafter.sample_block(h, anchors, anchor_pos, _sampling_params(gen, len(reqs), dev)[0], gen.seed, ids)
     survival = calibrated_survival(drafter.config, gen.decode_mode, out.conf_logits.float().cpu())  # [R, γ], host
     return out, survival
+
+
+def hybrid_draft(proposer: HybridProposer, reqs: list[Request], gen: GenerationConfig):
+    """The hybrid block of every request (reference/hybrid.py): the drafter's block and survivals, with the rows of the
+    requests whose n-gram continuation is expected to be accepted longer replaced by it. Returns the block, the chosen
+    survivals ``[R, γ]`` and each row's length cap ``[R]`` (γ, or the n-gram block's m)."""
+    out, survival = draft(proposer.drafter, reqs, gen)  # the drafter runs for everybody: its a_k are the next E_d
+    choices = proposer.choose([r.hybrid for r in reqs], [r.prompt_ids + r.output_ids for r in reqs], survival)
+    return proposer.merge(out, survival, choices)
 
 
 def lookup(proposer: NgramProposer, scheduler: Scheduler, reqs: list[Request], vocab_size: int):
@@ -206,7 +227,7 @@ def _emit(target: Target, req: Request, tokens: list[int], gen: GenerationConfig
 @torch.inference_mode()
 def generate(
     target: Target,
-    drafter: DSparkDrafter | NgramProposer | None,
+    drafter: DSparkDrafter | NgramProposer | HybridProposer | None,
     prompts: list[list[int]],
     gen: GenerationConfig,
     sched: SchedulerConfig,
@@ -218,8 +239,8 @@ def generate(
 
     Args:
         target: the target model (the output distribution is the target's, whatever the drafter does).
-        drafter: the DSpark drafter, or the n-gram proposer (modes none, fixed and dsd only); may be None only in
-            mode "none".
+        drafter: the DSpark drafter, the n-gram proposer (modes none, fixed and dsd only), or the hybrid of the two
+            (every mode but oracle); may be None only in mode "none".
         prompts: token ids per prompt (chat template already applied).
         gen: sampling, seed and limits.
         sched: the verify-length policy (docs/method.md §5).
@@ -232,6 +253,8 @@ def generate(
         raise ValueError(f"mode '{mode}' needs a drafter")
     if isinstance(drafter, NgramProposer):
         check_mode(mode)
+    if isinstance(drafter, HybridProposer):
+        check_hybrid_mode(mode)
     if mode.needs_cost_table and cost is None:
         raise ValueError(f"mode '{mode}' needs a cost table (see reference.cost_model)")
     ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
@@ -239,9 +262,12 @@ def generate(
         raise ValueError("request_ids must be unique, one per prompt")
     gamma = drafter.config.gamma if mode.drafts else 0
     scheduler = Scheduler(sched, gamma=gamma, cost=cost)
-    features_to = drafter if mode.drafts and isinstance(drafter, DSparkDrafter) else None  # who reads the features
+    hybrid = isinstance(drafter, HybridProposer) and mode.drafts
+    model = drafter.drafter if hybrid else drafter
+    features_to = model if mode.drafts and isinstance(model, DSparkDrafter) else None  # who reads the features
 
-    reqs = [Request(request_id=i, prompt_ids=list(p)) for i, p in zip(ids, prompts)]
+    reqs = [Request(request_id=i, prompt_ids=list(p), hybrid=drafter.new_state() if hybrid else None)
+            for i, p in zip(ids, prompts)]
     for r in reqs:
         if not r.prompt_ids:
             raise ValueError(f"request {r.request_id}: empty prompt")
@@ -255,8 +281,8 @@ def generate(
     return [_result(target, r) for r in reqs]
 
 
-def step(target: Target, drafter: DSparkDrafter | NgramProposer | None, scheduler: Scheduler, reqs: list[Request],
-         gen: GenerationConfig) -> None:
+def step(target: Target, drafter: DSparkDrafter | NgramProposer | HybridProposer | None, scheduler: Scheduler,
+         reqs: list[Request], gen: GenerationConfig) -> None:
     """One speculative step for the active requests: draft, schedule, verify, commit."""
     mode = scheduler.config.mode
     if not mode.drafts:
@@ -275,12 +301,18 @@ def step(target: Target, drafter: DSparkDrafter | NgramProposer | None, schedule
         # average: the survivals folded before the plain run describe text that has since been decoded.
         restart = scheduler.steps_without_draft > 0
         scheduler.steps_without_draft = 0
-        drafts, survival = draft(drafter, reqs, gen)  # survival [R, γ]
+        caps = None  # [R] the most slots each block can verify (the hybrid's n-gram blocks may be shorter than γ)
+        if isinstance(drafter, HybridProposer):
+            drafts, survival, caps = hybrid_draft(drafter, reqs, gen)  # the chosen blocks and their survivals
+        else:
+            drafts, survival = draft(drafter, reqs, gen)  # survival [R, γ]
         stale = _stale_survivals(reqs, scheduler.config.staleness, survival.shape[1])
         if mode is SchedulingMode.ORACLE:
             lens = torch.full((len(reqs),), drafts.tokens.shape[1], dtype=torch.long)  # verify all, count less
         else:
             lens = scheduler.lengths(survival, a_stale=stale, num_anchor_tokens=len(reqs))
+        if caps is not None:
+            lens = torch.minimum(lens, caps)
         for r, a in zip(reqs, survival):
             r.survivals.append(a)
             r.recent = fold_recent(torch.full_like(a, float("nan")) if r.recent is None or restart else r.recent, a,
@@ -295,6 +327,8 @@ def step(target: Target, drafter: DSparkDrafter | NgramProposer | None, schedule
         n = int(result.num_emitted[i])
         r.verify_lengths.append(int(lens[i]))
         r.accepted_lengths.append(n - 1)
+        if r.hybrid is not None:  # an n-gram block's outcome joins the request's acceptance counts
+            r.proposal_sources.append(r.hybrid.observe(int(lens[i]), n - 1))
         commit(target, r, result.tokens[i, :n].tolist(), features[i], gen)
 
 
@@ -345,7 +379,8 @@ def _empty_draft(num_requests: int, vocab: int):
 def _result(target: Target, r: Request) -> GenerationResult:
     text = target.decode(r.output_ids) if target.tokenizer is not None else ""
     return GenerationResult(r.request_id, r.prompt_ids, r.output_ids, r.finish_reason or "length",
-                            r.verify_lengths, r.accepted_lengths, text)
+                            r.verify_lengths, r.accepted_lengths, text,
+                            r.proposal_sources if r.hybrid is not None else None)
 
 
 def _sampling_params(gen: GenerationConfig, n: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -404,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
             cost = CostTable.load(args.cost_table)
         else:
             log.info("no --cost-table: measuring this machine's SPS curve (pass --cost-table to reuse one)")
-            cost = measure_reference_cost_table(target, drafter, max_requests=len(prompts))
+            model = drafter.drafter if isinstance(drafter, HybridProposer) else drafter
+            cost = measure_reference_cost_table(target, model, max_requests=len(prompts))
     t0 = time.perf_counter()
     results = generate(target, drafter, prompts, gen, sched, cost, progress=not args.json)
     print_results(results, args.json, time.perf_counter() - t0, sched.mode)
