@@ -12,6 +12,10 @@ neighbours, so batching prompts (``--batch-size``) gives exactly the batch-1 res
 way, with no checkpoint: the baseline row a trained drafter's τ is compared with. Its blocks may be shorter than γ
 (or empty), so each step verifies ``min(γ, m)`` slots, and a step without a proposal counts with τ = 1.
 
+``--proposer hybrid`` (with ``--drafter``) measures the hybrid proposer (``reference/hybrid.py``): each request takes,
+step by step, the drafter's block or its n-gram continuation, whichever is expected to be accepted longer; an n-gram
+block verifies its ``min(γ, m)`` slots.
+
 Reported (OUT.json):
 
 * ``mean_accepted_length``: τ pooled over all steps of all prompts, ``Σ (accepted + 1) / steps``
@@ -19,6 +23,9 @@ Reported (OUT.json):
   whose τ differ by less than about twice it are not told apart by these prompts, which matters most for sampled
   runs); ``mean_accepted_length_macro`` averages the per-prompt τ instead;
 * ``per_domain``: domain → pooled τ; ``per_domain_detail`` adds counts and per-position acceptance;
+* with ``--proposer hybrid``, ``sources`` (overall and in each domain's detail): per source (``dspark``, ``ngram``),
+  how many steps verified its block, their share of the steps and their τ; and ``per_prompt``: each (prompt, seed)
+  run's domain, steps, τ and the same per-source figures;
 * ``per_position_acceptance``: ``P(slot k accepted | slots 1..k-1 accepted, slot k verified)`` for k = 1..γ (paper
   Figure 2), with the number of such steps in ``per_position_counts``; ``per_position_verified`` is the share of
   steps that verified slot k (1 for a trained drafter's full blocks; below 1 where n-gram proposals ran short), and
@@ -34,6 +41,7 @@ Usage::
     python -m scripts.eval_acceptance --drafter DIR --prompts-file F.jsonl [--temperature T] \\
         [--max-new-tokens N] [--gamma G] --json OUT.json
     python -m scripts.eval_acceptance --proposer ngram [--gamma 7] --prompts-file F.jsonl --json OUT.json
+    python -m scripts.eval_acceptance --proposer hybrid --drafter DIR --prompts-file F.jsonl --json OUT.json
 
 Prompt lines are ``{"prompt": str, "domain": str}`` (``"input_ids": [...]`` may replace ``"prompt"`` for a
 target without tokenizer). It runs on a CPU too, slowly: use a handful of prompts there.
@@ -53,9 +61,17 @@ import torch
 from tqdm.auto import tqdm
 
 from reference.checkpoint import load_drafter, read_drafter_config
-from reference.cli import read_domain_prompts
-from reference.config import PROPOSER_KINDS, GenerationConfig, NgramConfig, ProposerKind, SchedulerConfig
+from reference.cli import add_hybrid_args, read_domain_prompts
+from reference.config import (
+    PROPOSER_KINDS,
+    GenerationConfig,
+    HybridConfig,
+    NgramConfig,
+    ProposerKind,
+    SchedulerConfig,
+)
 from reference.generate import GenerationResult, generate
+from reference.hybrid import SOURCES, HybridProposer
 from reference.ngram import NgramProposer
 from reference.target import DEFAULT_TARGET, Target
 from scripts.runtime import hardware, resolve_device
@@ -77,8 +93,22 @@ def tau_standard_error(results: list[GenerationResult]) -> float | None:
     return var ** 0.5
 
 
+def source_summary(results: list[GenerationResult]) -> dict[str, dict]:
+    """The hybrid proposer's choices: per source that verified any step (``dspark``, ``ngram``; ``none``: steps that
+    verified no block), its steps, their share of all steps and their pooled τ (accepted drafts + 1 per step)."""
+    steps: dict[str, list[int]] = {}
+    for r in results:
+        for source, accepted in zip(r.proposal_sources or [], r.accepted_lengths, strict=True):
+            steps.setdefault(source, []).append(accepted)
+    total = sum(len(a) for a in steps.values())
+    return {source: {"steps": len(steps[source]), "share": len(steps[source]) / total,
+                     "mean_accepted_length": (sum(steps[source]) + len(steps[source])) / len(steps[source])}
+            for source in SOURCES if source in steps}
+
+
 def summarise(results: list[GenerationResult], gamma: int) -> dict:
-    """Pooled τ, per-prompt macro τ and per-position conditional acceptance of a set of results."""
+    """Pooled τ, per-prompt macro τ and per-position conditional acceptance of a set of results (and, for the hybrid
+    proposer's, its choices: :func:`source_summary`)."""
     steps = [a for r in results for a in r.accepted_lengths]  # accepted drafts per verification step
     acc = torch.tensor(steps, dtype=torch.long)  # [steps]
     ell = torch.tensor([v for r in results for v in r.verify_lengths], dtype=torch.long)  # [steps] ℓ of each step
@@ -97,6 +127,7 @@ def summarise(results: list[GenerationResult], gamma: int) -> dict:
         "prompts": len(results),
         "steps": len(steps),
         "generated_tokens": sum(len(r.token_ids) for r in results),
+        **({"sources": source_summary(results)} if any(r.proposal_sources is not None for r in results) else {}),
     }
 
 
@@ -120,11 +151,15 @@ def spread_over_domains(rows: list[tuple[str, list[int]]], limit: int | None) ->
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--drafter", default=None, help="drafter checkpoint directory (--proposer dspark)")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint directory (--proposer dspark or hybrid)")
     p.add_argument("--proposer", default=ProposerKind.DSPARK.value, choices=PROPOSER_KINDS,
-                   help="the trained drafter (--drafter), or the training-free n-gram lookup (no checkpoint)")
-    p.add_argument("--ngram-max-n", type=int, default=NgramConfig.max_n, help="n-gram proposer: longest suffix tried")
-    p.add_argument("--ngram-min-n", type=int, default=NgramConfig.min_n, help="n-gram proposer: shortest match")
+                   help="the trained drafter (--drafter), the training-free n-gram lookup (no checkpoint), or the "
+                        "hybrid of the two (--drafter; per request and step, the block expected to be accepted longer)")
+    p.add_argument("--ngram-max-n", type=int, default=NgramConfig.max_n,
+                   help="n-gram proposer (and the hybrid's lookup): longest suffix tried")
+    p.add_argument("--ngram-min-n", type=int, default=NgramConfig.min_n,
+                   help="n-gram proposer (and the hybrid's lookup): shortest match")
+    add_hybrid_args(p)
     p.add_argument("--prompts-file", required=True, help='JSONL, one {"prompt": ..., "domain": ...} per line')
     p.add_argument("--json", required=True, help="output JSON file")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = lossless sampling (top-p off)")
@@ -159,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds < 1 or (args.seeds > 1 and args.temperature == 0):
         raise SystemExit(f"--seeds must be ≥ 1, and 1 for greedy decoding (which no seed changes), got {args.seeds}")
     device = resolve_device(args.device)
-    ngram = args.proposer == ProposerKind.NGRAM
+    ngram, hybrid = args.proposer == ProposerKind.NGRAM, args.proposer == ProposerKind.HYBRID
     if ngram == (args.drafter is not None):
-        raise SystemExit("give --drafter DIR for the trained drafter, or --proposer ngram (no checkpoint), not both")
+        raise SystemExit("give --drafter DIR for the trained drafter (--proposer dspark or hybrid), or --proposer "
+                         "ngram (no checkpoint), not both")
     if ngram:
         try:
             ngram_cfg = NgramConfig(gamma=NgramConfig.gamma if args.gamma is None else args.gamma,
@@ -174,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         gamma, layer_ids = cfg.block_size, cfg.target_layer_ids
         if args.gamma is not None and args.gamma != gamma:
             raise SystemExit(f"--gamma {args.gamma} differs from the drafter's trained block size γ = {gamma}")
+        if hybrid:
+            try:
+                hybrid_cfg = HybridConfig(gamma=gamma, max_n=args.ngram_max_n, min_n=args.ngram_min_n,
+                                          prior_accept=args.hybrid_prior_accept,
+                                          prior_strength=args.hybrid_prior_strength)
+            except ValueError as e:
+                raise SystemExit(str(e)) from e
     if args.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
@@ -186,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         drafter = load_drafter(args.drafter, target, device=device, dtype=target.dtype)
         drafter_config = {"head": cfg.head, "num_layers": cfg.num_layers, "markov_rank": cfg.markov_rank,
                           "sts_temperatures": cfg.sts_temperatures}
+        if hybrid:
+            drafter = HybridProposer(drafter, hybrid_cfg)
+            drafter_config |= {"kind": "hybrid", "max_n": hybrid_cfg.max_n, "min_n": hybrid_cfg.min_n,
+                               "prior_accept": hybrid_cfg.prior_accept, "prior_strength": hybrid_cfg.prior_strength}
     prompts = spread_over_domains(read_domain_prompts(args.prompts_file, target,
                                                       chat_template=not args.no_chat_template), args.limit)
     seeds = list(range(args.seed, args.seed + args.seeds))
@@ -196,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     results: list[GenerationResult] = []
     domains: list[str] = []  # of each result (prompts repeat once per seed)
+    runs: list[tuple[int, int]] = []  # (prompt index, seed) of each result
     if args.engine == "optimized":  # imported only when used: the reference loop needs none of it
         from optimized.engine import EngineConfig
         from optimized.generate import generate as engine_generate
@@ -213,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 results += engine_generate(target, drafter, [p for _, p in chunk], gen, sched, request_ids=ids,
                                            engine_config=engine_cfg)
             domains += [d for d, _ in chunk]
+            runs += [(i, seed) for i in ids]
     wall = time.perf_counter() - t0
 
     by_domain: dict[str, list[GenerationResult]] = defaultdict(list)
@@ -230,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         "per_position_counts": overall["per_position_counts"],
         "per_position_verified": overall["per_position_verified"],
         "per_domain_detail": detail,
+        **({"sources": overall["sources"],
+            "per_prompt": [{"prompt": i, "seed": seed, "domain": d, "steps": len(r.accepted_lengths),
+                            "mean_accepted_length": r.mean_accepted_length, "sources": source_summary([r])}
+                           for (i, seed), d, r in zip(runs, domains, results, strict=True)]}
+           if hybrid else {}),
         "counts": {**{k: overall[k] for k in ("steps", "generated_tokens")}, "prompts": len(prompts),
                    "seeds": len(seeds)},
         "settings": {"temperature": args.temperature, "top_p": 1.0, "top_k": 0, "max_new_tokens": args.max_new_tokens,
@@ -251,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info("τ = %.3f (%s); per position %s; %.1f s -> %s", report["mean_accepted_length"],
              ", ".join(f"{d} {t:.3f}" for d, t in report["per_domain"].items()),
              " ".join(f"{p:.2f}" if p is not None else "-" for p in report["per_position_acceptance"]), wall, out)
+    if hybrid:
+        log.info("hybrid: n-gram block in %s of the steps (%s)", ", ".join(
+            f"{s['sources'].get('ngram', {}).get('share', 0.0):.0%} in {d}" for d, s in detail.items()),
+            ", ".join(f"τ {src} {v['mean_accepted_length']:.3f}" for src, v in report["sources"].items()))
     return 0
 
 

@@ -97,3 +97,41 @@ def test_several_seeds_pool_their_runs(files, tmp_path):
     assert two["mean_accepted_length_se"] is not None
     with pytest.raises(SystemExit, match="--seeds"):
         _eval(files, tmp_path, "--seeds", "2")  # greedy: no seed changes anything
+
+
+def test_hybrid_reports_its_choices_per_domain_and_prompt(files, tmp_path):
+    """``--proposer hybrid --drafter DIR``: τ, and how often each source was chosen and its τ, overall, per domain and
+    per prompt; the counts add up to the steps, and the reference loop measures what the engine measures."""
+    from reference.checkpoint import save_drafter
+    from reference.target import Target
+    from reference.testing import tiny_drafter
+
+    target_dir, pf = files
+    ckpt = tmp_path / "drafter"
+    save_drafter(tiny_drafter(Target.load(str(target_dir)), gamma=GAMMA, noise=0.2), ckpt)
+    out = tmp_path / "hybrid.json"
+    argv = ["--proposer", "hybrid", "--drafter", str(ckpt), "--prompts-file", str(pf), "--model", str(target_dir),
+            "--device", "cpu", "--max-new-tokens", "16", "--temperature", "1.0", "--hybrid-prior-accept", "0.8",
+            "--json", str(out)]
+    assert eval_acceptance.main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["proposer"] == "hybrid" and r["drafter_config"]["kind"] == "hybrid"
+    assert r["drafter_config"]["prior_accept"] == 0.8 and r["drafter_config"]["max_n"] == 3
+    steps = r["counts"]["steps"]
+    assert set(r["sources"]) == {"dspark", "ngram"}, "the code prompts repeat: both sources must be chosen"
+    assert sum(s["steps"] for s in r["sources"].values()) == steps
+    assert sum(s["share"] for s in r["sources"].values()) == pytest.approx(1.0)
+    pooled = sum(s["mean_accepted_length"] * s["steps"] for s in r["sources"].values()) / steps
+    assert pooled == pytest.approx(r["mean_accepted_length"], abs=1e-6)  # τ splits by source
+    for domain, detail in r["per_domain_detail"].items():
+        rows = [p for p in r["per_prompt"] if p["domain"] == domain]
+        assert sum(s["steps"] for s in detail["sources"].values()) == detail["steps"] == sum(p["steps"] for p in rows)
+    assert len(r["per_prompt"]) == len(PROMPTS) and [p["domain"] for p in r["per_prompt"]] == [d for _, d in PROMPTS]
+    assert all(sum(s["steps"] for s in p["sources"].values()) == p["steps"] for p in r["per_prompt"])
+    ref_out = tmp_path / "hybrid-ref.json"
+    assert eval_acceptance.main([*argv[:-1], str(ref_out), "--engine", "reference"]) == 0
+    ref = json.loads(ref_out.read_text())
+    assert ref["per_domain_detail"] == r["per_domain_detail"] and ref["per_prompt"] == r["per_prompt"]
+    with pytest.raises(SystemExit, match="not both"):  # the hybrid drafts with the trained drafter too
+        eval_acceptance.main(["--proposer", "hybrid", "--prompts-file", str(pf), "--model", str(target_dir),
+                              "--json", str(tmp_path / "x.json")])
