@@ -4,7 +4,10 @@ One run measures, at each batch size, the optimized engine in every requested mo
 ``fixed`` K, ``dsd``, ``adaptive``, …) and HF ``model.generate`` (greedy, left-padded, ``min_new_tokens =
 max_new_tokens``) as the named baseline. Modes prefixed ``ngram:`` (``ngram:fixed:K``, ``ngram:dsd``) draft with the
 training-free n-gram proposer (``reference/ngram.py``, block ``--ngram-gamma``) instead of the DSpark drafter: the
-free baseline a trained drafter must beat, measured in the same run. A DSpark mode suffixed ``+ahead``
+free baseline a trained drafter must beat, measured in the same run. Modes prefixed ``hybrid:`` (``hybrid:fixed:K``,
+``hybrid:adaptive``, ...) draft with the hybrid proposer (``reference/hybrid.py``: per request and step, the drafter's
+block or the n-gram continuation, whichever is expected to be accepted longer; its rows add the share of steps that
+verified an n-gram block, ``ngram_step_fraction``). A DSpark mode suffixed ``+ahead``
 (``adaptive+ahead``, ``fixed:7+ahead``) runs on a second engine built with ``EngineConfig.draft_ahead`` (the next
 block drafted before the token read), and a mode suffixed ``+async`` (``none+async``, ``fixed:7+async``,
 ``adaptive+async``) on one built with ``EngineConfig.async_decode`` (steps launched one ahead of their token reads;
@@ -16,7 +19,8 @@ per verify step).
 
 Method, per configuration (engine × mode × batch size):
 
-* one engine per kind (no drafter, the DSpark drafter, the n-gram proposer) sized for the largest batch, built once:
+* one engine per kind (no drafter, the DSpark drafter, the n-gram proposer, the hybrid) sized for the largest batch,
+  built once:
   its CUDA graphs and
   caches serve every batch size and mode (``Engine.set_scheduler`` switches the policy between runs), as a
   server with a fixed ``max_num_seqs`` would;
@@ -70,10 +74,11 @@ from tqdm.auto import tqdm
 
 from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
 from optimized.engine import Engine, EngineConfig, SamplingParams
-from reference.cli import DEFAULT_DRAFTER, LOG_FORMAT, load_or_init_drafter
-from reference.config import NgramConfig, ProposerKind, SchedulerConfig, SchedulingMode
+from reference.cli import DEFAULT_DRAFTER, LOG_FORMAT, add_hybrid_args, load_or_init_drafter
+from reference.config import HybridConfig, NgramConfig, ProposerKind, SchedulerConfig, SchedulingMode
 from reference.cost_model import hardware_name
 from reference.drafter import DSparkDrafter
+from reference.hybrid import NGRAM, HybridProposer
 from reference.ngram import NgramProposer
 from reference.target import Target
 from scripts.benchmarking import (
@@ -116,7 +121,9 @@ class BenchConfig:
     seed: int = 0
     ngram_gamma: int = NgramConfig.gamma  # the n-gram proposer's block for the ngram: modes (K ≤ this)
     ngram_max_n: int = NgramConfig.max_n  # its longest suffix n-gram
-    ngram_min_n: int = NgramConfig.min_n  # its shortest match
+    ngram_min_n: int = NgramConfig.min_n  # its shortest match (also the hybrid's lookup, whose block is the drafter's)
+    hybrid_prior_accept: float = HybridConfig.prior_accept  # the hybrid's prior of an n-gram slot's acceptance
+    hybrid_prior_strength: float = HybridConfig.prior_strength  # and its pseudo-counts
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
@@ -128,6 +135,8 @@ class BenchConfig:
         if not 0.0 <= self.output_len_spread < 1.0:
             raise ValueError(f"output_len_spread must lie in [0, 1), got {self.output_len_spread}")
         NgramConfig(self.ngram_gamma, self.ngram_max_n, self.ngram_min_n)  # validates the n-gram fields
+        HybridConfig(max_n=self.ngram_max_n, min_n=self.ngram_min_n, prior_accept=self.hybrid_prior_accept,
+                     prior_strength=self.hybrid_prior_strength)  # and the hybrid's
         for m in self.modes:
             base, variant = split_variant(m)
             kind, mode, _ = parse_config(base, gamma=None, ngram_gamma=self.ngram_gamma)
@@ -187,8 +196,10 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int | l
     verify_steps = sum(len(s.accepted_lengths) for s in seqs)
     emitted = sum(sum(s.accepted_lengths) + len(s.accepted_lengths) for s in seqs)  # accepted drafts + 1 per step
     verified = sum(sum(s.verify_lengths) for s in seqs)
+    sources = [x for s in seqs for x in s.proposal_sources]  # the hybrid proposer's (empty for the others)
     stats = engine.stats
     return {
+        **({"ngram_step_fraction": sources.count(NGRAM) / len(sources)} if sources else {}),
         "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
         "mean_accepted_length": emitted / verify_steps if verify_steps else 0.0,
         "mean_verify_length": verified / verify_steps if verify_steps else 0.0,
@@ -239,7 +250,8 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
 
     Args:
         target: the target (its device and dtype are the engine's).
-        drafter: the DSpark drafter; may be None only if no mode drafts with it (``none`` and ``ngram:`` modes).
+        drafter: the DSpark drafter; may be None only if no mode drafts with it (``none`` and ``ngram:`` modes; the
+            ``hybrid:`` modes draft with it).
         prompts: tokenised prompts (chat template applied); batch size B uses the first B (cycled if fewer).
         cfg: what to measure.
         out: JSON path; the plot is written next to it.
@@ -253,7 +265,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     device = torch.device(target.device)
     gamma = drafter.config.block_size if drafter is not None else 0
     modes = [(spec, *parse_config(split_variant(spec)[0], gamma or None, cfg.ngram_gamma)) for spec in cfg.modes]
-    if drafter is None and any(kind is ProposerKind.DSPARK and m.drafts for _, kind, m, _ in modes):
+    if drafter is None and any(kind is not ProposerKind.NGRAM and m.drafts for _, kind, m, _ in modes):
         raise ValueError("speculative modes need a drafter")
     ngram = NgramConfig(cfg.ngram_gamma, cfg.ngram_max_n, cfg.ngram_min_n)
     uses_ngram = any(kind is ProposerKind.NGRAM for _, kind, _, _ in modes)
@@ -302,6 +314,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     if uses_ngram:  # no drafter, no cost table: the fixed and dsd modes need neither
         engines["ngram"] = Engine(target, NgramProposer(ngram), EngineConfig(**econf),
                                   SchedulerConfig(mode="fixed", k=ngram.gamma))
+    table = None
     if any(kind is ProposerKind.DSPARK and m.drafts for _, kind, m, _ in modes):
         spec = Engine(target, drafter, EngineConfig(**econf), SchedulerConfig(mode="fixed", k=gamma))
         table = cached_profile(spec.runner, cache_dir=cfg.cost_cache_dir, context_len=cfg.context_len)
@@ -323,6 +336,15 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
         report["cost_table"] = table.to_dict()
         log.info("cost table (%s): verify ms %s | draft ms %s", table.hardware, _brief(table.verify_ms),
                  _brief(table.draft_ms))
+    if any(kind is ProposerKind.HYBRID for _, kind, _, _ in modes):
+        hybrid = HybridProposer(drafter, HybridConfig(gamma=gamma, max_n=cfg.ngram_max_n, min_n=cfg.ngram_min_n,
+                                                      prior_accept=cfg.hybrid_prior_accept,
+                                                      prior_strength=cfg.hybrid_prior_strength))
+        engines["hybrid"] = Engine(target, hybrid, EngineConfig(**econf), SchedulerConfig(mode="fixed", k=gamma))
+        if table is None:  # the drafter's steps are the same graphs in either engine: one profile serves both
+            table = cached_profile(engines["hybrid"].runner, cache_dir=cfg.cost_cache_dir, context_len=cfg.context_len)
+            report["cost_table"] = table.to_dict()
+        engines["hybrid"].set_cost_table(table)
     report["engine_build_s"] = round(time.perf_counter() - t_build, 2)
     save()
 
@@ -342,10 +364,11 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
             row = _measure_hf(target, batch, cfg, device)
         else:
             base, variant = split_variant(label)
-            name = "ngram" if kind is ProposerKind.NGRAM else "spec" if mode.drafts else "none"
+            name = {ProposerKind.NGRAM: "ngram", ProposerKind.HYBRID: "hybrid"}.get(kind, "spec" if mode.drafts
+                                                                                      else "none")
             engine = engines[name if variant is None else f"{name}+{variant}"]
             sched = SchedulerConfig(mode=mode, k=k if k is not None else engine.gamma,
-                                    draft_gate=base != "adaptive:nogate")
+                                    draft_gate=not base.endswith("adaptive:nogate"))
             engine.set_scheduler(sched)
             lengths = request_lengths(len(workload), cfg.max_new_tokens, cfg.output_len_spread, cfg.seed)
             row = _measure(lambda e=engine, p=workload, n=lengths, c=b: run_engine(e, p, n, c), cfg.warmup,
@@ -421,11 +444,14 @@ def summarize(results: list[dict]) -> dict[str, Any]:
         fixed = {label: v for label, v in tps.items() if label.startswith("fixed") and not split_variant(label)[1]}
         s: dict[str, Any] = {"tokens_per_s": {k: round(v, 2) for k, v in tps.items()}}
         ngram = {label: v for label, v in tps.items() if label.startswith("ngram:")}
+        hybrid = {label: v for label, v in tps.items() if label.startswith("hybrid:")}
         if fixed:
             best = max(fixed, key=fixed.get)
             s["best_fixed"] = best
         if ngram:
             s["best_ngram"] = max(ngram, key=ngram.get)
+        if hybrid:
+            s["best_hybrid"] = max(hybrid, key=hybrid.get)
         none, hf, adaptive = tps.get("none"), tps.get("hf"), tps.get("adaptive")
         if none and hf:
             s["none_over_hf"] = round(none / hf, 3)
@@ -552,10 +578,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one, else random init)")
     p.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES, help="comma list of batch sizes B")
     p.add_argument("--modes", default=DEFAULT_MODES, help="comma list: none, fixed:K, dsd, threshold, adaptive-sync, "
-                   "adaptive; ngram:fixed:K and ngram:dsd draft with the n-gram proposer")
+                   "adaptive; ngram:fixed:K and ngram:dsd draft with the n-gram proposer; hybrid:MODE (every "
+                   "drafting mode above) with the hybrid of the drafter and the n-gram lookup")
     p.add_argument("--ngram-gamma", type=int, default=NgramConfig.gamma, help="the n-gram proposer's block γ")
-    p.add_argument("--ngram-max-n", type=int, default=NgramConfig.max_n, help="n-gram proposer: longest suffix tried")
-    p.add_argument("--ngram-min-n", type=int, default=NgramConfig.min_n, help="n-gram proposer: shortest match")
+    p.add_argument("--ngram-max-n", type=int, default=NgramConfig.max_n,
+                   help="n-gram proposer (and the hybrid's lookup): longest suffix tried")
+    p.add_argument("--ngram-min-n", type=int, default=NgramConfig.min_n,
+                   help="n-gram proposer (and the hybrid's lookup): shortest match")
+    add_hybrid_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens each request generates (EOS ignored)")
     add_engine_source_args(p)
     p.add_argument("--requests-per-slot", type=int, default=1,
@@ -598,7 +628,8 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
                       enforce_eager=args.enforce_eager, prefill_graph_tokens=args.prefill_graph_tokens,
                       layer_backend=args.layer_backend, linear_rows=args.linear_rows, context_len=args.context_len,
                       cost_cache_dir=args.cost_cache_dir, seed=args.seed, ngram_gamma=args.ngram_gamma,
-                      ngram_max_n=args.ngram_max_n, ngram_min_n=args.ngram_min_n)
+                      ngram_max_n=args.ngram_max_n, ngram_min_n=args.ngram_min_n,
+                      hybrid_prior_accept=args.hybrid_prior_accept, hybrid_prior_strength=args.hybrid_prior_strength)
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if target is None:
         target = Target.load(args.model, device=args.device, dtype=getattr(torch, dtype_name))
@@ -606,7 +637,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     else:
         model_name = target.name
     drafter_name = None
-    if drafter is None and any(kind is ProposerKind.DSPARK and mode.drafts
+    if drafter is None and any(kind is not ProposerKind.NGRAM and mode.drafts
                                for kind, mode, _ in (parse_config(split_variant(m)[0], None, cfg.ngram_gamma)
                                                      for m in cfg.modes)):
         path = args.drafter or str(DEFAULT_DRAFTER)

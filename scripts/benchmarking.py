@@ -1,7 +1,7 @@
 """What the benchmark and profiling scripts (``scripts.bench_engine``, ``scripts.profile_engine``,
 ``scripts.bench_kernels``) share: the flags that choose prompts, device, dtype and graphs, the prompts those flags
-select, the ``[ngram:]mode[:K]`` spelling of a configuration, seeded request lengths, a device barrier for timing and
-the device tag of output files. A library: no command line here.
+select, the ``[ngram:|hybrid:]mode[:K]`` spelling of a configuration, seeded request lengths, a device barrier for
+timing and the device tag of output files. A library: no command line here.
 
 Names follow ``docs/method.md`` (``ℓ`` verify length, ``γ`` block size).
 """
@@ -19,6 +19,7 @@ import torch
 
 from optimized.config import EngineConfig
 from reference.config import SCHEDULER_MODES, NgramConfig, ProposerKind, SchedulingMode
+from reference.hybrid import check_mode as check_hybrid_mode
 from reference.ngram import check_mode
 from reference.target import Target
 
@@ -47,8 +48,16 @@ def parse_config(spec: str, gamma: int | None, ngram_gamma: int = NgramConfig.ga
                  ) -> tuple[ProposerKind, SchedulingMode, int | None]:
     """A configuration with its drafter kind: ``"fixed:3"`` -> (DSPARK, FIXED, 3), the modes of :func:`parse_mode`
     drafted by the DSpark drafter (block ``gamma``); ``"ngram:fixed:3"`` -> (NGRAM, FIXED, 3), the n-gram proposer
-    (block ``ngram_gamma``), which runs ``fixed[:K]`` and ``dsd`` only (it has no confidences)."""
+    (block ``ngram_gamma``), which runs ``fixed[:K]`` and ``dsd`` only (it has no confidences); ``"hybrid:adaptive"``
+    -> (HYBRID, ADAPTIVE, None), the hybrid of the drafter and the lookup (``reference/hybrid.py``, block ``gamma``),
+    which runs the drafter's modes."""
     kind, sep, rest = spec.partition(":")
+    if kind == ProposerKind.HYBRID:
+        mode, k = parse_mode(rest, gamma)
+        if not mode.drafts:
+            raise ValueError(f"mode {spec!r}: the hybrid proposer drafts; plain decoding is mode 'none'")
+        check_hybrid_mode(mode)
+        return ProposerKind.HYBRID, mode, k
     if kind != ProposerKind.NGRAM:
         return (ProposerKind.DSPARK, *parse_mode(spec, gamma))
     mode, k = parse_mode(rest, ngram_gamma)

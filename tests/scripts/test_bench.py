@@ -231,6 +231,38 @@ def test_parse_config_of_the_ngram_modes():
             parse_config(bad, 7, 5)
 
 
+def test_parse_config_of_the_hybrid_modes():
+    assert parse_config("hybrid:fixed:3", 7) == ("hybrid", "fixed", 3)
+    assert parse_config("hybrid:fixed", 4) == ("hybrid", "fixed", 4)
+    assert parse_config("hybrid:adaptive:nogate", None) == ("hybrid", "adaptive", None)
+    assert parse_config("hybrid:threshold", None) == ("hybrid", "threshold", None)
+    for bad in ("hybrid:none", "hybrid:oracle", "hybrid:fixed:8", "hybrid"):
+        with pytest.raises(ValueError):
+            parse_config(bad, 7)
+
+
+def test_bench_engine_hybrid_modes(models, tmp_path):
+    """``hybrid:`` modes run the hybrid proposer's engine with the drafter's cost table: every request emits exactly
+    its tokens, the rows report how often an n-gram block was verified, and nothing runs one step ahead."""
+    report, _ = _run(models, tmp_path, "--modes", "fixed:2,hybrid:fixed:2,hybrid:adaptive,hybrid:adaptive:nogate",
+                     "--batch-sizes", "2", "--hf-max-batch", "0")
+    rows = {r["label"]: r for r in report["results"]}
+    assert set(rows) == {"fixed:2", "hybrid:fixed:2", "hybrid:adaptive", "hybrid:adaptive:nogate"}
+    for label in ("hybrid:fixed:2", "hybrid:adaptive", "hybrid:adaptive:nogate"):
+        r = rows[label]
+        assert r["proposer"] == "hybrid" and r["tokens"] == 2 * 10 and 0.0 <= r["ngram_step_fraction"] <= 1.0
+        assert r["draft_ahead_fraction"] == 0
+    assert rows["hybrid:fixed:2"]["k"] == 2 and rows["hybrid:fixed:2"]["mean_verify_length"] <= 2.0
+    assert "ngram_step_fraction" not in rows["fixed:2"]
+    assert report["summary"]["2"]["best_hybrid"].startswith("hybrid:") and "cost_table" in report
+    only, _ = _run(models, tmp_path, "--modes", "hybrid:adaptive", "--batch-sizes", "1", "--hf-max-batch", "0")
+    assert "cost_table" in only, "without a DSpark mode the hybrid engine profiles the table itself"
+    with pytest.raises(ValueError, match="ahead"):
+        bench_engine.BenchConfig(modes=["hybrid:fixed:2+ahead"])
+    with pytest.raises(ValueError, match="prior_accept"):
+        bench_engine.BenchConfig(modes=["hybrid:fixed:2"], hybrid_prior_accept=1.0)
+
+
 def test_parse_mode_rejects_bad_specs():
     assert parse_mode("fixed:3", 7) == ("fixed", 3)
     assert parse_mode("fixed", 5) == ("fixed", 5)
