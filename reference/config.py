@@ -187,6 +187,10 @@ class DrafterConfig:
     # 2·V·r: 74k instead of 6.3M for SmolLM2 at r = 64), materialised as tables only at inference.
     markov_factored: bool = False
     mask_token_id: int | None = None  # vocabulary row of the mask token M; None -> a learned vector
+    # Vd: drafts are sampled from the Vd most frequent target tokens only (the drafter's ``draft_vocab`` buffer,
+    # ascending token ids; scripts/draft_vocab.py chooses them), 0 -> the whole vocabulary. Cuts the draft head's
+    # work by V / Vd; p_d is 0 outside the subset, so verification stays lossless (docs/method.md §1).
+    draft_vocab_size: int = 0
     # SmolLM2's vocabulary has no unused row, but some special tokens never occur in chat (scripts/train_drafter.py
     # --mask-token-id auto picks one); a learned vector is the alternative, which the vLLM export cannot express.
     sts_temperatures: dict[str, list[float]] = field(default_factory=dict)  # STS T_k per decoding mode, per slot
@@ -221,6 +225,9 @@ class DrafterConfig:
         if self.markov_factored and self.markov_rank > self.hidden_size:
             problems.append(f"a factored Markov head has rank ≤ hidden_size ({self.hidden_size}), got "
                             f"{self.markov_rank}")
+        if not 0 <= int(self.draft_vocab_size) <= self.vocab_size:
+            problems.append(f"draft_vocab_size must lie in [0, vocab_size = {self.vocab_size}] (0: the whole "
+                            f"vocabulary), got {self.draft_vocab_size}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
         for mode, temps in self.sts_temperatures.items():

@@ -13,6 +13,13 @@ One drafting step for a request whose anchor ``x_0`` sits at absolute position `
     B_k     = W2(W1[x_{k-1}])  (Markov)  or an RNN over the prefix; 0 for the parallel-only ablation
     p_d,k   = softmax(U_k + B_k),   z_k = w·[h_k; W1[x_{k-1}]] + b,   c_k = σ(z_k)
 
+With a draft vocabulary (``DrafterConfig.draft_vocab_size`` = Vd > 0) the drafter proposes only the Vd token ids of
+its ``draft_vocab`` buffer (ascending): ``U_k`` and ``B_k`` are computed for those rows of the LM head and of W2
+only, the softmax and the draw run over them (lane j of the draw is token ``draft_vocab[j]``), and ``p_d`` is 0 for
+every other token. Verification reads that ``p_d`` like any other, so decoding stays lossless; what is lost is only
+acceptance where the target's token lies outside the subset. Training and the teacher-forced heads
+(:meth:`DSparkDrafter.head_logits`) keep the whole vocabulary.
+
 Only the sequential head is serial (``sample_block``); the backbone runs once per step. The classes go
 from leaf to root, as in nanoGPT's ``model.py``: RMSNorm, rotary helpers, Attention, MLP, Layer, the heads,
 the context cache and finally :class:`DSparkDrafter`.
@@ -323,6 +330,20 @@ class ContextCache:
         self.positions = torch.cat((self.positions, positions))
 
 
+def check_draft_vocab(ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError unless ``ids`` is a valid draft vocabulary: a non-empty 1-d int64 tensor of distinct token
+    ids in ``[0, vocab_size)``, ascending (lane order = token order, so ties of the draft's argmax and race resolve
+    to the lowest token id, as over the whole vocabulary)."""
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype != torch.long:
+        raise ValueError(f"a draft vocabulary is a non-empty 1-d int64 tensor of token ids, got {ids.dtype} "
+                         f"{list(ids.shape)}")
+    ids = ids.detach().cpu()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"draft vocabulary ids must lie in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError("draft vocabulary ids must be distinct and ascending")
+
+
 class DSparkDrafter(nn.Module):
     """The drafter of docs/method.md §1. The target's embedding and LM head are attached, never owned."""
 
@@ -351,6 +372,14 @@ class DSparkDrafter(nn.Module):
         self.conf_head = nn.Linear(d + (0 if self.seq_head is None else r), 1)
         self._init_weights()
         self._tables_cache: tuple | None = None  # materialised factored Markov tables (markov_tables)
+        self._vocab_cache: tuple | None = None  # the draft vocabulary's LM-head and W2 rows (draft_tables)
+        # The draft vocabulary: Vd ascending token ids, a buffer so that checkpoints carry it (restrict_vocab sets
+        # it; the identity until then). None: the whole vocabulary.
+        self.draft_vocab: torch.Tensor | None
+        if config.draft_vocab_size:
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        else:
+            self.draft_vocab = None
         # A tuple, not attributes: nn.Module would register the target's modules as submodules, putting
         # them into state_dict, parameters() and the drafter's optimiser.
         self._target: tuple[nn.Module, nn.Module] | None = None
@@ -366,6 +395,23 @@ class DSparkDrafter(nn.Module):
     @staticmethod
     def _loaded_hook(module: DSparkDrafter, incompatible_keys) -> None:
         module._mask_init_pending = False
+        if module.draft_vocab is not None:
+            check_draft_vocab(module.draft_vocab, module.config.vocab_size)
+
+    def restrict_vocab(self, token_ids: torch.Tensor | list[int]) -> DSparkDrafter:
+        """This drafter proposing only ``token_ids`` (a draft vocabulary; module docstring): a copy whose config has
+        ``draft_vocab_size = len(token_ids)`` and whose ``draft_vocab`` holds them in ascending order. The weights
+        are shared in value (copied), the attached target stays attached."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().sort().values
+        check_draft_vocab(ids, self.config.vocab_size)
+        param = next(self.parameters())
+        restricted = DSparkDrafter(replace(self.config, draft_vocab_size=int(ids.numel())))
+        restricted = restricted.to(device=param.device, dtype=param.dtype)
+        state = {k: v for k, v in self.state_dict().items() if k != "draft_vocab"} | {"draft_vocab": ids}
+        restricted.load_state_dict(state, strict=True)
+        if self._target is not None:
+            restricted.attach_target(*self._target)
+        return restricted.train(self.training)
 
     # --- the target's shared modules ---------------------------------------------------------------------
 
@@ -559,6 +605,43 @@ class DSparkDrafter(nn.Module):
             self._tables_cache = (key, w1.contiguous(), w2.contiguous())
         return self._tables_cache[1], self._tables_cache[2]
 
+    def draft_tables(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows of the draft vocabulary (``draft_vocab``, Vd ids): ``(LM head [Vd, d], W2 [Vd, r] | None)``.
+
+        W2 is the Markov table of :meth:`markov_tables` or the RNN head's output weight (None for the parallel-only
+        head). Gathered once and cached until a weight, the vocabulary or the attached target changes: the
+        reference loop and the engine's fused draft kernel read these same rows, so both compute bit-identical
+        logits (``F.linear`` over the gathered rows, never a gather of full-vocabulary logits, whose matmul has
+        another shape and may round differently)."""
+        if self.draft_vocab is None:
+            raise RuntimeError("draft_tables needs a draft vocabulary (DrafterConfig.draft_vocab_size > 0)")
+        lm_head = self.target_modules()[1]
+        head = self.seq_head
+        if isinstance(head, MarkovHead):
+            w2 = self.markov_tables()[1]
+        else:
+            w2 = None if head is None else head.w2.weight
+        def version(t: torch.Tensor) -> tuple:  # inference tensors keep no version counter
+            return t.data_ptr(), None if t.is_inference() else t._version, t.device, t.dtype
+
+        key = (id(lm_head), version(lm_head.weight), version(self.draft_vocab), None if w2 is None else version(w2))
+        if self._vocab_cache is None or self._vocab_cache[0] != key:
+            vocab = self.draft_vocab.to(lm_head.weight.device)
+            with torch.no_grad():
+                lm = lm_head.weight.index_select(0, vocab).contiguous()  # [Vd, d]
+                w2_rows = None if w2 is None else w2.index_select(0, vocab.to(w2.device)).contiguous()  # [Vd, r]
+            self._vocab_cache = (key, lm, w2_rows)
+        return self._vocab_cache[1], self._vocab_cache[2]
+
+    def draft_base_logits(self, h: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """U over the tokens the drafter proposes: :meth:`base_logits` ``[.., V]``, or with a draft vocabulary
+        ``lm_head(h)`` over its rows only, ``[.., Vd]`` (lane j is token ``draft_vocab[j]``)."""
+        if self.draft_vocab is None:
+            return self.base_logits(h, float32=float32)
+        lm = self.draft_tables()[0]
+        u = F.linear(h.to(lm.dtype), lm)
+        return u.float() if float32 else u
+
     @torch.no_grad()
     def sample_block(self, h: torch.Tensor, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor,
                      temperature: torch.Tensor, seed: int, request_ids: torch.Tensor) -> DraftOutput:
@@ -577,8 +660,13 @@ class DSparkDrafter(nn.Module):
                         ("request_ids", request_ids)):
             if t.shape != (R,):
                 raise ValueError(f"{name} must be [R] = [{R}], got {list(t.shape)}")
-        base = self.base_logits(h)  # [R, γ, V]
+        vocab = self.draft_vocab  # [Vd] the tokens it may propose, or None: all V
+        base = self.draft_base_logits(h)  # [R, γ, Vd or V]
         tables = self.markov_tables() if isinstance(self.seq_head, MarkovHead) else None
+        w2 = None
+        if self.seq_head is not None:  # B_k's rows: all of W2, or those of the draft vocabulary
+            w2 = (tables[1] if tables is not None else self.seq_head.w2.weight) if vocab is None else \
+                self.draft_tables()[1]
         top_p = torch.ones(R, device=h.device)  # drafts are never truncated: p_d must cover what it proposes
         top_k = torch.zeros(R, dtype=torch.long, device=h.device)
         prev = anchor_ids.long()  # [R]: x_0
@@ -590,13 +678,16 @@ class DSparkDrafter(nn.Module):
             e_prev = None
             if tables is not None:  # Markov: e = W1[x_{k-1}], B_k = W2·e from the (materialised) tables
                 e_prev = F.embedding(prev, tables[0])  # [R, r]
-                logits = logits + F.linear(e_prev, tables[1]).float()
+                logits = logits + F.linear(e_prev, w2).float()
             elif self.seq_head is not None:
                 e_prev = self.seq_head.w1(prev)  # [R, r]
                 out, state = self.seq_head.step(e_prev, h_k, state)
-                logits = logits + self.seq_head.w2(out).float()
-            p_d = sampling.logits_to_probs(logits, temperature, top_p, top_k)  # [R, V]
-            x_k = sampling.sample(p_d, seed, request_ids, anchor_pos + k, sampling.draft_purpose(k))  # [R]
+                logits = logits + F.linear(out, w2).float()
+            p_d = sampling.logits_to_probs(logits, temperature, top_p, top_k)  # [R, Vd or V]
+            x_k = sampling.sample(p_d, seed, request_ids, anchor_pos + k, sampling.draft_purpose(k))  # [R] lanes
+            if vocab is not None:  # lane j is token draft_vocab[j]; p_d is 0 at every other token
+                x_k = vocab[x_k]
+                p_d = p_d.new_zeros(R, self.config.vocab_size).index_copy_(1, vocab, p_d)  # [R, V]
             confs.append(self.conf_logits(h_k, e_prev))
             tokens.append(x_k)
             probs.append(p_d)

@@ -31,6 +31,9 @@ no sequential head (B = 0)            a rank-1 Markov head of zeros, and a confi
 tapped layer ``l`` (output of ``l``)  ``aux_hidden_state_layer_ids`` ``l + 1`` (their id is HF's
                                       ``hidden_states[l]``, the *input* of layer ``l``)
 embedding, LM head                    not saved: the verifier's, shared and frozen, in both
+``draft_vocab`` (Vd ascending ids)    ``draft_vocab_size`` = Vd, ``d2t`` [Vd] (offsets: token = i + d2t[i]),
+                                      ``t2d`` [V] (bool, True for the Vd tokens); ``markov_w2`` and their LM head
+                                      hold those Vd rows (their loader picks the LM head's rows by ``t2d``)
 ====================================  ==========================================================================
 
 Our block is anchor-first: slot k of ``[x_0, M, …, M]`` predicts ``x_{k+1}``, which is their
@@ -132,7 +135,8 @@ def speculators_config(cfg: DrafterConfig, *, verifier_name_or_path: str, verifi
         "speculators_model_type": "dspark",
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": layer,
-        "draft_vocab_size": cfg.vocab_size,  # the full vocabulary: no t2d/d2t tables
+        # Vd with a draft vocabulary (t2d / d2t tables in the weights), else the full vocabulary (no tables)
+        "draft_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
         "target_hidden_size": d,
         "block_size": gamma,
         "aux_hidden_state_layer_ids": [int(l) + 1 for l in cfg.target_layer_ids],
@@ -181,6 +185,7 @@ def speculators_state_dict(drafter: DSparkDrafter, dtype: torch.dtype) -> dict[s
         for i in range(cfg.num_layers):
             out[f"layers.{i}.self_attn.o_proj.bias"] = torch.zeros(cfg.hidden_size)
     head = drafter.seq_head
+    vocab = drafter.draft_vocab  # [Vd] or None
     if isinstance(head, MarkovHead):
         w1, w2 = drafter.markov_tables()  # [V, r] each, as Embedding(V, r).weight / Linear(r, V).weight
         out["markov_head.markov_w1.weight"], out["markov_head.markov_w2.weight"] = w1, w2
@@ -192,11 +197,18 @@ def speculators_state_dict(drafter: DSparkDrafter, dtype: torch.dtype) -> dict[s
     else:
         out["markov_head.markov_w1.weight"] = torch.zeros(cfg.vocab_size, 1)
         out["markov_head.markov_w2.weight"] = torch.zeros(cfg.vocab_size, 1)
-    exported = {k for k in renames} | {k for k in ours if k.startswith(("layers.", "seq_head."))}
+    if vocab is not None:  # W1 stays indexed by the verifier's ids; W2 projects to the draft vocabulary only
+        ids = vocab.to(out["markov_head.markov_w2.weight"].device)
+        out["markov_head.markov_w2.weight"] = out["markov_head.markov_w2.weight"].index_select(0, ids)
+        out["d2t"] = vocab - torch.arange(vocab.numel(), device=vocab.device)  # their offsets: id = i + d2t[i]
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool, device=vocab.device)
+        out["t2d"] = t2d.index_fill_(0, vocab, True)
+    exported = {k for k in renames} | {k for k in ours if k.startswith(("layers.", "seq_head."))} | {"draft_vocab"}
     left = sorted(set(ours) - exported)
     if left:  # a new drafter parameter this mapping does not know about must not be dropped silently
         raise ExportError(f"no speculators name for drafter tensors {left}")
-    return {k: v.detach().to("cpu", dtype).contiguous() for k, v in out.items()}
+    # floating tensors in the export dtype; the vocabulary tables keep theirs (int64 offsets, a bool mask)
+    return {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous() for k, v in out.items()}
 
 
 def export_speculators(drafter_dir: str | os.PathLike, out_dir: str | os.PathLike, *, model: str = DEFAULT_TARGET,

@@ -141,6 +141,25 @@ def _round_to(x, ref_ptr):
 
 
 @triton.jit
+def _vocab_columns(vocab_ptr, lanes, mask, HAS_VOCAB: tl.constexpr):
+    """The token id of each vocabulary lane: ``vocab[lanes]`` with a draft vocabulary, else the lane itself. ``p_d``
+    is stored (and the tempered logits parked) at these columns of a full-vocabulary row."""
+    cols = lanes
+    if HAS_VOCAB:
+        cols = tl.load(vocab_ptr + lanes, mask=mask, other=0)
+    return cols
+
+
+@triton.jit
+def _vocab_token(vocab_ptr, lane, HAS_VOCAB: tl.constexpr):
+    """The token id of one lane (the draw's winner): ``vocab[lane]``, or the lane itself."""
+    token = lane.to(tl.int64)
+    if HAS_VOCAB:
+        token = tl.load(vocab_ptr + lane).to(tl.int64)
+    return token
+
+
+@triton.jit
 def _dest_row(probs_rows_ptr, row, HAS_ROWS: tl.constexpr):
     """The ``probs`` row [int64] of request ``row``: ``probs_rows[row]`` (negative: padding), or ``row`` itself."""
     dest = row
@@ -165,18 +184,21 @@ def _sample_draft_block_kernel(
     anchor_pos_ptr,  # [R] int64 P
     temperature_ptr,  # [R] fp32 T (0 = greedy)
     request_ids_ptr,  # [R] int64 request ids
-    w1_ptr,  # [V, r] W1 = Embedding(V, r).weight, row-major
-    w2_ptr,  # [V, r] W2 = Linear(r, V).weight as stored, row-major
+    w1_ptr,  # [V_out, r] W1 = Embedding(V, r).weight, row-major (indexed by token id)
+    w2_ptr,  # [V, r] W2 = Linear(r, V).weight as stored (the draft vocabulary's rows), row-major
     conf_w_ptr,  # [d + r] confidence weight (h part, then the W1 part)
     conf_b_ptr,  # [1] confidence bias
+    vocab_ptr,  # [V] int64 token id of each lane (read if HAS_VOCAB)
     seed_lo,  # low 32 bits of the seed
     seed_hi,  # high 32 bits of the seed
     gamma,  # γ
-    V,  # vocabulary size
+    V,  # vocabulary lanes (Vd with a draft vocabulary)
+    V_out,  # length of a probs row (the whole vocabulary)
     d,  # hidden size
     r,  # Markov rank
     HAS_ROWS: tl.constexpr,  # probs rows come from probs_rows_ptr (else request i writes probs row i)
     STORE_GREEDY: tl.constexpr,  # a greedy row writes its one-hot p_d (else it writes no probs at all)
+    HAS_VOCAB: tl.constexpr,  # lanes are a draft vocabulary's (token vocab[lane], column vocab[lane] of probs)
     BLOCK_V: tl.constexpr,  # vocabulary tile
     BLOCK_D: tl.constexpr,  # hidden tile
     BLOCK_R: tl.constexpr,  # next power of two >= r
@@ -213,7 +235,7 @@ def _sample_draft_block_kernel(
             tl.store(conf_ptr + row * gamma + j, _round_to(z + conf_b, conf_w_ptr))
 
             # Pass 1: tempered logits into the probs row, online softmax statistics, greedy argmax.
-            out_row = probs_ptr + (dest * gamma + j) * V
+            out_row = probs_ptr + (dest * gamma + j) * V_out
             run_max = -float("inf")
             run_sum = 0.0
             best = -float("inf")
@@ -228,7 +250,8 @@ def _sample_draft_block_kernel(
                 logits = tl.where(mask, u_k + bias, -float("inf"))  # [BLOCK_V]
                 best, best_index = argmax_update(best, best_index, logits, lanes)
                 x = tl.math.div_rn(logits, temp_div)  # [BLOCK_V]
-                tl.store(out_row + lanes, x, mask=lanes < park_len)
+                park = lanes < park_len
+                tl.store(out_row + _vocab_columns(vocab_ptr, lanes, park, HAS_VOCAB), x, mask=park)
                 new_max = tl.maximum(run_max, tl.max(x, axis=0))
                 # -inf - -inf is NaN: a row that is -inf so far keeps its zero sum (the reference needs one finite
                 # logit).
@@ -246,8 +269,10 @@ def _sample_draft_block_kernel(
                 if STORE_GREEDY:
                     for start in range(0, V, BLOCK_V):
                         lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-                        tl.store(out_row + lanes, (lanes == best_index).to(tl.float32), mask=lanes < V)
-                x_k = best_index.to(tl.int64)
+                        mask = lanes < V
+                        tl.store(out_row + _vocab_columns(vocab_ptr, lanes, mask, HAS_VOCAB),
+                                 (lanes == best_index).to(tl.float32), mask=mask)
+                x_k = _vocab_token(vocab_ptr, best_index, HAS_VOCAB)
             else:
                 key = hash_key(seed_lo, seed_hi, rid, anchor + j + 1, PURPOSE_DRAFT + 16 * (j + 1))
                 race_score = -1.0
@@ -255,12 +280,13 @@ def _sample_draft_block_kernel(
                 for start in range(0, V, BLOCK_V):
                     lanes = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
                     mask = lanes < V
-                    x = tl.load(out_row + lanes, mask=mask, other=-float("inf"))  # [BLOCK_V]
+                    cols = _vocab_columns(vocab_ptr, lanes, mask, HAS_VOCAB)
+                    x = tl.load(out_row + cols, mask=mask, other=-float("inf"))  # [BLOCK_V]
                     p = tl.math.div_rn(tl.exp(x - run_max), run_sum)  # [BLOCK_V] p_d
-                    tl.store(out_row + lanes, p, mask=mask)
+                    tl.store(out_row + cols, p, mask=mask)
                     race_score, race_index = race_update(race_score, race_index, p, exponential_at(key, lanes),
                                                          lanes, mask)
-                x_k = race_index.to(tl.int64)
+                x_k = _vocab_token(vocab_ptr, race_index, HAS_VOCAB)
             tl.store(tokens_ptr + row * gamma + j, x_k)
             prev = x_k
 
@@ -279,21 +305,24 @@ def _draft_split_logits_kernel(
     stride_hk,  # h stride over γ
     anchor_ids_ptr,  # [R] int64 x_0, read when j = 0
     temperature_ptr,  # [R] fp32 T (0 = greedy)
-    w1_ptr,  # [V, r] W1, row-major
-    w2_ptr,  # [V, r] W2 as stored, row-major
+    w1_ptr,  # [V_out, r] W1, row-major (indexed by token id)
+    w2_ptr,  # [V, r] W2 as stored (the draft vocabulary's rows), row-major
     conf_w_ptr,  # [d + r] confidence weight (h part, then the W1 part)
     conf_b_ptr,  # [1] confidence bias
+    vocab_ptr,  # [V] int64 token id of each lane (read if HAS_VOCAB)
     block_max_ptr,  # [R, NB] fp32 out: max of the block's tempered logits
     block_sum_ptr,  # [R, NB] fp32 out: sum of exp(x - block max) over the block
     arg_value_ptr,  # [R, NB] fp32 out: the block's greedy maximum of the (untempered) logits
     arg_index_ptr,  # [R, NB] int64 out: its lowest index
     j,  # slot index k - 1
     gamma,  # γ
-    V,  # vocabulary size
+    V,  # vocabulary lanes (Vd with a draft vocabulary)
+    V_out,  # length of a probs row (the whole vocabulary)
     d,  # hidden size
     r,  # Markov rank
     nb,  # NB, vocabulary blocks per row
     HAS_ROWS: tl.constexpr,  # probs rows come from probs_rows_ptr (else request i writes probs row i)
+    HAS_VOCAB: tl.constexpr,  # lanes are a draft vocabulary's (column vocab[lane] of probs)
     BLOCK_V: tl.constexpr,  # vocabulary block of one program
     BLOCK_D: tl.constexpr,  # hidden tile
     BLOCK_R: tl.constexpr,  # next power of two >= r
@@ -337,7 +366,8 @@ def _draft_split_logits_kernel(
         # Parked for launch B's softmax; a greedy row's p_d is the one-hot, written there without reading this (the
         # condition as a vector: the interpreter's `&` wants two).
         parked = mask & ((lanes * 0 + temp) != 0.0)  # [BLOCK_V]
-        tl.store(probs_ptr + (dest * gamma + j) * V + lanes, x, mask=parked)
+        tl.store(probs_ptr + (dest * gamma + j) * V_out + _vocab_columns(vocab_ptr, lanes, parked, HAS_VOCAB), x,
+                 mask=parked)
         x_max = tl.max(x, axis=0)
         # An all -inf block keeps a zero sum (shifting by 0 instead: -inf - -inf is NaN).
         x_sum = tl.sum(tl.exp(x - tl.where(x_max > -float("inf"), x_max, 0.0)), axis=0)
@@ -352,12 +382,13 @@ def _draft_split_logits_kernel(
 def _draft_split_logits_rows_kernel(
     tokens_ptr, probs_ptr, probs_rows_ptr, conf_ptr,  # x_{k-1} in, the rest out, as in _draft_split_logits_kernel
     base_ptr, stride_br, stride_bk, h_ptr, stride_hr, stride_hk, anchor_ids_ptr, temperature_ptr,
-    w1_ptr, w2_ptr, conf_w_ptr, conf_b_ptr,
+    w1_ptr, w2_ptr, conf_w_ptr, conf_b_ptr, vocab_ptr,
     block_max_ptr, block_sum_ptr, arg_value_ptr, arg_index_ptr,  # [R, NB] out
     j, gamma,
     R,  # requests (the last program's rows past R are masked out)
-    V, d, r, nb,
+    V, V_out, d, r, nb,
     HAS_ROWS: tl.constexpr,
+    HAS_VOCAB: tl.constexpr,
     BLOCK_M: tl.constexpr,  # requests per program (>= 16: the tl.dot minimum)
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -412,7 +443,8 @@ def _draft_split_logits_rows_kernel(
     best_index = tl.where(best > -float("inf"), best_index, 0)
     x = tl.math.div_rn(logits, temp_div[:, None])  # [BLOCK_M, BLOCK_V]
     parked = both & (temp[:, None] != 0.0)  # a greedy row's p_d is launch B's one-hot
-    tl.store(probs_ptr + (dest[:, None] * gamma + j) * V + lanes[None, :], x, mask=parked)
+    cols = _vocab_columns(vocab_ptr, lanes, lane_ok, HAS_VOCAB)  # [BLOCK_V]
+    tl.store(probs_ptr + (dest[:, None] * gamma + j) * V_out + cols[None, :], x, mask=parked)
     x_max = tl.max(x, axis=1)  # [BLOCK_M]
     x_sum = tl.sum(tl.exp(x - tl.where(x_max > -float("inf"), x_max, 0.0)[:, None]), axis=1)
     part = rows * nb + blk
@@ -434,10 +466,12 @@ def _draft_split_stats_kernel(
     arg_index_ptr,  # [R, NB] int64 in
     row_max_ptr,  # [R] fp32 out: the softmax max of a sampled row's tempered logits
     row_sum_ptr,  # [R] fp32 out: its sum of exp(x - max)
+    vocab_ptr,  # [V] int64 token id of each lane (read if HAS_VOCAB)
     j,  # slot index k - 1
     gamma,  # γ
     nb,  # NB, vocabulary blocks per row
     HAS_ROWS: tl.constexpr,  # padding rows are marked in probs_rows_ptr
+    HAS_VOCAB: tl.constexpr,  # lanes are a draft vocabulary's (token vocab[lane])
     BLOCK_NB: tl.constexpr,  # next power of two >= NB
 ):
     """Launch S_k, one program per request: the row's NB partials of launch A combined once, in one fixed order."""
@@ -457,7 +491,7 @@ def _draft_split_stats_kernel(
             # Lowest index among the blocks holding the maximum: blocks cover ascending lanes and each reports its
             # lowest maximal lane, so this is the serial argmax's first maximum.
             best_index = tl.min(tl.where(valid & (values == best), indices, BIG_INDEX), axis=0)
-            tl.store(tokens_ptr + row * gamma + j, best_index.to(tl.int64))
+            tl.store(tokens_ptr + row * gamma + j, _vocab_token(vocab_ptr, best_index, HAS_VOCAB))
         else:
             maxes = tl.load(block_max_ptr + row * nb + blocks, mask=valid, other=-float("inf"))  # [BLOCK_NB]
             sums = tl.load(block_sum_ptr + row * nb + blocks, mask=valid, other=0.0)  # [BLOCK_NB]
@@ -479,14 +513,17 @@ def _draft_split_race_kernel(
     row_sum_ptr,  # [R] fp32 in: its sum
     race_score_ptr,  # [R, NB] fp32 out: the block's best p_d / E
     race_index_ptr,  # [R, NB] int64 out: its lowest index
+    vocab_ptr,  # [V] int64 token id of each lane (read if HAS_VOCAB)
     seed_lo,  # low 32 bits of the seed
     seed_hi,  # high 32 bits of the seed
     j,  # slot index k - 1
     gamma,  # γ
-    V,  # vocabulary size
+    V,  # vocabulary lanes (Vd with a draft vocabulary)
+    V_out,  # length of a probs row (the whole vocabulary)
     nb,  # NB, vocabulary blocks per row
     HAS_ROWS: tl.constexpr,  # probs rows come from probs_rows_ptr (else request i writes probs row i)
     STORE_GREEDY: tl.constexpr,  # a greedy row writes its one-hot p_d (else it writes no probs at all)
+    HAS_VOCAB: tl.constexpr,  # lanes are a draft vocabulary's (column vocab[lane] of probs)
     BLOCK_V: tl.constexpr,  # vocabulary block of one program
 ):
     """Launch B_k, one program per (request, vocabulary block): the block's ``p_d`` and its part of the race."""
@@ -496,18 +533,19 @@ def _draft_split_race_kernel(
     if dest >= 0:  # a padding row has no logits parked and no race: the stats launch wrote its zeros
         lanes = blk * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
         mask = lanes < V
-        out_row = probs_ptr + (dest * gamma + j) * V
+        cols = _vocab_columns(vocab_ptr, lanes, mask, HAS_VOCAB)  # [BLOCK_V] token id = probs column of each lane
+        out_row = probs_ptr + (dest * gamma + j) * V_out
         if tl.load(temperature_ptr + row) == 0.0:
             # The stats launch already wrote x_k, the argmax; launch A parked nothing. Only the one-hot p_d is left.
             if STORE_GREEDY:
                 hot = tl.load(tokens_ptr + row * gamma + j)
-                tl.store(out_row + lanes, (lanes == hot).to(tl.float32), mask=mask)
+                tl.store(out_row + cols, (cols == hot).to(tl.float32), mask=mask)
         else:
             run_max = tl.load(row_max_ptr + row)  # the same bits for every block of the row
             run_sum = tl.load(row_sum_ptr + row)
-            x = tl.load(out_row + lanes, mask=mask, other=-float("inf"))  # [BLOCK_V]
+            x = tl.load(out_row + cols, mask=mask, other=-float("inf"))  # [BLOCK_V]
             p = tl.math.div_rn(tl.exp(x - run_max), run_sum)  # [BLOCK_V] p_d
-            tl.store(out_row + lanes, p, mask=mask)
+            tl.store(out_row + cols, p, mask=mask)
             # Purpose 1 + 16k; the runtime `j` first (the interpreter cannot add a tensor to a constexpr on the
             # left).
             rid = tl.load(request_ids_ptr + row)
@@ -525,21 +563,26 @@ def _draft_split_winner_kernel(
     temperature_ptr,  # [R] fp32 T (0 = greedy)
     race_score_ptr,  # [R, NB] fp32 in: slot k's race partials (sampled rows only)
     race_index_ptr,  # [R, NB] int64 in
+    vocab_ptr,  # [V] int64 token id of each lane (read if HAS_VOCAB)
     j,  # slot index k - 1
     gamma,  # γ
     nb,  # NB, vocabulary blocks per row
     HAS_ROWS: tl.constexpr,  # padding rows are marked in probs_rows_ptr
+    HAS_VOCAB: tl.constexpr,  # lanes are a draft vocabulary's (token vocab[lane])
     BLOCK_NB: tl.constexpr,  # next power of two >= NB
 ):
     """Launch W_k, one program per request: a sampled row's race winner from its NB partials, reduced once."""
     row = tl.program_id(0).to(tl.int64)
     if _dest_row(probs_rows_ptr, row, HAS_ROWS) >= 0:
         if tl.load(temperature_ptr + row) != 0.0:  # greedy and padding rows ran no race: the stats launch wrote x_k
-            tl.store(tokens_ptr + row * gamma + j, race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB))
+            lane = race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB)
+            tl.store(tokens_ptr + row * gamma + j, _vocab_token(vocab_ptr, lane, HAS_VOCAB))
 
 
-def _sample_draft_block_torch(base_logits, h, anchor_ids, anchor_pos, temperature, seed, rid, w1, w2, conf_w, conf_b):
-    """Torch fallback: the same loop with torch ops (the reference's arithmetic, sync-free)."""
+def _sample_draft_block_torch(base_logits, h, anchor_ids, anchor_pos, temperature, seed, rid, w1, w2, conf_w, conf_b,
+                              vocab=None):
+    """Torch fallback: the same loop with torch ops (the reference's arithmetic, sync-free). With ``vocab`` the loop
+    runs over its lanes and maps the draws and ``p_d`` to token ids, as ``DSparkDrafter.sample_block`` does."""
     R, gamma, V = base_logits.shape
     temp = temperature.float()[:, None]  # [R, 1]
     greedy = temp == 0
@@ -552,6 +595,9 @@ def _sample_draft_block_torch(base_logits, h, anchor_ids, anchor_pos, temperatur
         one_hot = F.one_hot(logits.argmax(dim=-1), V).float()  # [R, V]
         p_d = torch.where(greedy, one_hot, soft)  # [R, V]
         x_k = sample(p_d, seed, rid, anchor_pos + k, draft_purpose(k), backend="torch")  # [R]
+        if vocab is not None:  # lane j is token vocab[j]
+            x_k = vocab[x_k]
+            p_d = p_d.new_zeros(R, w1.shape[0]).index_copy_(1, vocab, p_d)  # [R, V_out]
         z_in = torch.cat((h[:, k - 1].to(conf_w.dtype), e.to(conf_w.dtype)), dim=-1)  # [R, d + r]
         confs.append(F.linear(z_in, conf_w[None, :], conf_b).squeeze(-1).float())
         tokens.append(x_k)
@@ -596,6 +642,7 @@ def sample_draft_block(
     probs_out: Tensor | None = None,
     probs_rows: Tensor | None = None,
     store_greedy: bool = True,
+    vocab: Tensor | None = None,
 ) -> DraftOutput:
     """Sample a Markov-head block and its confidence logits (the loop in the module docstring).
 
@@ -633,6 +680,11 @@ def sample_draft_block(
             ``verify.rejection_sample(draft_onehot=...)``): its rows of ``probs_out`` are left untouched, or, without
             ``probs_out``, its rows of the returned ``probs`` are unspecified. Tokens, confidence logits and the other
             rows' ``p_d`` are the same bits as with ``True``.
+        vocab: a draft vocabulary, ``[Vd]`` int64 ascending token ids (``DSparkDrafter.draft_vocab``), or None.
+            Then ``base_logits`` is ``[R, γ, Vd]`` and ``w2`` ``[Vd, r]`` (their rows for those tokens), ``w1``
+            stays ``[V, r]`` (indexed by token id), lane ``j`` of the draw is token ``vocab[j]``, and ``p_d`` is
+            written into full ``[.., V]`` rows at columns ``vocab`` only: the other columns of ``probs_out`` are
+            never written (the engine's buffer is zero there, so ``p_d`` is 0 outside the vocabulary).
 
     Returns:
         :class:`reference.drafter.DraftOutput`: tokens ``[R, γ]`` int64, probs ``[R, γ, V]`` fp32 (with
@@ -642,13 +694,20 @@ def sample_draft_block(
     if base_logits.ndim != 3 or h.ndim != 3 or base_logits.shape[:2] != h.shape[:2]:
         raise ValueError(f"base_logits [R, γ, V] and h [R, γ, d] disagree: {tuple(base_logits.shape)} vs "
                          f"{tuple(h.shape)}")
-    R, gamma, V = base_logits.shape
+    R, gamma, V = base_logits.shape  # V: the lanes drawn from (Vd with a draft vocabulary)
     d = h.shape[2]
     if gamma < 1 or V < 1:
         raise ValueError(f"need γ >= 1 and V >= 1, got base_logits {tuple(base_logits.shape)}")
-    if w1.ndim != 2 or w1.shape[0] != V or w2.shape != w1.shape or w1.dtype != w2.dtype:
-        raise ValueError(f"w1 and w2 must both be [V={V}, r] of one dtype (Embedding(V, r).weight and "
-                         f"Linear(r, V).weight), got {tuple(w1.shape)} {w1.dtype} and {tuple(w2.shape)} {w2.dtype}")
+    v_out = V if vocab is None else w1.shape[0]  # the length of a p_d row: the whole vocabulary
+    if vocab is not None and (vocab.shape != (V,) or vocab.dtype != torch.int64 or vocab.device != base_logits.device
+                              or V > v_out):
+        raise ValueError(f"vocab must be an int64 [Vd={V}] tensor on {base_logits.device} (the lanes of base_logits), "
+                         f"at most w1's {v_out} rows, got {vocab.dtype} {tuple(vocab.shape)} on {vocab.device}")
+    if (w1.ndim != 2 or w1.shape[0] != v_out or w2.ndim != 2 or w2.shape != (V, w1.shape[1])
+            or w1.dtype != w2.dtype):
+        raise ValueError(f"w1 and w2 must be [V={v_out}, r] and [{V}, r] of one dtype (Embedding(V, r).weight and "
+                         f"Linear(r, V).weight{', its draft-vocabulary rows' if vocab is not None else ''}), got "
+                         f"{tuple(w1.shape)} {w1.dtype} and {tuple(w2.shape)} {w2.dtype}")
     r = w1.shape[1]
     conf_w = conf_w.reshape(-1)
     conf_b = torch.as_tensor(conf_b, device=conf_w.device).reshape(-1)
@@ -670,16 +729,16 @@ def sample_draft_block(
             raise ValueError(f"probs_rows must be an int32/int64 [R={R}] tensor on {dev}, got {probs_rows.dtype} "
                              f"{tuple(probs_rows.shape)} on {probs_rows.device}")
     rows_out = R if probs_rows is None else "S"
-    if probs_out is not None and (probs_out.shape[1:] != (gamma, V) or probs_out.shape[0] < 1
+    if probs_out is not None and (probs_out.shape[1:] != (gamma, v_out) or probs_out.shape[0] < 1
                                   or (probs_rows is None and probs_out.shape[0] != R)
                                   or probs_out.dtype != torch.float32 or probs_out.device != dev
                                   or not probs_out.is_contiguous()):
-        raise ValueError(f"probs_out must be a contiguous float32 [{rows_out}, γ={gamma}, V={V}] tensor on {dev}, "
+        raise ValueError(f"probs_out must be a contiguous float32 [{rows_out}, γ={gamma}, V={v_out}] tensor on {dev}, "
                          f"got {probs_out.dtype} {tuple(probs_out.shape)} on {probs_out.device}")
     lo, hi = split_seed(seed)
     if resolve_backend(backend, base_logits) == "torch":
         out = _sample_draft_block_torch(base_logits, h, anchor_ids, anchor_pos, temperature, seed, rid,
-                                        w1, w2, conf_w, conf_b.to(conf_w.dtype))
+                                        w1, w2, conf_w, conf_b.to(conf_w.dtype), vocab)
         if probs_out is None:
             return out
         greedy = temperature == 0  # [R]
@@ -692,7 +751,9 @@ def sample_draft_block(
         return DraftOutput(tokens=torch.where(live, out.tokens, 0), probs=probs_out,
                            conf_logits=torch.where(live, out.conf_logits, 0.0))
     out = DraftOutput(tokens=torch.empty(R, gamma, dtype=torch.int64, device=dev),
-                      probs=torch.empty(R, gamma, V, dtype=torch.float32, device=dev) if probs_out is None
+                      # zeros with a vocabulary: its columns are the only ones written
+                      probs=(torch.empty if vocab is None else torch.zeros)(R, gamma, v_out, dtype=torch.float32,
+                                                                            device=dev) if probs_out is None
                       else probs_out,
                       conf_logits=torch.empty(R, gamma, dtype=torch.float32, device=dev))
     if R == 0:
@@ -712,7 +773,7 @@ def sample_draft_block(
         if rows != 1 and (rows < 16 or rows & (rows - 1)):
             raise ValueError(f"split_rows must be 1 or a power of two >= 16, got {rows}")
         _launch_split(out, base_logits, h, anchor_ids, anchor_pos, temperature, rid, w1, w2, conf_w, conf_b,
-                      lo, hi, block_r, block_d, rows, probs_rows, store_greedy)
+                      lo, hi, block_r, block_d, rows, probs_rows, store_greedy, vocab)
         return out
     block_v = max(16, min(MAX_BLOCK_V, W2_TILE_ELEMENTS // block_r, triton.next_power_of_2(V)))
     _sample_draft_block_kernel[(R,)](
@@ -720,9 +781,10 @@ def sample_draft_block(
         base_logits, base_logits.stride(0), base_logits.stride(1),
         h, h.stride(0), h.stride(1),
         anchor_ids, anchor_pos, temperature, rid,
-        w1, w2, conf_w, conf_b,
-        lo, hi, gamma, V, d, r,
-        HAS_ROWS=probs_rows is not None, STORE_GREEDY=store_greedy, BLOCK_V=block_v, BLOCK_D=block_d,
+        w1, w2, conf_w, conf_b, vocab if vocab is not None else anchor_ids,
+        lo, hi, gamma, V, v_out, d, r,
+        HAS_ROWS=probs_rows is not None, STORE_GREEDY=store_greedy, HAS_VOCAB=vocab is not None,
+        BLOCK_V=block_v, BLOCK_D=block_d,
         BLOCK_R=block_r, num_warps=NUM_WARPS,
     )
     return out
@@ -731,7 +793,7 @@ def sample_draft_block(
 def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: Tensor, anchor_pos: Tensor,
                   temperature: Tensor, rid: Tensor, w1: Tensor, w2: Tensor, conf_w: Tensor, conf_b: Tensor,
                   lo: int, hi: int, block_r: int, block_d: int, rows: int = 1,
-                  probs_rows: Tensor | None = None, store_greedy: bool = True) -> None:
+                  probs_rows: Tensor | None = None, store_greedy: bool = True, vocab: Tensor | None = None) -> None:
     """The split-vocabulary variant into ``out``: 4γ launches (A, S, B, W per slot), no host syncs (CUDA-graph
     capturable).
 
@@ -743,6 +805,9 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
     """
     R, gamma, V = base_logits.shape
     d, r = h.shape[2], w1.shape[1]
+    v_out = out.probs.shape[2]
+    has_vocab = vocab is not None
+    lane_ids = vocab if has_vocab else anchor_ids  # any pointer when unread (HAS_VOCAB=False)
     block_v = max(16, min(MAX_BLOCK_V, SPLIT_TILE_ELEMENTS // block_r, triton.next_power_of_2(V)))
     nb = triton.cdiv(V, block_v)
     block_nb = triton.next_power_of_2(nb)
@@ -758,10 +823,11 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
                 out.tokens, out.probs, dest, out.conf_logits,
                 base_logits, base_logits.stride(0), base_logits.stride(1),
                 h, h.stride(0), h.stride(1),
-                anchor_ids, temperature, w1, w2, conf_w, conf_b,
+                anchor_ids, temperature, w1, w2, conf_w, conf_b, lane_ids,
                 block_max, block_sum, arg_value, arg_index,
-                j, gamma, R, V, d, r, nb,
-                HAS_ROWS=has_rows, BLOCK_M=rows, BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=max(16, block_r),
+                j, gamma, R, V, v_out, d, r, nb,
+                HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, BLOCK_M=rows, BLOCK_V=block_v, BLOCK_D=block_d,
+                BLOCK_R=max(16, block_r),
                 num_warps=SPLIT_NUM_WARPS,
             )
         else:
@@ -769,28 +835,29 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
                 out.tokens, out.probs, dest, out.conf_logits,
                 base_logits, base_logits.stride(0), base_logits.stride(1),
                 h, h.stride(0), h.stride(1),
-                anchor_ids, temperature, w1, w2, conf_w, conf_b,
+                anchor_ids, temperature, w1, w2, conf_w, conf_b, lane_ids,
                 block_max, block_sum, arg_value, arg_index,
-                j, gamma, V, d, r, nb,
-                HAS_ROWS=has_rows, BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=block_r,
+                j, gamma, V, v_out, d, r, nb,
+                HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=block_r,
                 num_warps=SPLIT_NUM_WARPS,
             )
         # SPLIT_NUM_WARPS as the race launch had when it combined the sums itself: the same reduction tree over the
         # same [BLOCK_NB] layout, so the softmax sum keeps its bits.
         _draft_split_stats_kernel[(R,)](
             out.tokens, out.conf_logits, dest, temperature, block_max, block_sum, arg_value, arg_index,
-            row_max, row_sum, j, gamma, nb,
-            HAS_ROWS=has_rows, BLOCK_NB=block_nb, num_warps=SPLIT_NUM_WARPS,
+            row_max, row_sum, lane_ids, j, gamma, nb,
+            HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, BLOCK_NB=block_nb, num_warps=SPLIT_NUM_WARPS,
         )
         _draft_split_race_kernel[(R, nb)](
             out.tokens, out.probs, dest, anchor_pos, temperature, rid, row_max, row_sum, race_score, race_index,
-            lo, hi, j, gamma, V, nb,
-            HAS_ROWS=has_rows, STORE_GREEDY=store_greedy, BLOCK_V=block_v,
+            lane_ids, lo, hi, j, gamma, V, v_out, nb,
+            HAS_ROWS=has_rows, STORE_GREEDY=store_greedy, HAS_VOCAB=has_vocab, BLOCK_V=block_v,
             num_warps=SPLIT_NUM_WARPS,
         )
         # One warp: a max and a min over NB partials, exact in any order.
-        _draft_split_winner_kernel[(R,)](out.tokens, dest, temperature, race_score, race_index, j, gamma, nb,
-                                         HAS_ROWS=has_rows, BLOCK_NB=block_nb, num_warps=1)
+        _draft_split_winner_kernel[(R,)](out.tokens, dest, temperature, race_score, race_index, lane_ids, j, gamma,
+                                         nb, HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, BLOCK_NB=block_nb,
+                                         num_warps=1)
 
 
 @torch.no_grad()
@@ -829,10 +896,13 @@ def sample_block(
             raise ValueError(f"probs_out and probs_rows are for the Markov head, not {drafter.config.head!r}")
         return drafter.sample_block(h, anchor_ids, anchor_pos, temperature, seed, request_ids)
     w1, w2 = drafter.markov_tables()  # [V, r] each: the parameters, or the factored head's materialised tables
-    # [R, γ, V] U_k in the LM head's dtype: every backend upcasts it to float32 as it reads (exact), which gives the
-    # reference's float32 U_k without materialising it (at batch 64 that copy is 88 MB).
-    base = drafter.base_logits(h, float32=False)
+    vocab = drafter.draft_vocab  # [Vd] or None
+    if vocab is not None:
+        w2 = drafter.draft_tables()[1]  # [Vd, r]: W2's rows of the draft vocabulary
+    # [R, γ, V or Vd] U_k in the LM head's dtype: every backend upcasts it to float32 as it reads (exact), which gives
+    # the reference's float32 U_k without materialising it (at batch 64 that copy is 88 MB).
+    base = drafter.draft_base_logits(h, float32=False)
     return sample_draft_block(base, h, anchor_ids, anchor_pos, temperature, seed, request_ids,
                               w1, w2, drafter.conf_head.weight, drafter.conf_head.bias,
                               backend=backend, split=split, split_rows=split_rows, probs_out=probs_out,
-                              probs_rows=probs_rows, store_greedy=store_greedy)
+                              probs_rows=probs_rows, store_greedy=store_greedy, vocab=vocab)

@@ -443,3 +443,74 @@ def test_bad_inputs_fail_fast():
         fast.sample_draft_block(base, h, ids, ids, torch.ones(R + 1), 0, ids, w1, w2, cw, cb)
     with pytest.raises(ValueError, match="h"):
         fast.sample_draft_block(base, h[:, :2], ids, ids, temp, 0, ids, w1, w2, cw, cb)
+
+
+# --- a draft vocabulary (DrafterConfig.draft_vocab_size): drafts from a subset of the tokens -------------------------
+
+
+def restricted_drafter(V: int, gamma: int, rank: int, keep: int, seed: int) -> tuple[DSparkDrafter, torch.Tensor]:
+    """A tiny drafter proposing only ``keep`` random token ids (sorted), and those ids."""
+    full = make_drafter(V, gamma, rank, seed=seed)
+    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:keep].sort().values
+    return full.restrict_vocab(vocab), vocab
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("R,gamma,V,rank,keep", [(1, 3, 97, 8, 40), (6, 4, 203, 5, 61), (17, 2, 130, 16, 129)])
+def test_draft_vocab_matches_reference(backend, variant, R, gamma, V, rank, keep):
+    """Every variant draws the reference's tokens and ``p_d`` with a draft vocabulary: tokens from the subset only
+    (anchors outside it included: W1 is indexed by token id), ``p_d`` zero outside it and a distribution over it;
+    written into an engine-style zero buffer through ``probs_rows``, the same block lands in the named slots."""
+    drafter, vocab = restricted_drafter(V, gamma, rank, keep, seed=R + keep)
+    h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(R, gamma, V, seed=V + R)
+    want = drafter.sample_block(h, anchor_ids, anchor_pos, temperature, 2**36 + 11, request_ids)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[vocab] = False
+    assert bool(torch.isin(want.tokens, vocab).all()) and not want.probs[..., outside].any()
+    torch.testing.assert_close(want.probs.sum(-1), torch.ones(R, gamma))
+    got = fast.sample_block(on_device(drafter), *to_device(h, anchor_ids, anchor_pos, temperature), 2**36 + 11,
+                            request_ids.to(DEVICE), **variant)
+    assert_close_fp32(got, want)
+    slots = torch.randperm(R + 3, generator=torch.Generator().manual_seed(R))[:R].to(DEVICE)  # [R]
+    buffer = torch.zeros(R + 3, gamma, V, device=DEVICE)  # the engine's per-slot p_d: zero where never written
+    got = fast.sample_block(drafter, *to_device(h, anchor_ids, anchor_pos, temperature), 2**36 + 11,
+                            request_ids.to(DEVICE), **variant, probs_out=buffer, probs_rows=slots)
+    assert torch.equal(got.tokens.cpu(), want.tokens)
+    torch.testing.assert_close(buffer[slots].cpu(), want.probs, atol=PROB_ATOL_FP32, rtol=0)
+
+
+def test_draft_vocab_is_the_renormalised_subset():
+    """The reference's meaning: greedy drafts are the argmax over the subset, and a sampled ``p_d`` is the full
+    softmax restricted to the subset and renormalised (the logits are the full vocabulary's, row for row)."""
+    V, gamma, rank = 97, 3, 8
+    full = make_drafter(V, gamma, rank, seed=4)
+    vocab = torch.arange(0, V, 3)  # every third token
+    drafter = full.restrict_vocab(vocab)
+    h, anchor_ids, anchor_pos, _, request_ids = make_inputs(4, gamma, V, seed=9)
+    tables = full.markov_tables()
+    for temperature in (torch.zeros(4), torch.ones(4)):
+        out = drafter.sample_block(h, anchor_ids, anchor_pos, temperature, 3, request_ids)
+        prev = anchor_ids
+        for k in range(gamma):
+            logits = full.base_logits(h[:, k]) + torch.nn.functional.linear(tables[0][prev], tables[1]).float()
+            sub = logits[:, vocab]
+            if temperature[0] == 0:
+                assert torch.equal(out.tokens[:, k], vocab[sub.argmax(-1)])
+            else:
+                torch.testing.assert_close(out.probs[:, k, vocab], sub.softmax(-1), atol=1e-6, rtol=1e-5)
+            prev = out.tokens[:, k]
+
+
+def test_draft_vocab_rejects_bad_ids():
+    drafter = make_drafter(50, 2, 4)
+    for ids, message in (([3, 3, 7], "distinct and ascending"), ([0, 50], r"lie in \[0, 50\)"), ([], "non-empty")):
+        with pytest.raises(ValueError, match=message):
+            drafter.restrict_vocab(ids)
+    restricted = drafter.restrict_vocab([9, 1, 4])  # sorted for the caller
+    assert restricted.draft_vocab.tolist() == [1, 4, 9] and restricted.config.draft_vocab_size == 3
+    state = restricted.state_dict() | {"draft_vocab": torch.tensor([4, 1, 9])}  # a stored vocabulary out of order
+    with pytest.raises(ValueError, match="distinct and ascending"):
+        restricted.load_state_dict(state)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        DrafterConfig(vocab_size=50, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                      intermediate_size=64, target_num_layers=4, draft_vocab_size=51)

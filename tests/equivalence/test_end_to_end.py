@@ -471,3 +471,28 @@ def test_biased_calibration_matches(temperature):
     gen = GenerationConfig(max_new_tokens=12, temperature=temperature, seed=11, ignore_eos=True)
     for mode in ("threshold", "adaptive-sync", "adaptive"):
         _compare(target, drafter, prompts, gen, mode)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_draft_vocabulary_end_to_end(temperature, backend):
+    """A drafter restricted to a draft vocabulary (every other token id, DSparkDrafter.restrict_vocab): the engine
+    emits the reference's tokens and lengths, and greedy decoding stays plain decoding's, although the drafter can
+    no longer propose half of what the target emits."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        import os
+
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    target = Target.from_model(tiny_hf_model("llama", num_layers=2))
+    drafter = _drafter(target, gamma=3)
+    restricted = drafter.restrict_vocab(torch.arange(0, drafter.config.vocab_size, 2))
+    prompts = [[5, 9, 3, 17], [60, 61]]
+    gen = GenerationConfig(max_new_tokens=10, temperature=temperature, seed=7, ignore_eos=True)
+    modes = ("fixed", "adaptive") if backend == "torch" else ("fixed",)
+    plain = _compare(target, restricted, prompts, gen, "none", backend=backend)
+    for mode in modes:
+        out = _compare(target, restricted, prompts, gen, mode, backend=backend)
+        if temperature == 0:
+            assert [r.token_ids for r in out] == [r.token_ids for r in plain]

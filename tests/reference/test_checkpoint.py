@@ -326,3 +326,20 @@ def test_int8_checkpoint_failures(tmp_path):
     save_file(tensors, str(directory / "model.safetensors"))
     with pytest.raises(ValueError, match="has shape"):
         load_drafter(directory)
+
+
+@pytest.mark.parametrize("weights", ["full", "int8"])
+def test_round_trip_keeps_the_draft_vocabulary(tmp_path, weights):
+    """A restricted drafter's vocabulary travels in the checkpoint (an int64 tensor beside the weights, never
+    quantized) and comes back in its config and buffer; a stored vocabulary that breaks the rules fails the load."""
+    vocab = [0, 3, 5, V - 1]
+    drafter = make_drafter(make_config("markov")).restrict_vocab(vocab)
+    save_drafter(drafter, tmp_path, weights=weights)
+    loaded = load_drafter(tmp_path, fake_target())
+    assert loaded.config.draft_vocab_size == len(vocab) and loaded.draft_vocab.tolist() == vocab
+    assert loaded.draft_vocab.dtype == torch.int64
+    stored = load_file(tmp_path / "model.safetensors")
+    assert stored["draft_vocab"].tolist() == vocab
+    save_file(stored | {"draft_vocab": torch.tensor([0, 5, 3, V - 1])}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="distinct and ascending"):
+        load_drafter(tmp_path, fake_target())

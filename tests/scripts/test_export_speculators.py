@@ -106,6 +106,8 @@ def their_greedy(model, h, base, anchor_ids):
         emb = head.prev_embeddings(prev)
         bias = head.block_bias(prev_token_ids=prev, hidden_states=h, prev_emb=emb)[:, k]  # [nb, V]
         x_k = (base[:, k] + bias).argmax(-1)
+        if model.d2t is not None:  # a draft-vocabulary lane to its token id (vLLM's d2t offsets)
+            x_k = x_k + model.d2t[x_k]
         feats = torch.cat((h[:, k], emb[:, k]), -1) if with_markov else h[:, k]
         confs.append(model.confidence_head(feats))
         tokens.append(x_k)
@@ -116,12 +118,19 @@ def their_greedy(model, h, base, anchor_ids):
 
 @pytest.mark.slow
 # The full-table Markov head takes the factored head's path with its parameters as the tables, so it is left out.
-@pytest.mark.parametrize("head,factored", [("markov", True), ("rnn", False), ("none", False)])
-def test_export_matches_speculators_model(smollm2_target, tmp_path, head, factored):
+# With a draft vocabulary (the 16k most frequent ids stand-in: every third id) their model drafts over its rows only.
+@pytest.mark.parametrize("head,factored,draft_vocab", [("markov", True, False), ("rnn", False, False),
+                                                      ("none", False, False), ("markov", True, True)])
+def test_export_matches_speculators_model(smollm2_target, tmp_path, head, factored, draft_vocab):
     pytest.importorskip("speculators.models.dspark", reason="pip install -e '.[export]' && "
                                                             "pip install --no-deps speculators==0.9.0")
     target = smollm2_target
     drafter = random_drafter(target, head, factored)
+    vocab = None
+    if draft_vocab:
+        vocab = torch.arange(0, drafter.config.vocab_size, 3)
+        vocab[MASK_TOKEN_ID // 3] = MASK_TOKEN_ID  # any ascending ids
+        drafter = drafter.restrict_vocab(vocab)
     save_drafter(drafter, tmp_path / "ours")
     out = export_speculators.export_speculators(tmp_path / "ours", tmp_path / "theirs", target=target)
     config = json.loads((out / "config.json").read_text())
@@ -129,8 +138,13 @@ def test_export_matches_speculators_model(smollm2_target, tmp_path, head, factor
     assert config["aux_hidden_state_layer_ids"] == [l + 1 for l in target.layer_ids]
     assert config["mask_token_id"] == MASK_TOKEN_ID and config["sample_from_anchor"] is True
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == gamma
+    assert config["draft_vocab_size"] == (drafter.config.vocab_size if vocab is None else vocab.numel())
 
     theirs = load_theirs(out)
+    if vocab is not None:
+        # speculators builds the model before it reads t2d from the weights, so it cannot pick the verifier's LM-head
+        # rows during from_pretrained (vLLM selects them itself, by t2d): pick them now that t2d is loaded.
+        theirs._load_verifier_weights(overwrite_lm_head=True)
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         saved = set(f.keys())
     assert saved == set(theirs.state_dict()) - VERIFIER_OWNED  # nothing missing (HF would init it randomly), no extra
@@ -153,6 +167,9 @@ def test_export_matches_speculators_model(smollm2_target, tmp_path, head, factor
     with torch.no_grad():
         our_h = ours(input_ids[:, anchors], anchors[None], features, positions, torch.ones(1, S, dtype=torch.bool))
         our_logits, our_conf = ours.head_logits(our_h, prev)
+    if vocab is not None:  # their logits are over the draft vocabulary's rows (their d2t maps them back)
+        assert torch.equal(theirs.d2t + torch.arange(vocab.numel()), vocab) and int(theirs.t2d.sum()) == vocab.numel()
+        our_logits = our_logits[..., vocab]
     torch.testing.assert_close(logits, our_logits[0], rtol=0, atol=LOGIT_ATOL)
     torch.testing.assert_close(conf, our_conf[0], rtol=0, atol=CONF_ATOL)
     if head != "none":  # the sequential head matters: it moves the argmax somewhere
