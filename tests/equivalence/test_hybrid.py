@@ -1,12 +1,14 @@
 """The hybrid proposer's twins: the engine (``ModelRunner.draft_hybrid``) emits what ``reference.generate`` emits with
 ``reference/hybrid.py`` — the same token ids, per-step verify and accepted lengths and per-step sources — greedy and
 sampled, in every mode it runs (the equivalence contract, level 3: docs/architecture.md), with the draft gate closing,
-and with requests that join mid-run and reuse a slot (a new request must not inherit the old one's counts).
+and with requests that join mid-run and reuse a slot (a new request must not inherit the old one's counts). On CUDA
+(marked ``gpu``), the same comparison with the engine's graphs and Triton kernels, in float32 with TF32 off.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from optimized.engine import Engine, EngineConfig, SamplingParams
 from optimized.generate import generate as opt_generate
@@ -27,10 +29,10 @@ def _cost(per_token_ms: float, draft_ms: float = 0.0) -> CostTable:
     return CostTable.affine(fixed_ms=5.0, per_token_ms=per_token_ms, draft_fixed_ms=draft_ms, sizes=list(range(1, 129)))
 
 
-def _compare(target, proposer, prompts, gen, sched, cost):
-    """Reference vs engine (torch kernels, steps read one by one, the table's prices as they are)."""
+def _compare(target, proposer, prompts, gen, sched, cost, backend="torch"):
+    """Reference vs engine (torch kernels unless told, steps read one by one, the table's prices as they are)."""
     ref = ref_generate(target, proposer, prompts, gen, sched, cost)
-    cfg = EngineConfig(max_num_seqs=len(prompts), seed=gen.seed, kernel_backend="torch", device=str(target.device),
+    cfg = EngineConfig(max_num_seqs=len(prompts), seed=gen.seed, kernel_backend=backend, device=str(target.device),
                        dtype=target.dtype, async_decode=False, cost_feedback=False)
     opt = opt_generate(target, proposer, prompts, gen, sched, cost, engine_config=cfg)
     for a, b in zip(ref, opt):
@@ -114,3 +116,30 @@ def test_engine_refuses_the_oracle():
     with pytest.raises(ValueError, match="oracle"):
         engine.set_scheduler(SchedulerConfig(mode="oracle"))
     engine.set_scheduler(SchedulerConfig(mode="threshold"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cuda_graphs_reference_equals_optimized(temperature):
+    """On CUDA in float32 (TF32 off): the engine with its CUDA graphs (the drafter's stage, whose survivals the host
+    then reads, included) and Triton kernels against the reference loop on the same device."""
+    from scripts import equivalence as ge
+
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        target, drafter, *_ = ge.load_tiny("llama", torch.device("cuda"), torch.float32)
+        proposer = HybridProposer(drafter)
+        gen = GenerationConfig(max_new_tokens=18, temperature=temperature, top_p=0.95 if temperature else 1.0,
+                               seed=99, ignore_eos=True)
+        sources = []
+        with ge.count_graph_runs() as runs:
+            for mode in ("fixed", "threshold", "adaptive"):
+                sched = SchedulerConfig(mode=mode, k=3, threshold=0.05, staleness=1)
+                out = _compare(target, proposer, PROMPTS, gen, sched, _cost(0.001), backend="triton")
+                sources += [s for r in out for s in r.proposal_sources]
+        assert runs["draft"]["graph"] > 0 and runs["verify"]["graph"] > 0, runs
+        assert sources.count(NGRAM) and sources.count(DSPARK), "both sources must be exercised"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
