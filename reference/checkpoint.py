@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from reference.config import DrafterConfig
-from reference.drafter import DSparkDrafter
+from reference.drafter import DSparkDrafter, check_draft_vocab
 
 FORMAT = "dspark-drafter"
 FORMAT_VERSION = 1
@@ -153,6 +153,42 @@ def save_drafter(drafter: DSparkDrafter, directory: str | os.PathLike, *, max_sh
                  "weight_map": {k: fname for fname, keys in zip(names, shards, strict=True) for k in keys}}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     _write_json(directory / CONFIG_FILE, config)
+    return directory
+
+
+def write_draft_vocab(directory: str | os.PathLike, token_ids: torch.Tensor | list[int],
+                      extra: dict[str, Any] | None = None) -> Path:
+    """Give the checkpoint in ``directory`` a draft vocabulary (``DrafterConfig.draft_vocab_size``), in place.
+
+    Every stored tensor keeps its bytes (int8 weights stay int8): the ``draft_vocab`` tensor (``token_ids``
+    ascending, int64) is added to, or replaced in, the last weight file, and ``config.json`` gets the new size and
+    ``extra`` merged into its ``"extra"``. The result is loaded back once, so a bad vocabulary fails here.
+    """
+    directory = Path(directory)
+    path, config = _read_config_json(directory)
+    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().sort().values
+    cfg = DrafterConfig.from_dict(config["drafter"])
+    check_draft_vocab(ids, cfg.vocab_size)
+    files = _weight_files(directory)
+    target = files.get("draft_vocab", sorted(set(files.values()))[-1])
+    with safe_open(str(target), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+        metadata = f.metadata()
+    tensors["draft_vocab"] = ids.contiguous()
+    save_file(tensors, str(target), metadata=metadata)
+    index_path = directory / INDEX_FILE
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        index["weight_map"]["draft_vocab"] = target.name
+        index["metadata"]["total_size"] = sum(
+            t.numel() * t.element_size() for p in sorted(set(index["weight_map"].values()))
+            for t in load_file(str(directory / p)).values())
+        _write_json(index_path, index)
+    config["drafter"] = DrafterConfig.from_dict(dict(config["drafter"], draft_vocab_size=int(ids.numel()))).to_dict()
+    if extra:
+        config["extra"] = dict(config.get("extra") or {}, **extra)
+    _write_json(path, config)
+    load_drafter(directory)  # a check that the directory loads (shapes, the vocabulary's rules)
     return directory
 
 

@@ -17,8 +17,9 @@ the lower id. The report gives the coverage (share of response tokens inside the
     python -m scripts.draft_vocab --data data/train --heldout-data data/heldout --size 16384 \\
         --drafter checkpoints/smollm2-135m-instruct-dspark --out checkpoints/dspark-vd16k --json vocab.json
 
-``--out`` writes a copy of ``--drafter`` restricted to the subset (``DSparkDrafter.restrict_vocab``; its weights,
-calibration and metadata unchanged). Without ``--drafter`` only the report is written.
+``--out`` writes a copy of ``--drafter`` restricted to the subset (``reference.checkpoint.write_draft_vocab``: every
+stored tensor keeps its bytes, int8 weights included; calibration and metadata unchanged; ``--out`` equal to
+``--drafter`` rewrites it in place). Without ``--drafter`` only the report is written.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from reference.checkpoint import load_drafter, save_drafter
+from reference.checkpoint import load_drafter, write_draft_vocab
 from reference.cli import LOG_FORMAT
 from scripts.dataset import read_shard, shard_files
 
@@ -152,18 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         "ids": ids.tolist(),
     }
     if args.out:
-        restricted = drafter.restrict_vocab(ids)
         out = Path(args.out)
-        if out.exists() and out.resolve() != Path(args.drafter).resolve():
-            shutil.rmtree(out)
-        extra = json.loads((Path(args.drafter) / "config.json").read_text()).get("extra") or {}
-        extra = dict(extra, draft_vocab={k: report[k] for k in ("command", "response_tokens", "size")}
-                     | {"coverage": next(r for r in rows if r["size"] == args.size)})
-        save_drafter(restricted, out, extra=extra)
-        for name in ("README.md", "summary.json", "metrics.jsonl"):  # the source's model card and training record
-            src = Path(args.drafter) / name
-            if src.exists() and not (out / name).exists():
-                shutil.copy2(src, out / name)
+        if out.resolve() != Path(args.drafter).resolve():
+            if out.exists():
+                shutil.rmtree(out)
+            shutil.copytree(args.drafter, out)  # weights, model card, training record: as they are
+        coverage_row = next(r for r in rows if r["size"] == args.size)
+        write_draft_vocab(out, ids, extra={"draft_vocab": {"command": report["command"], "size": args.size,
+                                                           "response_tokens": report["response_tokens"],
+                                                           "coverage": coverage_row}})
         log.info("wrote %s: the drafter of %s restricted to %d ids", out, args.drafter, args.size)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from reference.checkpoint import (
     read_drafter_config,
     save_drafter,
     update_sts_temperatures,
+    write_draft_vocab,
 )
 from reference.config import DrafterConfig
 from reference.drafter import DSparkDrafter
@@ -343,3 +344,26 @@ def test_round_trip_keeps_the_draft_vocabulary(tmp_path, weights):
     save_file(stored | {"draft_vocab": torch.tensor([0, 5, 3, V - 1])}, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="distinct and ascending"):
         load_drafter(tmp_path, fake_target())
+
+
+def test_write_draft_vocab_keeps_every_stored_byte(tmp_path):
+    """Restricting a sharded int8 checkpoint in place: every tensor it held keeps its bytes (no dequantize and
+    re-quantize round trip), the vocabulary joins the last shard and the index, and the config says its size."""
+    drafter = make_drafter(make_config("markov"))
+    save_drafter(drafter, tmp_path, weights="int8", max_shard_bytes=60_000)
+    before = {}
+    for shard in sorted(tmp_path.glob("model*.safetensors")):
+        before |= load_file(shard)
+    write_draft_vocab(tmp_path, [V - 1, 2, 0], extra={"why": "test"})
+    after = {}
+    for shard in sorted(tmp_path.glob("model*.safetensors")):
+        after |= load_file(shard)
+    assert set(after) == set(before) | {"draft_vocab"} and after["draft_vocab"].tolist() == [0, 2, V - 1]
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    assert index["weight_map"]["draft_vocab"] == sorted(p.name for p in tmp_path.glob("model*.safetensors"))[-1]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["drafter"]["draft_vocab_size"] == 3 and config["extra"]["why"] == "test"
+    assert load_drafter(tmp_path).draft_vocab.tolist() == [0, 2, V - 1]
+    with pytest.raises(ValueError, match="distinct"):
+        write_draft_vocab(tmp_path, [1, 1])
