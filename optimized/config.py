@@ -45,15 +45,15 @@ class EngineConfig:
     # steady state on an H200, docs/benchmarks/index.md).
     draft_ahead: bool | None = None
     # Steps one ahead of their token reads: step n+1's verify is launched before step n's tokens are read (each
-    # request's next anchor, and its next drafts, are already on the device), so the host's commit, the draft gate
-    # and the next launches overlap the device's forward. Plain decoding and the modes that plan without this step's
-    # outcome (none, fixed, dsd, adaptive: SchedulingMode.plans_blind) with the DSpark drafter; the n-gram proposer
-    # and the synchronous policies step synchronously. Outputs come back one step later; a request that finished at
-    # step n has run one wasted row in step n+1, whose tokens are dropped; near the end of a slot the engine steps
-    # synchronously. The adaptive budget then reads survivals one draft older at steps where requests join or
-    # finish, so its verify lengths can differ from the synchronous engine's there (greedy tokens never do). None:
-    # on CUDA (plain decoding 1.06-1.13x faster on an H200); on the CPU the forward has finished before the read, so
-    # there is nothing to overlap.
+    # request's next anchor, and its next drafts, are already on the device), so the host's commit, the draft gate and
+    # the next launches overlap the device's forward. Plain decoding and the modes that plan without this step's outcome
+    # (none, fixed, dsd, adaptive: SchedulingMode.plans_blind) with the DSpark drafter; the n-gram and hybrid proposers
+    # and the synchronous policies step synchronously. Outputs come back one step later; a request that finished at step
+    # n has run one wasted row in step n+1, whose tokens are dropped; near the end of a slot the engine steps
+    # synchronously. The adaptive budget then reads survivals one draft older at steps where requests join or finish, so
+    # its verify lengths can differ from the synchronous engine's there (greedy tokens never do). None: on CUDA (plain
+    # decoding 1.06-1.13x faster on an H200); on the CPU the forward has finished before the read, so there is nothing
+    # to overlap.
     async_decode: bool | None = None
     # Compare each decoding step's measured time with the cost table's price, per kind of step (plain, speculative),
     # and price a kind at its measured ratio once it drifts by more than 10 % (optimized/cost_monitor.py): the draft
