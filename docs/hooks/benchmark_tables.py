@@ -10,7 +10,8 @@ speculation pays, a start-up time): prose never retypes a measured number that a
 
 Kinds (one renderer each, below): ``provenance``, ``engine-throughput``, ``cost-check``, ``speculation-frontier``,
 ``acceptance``, ``training``, ``kernels``, ``calibration``, ``calibration-methods``, ``gpu-equivalence``,
-``summary``, ``serving`` and ``startup`` (scripts/bench_serving.py), ``startup-launches``
+``summary``, ``proposers`` (τ of each proposer), ``draft-vocab`` (scripts/draft_vocab.py), ``serving`` and
+``startup`` (scripts/bench_serving.py), ``startup-launches``
 (scripts/bench_startup.py), ``server-overhead``
 (scripts/bench_server_overhead.py), ``step-cost`` (scripts/report_step_cost.py), ``linear-chain``
 (scripts/bench_linear.py), ``engine-ab`` (alternating
@@ -611,6 +612,11 @@ def value(name: str, args: list[str], page_dir: Path) -> str:
     if name == "startup":  # command → /health 200 of a start-up benchmark's launches: first (cold) or the rest
         ready = [r["ready_s"] for r in data["launches"]]
         return _range(ready[:1] if opt.get("launch") == "cold" else ready[1:], digits=1, unit=" s")
+    if name == "field":  # one number at a dotted path of any benchmark file (list items by index), as a percentage
+        node = data  # with pct=1
+        for key in opt["path"].split("."):
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        return f"{100 * node:.0f} %" if opt.get("pct") else f"{node:.{int(opt.get('digits', 2))}f}"
     if name == "equivalence":  # identical prompt × mode × temperature runs over every named file
         ok = total = 0
         for f in args:
@@ -620,7 +626,61 @@ def value(name: str, args: list[str], page_dir: Path) -> str:
     raise ValueError(f"benchmark values: unknown value {name!r}")
 
 
+def proposers(page_dir: Path, files: list[str]) -> str:
+    """τ of each proposer on one prompt set (scripts/eval_acceptance.py runs collected in one file), with the
+    hybrid's split between its two sources."""
+    data = _load(page_dir, files[0])
+    domains = list(data["results"][0]["per_domain"])
+    rows = []
+    for r in data["results"]:
+        src = r.get("sources") or {}
+        split = ", ".join(f"{name} {v['share']:.0%} of steps (τ {v['mean_accepted_length']:.2f})"
+                          for name, v in src.items())
+        by_domain = " / ".join(f"{r['per_domain'][d]:.2f}" for d in domains)
+        rows.append([f"`{r['proposer']}`", f"**{r['tau']:.2f}**", by_domain, split or "–"])
+    header = ["proposer", "τ", f"τ by domain ({' / '.join(domains)})", "blocks taken from"]
+    s = data["settings"]
+    return _table(header, rows) + (f"\n{data['hardware']}; {data['prompts']}; {s['mode']}, {s['max_new_tokens']} "
+                                   f"new tokens, greedy. Script: `{data['script']}`.\n")
+
+
+def draft_vocab(page_dir: Path, files: list[str]) -> str:
+    """A draft vocabulary's trade: coverage and τ per size, then a speculative step's device time and the engine's
+    throughput with and without it (scripts/draft_vocab.py; scripts/reproduce/draft_vocab_h200.sh)."""
+    data = _load(page_dir, files[0])
+    full = data["vocab_size"]
+    domains = list(data["sizes"][0]["greedy"]["per_domain"])
+    rows = []
+    for r in data["sizes"]:
+        t1 = r.get("t1")
+        by_domain = " / ".join(f"{r['greedy']['per_domain'][d]:.2f}" for d in domains)
+        rows.append([f"{r['size']:,}" + (" (all)" if r["size"] == full else ""), _pct(r["coverage_heldout"]) + " %",
+                     f"**{r['greedy']['tau']:.2f}**", by_domain, f"{t1['tau']:.2f}" if t1 else "–"])
+    first = _table(["Vd", "held-out coverage", "τ greedy", f"τ by domain ({' / '.join(domains)})", "τ at T = 1"],
+                   rows)
+    rows = [[str(p["batch_size"]), f"{p['vocab']:,}", f"{p['draft_head_ms']:.2f}", f"{p['device_ms_per_step']:.2f}",
+             f"{p['step_ms']:.2f}", f"{p['mean_accepted_length']:.2f}"] for p in data["step_profile"]]
+    second = _table(["batch", "Vd", "draft head, ms", "device time, ms / step", "step, ms", "τ (these prompts)"],
+                    rows)
+    eng = data["engine_tokens_per_s"]
+    sizes = sorted(eng, key=int, reverse=True)
+    rows = []
+    for b in sorted(eng[sizes[0]], key=int):
+        for mode in ("none+async", "fixed:7", "adaptive+async"):
+            rows.append([b, f"`{mode}`"] + [_int(eng[v][b][mode]) for v in sizes] +
+                        [f"{eng[sizes[1]][b][mode] / eng[sizes[0]][b][mode]:.2f}×"])
+    third = _table(["batch", "mode"] + [f"Vd = {int(v):,}" for v in sizes] + [f"{int(sizes[1]):,} / {int(sizes[0]):,}"],
+                   rows)
+    c = data["commands"]
+    return (first + f"\n{data['hardware']}; τ: `{command(c['tau'])}`.\n\n" + second
+            + f"\nProfile: `{command(c['profile'])}`.\n\n" + third
+            + f"\nTokens/s, closed batches, two runs of one script back to back: `{command(c['engine'])}`; "
+              f"script `{c['script']}`.\n")
+
+
 RENDERERS = {
+    "proposers": proposers,
+    "draft-vocab": draft_vocab,
     "step-cost": step_cost,
     "linear-chain": linear_chain,
     "engine-ab": engine_ab,

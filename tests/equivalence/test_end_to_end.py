@@ -483,8 +483,8 @@ def test_draft_vocabulary_end_to_end(temperature, backend):
         pytest.importorskip("triton")
         import os
 
-        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+        if os.environ.get("TRITON_INTERPRET") != "1":  # the tiny target lives on the CPU
+            pytest.skip("the Triton kernels on CPU tensors need TRITON_INTERPRET=1 (the GPU runs test_draft_head)")
     target = Target.from_model(tiny_hf_model("llama", num_layers=2))
     drafter = _drafter(target, gamma=3)
     restricted = drafter.restrict_vocab(torch.arange(0, drafter.config.vocab_size, 2))
