@@ -9,7 +9,7 @@ that one number, rendered by :data:`VALUES` from the file (a τ, a speed-up at o
 speculation pays, a start-up time): prose never retypes a measured number that a run can change.
 
 Kinds (one renderer each, below): ``provenance``, ``engine-throughput``, ``cost-check``, ``speculation-frontier``,
-``acceptance``, ``training``, ``kernels``, ``calibration``, ``calibration-methods``, ``gpu-equivalence``,
+``acceptance``, ``kernels``, ``calibration``, ``calibration-methods``, ``gpu-equivalence``,
 ``summary``, ``proposers`` (τ of each proposer), ``draft-vocab`` (scripts/draft_vocab.py), ``serving`` and
 ``startup`` (scripts/bench_serving.py), ``startup-launches``
 (scripts/bench_startup.py), ``server-overhead``
@@ -252,14 +252,6 @@ def _short_hardware(name: str) -> str:
     if "H200" in name or "NVIDIA" in name:
         return name.split("NVIDIA", 1)[-1].split("(")[0].strip()
     return "CPU" if name.upper().startswith("CPU") else name
-
-
-def training(page_dir: Path, files: list[str]) -> str:
-    data = _load(page_dir, files[0])
-    rows = [[arm, str(a["steps"]), f"{a['heldout_ce']:.3f}", " ".join(f"{p:.2f}" for p in a["accept_proxy"]),
-             f"{a['implied_tau']:.3f}"] for arm, a in data["arms"].items()]
-    header = ["drafter", "steps", "held-out CE", "Σ min(p_d, p_t), slots 1..γ", "implied τ"]
-    return _table(header, rows)
 
 
 def calibration(page_dir: Path, files: list[str]) -> str:
@@ -689,7 +681,6 @@ RENDERERS = {
     "cost-check": cost_check,
     "speculation-frontier": speculation_frontier,
     "acceptance": acceptance,
-    "training": training,
     "calibration": calibration,
     "calibration-methods": calibration_methods,
     "kernels": kernels,
