@@ -162,7 +162,8 @@ def test_commands_on_the_page_parse(path: Path):
     assert not unknown, f"{path.relative_to(ROOT)} passes flags that --help does not list: {unknown}"
 
 
-SHELL_BLOCK = re.compile(r"^(?P<indent>[ ]*)```(?:bash|sh|shell|console)\n(?P<code>.*?)^(?P=indent)```", flags=re.S | re.M)
+SHELL_BLOCK = re.compile(r"^(?P<indent>[ ]*)```(?:bash|sh|shell|console)\n(?P<code>.*?)^(?P=indent)```",
+                         flags=re.S | re.M)
 
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
