@@ -14,13 +14,13 @@ import json
 
 import pytest
 import torch
-from scipy import stats
 
 from reference.config import GenerationConfig, SchedulerConfig
 from reference.cost_model import CostTable
 from reference.generate import generate, main
 from reference.target import Target
 from reference.testing import tiny_drafter, tiny_hf_model
+from tests.conftest import pooled_chisquare_pvalue
 
 MODES = ["none", "fixed", "dsd", "threshold", "adaptive-sync", "adaptive", "oracle"]
 
@@ -122,21 +122,7 @@ def test_sampling_matches_target_distribution(mode):
         counts[tuple(r.token_ids[2:n_tokens])] += 1
     accepted = sum(sum(r.accepted_lengths) for r in out)
     assert accepted > 0.2 * n_requests, f"only {accepted} drafts accepted: the test would be weak"
-    # Pool cells with small expectation so the chi-square approximation holds (expected >= 5 per cell).
-    keys = sorted(exact, key=lambda k: exact[k])
-    obs, exp, acc_o, acc_e = [], [], 0, 0.0
-    for k in keys:
-        acc_o += counts[k]
-        acc_e += exact[k] * n_requests
-        if acc_e >= 5:
-            obs.append(acc_o)
-            exp.append(acc_e)
-            acc_o, acc_e = 0, 0.0
-    obs[-1] += acc_o
-    exp[-1] += acc_e
-    exp_t = torch.tensor(exp, dtype=torch.float64)
-    exp_t = exp_t * (sum(obs) / exp_t.sum())
-    p = stats.chisquare(obs, exp_t.tolist()).pvalue
+    p = pooled_chisquare_pvalue(counts, exact, n_requests)
     assert p > 1e-3, f"{mode}: output distribution differs from the target's (p = {p:.2e})"
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import scipy.stats
 import torch
 
 from reference.config import GenerationConfig, HybridConfig, SchedulerConfig
@@ -34,6 +33,7 @@ from reference.hybrid import (
 from reference.ngram import find_match
 from reference.target import Target
 from reference.testing import tiny_drafter, tiny_hf_model
+from tests.conftest import pooled_chisquare_pvalue
 from tests.reference.test_generate import _exact_sequence_probs
 
 ALPHA = 0.001
@@ -279,20 +279,7 @@ def test_sampling_matches_target_distribution():
     counts = {k: 0 for k in exact}
     for r in out:
         counts[tuple(r.token_ids[1:n_tokens])] += 1
-    keys = sorted(exact, key=lambda k: exact[k])
-    obs, exp, acc_o, acc_e = [], [], 0, 0.0
-    for k in keys:  # pool cells with small expectation so the chi-square approximation holds
-        acc_o += counts[k]
-        acc_e += exact[k] * n_requests
-        if acc_e >= 5:
-            obs.append(acc_o)
-            exp.append(acc_e)
-            acc_o, acc_e = 0, 0.0
-    obs[-1] += acc_o
-    exp[-1] += acc_e
-    exp_t = torch.tensor(exp, dtype=torch.float64)
-    exp_t = exp_t * (sum(obs) / exp_t.sum())
-    p = scipy.stats.chisquare(obs, exp_t.tolist()).pvalue
+    p = pooled_chisquare_pvalue(counts, exact, n_requests)
     assert p > ALPHA, f"output distribution differs from the target's (p = {p:.2e})"
 
 

@@ -17,6 +17,7 @@ from reference.ngram import NgramProposer, check_mode, find_match, propose
 from reference.target import Target
 from reference.testing import tiny_hf_model
 from reference.verify import rejection_sample
+from tests.conftest import pooled_chisquare_pvalue
 from tests.reference.test_generate import _exact_sequence_probs
 
 ALPHA = 0.001
@@ -173,18 +174,5 @@ def test_sampling_matches_target_distribution():
     counts = {k: 0 for k in exact}
     for r in out:
         counts[tuple(r.token_ids[1:n_tokens])] += 1
-    keys = sorted(exact, key=lambda k: exact[k])
-    obs, exp, acc_o, acc_e = [], [], 0, 0.0
-    for k in keys:  # pool cells with small expectation so the chi-square approximation holds
-        acc_o += counts[k]
-        acc_e += exact[k] * n_requests
-        if acc_e >= 5:
-            obs.append(acc_o)
-            exp.append(acc_e)
-            acc_o, acc_e = 0, 0.0
-    obs[-1] += acc_o
-    exp[-1] += acc_e
-    exp_t = torch.tensor(exp, dtype=torch.float64)
-    exp_t = exp_t * (sum(obs) / exp_t.sum())
-    p = scipy.stats.chisquare(obs, exp_t.tolist()).pvalue
+    p = pooled_chisquare_pvalue(counts, exact, n_requests)
     assert p > ALPHA, f"output distribution differs from the target's (p = {p:.2e})"
