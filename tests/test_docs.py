@@ -222,6 +222,8 @@ def test_benchmark_tables_render_from_the_committed_json(page: Path, kind: str, 
     out = hook.render(kind, shlex.split(args), page.parent)
     assert out.strip(), f"{kind} rendered nothing"
     assert "/tmp/" not in out and "/root/" not in out, f"{kind} shows a staging path: {out[:300]}"
+    words = WORKSHOP_WORDS.findall(out)  # a file's notes reach the page too: they label results by what ran
+    assert not words, f"{kind} renders {words[:3]} from {args.split()[0]}: label results by hardware and command"
 
 
 def test_indented_benchmark_directive_stays_inside_its_block():
