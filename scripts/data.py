@@ -20,10 +20,18 @@ Sources:
   math-like chat, not a math benchmark, and must be reported as such. All math-like prompts are held out
   (never trained on), because there are only a few hundred of them.
 
+* **Spec-Bench** (github.com/hemingkx/Spec-Bench, Apache-2.0; its ``data/spec_bench/question.jsonl``, 480
+  questions): a public speculative-decoding benchmark whose tasks copy from their input to different degrees —
+  multi-turn conversation (MT-Bench), translation (WMT14 German→English), summarization (CNN/DailyMail), question
+  answering (Natural Questions), grade-school math (GSM8K) and retrieval-augmented QA (Natural Questions with
+  retrieved passages). :func:`eval_tasks` turns it, with HumanEval for code, into the per-task evaluation file
+  ``docs/benchmarks/eval_tasks.jsonl``. None of it is ever trained on (the training prompts are ShareGPT's).
+
 Command line::
 
     python scripts/data.py stats
     python scripts/data.py eval-prompts --out eval_prompts.jsonl --n-per-domain 50
+    python scripts/data.py eval-tasks --spec-bench question.jsonl --out docs/benchmarks/eval_tasks.jsonl
 """
 
 from __future__ import annotations
@@ -300,6 +308,35 @@ def write_eval_prompts(path: str | Path, n_per_domain: int, **kwargs) -> list[Pr
     return prompts
 
 
+# Spec-Bench category -> our task name (the MT-Bench categories are one multi-turn chat task; its first turn only).
+SPEC_BENCH_TASKS = {"writing": "chat", "roleplay": "chat", "reasoning": "chat", "math": "chat", "coding": "chat",
+                    "extraction": "chat", "stem": "chat", "humanities": "chat", "translation": "translation",
+                    "summarization": "summarization", "qa": "qa", "math_reasoning": "math", "rag": "context_qa"}
+EVAL_TASKS = ("chat", "code", "math", "summarization", "context_qa", "translation", "qa")
+
+
+def eval_tasks(spec_bench: str | Path, n_code: int = 80) -> list[Prompt]:
+    """The per-task evaluation prompts: every Spec-Bench question (its first turn; its category mapped by
+    :data:`SPEC_BENCH_TASKS`) and ``n_code`` HumanEval stubs spread evenly over the 164, ordered by task as
+    :data:`EVAL_TASKS` lists them; each id says where its prompt came from."""
+    from reference.cli import read_jsonl
+
+    by_task: dict[str, list[Prompt]] = {t: [] for t in EVAL_TASKS}
+    for n, obj in read_jsonl(spec_bench):
+        category, turns = obj.get("category"), obj.get("turns")
+        if category not in SPEC_BENCH_TASKS or not isinstance(turns, list) or not turns or not str(turns[0]).strip():
+            raise ValueError(f"{spec_bench}:{n}: not a Spec-Bench question (category {category!r}, turns {turns!r})")
+        task = SPEC_BENCH_TASKS[category]
+        by_task[task].append(Prompt(id=f"spec-bench/{obj.get('question_id', n)}", prompt=str(turns[0]), domain=task))
+    code = load_humaneval()
+    step = len(code) / n_code
+    by_task["code"] = [code[int(i * step)] for i in range(min(n_code, len(code)))]
+    empty = [t for t, ps in by_task.items() if not ps]
+    if empty:
+        raise ValueError(f"{spec_bench}: no prompts for tasks {empty}; is it Spec-Bench's question.jsonl?")
+    return [p for t in EVAL_TASKS for p in by_task[t]]
+
+
 def read_prompt_file(path: str | Path) -> list[Prompt]:
     """Read a JSONL prompt file (``{"prompt": str, "domain": str?, "id": str?}`` per line); bad lines fail."""
     from reference.cli import read_jsonl
@@ -329,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--n-per-domain", type=int, default=50,
                    help="prompts per domain (chat, code, math) (default: %(default)s)")
     e.add_argument("--max-chars", type=int, default=2000, help="drop longer prompts")
+    t = sub.add_parser("eval-tasks", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="write the per-task evaluation prompts (Spec-Bench + HumanEval) as JSONL")
+    t.add_argument("--spec-bench", required=True,
+                   help="Spec-Bench's data/spec_bench/question.jsonl (github.com/hemingkx/Spec-Bench)")
+    t.add_argument("--out", required=True, help="JSONL path to write")
+    t.add_argument("--n-code", type=int, default=80, help="HumanEval prompts, spread over the 164")
     e.add_argument("--sharegpt-file", default=None,
                    help="ShareGPT .json/.json.gz (none: the packaged file) (default: %(default)s)")
     args = p.parse_args(argv)
@@ -339,6 +382,14 @@ def main(argv: list[str] | None = None) -> int:
                           "held_out_english": len(filter_prompts(held)),
                           "held_out_math_like": len(math_like(filter_prompts(held))),
                           "humaneval": len(load_humaneval())}, indent=2))
+    elif args.cmd == "eval-tasks":
+        prompts = eval_tasks(args.spec_bench, args.n_code)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            for p in prompts:
+                f.write(json.dumps({"prompt": p.prompt, "domain": p.domain, "id": p.id}, ensure_ascii=False) + "\n")
+        counts = {t: sum(p.domain == t for p in prompts) for t in EVAL_TASKS}
+        log.info("wrote %d prompts to %s: %s", len(prompts), args.out, counts)
     else:
         write_eval_prompts(args.out, args.n_per_domain, sharegpt_file=args.sharegpt_file, max_chars=args.max_chars)
     return 0

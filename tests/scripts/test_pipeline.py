@@ -25,6 +25,7 @@ from scripts import calibrate, data, dataset, eval_acceptance, make_dataset, qua
 GAMMA = 4
 VOCAB = 96
 EOS = 1
+ROOT = Path(__file__).resolve().parents[2]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread", "torch_kernels")
@@ -159,6 +160,31 @@ def test_eval_prompts_are_held_out_and_cover_three_domains(tmp_path):
             assert data.is_held_out(r["id"]) or data.looks_like_math(r["prompt"])
     assert all(data.looks_like_math(r["prompt"]) for r in rows if r["domain"] == "math")
     assert len(data.load_humaneval()) == 164
+
+
+def test_eval_tasks_map_spec_bench_categories_and_add_code(tmp_path):
+    """A miniature Spec-Bench file: each category lands in its task (MT-Bench's eight are one chat task, first turn
+    only), HumanEval fills the code task, the tasks come in EVAL_TASKS order; a file of another kind fails."""
+    rows = [{"question_id": i, "category": c, "turns": [f"{c} question {i}", "second turn"]}
+            for i, c in enumerate(["writing", "coding", "translation", "summarization", "qa", "math_reasoning", "rag"])]
+    path = tmp_path / "question.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = data.eval_tasks(path, n_code=4)
+    assert [p.domain for p in prompts] == ["chat", "chat", "code", "code", "code", "code", "math", "summarization",
+                                           "context_qa", "translation", "qa"]
+    assert prompts[0].prompt == "writing question 0" and prompts[0].id == "spec-bench/0"
+    assert [p.id for p in prompts if p.domain == "code"] == ["HumanEval/0", "HumanEval/41", "HumanEval/82",
+                                                               "HumanEval/123"]
+    path.write_text(json.dumps({"prompt": "not spec-bench"}) + "\n")
+    with pytest.raises(ValueError, match="not a Spec-Bench question"):
+        data.eval_tasks(path)
+
+
+def test_committed_eval_tasks_file_has_every_task():
+    rows = [json.loads(line) for line in (ROOT / "docs" / "benchmarks" / "eval_tasks.jsonl").read_text().splitlines()]
+    counts = {t: sum(r["domain"] == t for r in rows) for t in data.EVAL_TASKS}
+    assert all(n >= 30 for n in counts.values()), counts
+    assert len({r["id"] for r in rows}) == len(rows)
 
 
 # --------------------------------------------------------------------------- make_dataset.py

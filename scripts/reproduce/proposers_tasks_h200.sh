@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# τ per task of the three proposers on one H200: the DSpark drafter, the n-gram proposer and the hybrid of the two,
+# greedy and T = 1, on docs/benchmarks/eval_tasks.jsonl (Spec-Bench's six tasks and HumanEval; `--limit 210` takes
+# 30 prompts of each of the seven tasks in turn; drop it for all 560). One JSON per run in $RES (tau-tasks-*.json).
+#
+# Needs the target at $MODEL (docs/training.md, "Reproduction scripts on a GPU machine"). Run it on a copy of the
+# repository; `bash scripts/reproduce/pack.sh` packs $RES for the trip back.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=/tmp/stage/site:$PWD
+MODEL=${MODEL:-/tmp/stage/target.gguf}
+DRAFTER=${DRAFTER:-checkpoints/smollm2-135m-instruct-dspark}
+RES=${RES:-/tmp/res}
+LIMIT=${LIMIT:-210}
+source "$(dirname "$0")/timeline.sh"  # stamp, run
+EVAL=(--model "$MODEL" --prompts-file docs/benchmarks/eval_tasks.jsonl --max-new-tokens 256 --limit "$LIMIT")
+
+run cache python -c "from reference.target import Target; Target.load('$MODEL')"
+for t in 0 1; do
+  seeds=(); [ "$t" = 1 ] && seeds=(--seeds 2)
+  run "dspark-t$t" timeout 300 python -m scripts.eval_acceptance "${EVAL[@]}" --drafter "$DRAFTER" --temperature "$t" \
+    "${seeds[@]}" --json "$RES/tau-tasks-dspark-t$t.json"
+  run "hybrid-t$t" timeout 300 python -m scripts.eval_acceptance "${EVAL[@]}" --drafter "$DRAFTER" --proposer hybrid \
+    --temperature "$t" "${seeds[@]}" --json "$RES/tau-tasks-hybrid-t$t.json"
+  run "ngram-t$t" timeout 300 python -m scripts.eval_acceptance "${EVAL[@]}" --proposer ngram --temperature "$t" \
+    "${seeds[@]}" --json "$RES/tau-tasks-ngram-t$t.json"
+done
+stamp DONE
+touch "$RES/DONE"
