@@ -20,6 +20,9 @@ Sources:
   math-like chat, not a math benchmark, and must be reported as such. All math-like prompts are held out
   (never trained on), because there are only a few hundred of them.
 
+* **GSM8K** (github.com/openai/grade-school-math, MIT; its ``train.jsonl``, 7,473 grade-school math problems): real
+  math questions for self-distillation (``gsm8k-prompts``; the training split only, since Spec-Bench's math task
+  is drawn from GSM8K's test split).
 * **Spec-Bench** (github.com/hemingkx/Spec-Bench, Apache-2.0; its ``data/spec_bench/question.jsonl``, 480
   questions): a public speculative-decoding benchmark whose tasks copy from their input to different degrees —
   multi-turn conversation (MT-Bench), translation (WMT14 German→English), summarization (CNN/DailyMail), question
@@ -32,6 +35,7 @@ Command line::
     python scripts/data.py stats
     python scripts/data.py eval-prompts --out eval_prompts.jsonl --n-per-domain 50
     python scripts/data.py eval-tasks --spec-bench question.jsonl --out docs/benchmarks/eval_tasks.jsonl
+    python scripts/data.py gsm8k-prompts --gsm8k grade_school_math/data/train.jsonl --out data/gsm8k_train.jsonl
 """
 
 from __future__ import annotations
@@ -337,6 +341,22 @@ def eval_tasks(spec_bench: str | Path, n_code: int = 80) -> list[Prompt]:
     return [p for t in EVAL_TASKS for p in by_task[t]]
 
 
+def load_gsm8k_train(path: str | Path) -> list[Prompt]:
+    """GSM8K's training problems as math prompts (``{"question", "answer"}`` per line; the answer is dropped: the target
+    writes its own). A file named like the test split is refused: evaluation sets draw from it."""
+    from reference.cli import read_jsonl
+
+    if "test" in Path(path).name:
+        raise ValueError(f"{path} looks like GSM8K's test split, which evaluation sets use: give train.jsonl")
+    prompts = []
+    for n, obj in read_jsonl(path):
+        question = obj.get("question")
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f'{path}:{n}: expected a GSM8K problem with a "question"')
+        prompts.append(Prompt(id=f"gsm8k-train/{n}", prompt=question.strip(), domain="math"))
+    return prompts
+
+
 def read_prompt_file(path: str | Path) -> list[Prompt]:
     """Read a JSONL prompt file (``{"prompt": str, "domain": str?, "id": str?}`` per line); bad lines fail."""
     from reference.cli import read_jsonl
@@ -366,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--n-per-domain", type=int, default=50,
                    help="prompts per domain (chat, code, math) (default: %(default)s)")
     e.add_argument("--max-chars", type=int, default=2000, help="drop longer prompts")
+    g = sub.add_parser("gsm8k-prompts", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="write GSM8K's training problems as JSONL prompts (make_dataset --prompts-file)")
+    g.add_argument("--gsm8k", required=True, help="GSM8K's grade_school_math/data/train.jsonl")
+    g.add_argument("--out", required=True, help="JSONL path to write")
     t = sub.add_parser("eval-tasks", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        help="write the per-task evaluation prompts (Spec-Bench + HumanEval) as JSONL")
     t.add_argument("--spec-bench", required=True,
@@ -382,6 +406,13 @@ def main(argv: list[str] | None = None) -> int:
                           "held_out_english": len(filter_prompts(held)),
                           "held_out_math_like": len(math_like(filter_prompts(held))),
                           "humaneval": len(load_humaneval())}, indent=2))
+    elif args.cmd == "gsm8k-prompts":
+        prompts = load_gsm8k_train(args.gsm8k)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            for p in prompts:
+                f.write(json.dumps({"prompt": p.prompt, "domain": p.domain, "id": p.id}, ensure_ascii=False) + "\n")
+        log.info("wrote %d GSM8K training prompts to %s", len(prompts), args.out)
     elif args.cmd == "eval-tasks":
         prompts = eval_tasks(args.spec_bench, args.n_code)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

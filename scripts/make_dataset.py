@@ -54,6 +54,7 @@ from scripts import data
 from scripts.dataset import MANIFEST, example_id, pack_shard, read_shard, shard_name, write_shard
 from scripts.runtime import hardware, resolve_device
 
+ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("dspark.make_dataset")
 
 FORMAT = "dspark-selfdistill"
@@ -114,8 +115,11 @@ def tokenised_prompts(args, target: Target) -> list[tuple[str, list[int]]]:
     if args.prompt_ids:
         rows = _read_prompt_ids(args.prompt_ids)
         return [(i, p) for i, p in rows if len(p) <= args.max_prompt_tokens][: args.limit]
-    train, held = data.split(data.load_sharegpt(args.sharegpt_file))
-    prompts = data.filter_prompts(train if args.split == "train" else held, max_chars=args.max_prompt_tokens * 8)
+    if args.prompts_file:  # text prompts of another source (scripts/data.py gsm8k-prompts, say), chat-templated here
+        prompts = data.read_prompt_file(args.prompts_file)
+    else:
+        train, held = data.split(data.load_sharegpt(args.sharegpt_file))
+        prompts = data.filter_prompts(train if args.split == "train" else held, max_chars=args.max_prompt_tokens * 8)
     rows = []
     for p in tqdm(prompts, desc="tokenise", unit="prompt"):
         ids = target.encode(p.prompt, chat_template=True)
@@ -123,7 +127,7 @@ def tokenised_prompts(args, target: Target) -> list[tuple[str, list[int]]]:
             rows.append((p.id, ids))
             if args.limit is not None and len(rows) >= args.limit:
                 break
-    log.info("%d %s prompts of ≤ %d tokens", len(rows), args.split, args.max_prompt_tokens)
+    log.info("%d %s prompts of ≤ %d tokens", len(rows), settings_split(args), args.max_prompt_tokens)
     return rows
 
 
@@ -135,7 +139,9 @@ def shard_order(num_shards: int, start: int, rank: int, world: int) -> list[int]
 
 
 def settings_split(args) -> str:
-    return "prompt-ids" if args.prompt_ids else args.split
+    if args.prompt_ids:
+        return "prompt-ids"
+    return f"prompts-file:{Path(args.prompts_file).name}" if args.prompts_file else args.split
 
 
 def write_prompts(path: Path, rows: list[tuple[str, list[int]]], domain: str) -> None:
@@ -196,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sharegpt-file", default=None, help="ShareGPT .json/.json.gz (none: the packaged file)")
     p.add_argument("--prompt-ids", default=None,
                    help='JSONL of {"id", "input_ids"}: tokenised prompts instead of ShareGPT (tests, custom data)')
+    p.add_argument("--prompts-file", default=None,
+                   help='JSONL of {"prompt", "id"?, "domain"?} text prompts instead of ShareGPT (chat-templated), '
+                        "e.g. python -m scripts.data gsm8k-prompts; never an evaluation file")
     p.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="drop prompts longer than this (templated)")
     p.add_argument("--max-new-tokens", type=int, default=384, help="response length limit")
@@ -227,7 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.prompt_ids and args.prompts_file:
+        parser.error("--prompt-ids and --prompts-file are two prompt sources: give one")
+    if args.prompts_file and Path(args.prompts_file).resolve().parent == (ROOT / "docs" / "benchmarks").resolve():
+        parser.error(f"{args.prompts_file} is an evaluation set (docs/benchmarks/): never self-distil on it")
     t_start = time.perf_counter()
     if not 0 < args.top_p <= 1:
         raise SystemExit(f"need 0 < top_p ≤ 1, got {args.top_p}")

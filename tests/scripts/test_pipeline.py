@@ -180,6 +180,39 @@ def test_eval_tasks_map_spec_bench_categories_and_add_code(tmp_path):
         data.eval_tasks(path)
 
 
+def test_gsm8k_training_problems_become_math_prompts_and_the_test_split_is_refused(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"question": f" How many apples, {i}? ", "answer": "#### 3"}) + "\n"
+                            for i in range(3)))
+    prompts = data.load_gsm8k_train(path)
+    assert [(p.id, p.prompt, p.domain) for p in prompts][:1] == [("gsm8k-train/1", "How many apples, 0?", "math")]
+    assert len(prompts) == 3
+    (tmp_path / "test.jsonl").write_text(path.read_text())
+    with pytest.raises(ValueError, match="test split"):
+        data.load_gsm8k_train(tmp_path / "test.jsonl")
+    assert data.main(["gsm8k-prompts", "--gsm8k", str(path), "--out", str(tmp_path / "out.jsonl")]) == 0
+    assert [p.prompt for p in data.read_prompt_file(tmp_path / "out.jsonl")] == [p.prompt for p in prompts]
+
+
+def test_make_dataset_takes_a_text_prompts_file_but_never_an_evaluation_set(tmp_path):
+    """--prompts-file: text prompts chat-templated by the target, the length filter and --limit applied in order;
+    a file under docs/benchmarks/ (the evaluation sets) and two prompt sources at once are refused."""
+    from types import SimpleNamespace
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "x " * n, "id": f"q{n}"}) + "\n" for n in (2, 50, 3, 4)))
+    target = SimpleNamespace(encode=lambda text, chat_template: [7] * (len(text.split()) + 3))
+    args = make_dataset.build_parser().parse_args(["--out", "o", "--prompts-file", str(path), "--max-prompt-tokens",
+                                                   "10", "--limit", "2"])
+    assert make_dataset.tokenised_prompts(args, target) == [("q2", [7] * 5), ("q3", [7] * 6)]
+    assert make_dataset.settings_split(args) == "prompts-file:prompts.jsonl"
+    with pytest.raises(SystemExit):
+        make_dataset.main(["--out", str(tmp_path / "o"), "--prompts-file", str(ROOT / "docs" / "benchmarks" /
+                                                                                "eval_tasks.jsonl")])
+    with pytest.raises(SystemExit):
+        make_dataset.main(["--out", str(tmp_path / "o"), "--prompts-file", str(path), "--prompt-ids", str(path)])
+
+
 def test_committed_eval_tasks_file_has_every_task():
     rows = [json.loads(line) for line in (ROOT / "docs" / "benchmarks" / "eval_tasks.jsonl").read_text().splitlines()]
     counts = {t: sum(r["domain"] == t for r in rows) for t in data.EVAL_TASKS}
