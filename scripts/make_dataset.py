@@ -206,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='JSONL of {"prompt", "id"?, "domain"?} text prompts instead of ShareGPT (chat-templated), '
                         "e.g. python -m scripts.data gsm8k-prompts; never an evaluation file")
     p.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
-    p.add_argument("--max-prompt-tokens", type=int, default=256, help="drop prompts longer than this (templated)")
+    p.add_argument("--max-prompt-tokens", type=int, default=2048,
+                   help="drop prompts longer than this (templated): long prompts are where answers copy from their "
+                        "input (summaries, questions over a given text), which the drafter should see too")
     p.add_argument("--max-new-tokens", type=int, default=384, help="response length limit")
     p.add_argument("--temperatures", type=parse_temperatures, default=DEFAULT_TEMPERATURES,
                    help="one response per prompt at each of these temperatures (0 = greedy)")
