@@ -663,10 +663,11 @@ class DSparkDrafter(nn.Module):
         vocab = self.draft_vocab  # [Vd] the tokens it may propose, or None: all V
         base = self.draft_base_logits(h)  # [R, γ, Vd or V]
         tables = self.markov_tables() if isinstance(self.seq_head, MarkovHead) else None
-        w2 = None
-        if self.seq_head is not None:  # B_k's rows: all of W2, or those of the draft vocabulary
-            w2 = (tables[1] if tables is not None else self.seq_head.w2.weight) if vocab is None else \
-                self.draft_tables()[1]
+        if vocab is not None:  # B_k's rows: those of the draft vocabulary (None for the parallel-only head)
+            w2 = self.draft_tables()[1]
+        else:  # all of W2: the Markov table, or the RNN head's output weight
+            w2 = tables[1] if tables is not None else getattr(self.seq_head, "w2", None)
+            w2 = w2.weight if isinstance(w2, nn.Linear) else w2
         top_p = torch.ones(R, device=h.device)  # drafts are never truncated: p_d must cover what it proposes
         top_k = torch.zeros(R, dtype=torch.long, device=h.device)
         prev = anchor_ids.long()  # [R]: x_0

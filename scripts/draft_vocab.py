@@ -71,14 +71,12 @@ def choose(counts: torch.Tensor, size: int, always: list[int]) -> torch.Tensor:
         raise SystemExit(f"--always ids {bad} outside the vocabulary of {vocab_size}")
     if len(set(always)) > size:
         raise SystemExit(f"--always names {len(set(always))} ids, more than --size {size}")
-    # Sort by count descending, id ascending: a stable sort of the ids by -count keeps the lower id first.
-    order = torch.sort(-counts, stable=True).indices
     keep = torch.zeros(vocab_size, dtype=torch.bool)
     keep[torch.tensor(sorted(set(always)), dtype=torch.long)] = True
-    for token in order.tolist():
-        if int(keep.sum()) >= size:
-            break
-        keep[token] = True
+    # The rest by count descending, ties to the lower id (a stable sort of the ids by -count keeps it first).
+    order = torch.sort(-counts, stable=True).indices
+    rest = order[~keep[order]][: size - int(keep.sum())]
+    keep[rest] = True
     return keep.nonzero().flatten()
 
 
