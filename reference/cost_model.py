@@ -114,7 +114,7 @@ class CostTable:
         n = _check_count(num_tokens, "num_tokens")
         if n == 0:
             return 0
-        graph = self._graph_sizes()
+        graph = self.graph_sizes()
         i = bisect.bisect_left(graph, n)
         return graph[i] if i < len(graph) else n
 
@@ -141,7 +141,7 @@ class CostTable:
                 i = bisect.bisect_left(sizes, n)
                 if i < len(sizes):
                     return curve[sizes[i]] / 1e3
-        graph = self._graph_sizes()
+        graph = self.graph_sizes()
         i = bisect.bisect_left(graph, n)
         if i < len(graph):
             return self.verify_ms[graph[i]] / 1e3
@@ -184,7 +184,8 @@ class CostTable:
             raise ValueError(f"a step of {num_tokens} tokens and {num_requests} requests does no work; SPS undefined")
         return 1.0 / t
 
-    def _graph_sizes(self) -> list[int]:
+    def graph_sizes(self) -> list[int]:
+        """The measured sizes in the graph region (all of them when ``graph_max_tokens`` is None), ascending."""
         sizes = sorted(self.verify_ms)
         if self.graph_max_tokens is None:
             return sizes

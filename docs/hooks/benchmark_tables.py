@@ -619,21 +619,34 @@ def value(name: str, args: list[str], page_dir: Path) -> str:
 
 
 def proposers(page_dir: Path, files: list[str]) -> str:
-    """τ of each proposer on one prompt set (scripts/eval_acceptance.py runs collected in one file), with the
-    hybrid's split between its two sources."""
+    """τ of each proposer on one prompt set (scripts/report_proposers.py: eval_acceptance runs collected in one file),
+    overall and per domain, with the hybrid's split between its two sources and, greedy, the hybrid's τ over the
+    better of the other two in each domain."""
     data = _load(page_dir, files[0])
-    domains = list(data["results"][0]["per_domain"])
+    results = data["results"]
+    domains = list(results[0]["per_domain"])
+    temps = sorted({r["temperature"] for r in results})
     rows = []
-    for r in data["results"]:
+    for r in results:
         src = r.get("sources") or {}
         split = ", ".join(f"{name} {v['share']:.0%} of steps (τ {v['mean_accepted_length']:.2f})"
-                          for name, v in src.items())
-        by_domain = " / ".join(f"{r['per_domain'][d]:.2f}" for d in domains)
-        rows.append([f"`{r['proposer']}`", f"**{r['tau']:.2f}**", by_domain, split or "–"])
-    header = ["proposer", "τ", f"τ by domain ({' / '.join(domains)})", "blocks taken from"]
+                          for name, v in src.items() if v["steps"])
+        rows.append([f"`{r['proposer']}`"] + ([f"{r['temperature']:g}"] if len(temps) > 1 else [])
+                    + [f"**{r['tau']:.2f}**"] + [f"{r['per_domain'][d]:.2f}" for d in domains] + [split or "–"])
+    by = {(r["proposer"], r["temperature"]): r for r in results}
+    for t in temps:  # the hybrid against the better of its two sources, where all three ran
+        hybrid, dspark, ngram = by.get(("hybrid", t)), by.get(("dspark", t)), by.get(("ngram", t))
+        if hybrid and dspark and ngram:
+            ratio = [hybrid["per_domain"][d] / max(dspark["per_domain"][d], ngram["per_domain"][d]) for d in domains]
+            rows.append(["*hybrid ÷ better of the two*"] + ([f"{t:g}"] if len(temps) > 1 else [])
+                        + [f"*{hybrid['tau'] / max(dspark['tau'], ngram['tau']):.2f}×*"]
+                        + [f"*{x:.2f}×*" for x in ratio] + [""])
+    header = ["proposer"] + (["T"] if len(temps) > 1 else []) + ["τ, all"] + domains + ["blocks taken from"]
     s = data["settings"]
+    decoding = "greedy" if temps == [0.0] else "T = " + " and ".join(f"{t:g}" for t in temps)
+    note = f" {data['note']}" if data.get("note") else ""
     return _table(header, rows) + (f"\n{data['hardware']}; {data['prompts']}; {s['mode']}, {s['max_new_tokens']} "
-                                   f"new tokens, greedy. Script: `{data['script']}`.\n")
+                                   f"new tokens, {decoding}.{note} Script: `{data['script']}`.\n")
 
 
 def draft_vocab(page_dir: Path, files: list[str]) -> str:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from optimized.scheduler import BudgetPlanner
+from optimized.scheduler import BudgetPlanner, step_time_curve
 from reference.cost_model import CostTable
 from reference.scheduler import stale_budget
 
@@ -47,6 +47,26 @@ def test_budget_planner_equals_reference_stale_budget():
         assert planner.budget(a, r) == stale_budget(a, cost, r), i
         assert planner.budget(a, r) == stale_budget(a, cost, r), "cached curve changed the answer"
         assert planner.budget(a.numpy(), r) == stale_budget(a, cost, r), "NumPy input (the engine's) differs"
+
+
+@pytest.mark.parametrize("graph_max", [None, "mid"])
+def test_step_time_curve_equals_the_tables_lookups(graph_max):
+    """The vectorised curve is ``cost.step_time(n, R)`` float for float: the staircase, the request curves (where they
+    reach and where they fall back), the eager region past the largest graph, and 0 tokens."""
+    gen = torch.Generator().manual_seed(1)
+    for i in range(60):
+        r, g = int(torch.randint(1, 12, (1,), generator=gen)), int(torch.randint(1, 8, (1,), generator=gen))
+        sizes = sorted({int(x) for x in torch.randint(1, r * (g + 1) + 16, (8,), generator=gen)})
+        ms = torch.cumsum(torch.rand(len(sizes), generator=gen) * 3, 0) + 1.0
+        gmax = None if graph_max is None or len(sizes) < 3 else sizes[len(sizes) // 2]
+        cost = CostTable(verify_ms=dict(zip(sizes, ms.tolist())), draft_ms={1: 0.5, 4: 0.7, 9: 1.3},
+                         graph_max_tokens=gmax)
+        cost = _with_request_curves(gen, cost, r, g)
+        for first in (0, r):
+            count = r * g + 20  # past the largest measured size too (the eager line, or its extension)
+            want = [cost.step_time(n, r) for n in range(first, first + count)]
+            got = step_time_curve(cost, first, count, r)
+            assert got.dtype == np.float64 and got.tolist() == want, (i, first)
 
 
 def test_budget_zero_when_drafts_do_not_pay():
