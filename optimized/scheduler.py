@@ -37,7 +37,7 @@ import torch
 from optimized.sequence import Sequence, Status, StepOutput
 from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import CostTable
-from reference.scheduler import MONOTONE_TOL, draft_forced, fill_stale_rows
+from reference.scheduler import MONOTONE_TOL, draft_forced, fill_stale_rows, gate_margin
 from reference.scheduler import Scheduler as Policy
 
 
@@ -315,8 +315,8 @@ class DraftGate:
         key = holdings(seqs)
         if self._cache is None or self._cache[0] != key:
             recent = self.recent_survivals(seqs)  # [R, γ] host float32, or None
-            verdict = None if recent is None else self.planner.speculation_pays(recent, len(seqs), None,
-                                                                                  self.config.gate_margin, check=False)
+            verdict = None if recent is None else self.planner.speculation_pays(
+                recent, len(seqs), None, gate_margin(self.config, len(seqs)), check=False)
             self._cache = (key, recent, verdict)
         return self._cache[1], self._cache[2]
 

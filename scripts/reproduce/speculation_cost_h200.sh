@@ -26,11 +26,11 @@ MODES=none,none+async,fixed:7,fixed:7+async,adaptive,adaptive+async
 run cache python -c "from reference.target import Target; Target.load('$MODEL')"
 if [ "$PART" = engine ]; then
   run tests-ahead timeout 150 python -m pytest -q -p no:cacheprovider tests/equivalence/test_gpu.py -k "one_step_ahead"
-  run bench timeout 260 python -m scripts.bench_engine "${SRC[@]}" --modes "$MODES" --batch-sizes 1,4,16,64,256 \
+  run bench timeout 250 python -m scripts.bench_engine "${SRC[@]}" --modes "$MODES" --batch-sizes 1,4,16,64,256 \
     --min-requests 16 --hf-max-batch 0 --repeats 2 --time-budget-s 210 --out "$RES/engine-h200.json"
-  run steady timeout 170 python -m scripts.bench_engine "${SRC[@]}" --modes none+async,fixed:7+async,adaptive+async \
-    --batch-sizes 1,16,64,256 --requests-per-slot 4 --output-len-spread 0.5 --hf-max-batch 0 --repeats 1 \
-    --time-budget-s 130 --out "$RES/engine-h200-steady.json"
+  run steady timeout 230 python -m scripts.bench_engine "${SRC[@]}" --modes none+async,fixed:7+async,adaptive+async \
+    --batch-sizes 1,4,16,64,256 --requests-per-slot 8 --output-len-spread 0.5 --hf-max-batch 0 --repeats 2 \
+    --time-budget-s 190 --out "$RES/engine-h200-steady.json"
 else
   for cfg in "fixed:7 1" "none 1" "fixed:7 16" "fixed:7 64" "fixed:7 256" "adaptive 64" "adaptive 256"; do
     set -- $cfg

@@ -437,3 +437,20 @@ def test_draft_gate_rule():
         torch.ones(2, 3), 0, num_anchor_tokens=2)
     with pytest.raises(ValueError, match="probe_every"):
         SchedulerConfig(probe_every=0)
+
+
+def test_draft_gate_margin_shrinks_with_the_batch():
+    """The margin is gate_margin / √R: one request keeps drafting where plain decoding looks 10 % faster a step, a
+    batch of 256 with the same per-request survivals stops (the engine's gate reads the same function)."""
+    from reference.scheduler import gate_margin
+
+    cfg = SchedulerConfig(mode="adaptive", gate_margin=0.3)
+    assert gate_margin(cfg, 1) == 0.3 and gate_margin(cfg, 4) == 0.15 and gate_margin(cfg, 0) == 0.3
+    assert gate_margin(cfg, 256) == pytest.approx(0.3 / 16)
+    # Every verify costs 1 ms and the draft 1 ms. Plain decoding: R tokens per ms. Drafting, at best one draft a
+    # request (survival 0.8, the second 0): 1.8 R tokens per 2 ms, 0.9× plain decoding's rate.
+    for r, drafts in ((1, True), (256, False)):
+        cost = CostTable(verify_ms={n: 1.0 for n in (1, 2, 3, 256, 512, 768)}, draft_ms={1: 1.0, 256: 1.0})
+        a = torch.tensor([[0.8, 0.0]]).expand(r, 2).contiguous()  # [R, γ]
+        policy = Scheduler(cfg, gamma=2, cost=cost)
+        assert policy.should_draft(a, 0, num_anchor_tokens=r) is drafts, r
