@@ -147,3 +147,52 @@ class CostMonitor:
         """Per kind, measured over priced minus one (None before ``min_samples`` samples)."""
         return {kind: (math.exp(self._log_ratio[kind]) - 1.0 if self.samples[kind] >= self.min_samples else None)
                 for kind in KINDS}
+
+
+class SurvivalMonitor:
+    """The drafts' accepted counts against what their survivals predicted, kept true while serving.
+
+    The draft gate and the budget weigh each request's calibrated prefix survivals: the expected number of its
+    verified drafts that will be accepted is the sum of their survivals. Calibration (scripts/calibrate.py) makes
+    that true on the prompts it was fitted on; on other traffic the drafter can be over- or under-confident, and the
+    gate then keeps drafting where plain decoding is faster (or the reverse). Each step that verified drafts adds its
+    accepted drafts and its predicted sum; the ratio of their moving averages (``window`` steps: a ratio of means, so
+    that steps with few drafts weigh little) becomes the factor the scheduler multiplies the survivals by
+    (``optimized.scheduler.Scheduler.set_survival_scale``) once it differs from the factor in force by more than
+    ``tolerance`` after ``min_samples`` steps. The engine's own twin has none: with ``EngineConfig.cost_feedback`` off
+    (the CPU default, and every equivalence run) the survivals are used as calibrated.
+    """
+
+    def __init__(self, *, window: int = WINDOW, min_samples: int = MIN_SAMPLES, tolerance: float = TOLERANCE) -> None:
+        if window < 1 or min_samples < 1 or not tolerance > 0:
+            raise ValueError(f"need window ≥ 1, min_samples ≥ 1 and tolerance > 0, got {window}, {min_samples}, "
+                             f"{tolerance}")
+        self.window, self.min_samples, self.tolerance = window, min_samples, tolerance
+        self.samples = 0
+        self._predicted = self._accepted = 0.0  # moving averages per step
+        self.scale = 1.0  # the factor in force
+
+    def observe(self, predicted: float, accepted: float) -> None:
+        """One step's verified drafts: the sum of their survivals and how many of them were accepted."""
+        if not predicted > 0:
+            return
+        self.samples += 1
+        weight = 1.0 / min(self.samples, self.window)  # a plain mean until the window is full, then a moving average
+        self._predicted += weight * (predicted - self._predicted)
+        self._accepted += weight * (accepted - self._accepted)
+
+    @property
+    def ratio(self) -> float | None:
+        """Accepted over predicted drafts, recently (None before ``min_samples`` steps)."""
+        return self._accepted / self._predicted if self.samples >= self.min_samples else None
+
+    def update(self) -> float | None:
+        """The new factor if the ratio left the tolerance around the factor in force (else None)."""
+        ratio = self.ratio
+        if ratio is None or abs(ratio / self.scale - 1.0) <= self.tolerance:
+            return None
+        log.info("drafts were accepted %.2fx as often as their survivals predicted over the last ~%d steps: "
+                 "planning with survivals scaled by that", ratio, min(self.samples, self.window))
+        self.scale = max(ratio, 1e-3)
+        return self.scale
+
