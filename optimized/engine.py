@@ -73,6 +73,7 @@ class Engine:
         self._feedback_on = (config.cost_feedback if config.cost_feedback is not None
                              else self.runner.device.type == "cuda")
         self._monitor: CostMonitor | None = None  # measured step times against the table (cost_feedback)
+        self._acceptance: SurvivalMonitor | None = None  # accepted drafts against their survivals (cost_feedback)
         if cost is not None:
             self._watch(cost)
         self._drafted_ahead: tuple[list[Sequence], torch.Tensor] | None = None  # this step's early draft, if any
