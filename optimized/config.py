@@ -57,9 +57,7 @@ class EngineConfig:
     async_decode: bool | None = None
     # Compare each decoding step's measured time with the cost table's price, per kind of step (plain, speculative),
     # and price a kind at its measured ratio once it drifts by more than 10 % (optimized/cost_monitor.py): the draft
-    # gate then weighs what steps cost now (another process on the GPU, a table profiled in other conditions). Likewise
-    # the drafts' accepted counts against their survivals' prediction: the scheduler plans with survivals scaled by the
-    # measured ratio once it drifts by more than 10 % (a drafter over-confident on this traffic). It
+    # gate then weighs what steps cost now (another process on the GPU, a table profiled in other conditions). It
     # makes the adaptive schedule depend on measured times, so sampled adaptive outputs are then not repeatable from
     # run to run (greedy outputs are unaffected). None: on CUDA; off on the CPU, where the equivalence tests hold the
     # schedule to the reference's.

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from optimized.config import EngineConfig
-from optimized.cost_monitor import CostMonitor, SurvivalMonitor
+from optimized.cost_monitor import CostMonitor
 from optimized.runner import LaunchedVerify, ModelRunner, StageOutput
 from optimized.scheduler import Scheduler, StepPlan
 from optimized.sequence import SamplingParams, Sequence, Status, StepOutput, StepStats
@@ -73,7 +73,6 @@ class Engine:
         self._feedback_on = (config.cost_feedback if config.cost_feedback is not None
                              else self.runner.device.type == "cuda")
         self._monitor: CostMonitor | None = None  # measured step times against the table (cost_feedback)
-        self._acceptance: SurvivalMonitor | None = None  # accepted drafts against their survivals (cost_feedback)
         if cost is not None:
             self._watch(cost)
         self._drafted_ahead: tuple[list[Sequence], torch.Tensor] | None = None  # this step's early draft, if any
@@ -156,20 +155,12 @@ class Engine:
     def _watch(self, cost: CostTable) -> None:
         """Measure steps against ``cost`` from now on (``EngineConfig.cost_feedback``)."""
         self._monitor = CostMonitor(cost, self.runner.device) if self._feedback_on else None
-        # accepted drafts against their survivals' prediction (drafting modes only)
-        self._acceptance = SurvivalMonitor() if self._feedback_on and self.gamma else None
 
     @property
     def cost_drift(self) -> dict[str, float | None] | None:
         """Per kind of step (``plain``, ``speculative``): measured time over the cost table's price, minus one (None
         until enough steps of that kind ran), or None without a cost table or with ``cost_feedback`` off."""
         return self._monitor.drift if self._monitor is not None else None
-
-    @property
-    def survival_scale(self) -> float | None:
-        """The factor the scheduler multiplies the survivals by (accepted over predicted drafts, measured; 1.0 until
-        they drift apart), or None with ``cost_feedback`` off or no drafter."""
-        return self._acceptance.scale if self._acceptance is not None else None
 
     @property
     def price_scales(self) -> dict[str, float]:
@@ -225,8 +216,7 @@ class Engine:
             accepted=[len(t) - 1 for t in verified.tokens] if verified is not None else [],
             predicted_survival=predicted, request_ids=[s.request_id for s in plan.decoding],
             gate_closed=bool(plan.decoding) and plan.mode is SchedulingMode.NONE and self.sched_config.mode.drafts,
-            cost_drift=self.cost_drift, price_scales=self.price_scales if self._monitor is not None else None,
-            survival_scale=self.survival_scale)
+            cost_drift=self.cost_drift, price_scales=self.price_scales if self._monitor is not None else None)
 
     def reset_stats(self) -> None:
         """Zero the cumulative counters in ``stats``: steps, drafting steps (of which ``draft_ahead_steps`` drafted
@@ -539,19 +529,6 @@ class Engine:
         if self._monitor is not None:
             self._monitor.launch(len(plan.decoding), plan.num_verify_tokens, bool(plan.prefill))
 
-    def _observe_acceptance(self) -> None:
-        """Feed the step just read to the survival monitor: its verified drafts' accepted count and the sum of their
-        survivals (the host copies made when they were drafted); rescale the scheduler's survivals if they drifted."""
-        out, predicted, accepted = self._verified, 0.0, 0
-        for a, n, tokens in zip(self._survivals, out.verified, out.tokens):
-            if a is not None and n > 0:
-                predicted += float(a[:n].sum())  # sync: none, host NumPy
-                accepted += min(len(tokens) - 1, n)
-        self._acceptance.observe(predicted, accepted)
-        scale = self._acceptance.update()
-        if scale is not None:
-            self.scheduler.set_survival_scale(scale)
-
     def _account(self, plan: StepPlan, t0: float, host_s: float, drafted: bool) -> None:
         if self._monitor is not None:  # steps whose end has been reached: measured against the table
             scales = self._monitor.update()
@@ -559,8 +536,6 @@ class Engine:
                 self.scheduler.set_price_scales(scales["plain"], scales["speculative"])
             if not self.has_unfinished():
                 self._monitor.idle()
-        if self._acceptance is not None and plan.mode.drafts and self._verified is not None:
-            self._observe_acceptance()
         step_s = time.perf_counter() - t0
         self.stats["steps"] += 1
         self.stats["draft_steps"] += drafted

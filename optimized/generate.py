@@ -85,9 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="launch each step before the previous step's tokens are read (EngineConfig.async_decode; "
                              "default: on with CUDA)")
     parser.add_argument("--cost-feedback", action=argparse.BooleanOptionalAction, default=None,
-                        help="price steps at their measured times once these drift from the cost table, and plan "
-                             "with survivals scaled by the drafts' measured acceptance (EngineConfig.cost_feedback; "
-                             "default: on with CUDA)")
+                        help="price steps at their measured times once these drift from the cost table "
+                             "(EngineConfig.cost_feedback; default: on with CUDA)")
     args = parser.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target, drafter, gen, sched, prompts = setup_from_args(args, device=args.device, dtype=dtype, forward=False)

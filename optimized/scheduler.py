@@ -109,9 +109,6 @@ class BudgetPlanner:
         # Multipliers of the table's prices of plain and of speculative steps, from the engine's measurements
         # (optimized/cost_monitor.py); 1.0 is the table as it is (the reference's twin: a product with 1.0 is exact).
         self.plain_scale = self.speculative_scale = 1.0
-        # Multiplier of the survivals (accepted over predicted drafts, optimized/cost_monitor.py's SurvivalMonitor),
-        # capped at 1 per slot; 1.0 is the survivals as calibrated (no multiplication: the reference's floats).
-        self.survival_scale = 1.0
 
     def _step_times(self, t0: int, r: int, candidates: int) -> tuple[np.ndarray, list[float]]:
         """What Θ(B) divides τ(B) by, for B = 0..``candidates``: the step time ``step_time(T_0 + B, R)``, at least
@@ -190,14 +187,10 @@ class BudgetPlanner:
             # Unchecked survivals lie in [0, 1] or are NaN, so their sum is NaN exactly when a row must be filled.
             if check or math.isnan(sum(gains)):
                 gains = self._filled(arr, check).ravel().tolist()  # sync: none, host NumPy
-            if self.survival_scale != 1.0:
-                gains = [min(1.0, self.survival_scale * x) for x in gains]
             gains.sort(reverse=True)  # descending (equal values: order immaterial)
             tau = itertools.accumulate(gains, initial=float(n_s))  # [R·γ + 1] sequential float64 sums
             return map(operator.truediv, tau, step_list)  # [R·γ + 1] τ(B) / step(B), computed as they are read
         gains = np.sort(self._filled(arr, check), axis=None)[::-1]  # [R·γ] descending
-        if self.survival_scale != 1.0:
-            gains = np.minimum(gains * self.survival_scale, 1.0)  # a positive factor keeps the order
         tau = np.cumsum(np.concatenate(([float(n_s)], gains)))  # [R·γ + 1] float64, sequential as the sums above
         return tau / step
 
@@ -417,15 +410,6 @@ class Scheduler:
         self.config, self._ahead = config, None
         self.policy = self._policy()
         self.gate.reset(config, self.planner)
-
-    def set_survival_scale(self, scale: float) -> None:
-        """Plan with every survival multiplied by ``scale`` (capped at 1): how much more (or less) often drafts were
-        accepted than their survivals predicted, measured while serving (``optimized/cost_monitor.py``'s
-        ``SurvivalMonitor``). Moves both the draft gate and the budget; the gate's cached verdict is dropped."""
-        if not scale > 0:
-            raise ValueError(f"survival scale must be > 0, got {scale}")
-        self.planner.survival_scale = float(scale)
-        self.gate.forget_verdict()
 
     def set_price_scales(self, plain: float, speculative: float) -> None:
         """Price plain and speculative steps at these multiples of the cost table's prices (the engine's measured

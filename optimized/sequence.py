@@ -128,6 +128,3 @@ class StepStats:
     # multiplier the gate uses now (EngineConfig.cost_feedback; None when off or before enough steps).
     cost_drift: dict[str, float | None] | None = None
     price_scales: dict[str, float] | None = None
-    # The factor the scheduler multiplies the drafts' survivals by: accepted over predicted drafts, measured (1.0 until
-    # they drift apart; None when cost_feedback is off or there is no drafter).
-    survival_scale: float | None = None

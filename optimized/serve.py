@@ -170,9 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "CUDA, off on the CPU)")
     p.add_argument("--cost-feedback", action=argparse.BooleanOptionalAction, default=None,
                    help="price plain and speculative steps at their measured times once these drift more than 10%% "
-                        "from the cost table (the /metrics gauges dspark:step_cost_*), and plan with the drafts' "
-                        "survivals scaled by their measured acceptance (dspark:survival_scale); it makes sampled "
-                        "adaptive outputs depend on timing (default: on with CUDA, off on the CPU)")
+                        "from the cost table (the /metrics gauges dspark:step_cost_*); it makes sampled adaptive "
+                        "outputs depend on timing (default: on with CUDA, off on the CPU)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients may use; the first is reported (default: --model)")
     p.add_argument("--speculative-config", default=None,

@@ -218,14 +218,6 @@ class ServerMetrics:
             Gauge("dspark:step_cost_scale", "Multiplier of the cost table's prices the draft gate uses now, by kind "
                   "of step (1: the table's own).", kind, registry=r))
         self._cost_kinds: set[str] = set()  # kinds whose gauges exist
-        # The factor the engine's scheduler multiplies the survivals by (accepted over predicted drafts), as last
-        # reported; its gauge appears with the first report.
-        self.survival_scale: float | None = None
-        self._survival_gauge = Gauge("dspark:survival_scale", "Accepted over predicted drafts, measured while serving: "
-                                     "the factor the draft gate and the budget multiply the calibrated survivals by "
-                                     "(1: as calibrated).", ["model_name"], registry=r)
-        self._model_label = label
-        self._survival_shown = False
         self._calibrated_slots = 0  # slots 1..this have had a trial: their gauges exist
         self.calibration = CalibrationWindow(gamma, calibration_window) if gamma else None
         self._drafted_before = False  # whether the last step ran the drafter (so this step verifies drafts)
@@ -257,10 +249,6 @@ class ServerMetrics:
             self.cost_drift = drift
             self.price_scales = getattr(st, "price_scales", None) or self.price_scales
             self._show_cost_kinds()
-        scale = getattr(st, "survival_scale", None)
-        if scale is not None:
-            self.survival_scale = scale
-            self._show_survival_scale()
         self.num_running, self.num_waiting = st.num_running, st.num_waiting
         drafted_before, self._drafted_before = self._drafted_before, st.drafted
         if not st.num_decoding:
@@ -299,11 +287,6 @@ class ServerMetrics:
                 self._cost_gauges[0].labels(k).set_function(lambda k=k: self.cost_drift[k])
                 self._cost_gauges[1].labels(k).set_function(lambda k=k: self.price_scales.get(k, 1.0))
                 self._cost_kinds.add(k)
-
-    def _show_survival_scale(self) -> None:
-        if not self._survival_shown:
-            self._survival_gauge.labels(**self._model_label).set_function(lambda: self.survival_scale)
-            self._survival_shown = True
 
     def _show_calibrated_slots(self) -> None:
         """The calibration gauges of every slot that has had a trial (a slot's gauges appear with its first)."""
@@ -348,7 +331,6 @@ class ServerMetrics:
             "requests": (self.num_running, self.num_waiting),
             "recent": (self._recent.copy(), self._recent_n),
             "costs": (dict(self.cost_drift), dict(self.price_scales)),
-            "survival_scale": self.survival_scale,
             "calibration": None if cal is None else ([list(q) for q in cal.predicted], [list(q) for q in cal.survived],
                                                       list(cal.count)),
         }
@@ -381,9 +363,6 @@ class ServerMetrics:
         if drift:  # the engine's step statistics reach one API server
             self.cost_drift, self.price_scales = dict(drift), dict(scales)
             self._show_cost_kinds()
-        if snap.get("survival_scale") is not None:
-            self.survival_scale = snap["survival_scale"]
-            self._show_survival_scale()
         cal = snap["calibration"]
         if self.calibration is not None and cal is not None and sum(cal[2]) > sum(self.calibration.count):
             size = self.calibration.size

@@ -9,10 +9,9 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 import optimized.cost_monitor as cm
-from optimized.cost_monitor import CostMonitor, SurvivalMonitor
+from optimized.cost_monitor import CostMonitor
 from optimized.engine import Engine, EngineConfig, SamplingParams
 from optimized.scheduler import BudgetPlanner
 from reference.config import SchedulerConfig
@@ -138,69 +137,3 @@ def test_engine_feedback_rescales_and_reports_drift():
             assert engine.price_scales["speculative"] > 10
         else:
             assert engine.cost_drift is None and engine.price_scales == {"plain": 1.0, "speculative": 1.0}
-
-
-def test_survival_monitor_ratio_of_means_and_hysteresis():
-    """Accepted over predicted drafts as a ratio of moving averages (a step with few drafts weighs little), a new
-    factor only past the tolerance, none before min_samples or from a step that verified nothing."""
-    mon = SurvivalMonitor(window=4, min_samples=3, tolerance=0.1)
-    mon.observe(0.0, 0)  # nothing verified: no sample
-    mon.observe(4.0, 2)
-    mon.observe(8.0, 4)
-    assert mon.ratio is None and mon.update() is None
-    mon.observe(0.5, 0.5)
-    assert mon.ratio == pytest.approx((6.5 / 3) / (12.5 / 3))  # not the mean of the ratios (0.5, 0.5, 1.0)
-    assert mon.update() == pytest.approx(6.5 / 12.5) and mon.scale == pytest.approx(0.52)
-    mon.observe(10.0, 5.4)  # 0.54: within 10 % of the factor in force
-    assert mon.update() is None
-    with pytest.raises(ValueError, match="window"):
-        SurvivalMonitor(window=0)
-
-
-def test_survival_scale_moves_the_gate_and_the_budget():
-    """Survivals scaled by s (capped at 1) are what the planner weighs: the same budget and verdict as the reference
-    on the scaled survivals, and an over-confident drafter scaled down stops drafting."""
-    from reference.scheduler import speculation_pays, stale_budget
-
-    table = CostTable.affine(fixed_ms=5.0, per_token_ms=0.3, draft_fixed_ms=2.0, sizes=list(range(1, 129)))
-    a = np.tile(np.array([0.9, 0.8, 0.7, 0.6], dtype=np.float32), (4, 1))  # [R, γ]
-    for scale in (0.3, 1.3):
-        planner = BudgetPlanner(table)
-        planner.survival_scale = scale
-        scaled = torch.from_numpy(np.minimum(a * np.float32(scale), np.float32(1.0)).astype(np.float32))
-        assert planner.budget(a, 4, 4) == stale_budget(scaled, table, 4)
-        assert planner.speculation_pays(a, 4, 4) == speculation_pays(scaled, table, 4)
-    planner = BudgetPlanner(table)
-    assert planner.speculation_pays(a, 4, 4)
-    planner.survival_scale = 0.1
-    assert not planner.speculation_pays(a, 4, 4)
-
-
-def test_engine_feedback_scales_the_survivals():
-    """With ``cost_feedback`` on, the engine measures accepted against predicted drafts: the tiny random drafter's
-    survivals promise accepted drafts that never come, so the factor falls and the draft gate, which drafted every
-    step on the survivals as they are, stops drafting (but for its probes). Off, nothing is measured or reported."""
-    target = Target.from_model(tiny_hf_model("llama"))
-    drafter = tiny_drafter(target, gamma=3, seed=0, noise=0.2)
-    table = CostTable.affine(fixed_ms=1.0, per_token_ms=0.01, draft_fixed_ms=0.1, sizes=list(range(1, 129)))
-    runs = {}
-    for feedback in (False, True):
-        engine = Engine(target, drafter, EngineConfig(max_num_seqs=2, max_seq_len=160, kernel_backend="torch",
-                                                      cost_feedback=feedback), SchedulerConfig(mode="adaptive"),
-                        table)
-        predicted = accepted = 0.0
-        for rid in range(2):
-            engine.add_request([5, 6, 7 + rid], SamplingParams(max_new_tokens=60, ignore_eos=True), request_id=rid)
-        while engine.has_unfinished():
-            engine.step()
-            st = engine.last_step_stats()
-            predicted += sum(sum(a) for a in st.predicted_survival)
-            accepted += sum(st.accepted)
-        runs[feedback] = engine.stats["draft_steps"] / engine.stats["steps"]
-        if feedback:
-            assert predicted > 5 * max(accepted, 1), "the test needs a drafter whose survivals are far too high"
-            assert st.survival_scale == engine.survival_scale == engine.scheduler.planner.survival_scale < 0.2
-        else:
-            assert engine.survival_scale is None and st.survival_scale is None
-            assert engine.scheduler.planner.survival_scale == 1.0
-    assert runs[False] > 0.9 and runs[True] < 0.5, runs

@@ -448,8 +448,8 @@ def test_api_server_count_flag():
 
 def test_step_cost_gauges_follow_the_engine():
     """The engine's measured step costs (``StepStats.cost_drift`` / ``price_scales``) become two labelled gauges,
-    each appearing once the engine has measured that kind, and its survival factor a third once reported; a gate the
-    engine reports closed counts whatever the previous step drafted."""
+    each appearing once the engine has measured that kind; a gate the engine reports closed counts whatever the
+    previous step drafted."""
     from optimized.sequence import StepStats
     from optimized.serving.metrics import ServerMetrics
 
@@ -463,19 +463,13 @@ def test_step_cost_gauges_follow_the_engine():
                    drafted=True, verified=[0], accepted=[0], predicted_survival=[[]], request_ids=[0],
                    gate_closed=True, cost_drift={"plain": 0.25, "speculative": None},
                    price_scales={"plain": 1.25, "speculative": 1.0})
-    assert m.registry.get_sample_value("dspark:survival_scale", {"model_name": "m"}) is None
     m.observe_step(st)
-    assert m.registry.get_sample_value("dspark:survival_scale", {"model_name": "m"}) is None, "not reported"
-    st.survival_scale = 0.8
-    m.observe_step(st)
-    assert m.registry.get_sample_value("dspark:survival_scale", {"model_name": "m"}) == 0.8
     assert value("dspark:step_cost_drift", "plain") == 0.25
     assert value("dspark:step_cost_drift", "speculative") is None, "not measured yet"
     assert value("dspark:step_cost_scale", "plain") == 1.25
-    assert m.registry.get_sample_value("dspark:draft_gate_closed_steps_total") == 2  # both steps reported closed
+    assert m.registry.get_sample_value("dspark:draft_gate_closed_steps_total") == 1
     merged = ServerMetrics.merged("m", 3, True, [ServerMetrics("m", 3, True).snapshot(), m.snapshot()])
     assert merged.registry.get_sample_value("dspark:step_cost_scale", {"kind": "plain"}) == 1.25
-    assert merged.registry.get_sample_value("dspark:survival_scale", {"model_name": "m"}) == 0.8
 
 
 def test_a_body_that_stops_arriving_gets_a_408_and_a_whole_one_is_untouched():
