@@ -175,21 +175,10 @@ class StaticBuffers:
         return {"input_ids": self.input_ids, "positions": self.positions, "token_slot": self.token_slot,
                 "cu": self.cu, "kv_lens": self.kv_lens, "slot_ids": self.slot_ids}
 
-    def load_draft(self, anchor_ids: Tensor, anchor_pos: Tensor, slots: Tensor, r_pad: int,
-                   temperature: Tensor | None = None, request_ids: Tensor | None = None) -> None:
-        """Rows past R become padding: slot -1 (trash), anchor 0 at position 0, greedy, request 0."""
-        r = anchor_ids.shape[0]
-        self.anchor_ids[:r].copy_(anchor_ids)
-        self.anchor_pos[:r].copy_(anchor_pos)
-        self.draft_slots[:r].copy_(slots)
-        self.draft_slots[r:r_pad].fill_(-1)
-        self.anchor_pos[r:r_pad].zero_()
-        self.anchor_ids[r:r_pad].zero_()
-        if temperature is not None:  # the sampling head runs inside the draft graph (Markov head)
-            self.draft_temperature[:r].copy_(temperature)
-            self.draft_request_id[:r].copy_(request_ids)
-            self.draft_temperature[r:r_pad].zero_()
-            self.draft_request_id[r:r_pad].zero_()
+    def draft_inputs(self) -> dict[str, Tensor]:
+        """The draft graph's inputs by name, for ``optimized.kernels.layout.draft_load`` to fill in place."""
+        return {"anchor_ids": self.anchor_ids, "anchor_pos": self.anchor_pos, "draft_slots": self.draft_slots,
+                "draft_temperature": self.draft_temperature, "draft_request_id": self.draft_request_id}
 
 
 class PrefillBuffers:

@@ -45,9 +45,9 @@ from optimized.config import EngineConfig
 from optimized.graphs import GraphRunner, PrefillBuffers, StaticBuffers, bucket_sizes, prefill_bucket_sizes
 from optimized.kernels.allocate import allocate_top_b
 from optimized.kernels.draft_head import sample_block
-from optimized.kernels.layout import verify_layout
+from optimized.kernels.layout import draft_load, draft_store, verify_layout
 from optimized.kernels.sampling import sample
-from optimized.kernels.verify import greedy_verify, rejection_sample
+from optimized.kernels.verify import advance_anchors, greedy_verify, rejection_sample
 from optimized.models.drafter import OptimizedDrafter
 from optimized.models.target import OptimizedTarget
 from optimized.ngram import NgramIndex
@@ -440,16 +440,17 @@ class ModelRunner:
         """The verify stage up to its token copy, which is issued without waiting: every launch, no host read. The
         device state the next stage needs (each request's anchor and its position) is updated on the device."""
         decoding, dev, g = plan.decoding, self.device, self.gamma
-        rows = torch.tensor([s.slot for s in decoding], dtype=torch.long, device=dev)  # [R] slot of each row
         r = len(decoding)
+        slots = [s.slot for s in decoding]
         if plan.budget is not None:  # ℓ = top-B of the current survivals, on the device
+            rows = torch.tensor(slots, dtype=torch.long, device=dev)  # [R] slot of each row
             lens = allocate_top_b(self.survival, plan.budget, self.config.kernel_backend, rows=rows)  # [R]
             if self.hybrid is not None:  # top-B may reach an n-gram block's zero survivals past its m
                 lens = torch.minimum(lens, self.proposal_cap[rows])
-        elif plan.mode is SchedulingMode.NONE:
-            lens = torch.zeros(r, dtype=torch.long, device=dev)  # [R]
-        else:
-            lens = torch.tensor(plan.lengths, dtype=torch.long, device=dev)  # [R] known to the host
+        else:  # ℓ known to the host (0 for plain decoding): one upload with the slots
+            known = plan.lengths if plan.lengths is not None else [0] * r
+            both = torch.tensor(slots + list(known), dtype=torch.long, device=dev)  # [2R]
+            rows, lens = both[:r], both[r:]  # [R] slot of each row, [R] ℓ
         n_tokens = plan.num_verify_tokens
         plain = bool(self.context_lag) and plan.mode is SchedulingMode.NONE  # the target alone, features parked
         graphs = self.plain_graphs if plain else self.verify_graphs
@@ -464,33 +465,38 @@ class ModelRunner:
         b = self.buffers
         verify_layout(rows, lens, self.anchor, self.anchor_pos, self.draft_tokens, n_pad, b.layout(),
                       backend=self.config.kernel_backend)
-        cu = b.cu[: r + 1].long()  # [R+1]
         slot_of = b.token_slot[:n_pad]  # [N_pad] slot of each packed token, -1 for padding
         (logits,) = graphs.run(n_pad)  # [N_pad, V]; also appends (or parks) drafter context (see _capture_graphs)
-        # Row j of request r is packed token cu[r] + j. Rows past ℓ_r repeat row ℓ_r (the verifier never reads
-        # them), so the verifier's [R, γ+1, ...] layout is one gather, and nothing is zero-filled or scattered.
-        j = torch.arange(g + 1, device=dev)
-        src = cu[:r, None] + torch.minimum(j[None, :], lens[:, None])  # [R, γ+1] packed row of each (r, j)
+
+        def packed_rows() -> torch.Tensor:
+            """[R, γ+1] the packed row of each (r, j): row j of request r is packed token cu[r] + j. Rows past ℓ_r
+            repeat row ℓ_r (the verifier never reads them), so the verifier's [R, γ+1, ...] layout is one gather,
+            and nothing is zero-filled or scattered."""
+            j = torch.arange(g + 1, device=dev)
+            return b.cu[:r, None].long() + torch.minimum(j[None, :], lens[:, None])
+
         want = extra_logprob_rows(decoding)
         asked = any(s.params.logprobs for s in decoding)  # log p_t is computed only for a request that reads it
-        logp = None
+        logp, moved = None, False  # moved: the anchors were advanced by the verify kernel itself
         if not want and all(s.params.temperature == 0 for s in decoding):
             # Every request greedy: p_t is the one-hot of the argmax, with which rejection sampling accepts a draft
             # iff it is the argmax and otherwise draws the argmax (uniforms lie in (0, 1)), and log p_t of every
             # emitted token is log 1 = 0. Verify from the logits directly: no softmax, no one-hot, the same tokens.
-            if g:  # read in place from the packed rows: row (r, j) is packed row cu[r] + j
+            if g:  # read in place from the packed rows (row (r, j) is packed row cu[r] + j); the anchors move in
+                # the same kernel
+                moved = True
                 result = greedy_verify(self.draft_tokens[rows], lens, logits, backend=self.config.kernel_backend,
-                                       row_starts=b.cu[: r + 1])
+                                       row_starts=b.cu[: r + 1], anchors=(self.anchor, self.anchor_pos, rows))
                 emitted, n_emitted = result.tokens, result.num_emitted
             else:
-                emitted = logits[src[:, 0]].argmax(dim=-1, keepdim=True)  # [R, 1] lowest index on ties, as the race
+                emitted = logits[packed_rows()[:, 0]].argmax(dim=-1, keepdim=True)  # [R, 1] lowest index on ties
                 n_emitted = torch.ones(r, dtype=torch.long, device=dev)
             if asked:
                 logp = torch.zeros(emitted.shape, dtype=torch.float32, device=dev)  # [R, E]
         else:
             # p_t at every verified position, laid out [R, γ+1, V] for the verifier.
             probs = self._target_probs(logits, slot_of, decoding)  # [N_pad, V]
-            target_probs = probs[src]  # [R, γ+1, V]
+            target_probs = probs[packed_rows()]  # [R, γ+1, V]
             if g:
                 result = rejection_sample(self.draft_tokens[rows], lens, self.draft_probs[rows], target_probs,
                                           self.config.seed, self.request_id[rows], self.anchor_pos[rows],
@@ -507,11 +513,10 @@ class ModelRunner:
         top = None
         if want:  # raw log-probabilities / alternatives, from the same packed logits rows as p_t
             idx = torch.tensor(want, device=dev)
-            logp, top = extra_logprobs(decoding, want, logits[src[idx, :e]], target_probs[idx, :e], emitted, logp)
-        # The next anchor: the last emitted token, one position past the accepted prefix.
-        last = emitted.gather(1, (n_emitted - 1)[:, None])[:, 0]
-        self.anchor[rows] = last
-        self.anchor_pos[rows] += n_emitted
+            logp, top = extra_logprobs(decoding, want, logits[packed_rows()[idx, :e]], target_probs[idx, :e], emitted,
+                                       logp)
+        if not moved:  # the next anchor: the last emitted token, one position past the accepted prefix
+            advance_anchors(emitted, n_emitted, self.anchor, self.anchor_pos, rows)
         if plan.mode is SchedulingMode.ORACLE:
             lens = torch.clamp(n_emitted, max=g)  # verify exactly the accepted prefix + the rejected slot
         # The one host read per step — emitted tokens drive finishing, streaming and stop strings — issued without
@@ -591,13 +596,15 @@ class ModelRunner:
         rows = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
         r = len(seqs)
         r_pad = self.draft_graphs.padded(r)
+        backend = self.config.kernel_backend
         if self.head_in_graph:  # the graph writes p_d straight into the slots' rows of self.draft_probs
-            self.buffers.load_draft(self.anchor[rows], self.anchor_pos[rows], rows.to(torch.int32), r_pad,
-                                    self.temperature[rows], self.request_id[rows])
+            draft_load(rows, self.anchor, self.anchor_pos, self.temperature, self.request_id, r_pad,
+                       self.buffers.draft_inputs(), backend=backend)
             tokens, _, survival = self.draft_graphs.run(r_pad)
             tokens, survival = tokens[:r], survival[:r]  # [R, γ] each
         else:
-            self.buffers.load_draft(self.anchor[rows], self.anchor_pos[rows], rows.to(torch.int32), r_pad)
+            draft_load(rows, self.anchor, self.anchor_pos, None, None, r_pad, self.buffers.draft_inputs(),
+                       backend=backend)
             (h,) = self.draft_graphs.run(r_pad)  # [R_pad, γ, d]
             out = sample_block(self.ref_drafter, h[:r], self.anchor[rows], self.anchor_pos[rows],
                                self.temperature[rows], self.config.seed, self.request_id[rows],
@@ -605,9 +612,9 @@ class ModelRunner:
             tokens = out.tokens
             self.draft_probs[rows] = out.probs  # [R, γ, V]
             survival = self._survival(out.conf_logits, self.temperature[rows])
-        self.draft_tokens[rows] = tokens
-        self.draft_onehot[rows] = self.temperature[rows] == 0  # a greedy draft's p_d is the one-hot of its token
-        self.survival[rows] = survival
+        # Into the slots: the drafts, their survivals, and that a greedy draft's p_d is the one-hot of its token.
+        draft_store(rows, tokens, survival, self.temperature, self.draft_tokens, self.draft_onehot, self.survival,
+                    backend=backend)
         host = survival.to("cpu", non_blocking=not blocking)  # sync: only when blocking (staleness 0)
         if dev.type == "cuda" and not blocking:
             self._drafts_copied = torch.cuda.Event()

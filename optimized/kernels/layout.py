@@ -167,3 +167,129 @@ def verify_layout(rows: Tensor, lens: Tensor, anchor: Tensor, anchor_pos: Tensor
         r, n_pad, m, draft_tokens.shape[1],
         BLOCK_R=block_r, BLOCK_T=block_t, num_warps=4,
     )
+
+
+# --------------------------------------------------------------------------- the drafter stage's inputs and outputs
+#
+# The drafter stage of R requests (``ModelRunner.draft``) gathers each request's anchor, position, temperature and
+# request id from its slot into the draft graph's static inputs (padding rows R..R_pad-1: slot -1, anchor 0 at
+# position 0, greedy, request 0), and afterwards scatters the graph's drafts and survivals back into the slots, with
+# the flag that a greedy slot's p_d is the one-hot of its draft. In torch that is about fifteen launches at batch 1
+# (a gather, a copy and a fill per input; a scatter per output), each a few microseconds of host time on a step that
+# is host-bound there; here it is one launch each way.
+
+
+def draft_load_torch(rows: Tensor, anchor: Tensor, anchor_pos: Tensor, temperature: Tensor | None,
+                     request_id: Tensor | None, r_pad: int, out: dict[str, Tensor]) -> None:
+    """The definition: rows 0..R-1 of the draft inputs from the slots ``rows``, rows R..``r_pad``-1 padding."""
+    r = rows.shape[0]
+    out["anchor_ids"][:r].copy_(anchor[rows])
+    out["anchor_pos"][:r].copy_(anchor_pos[rows])
+    out["draft_slots"][:r].copy_(rows)
+    out["draft_slots"][r:r_pad].fill_(-1)
+    out["anchor_pos"][r:r_pad].zero_()
+    out["anchor_ids"][r:r_pad].zero_()
+    if temperature is not None:
+        out["draft_temperature"][:r].copy_(temperature[rows])
+        out["draft_request_id"][:r].copy_(request_id[rows])
+        out["draft_temperature"][r:r_pad].zero_()
+        out["draft_request_id"][r:r_pad].zero_()
+
+
+def draft_store_torch(rows: Tensor, tokens: Tensor, survival: Tensor, temperature: Tensor, draft_tokens: Tensor,
+                      draft_onehot: Tensor, survival_slots: Tensor) -> None:
+    """The definition: each request's drafts and survivals into its slot, and whether its p_d is a one-hot (greedy)."""
+    draft_tokens[rows] = tokens
+    draft_onehot[rows] = temperature[rows] == 0
+    survival_slots[rows] = survival
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _draft_load_kernel(rows_ptr, anchor_ptr, anchor_pos_ptr, temperature_ptr, request_id_ptr,
+                           out_anchor_ptr, out_pos_ptr, out_slots_ptr, out_temp_ptr, out_rid_ptr, r, r_pad,
+                           SAMPLING: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] input rows
+        live = i < r
+        pad = (i >= r) & (i < r_pad)
+        slot = tl.load(rows_ptr + i, mask=live, other=0)  # [BLOCK] int64
+        tl.store(out_anchor_ptr + i, tl.load(anchor_ptr + slot, mask=live, other=0), mask=live | pad)
+        tl.store(out_pos_ptr + i, tl.load(anchor_pos_ptr + slot, mask=live, other=0), mask=live | pad)
+        tl.store(out_slots_ptr + i, tl.where(live, slot, -1).to(tl.int32), mask=live | pad)
+        if SAMPLING:
+            tl.store(out_temp_ptr + i, tl.load(temperature_ptr + slot, mask=live, other=0.0), mask=live | pad)
+            tl.store(out_rid_ptr + i, tl.load(request_id_ptr + slot, mask=live, other=0), mask=live | pad)
+
+    @triton.jit
+    def _draft_store_kernel(rows_ptr, tokens_ptr, stride_t, survival_ptr, stride_s, temperature_ptr,
+                            draft_tokens_ptr, stride_d, onehot_ptr, survival_slots_ptr, stride_ss, gamma,
+                            BLOCK_G: tl.constexpr):
+        i = tl.program_id(0)
+        slot = tl.load(rows_ptr + i)
+        k = tl.arange(0, BLOCK_G)  # [BLOCK_G] draft slots
+        mask = k < gamma
+        tl.store(draft_tokens_ptr + slot * stride_d + k, tl.load(tokens_ptr + i * stride_t + k, mask=mask),
+                 mask=mask)
+        tl.store(survival_slots_ptr + slot * stride_ss + k, tl.load(survival_ptr + i * stride_s + k, mask=mask),
+                 mask=mask)
+        tl.store(onehot_ptr + slot, (tl.load(temperature_ptr + slot) == 0).to(tl.int1))
+
+
+def _draft_backend(rows: Tensor, backend: str) -> str:
+    if backend == "auto":
+        return "triton" if (rows.is_cuda and HAS_TRITON) else "torch"
+    if backend == "triton" and not (HAS_TRITON and (rows.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+        raise ValueError("backend='triton' needs triton and CUDA tensors (or TRITON_INTERPRET=1)")
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"unknown layout backend {backend!r}; choose 'auto', 'triton' or 'torch'")
+    return backend
+
+
+def draft_load(rows: Tensor, anchor: Tensor, anchor_pos: Tensor, temperature: Tensor | None,
+               request_id: Tensor | None, r_pad: int, out: dict[str, Tensor], backend: str = "auto") -> None:
+    """Fill the draft graph's inputs for the requests in slots ``rows`` (:func:`draft_load_torch` defines them).
+
+    Args:
+        rows: ``[R]`` int64 slots (R ≥ 1). anchor, anchor_pos: ``[S]`` int64 per slot. temperature ``[S]`` float32
+            and request_id ``[S]`` int64 per slot, or both None (a head sampled outside the graph: not loaded).
+        r_pad: the draft graph's bucket (≥ R; rows past it are left as they are).
+        out: the static buffers ``anchor_ids``, ``anchor_pos`` ``[≥ r_pad]`` int64, ``draft_slots`` int32,
+            ``draft_temperature`` float32 and ``draft_request_id`` int64.
+        backend: ``"triton"`` (CUDA, or the interpreter), ``"torch"``, or ``"auto"`` (Triton on CUDA).
+    """
+    r = rows.shape[0]
+    if r < 1 or r_pad < r or out["anchor_ids"].shape[0] < r_pad or (temperature is None) != (request_id is None):
+        raise ValueError(f"need 1 ≤ R ≤ r_pad ≤ {out['anchor_ids'].shape[0]} and temperature and request_id both "
+                         f"given or both None, got R = {r}, r_pad = {r_pad}")
+    if _draft_backend(rows, backend) == "torch":
+        draft_load_torch(rows, anchor, anchor_pos, temperature, request_id, r_pad, out)
+        return
+    sampling = temperature is not None
+    block = min(triton.next_power_of_2(r_pad), 256)
+    _draft_load_kernel[(triton.cdiv(r_pad, block),)](
+        rows.contiguous(), anchor, anchor_pos, temperature if sampling else anchor, request_id if sampling else anchor,
+        out["anchor_ids"], out["anchor_pos"], out["draft_slots"], out["draft_temperature"], out["draft_request_id"],
+        r, r_pad, SAMPLING=sampling, BLOCK=block,
+    )
+
+
+def draft_store(rows: Tensor, tokens: Tensor, survival: Tensor, temperature: Tensor, draft_tokens: Tensor,
+                draft_onehot: Tensor, survival_slots: Tensor, backend: str = "auto") -> None:
+    """Scatter the drafter stage's ``tokens`` ``[R, γ]`` int64 and ``survival`` ``[R, γ]`` float32 into the slots
+    ``rows`` of ``draft_tokens`` / ``survival_slots`` ``[S, γ]``, and ``draft_onehot[slot] = temperature[slot] == 0``
+    (:func:`draft_store_torch` defines it). Slots must be distinct."""
+    r, gamma = tokens.shape
+    if r < 1 or rows.shape != (r,) or survival.shape != (r, gamma):
+        raise ValueError(f"need R ≥ 1 slots for [R, γ] tokens and survivals, got rows {tuple(rows.shape)}, tokens "
+                         f"{tuple(tokens.shape)}, survival {tuple(survival.shape)}")
+    if _draft_backend(rows, backend) == "torch":
+        draft_store_torch(rows, tokens, survival, temperature, draft_tokens, draft_onehot, survival_slots)
+        return
+    if tokens.stride(1) != 1 or survival.stride(1) != 1 or draft_tokens.stride(1) != 1 or survival_slots.stride(1) != 1:
+        raise ValueError("draft_store needs the γ axis contiguous in every [.., γ] tensor")
+    _draft_store_kernel[(r,)](
+        rows.contiguous(), tokens, tokens.stride(0), survival, survival.stride(0), temperature,
+        draft_tokens, draft_tokens.stride(0), draft_onehot, survival_slots, survival_slots.stride(0), gamma,
+        BLOCK_G=triton.next_power_of_2(gamma),
+    )

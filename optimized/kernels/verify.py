@@ -62,7 +62,7 @@ from optimized.kernels.sampling import hash_uniform, sample
 from reference.sampling import Purpose
 from reference.verify import PAD_TOKEN, VerifyResult, assemble_result, check_block_shapes
 
-__all__ = ["VerifyResult", "greedy_verify", "rejection_sample"]
+__all__ = ["VerifyResult", "advance_anchors", "greedy_verify", "rejection_sample"]
 
 # Vocabulary tile of the greedy argmax: as RACE_BLOCK_V (1024 fp32 lanes per step, 4 warps), not yet swept.
 ARGMAX_BLOCK_V = 1024
@@ -427,14 +427,19 @@ def _greedy_verify_reduce_kernel(
     verify_lens_ptr,  # [R] int64 ℓ in 0..γ
     part_value_ptr,  # [R·(γ+1), NB] fp32 chunk partials
     part_index_ptr,  # [R·(γ+1), NB] int64
+    anchor_ptr,  # [S] int64 in/out when ANCHOR: each slot's anchor token
+    anchor_pos_ptr,  # [S] int64 in/out when ANCHOR: its position
+    slots_ptr,  # [R] int64 when ANCHOR: the slot of each request (distinct)
     gamma,  # γ
     NB,  # chunks per row
     BLOCK_NB: tl.constexpr,  # next power of two >= NB
     BLOCK_G: tl.constexpr,  # next power of two >= γ + 1
+    ANCHOR: tl.constexpr,  # also move each request's anchor: the last emitted token, n + 1 positions on
 ):
     """One program per request: row j's argmax from its chunk partials (the largest value, the lowest index among
     the chunks that hold it: the whole-row fold's answer, chunks being ascending and each holding its lowest
-    index), then the accept scan, which reads row j only while rows 0..j-1 all matched."""
+    index), then the accept scan, which reads row j only while rows 0..j-1 all matched; with ``ANCHOR``, the
+    request's slot gets its next anchor (each slot belongs to one request: no two programs write one slot)."""
     row = tl.program_id(0).to(tl.int64)
     ell = tl.load(verify_lens_ptr + row)
     n = ell * 0
@@ -454,6 +459,18 @@ def _greedy_verify_reduce_kernel(
             n += matched.to(tl.int64)
             alive = matched
     _store_result(tokens_ptr, num_accepted_ptr, num_emitted_ptr, draft_tokens_ptr, row, gamma, n, last, BLOCK_G)
+    if ANCHOR:
+        slot = tl.load(slots_ptr + row)
+        tl.store(anchor_ptr + slot, last.to(tl.int64))
+        tl.store(anchor_pos_ptr + slot, tl.load(anchor_pos_ptr + slot) + n.to(tl.int64) + 1)
+
+
+def advance_anchors(tokens: Tensor, num_emitted: Tensor, anchor: Tensor, anchor_pos: Tensor, slots: Tensor) -> None:
+    """The next anchor of each verified request, in place: ``anchor[slots[r]]`` = its last emitted token
+    (``tokens[r, τ_r - 1]``), ``anchor_pos[slots[r]] += τ_r`` (``num_emitted``). The torch definition of
+    :func:`greedy_verify`'s ``anchors=`` update; the runner applies it after :func:`rejection_sample` too."""
+    anchor[slots] = tokens.gather(1, (num_emitted - 1)[:, None])[:, 0]  # [R]
+    anchor_pos[slots] += num_emitted
 
 
 def _greedy_verify_torch(draft_tokens: Tensor, verify_lens: Tensor, target_logits: Tensor) -> VerifyResult:
@@ -483,7 +500,7 @@ def _check_row_starts(row_starts: Tensor, R: int, target_logits: Tensor) -> None
 
 def greedy_verify(
     draft_tokens: Tensor, verify_lens: Tensor, target_logits: Tensor, backend: str = "auto", *,
-    row_starts: Tensor | None = None,
+    row_starts: Tensor | None = None, anchors: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> VerifyResult:
     """Greedy verification (accept while ``x_k == argmax p_t_k``); twin of ``reference.verify.greedy_verify``.
 
@@ -503,6 +520,9 @@ def greedy_verify(
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         row_starts: ``[R]`` or ``[R+1]`` (the layout's ``cu``; the last entry is not read) int32/int64 device tensor,
             the packed row of each request's row 0; ``row_starts[r] + ℓ_r < N`` is not checked (a host sync).
+        anchors: ``(anchor [S], anchor_pos [S], slots [R])`` int64 device tensors, slots distinct: also move each
+            request's anchor in place, as :func:`advance_anchors` does (the Triton path in the same kernel, no
+            launch of its own).
 
     Returns:
         :class:`reference.verify.VerifyResult`.
@@ -520,10 +540,24 @@ def greedy_verify(
             j = torch.arange(gamma + 1, device=dev)  # [γ+1]
             src = row_starts[:R, None].long() + torch.minimum(j[None, :], verify_lens[:, None])  # [R, γ+1]
             target_logits = target_logits[src]  # [R, γ+1, V] rows past ℓ_r repeat row ℓ_r (never decide)
-        return _greedy_verify_torch(draft_tokens, verify_lens, target_logits)
-    out = _empty_result(R, gamma, dev)
-    if R == 0:
+        out = _greedy_verify_torch(draft_tokens, verify_lens, target_logits)
+        if anchors is not None:
+            advance_anchors(out.tokens, out.num_emitted, *anchors)
         return out
+    if R == 0:
+        return _empty_result(R, gamma, dev)
+    # Uninitialised: the reduce kernel writes every row of all three (no fill launches).
+    out = VerifyResult(tokens=torch.empty(R, gamma + 1, dtype=torch.int64, device=dev),
+                       num_accepted=torch.empty(R, dtype=torch.int64, device=dev),
+                       num_emitted=torch.empty(R, dtype=torch.int64, device=dev))
+    if anchors is not None:
+        anchor, anchor_pos, slots = anchors
+        if not (anchor.dtype == anchor_pos.dtype == slots.dtype == torch.int64 and slots.shape == (R,)
+                and anchor.is_contiguous() and anchor_pos.is_contiguous()):
+            raise ValueError("anchors must be contiguous int64 (anchor [S], anchor_pos [S]) and int64 slots [R]")
+        slots = slots.contiguous()
+    else:
+        anchor = anchor_pos = slots = out.num_accepted  # placeholders, never read (ANCHOR=False)
     logits = target_logits if target_logits.stride(-1) == 1 else target_logits.contiguous()
     V = logits.shape[-1]
     if row_starts is None:  # [R, γ+1, V]
@@ -539,7 +573,7 @@ def greedy_verify(
     )
     _greedy_verify_reduce_kernel[(R,)](
         out.tokens, out.num_accepted, out.num_emitted, draft_tokens.contiguous(), verify_lens.contiguous(),
-        part_value, part_index, gamma, nb,
-        BLOCK_NB=triton.next_power_of_2(nb), BLOCK_G=triton.next_power_of_2(gamma + 1),
+        part_value, part_index, anchor, anchor_pos, slots, gamma, nb,
+        BLOCK_NB=triton.next_power_of_2(nb), BLOCK_G=triton.next_power_of_2(gamma + 1), ANCHOR=anchors is not None,
     )
     return out

@@ -115,3 +115,61 @@ def test_layout_rejects_bad_sizes():
         verify_layout(rows, lens, anchor, anchor_pos, drafts, n_pad, buffers(4, n_pad - 1), backend="torch")
     with pytest.raises(ValueError, match="rows"):
         verify_layout(rows, lens, anchor, anchor_pos, drafts, n_pad, buffers(2, n_pad), backend="torch")
+
+
+# --------------------------------------------------------------------------- the drafter stage's inputs and outputs
+
+
+def draft_buffers(max_rows: int) -> dict[str, torch.Tensor]:
+    """The draft graph's static inputs, pre-filled with junk that the load must overwrite up to r_pad."""
+    return {"anchor_ids": torch.full((max_rows,), 77), "anchor_pos": torch.full((max_rows,), 77),
+            "draft_slots": torch.full((max_rows,), 77, dtype=torch.int32),
+            "draft_temperature": torch.full((max_rows,), 7.0), "draft_request_id": torch.full((max_rows,), 77)}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("r,r_pad", [(1, 1), (3, 4), (5, 8), (16, 16)])
+@pytest.mark.parametrize("sampling", [True, False])
+def test_draft_load_matches_torch(r, r_pad, sampling):
+    """The one-launch load writes exactly the torch definition's inputs: the slots' anchors, positions (and, for a
+    head sampled in the graph, temperatures and request ids), padding rows up to r_pad, nothing past it."""
+    from optimized.kernels.layout import draft_load
+
+    g = torch.Generator().manual_seed(r * 10 + r_pad)
+    S = 20
+    rows = torch.randperm(S, generator=g)[:r]  # [R] int64 distinct slots
+    anchor, anchor_pos = torch.randint(0, 1000, (S,), generator=g), torch.randint(0, 500, (S,), generator=g)
+    temperature = torch.rand(S, generator=g) * (torch.rand(S, generator=g) > 0.5)  # greedy and sampled slots
+    request_id = torch.randint(0, 10**6, (S,), generator=g)
+    per_slot = (temperature, request_id) if sampling else (None, None)
+    want, got = draft_buffers(24), draft_buffers(24)
+    draft_load(rows, anchor, anchor_pos, *per_slot, r_pad, want, backend="torch")
+    draft_load(rows, anchor, anchor_pos, *per_slot, r_pad, got, backend="triton")
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert int(want["draft_slots"][r_pad:].eq(77).all()) and int(want["draft_slots"][r:r_pad].eq(-1).all())
+
+
+@needs_interpreter
+@pytest.mark.parametrize("r,gamma", [(1, 7), (6, 4)])
+def test_draft_store_matches_torch(r, gamma):
+    """The one-launch store scatters the drafts and survivals into their slots and flags the greedy slots' one-hot
+    p_d, exactly as the torch definition; every other slot is untouched."""
+    from optimized.kernels.layout import draft_store
+
+    g = torch.Generator().manual_seed(r + gamma)
+    S = 12
+    rows = torch.randperm(S, generator=g)[:r]
+    tokens = torch.randint(0, 1000, (r, gamma), generator=g)
+    survival = torch.rand(r, gamma, generator=g)
+    temperature = torch.rand(S, generator=g) * (torch.arange(S) % 2)  # even slots greedy
+    outs = []
+    for backend in ("torch", "triton"):
+        slots_tokens, onehot = torch.full((S, gamma), -5), torch.zeros(S, dtype=torch.bool)
+        slots_survival = torch.full((S, gamma), -1.0)
+        onehot[S - 1] = True  # a flag left from an earlier draft: kept where no request writes
+        draft_store(rows, tokens, survival, temperature, slots_tokens, onehot, slots_survival, backend=backend)
+        outs.append((slots_tokens, onehot, slots_survival))
+    for want, got in zip(*outs):
+        assert torch.equal(got, want)
+    assert torch.equal(outs[0][0][rows], tokens) and torch.equal(outs[0][1][rows], temperature[rows] == 0)

@@ -325,6 +325,29 @@ def test_greedy_verify_packed_triton_matches_torch(dtype):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("R,gamma,V", [(1, 7, 97), (6, 4, 130)])
+def test_greedy_verify_moves_the_anchors(backend, R, gamma, V):
+    """``anchors=(anchor, anchor_pos, slots)``: each request's slot gets its last emitted token and moves τ positions
+    on, in the verify kernel itself (Triton) or by ``advance_anchors`` (torch), the same result; other slots keep
+    theirs, and the verification result is unchanged."""
+    drafts, lens, logits = make_greedy_case(R, gamma, V, torch.float32, seed=3 * R + gamma, full_row=True)
+    packed, cu = pack_logits(lens, logits, seed=R)
+    S = 2 * R + 3
+    slots = torch.randperm(S, generator=torch.Generator().manual_seed(R))[:R].to(DEVICE)  # [R] distinct
+    anchor = torch.arange(S, dtype=torch.int64, device=DEVICE) + 1000  # [S]
+    anchor_pos = torch.arange(S, dtype=torch.int64, device=DEVICE) * 10  # [S]
+    want = ref.greedy_verify(drafts.cpu(), lens.cpu(), logits.cpu())
+    want_anchor, want_pos = anchor.clone(), anchor_pos.clone()
+    for r in range(R):
+        tau = int(want.num_emitted[r])
+        want_anchor[slots[r]] = int(want.tokens[r, tau - 1])
+        want_pos[slots[r]] += tau
+    got = fast.greedy_verify(drafts, lens, packed, backend=backend, row_starts=cu, anchors=(anchor, anchor_pos, slots))
+    assert_same(got, want)
+    assert torch.equal(anchor, want_anchor) and torch.equal(anchor_pos, want_pos)
+
+
 @needs_triton
 @pytest.mark.filterwarnings("ignore:All-NaN slice")  # the interpreter's max over the NaN rows nobody reads
 def test_greedy_verify_ties_across_chunks_and_rows_after_a_mismatch():
