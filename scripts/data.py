@@ -23,6 +23,9 @@ Sources:
 * **GSM8K** (github.com/openai/grade-school-math, MIT; its ``train.jsonl``, 7,473 grade-school math problems): real
   math questions for self-distillation (``gsm8k-prompts``; the training split only, since Spec-Bench's math task
   is drawn from GSM8K's test split).
+* **Tasks over a given text** (``context-prompts``): summarization, question answering over a text, and translation
+  prompts built around texts from ShareGPT's *training* conversations (:func:`context_prompts`), so that the drafter
+  also learns answers that copy from their input.
 * **Spec-Bench** (github.com/hemingkx/Spec-Bench, Apache-2.0; its ``data/spec_bench/question.jsonl``, 480
   questions): a public speculative-decoding benchmark whose tasks copy from their input to different degrees —
   multi-turn conversation (MT-Bench), translation (WMT14 German→English), summarization (CNN/DailyMail), question
@@ -36,6 +39,7 @@ Command line::
     python scripts/data.py eval-prompts --out eval_prompts.jsonl --n-per-domain 50
     python scripts/data.py eval-tasks --spec-bench question.jsonl --out docs/benchmarks/eval_tasks.jsonl
     python scripts/data.py gsm8k-prompts --gsm8k grade_school_math/data/train.jsonl --out data/gsm8k_train.jsonl
+    python scripts/data.py context-prompts --out data/context_prompts.jsonl
 """
 
 from __future__ import annotations
@@ -357,6 +361,115 @@ def load_gsm8k_train(path: str | Path) -> list[Prompt]:
     return prompts
 
 
+# --------------------------------------------------------------------------- tasks over a given text
+
+
+# The drafter learns from the target's answers to its training prompts; a drafter trained on chat answers alone is
+# weak exactly where an answer copies its input (summaries, answers over a given context, translations that keep
+# names and numbers). These prompts put a text from a ShareGPT conversation (its training side only) in front of an
+# instruction that makes the answer draw on it. Each template is used in turn, so every instruction shape appears.
+SUMMARY_TEMPLATES = (
+    "Summarize the following text in a few sentences.\n\n{text}",
+    "Write a short summary of the text below.\n\n{text}",
+    "{text}\n\nSummarize the text above in one paragraph.",
+    "Give me the key points of this text as a bulleted list:\n\n{text}",
+)
+CONTEXT_TEMPLATES = (
+    "Read the following text and list every name, date and number it mentions.\n\n{text}",
+    "Here is a text:\n\n{text}\n\nWhat is its main point? Quote the sentence that states it.",
+    "Rewrite the following text to be clearer and more concise, keeping all of its facts.\n\n{text}",
+    "Correct any spelling and grammar mistakes in the following text and return the corrected text.\n\n{text}",
+    "Based only on the text below, answer: what does it describe, and what does it recommend?\n\n{text}",
+)
+TRANSLATE_TEMPLATE = "Translate the following text into {language}.\n\n{text}"
+TARGET_LANGUAGES = ("French", "German", "Spanish", "Chinese", "Japanese", "Korean", "Italian", "Portuguese")
+CONTEXT_TASKS = ("summarization", "context_qa", "translation")
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+def context_prompts(path: str | Path | None = None, *, per_task: int = 2000, min_words: int = 120,
+                    max_words: int = 1200, translate_words: tuple[int, int] = (25, 200), seed: int = 0,
+                    limit: int | None = None) -> list[Prompt]:
+    """Prompts whose answers draw on a text they contain, built from the *training* side of ShareGPT.
+
+    Every turn (human or assistant) of a conversation that :func:`is_held_out` keeps for training, whose first human
+    turn is not math-like (those are all held out) and that holds no code block, is a candidate text. English texts
+    of ``min_words``..``max_words`` words become summarization and context-QA prompts (the templates above, in turn);
+    shorter English texts (``translate_words``) become translations into one of :data:`TARGET_LANGUAGES`, and
+    non-English human turns of that length translations into English. Each text is used once; the candidates are
+    taken in a seeded hash order (stable across runs and machines), up to ``per_task`` per task.
+
+    Args:
+        path: a ShareGPT JSON file, as :func:`load_sharegpt`. limit: read at most this many records.
+
+    Returns:
+        Prompts with domains ``summarization``, ``context_qa`` and ``translation``, in that order.
+    """
+    path = Path(path) if path is not None else sharegpt_path()
+    if not path.is_file():
+        raise FileNotFoundError(f"ShareGPT file {path} does not exist")
+    long_texts, short_english, foreign = [], [], []
+    records = 0
+    for record in iter_json_array(_read_text(path)):
+        if limit is not None and records >= limit:
+            break
+        records += 1
+        if not isinstance(record, dict) or "id" not in record:
+            continue
+        rid = str(record["id"])
+        first = first_human_turn(record)
+        if is_held_out(rid) or not first or looks_like_math(first):
+            continue
+        for i, turn in enumerate(record.get("conversations") or []):
+            text = turn.get("value") if isinstance(turn, dict) else None
+            if not isinstance(text, str) or "```" in text or not text.strip():
+                continue
+            text, n = text.strip(), _words(text)
+            key = hashlib.sha1(f"{seed}:{rid}:{i}".encode()).hexdigest()
+            if is_english(text):
+                if min_words <= n <= max_words:
+                    long_texts.append((key, rid, i, text))
+                elif translate_words[0] <= n <= translate_words[1]:
+                    short_english.append((key, rid, i, text))
+            elif turn.get("from") == "human" and translate_words[0] <= n <= translate_words[1]:
+                foreign.append((key, rid, i, text))
+    long_texts.sort()
+    summary, context = long_texts[0::2][:per_task], long_texts[1::2][:per_task]
+    out = [Prompt(id=f"sharegpt-context/{rid}/{i}/summarization", domain="summarization",
+                  prompt=SUMMARY_TEMPLATES[n % len(SUMMARY_TEMPLATES)].format(text=text))
+           for n, (_, rid, i, text) in enumerate(summary)]
+    out += [Prompt(id=f"sharegpt-context/{rid}/{i}/context_qa", domain="context_qa",
+                   prompt=CONTEXT_TEMPLATES[n % len(CONTEXT_TEMPLATES)].format(text=text))
+            for n, (_, rid, i, text) in enumerate(context)]
+    # Translations: half from foreign human turns into English (as many as there are), the rest from English.
+    foreign.sort()
+    short_english.sort()
+    into_english = foreign[:per_task // 2]
+    from_english = short_english[:per_task - len(into_english)]
+    out += [Prompt(id=f"sharegpt-context/{rid}/{i}/translation", domain="translation",
+                   prompt=TRANSLATE_TEMPLATE.format(language="English", text=text))
+            for _, rid, i, text in into_english]
+    out += [Prompt(id=f"sharegpt-context/{rid}/{i}/translation", domain="translation",
+                   prompt=TRANSLATE_TEMPLATE.format(language=TARGET_LANGUAGES[n % len(TARGET_LANGUAGES)], text=text))
+            for n, (_, rid, i, text) in enumerate(from_english)]
+    counts = {t: sum(p.domain == t for p in out) for t in CONTEXT_TASKS}
+    log.info("ShareGPT %s: %d records, %d long English texts, %d short English, %d non-English human turns; "
+             "prompts %s", path.name, records, len(long_texts), len(short_english), len(foreign), counts)
+    return out
+
+
+def write_prompts(path: str | Path, prompts: list[Prompt]) -> None:
+    """Write prompts as JSONL lines ``{"prompt", "domain", "id"}`` (what make_dataset --prompts-file reads)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p.prompt, "domain": p.domain, "id": p.id}, ensure_ascii=False) + "\n")
+
+
 def read_prompt_file(path: str | Path) -> list[Prompt]:
     """Read a JSONL prompt file (``{"prompt": str, "domain": str?, "id": str?}`` per line); bad lines fail."""
     from reference.cli import read_jsonl
@@ -390,6 +503,15 @@ def main(argv: list[str] | None = None) -> int:
                        help="write GSM8K's training problems as JSONL prompts (make_dataset --prompts-file)")
     g.add_argument("--gsm8k", required=True, help="GSM8K's grade_school_math/data/train.jsonl")
     g.add_argument("--out", required=True, help="JSONL path to write")
+    c = sub.add_parser("context-prompts", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="write summarization, context-QA and translation prompts over ShareGPT's training texts "
+                            "as JSONL (make_dataset --prompts-file)")
+    c.add_argument("--sharegpt-file", default=None, help="ShareGPT .json/.json.gz (none: the packaged file)")
+    c.add_argument("--per-task", type=int, default=2000, help="prompts per task at most")
+    c.add_argument("--min-words", type=int, default=120, help="shortest text to summarize or ask about, in words")
+    c.add_argument("--max-words", type=int, default=1200, help="longest such text, in words")
+    c.add_argument("--seed", type=int, default=0, help="seed of the hash order the texts are taken in")
+    c.add_argument("--out", required=True, help="JSONL path to write")
     t = sub.add_parser("eval-tasks", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        help="write the per-task evaluation prompts (Spec-Bench + HumanEval) as JSONL")
     t.add_argument("--spec-bench", required=True,
@@ -413,6 +535,11 @@ def main(argv: list[str] | None = None) -> int:
             for p in prompts:
                 f.write(json.dumps({"prompt": p.prompt, "domain": p.domain, "id": p.id}, ensure_ascii=False) + "\n")
         log.info("wrote %d GSM8K training prompts to %s", len(prompts), args.out)
+    elif args.cmd == "context-prompts":
+        prompts = context_prompts(args.sharegpt_file, per_task=args.per_task, min_words=args.min_words,
+                                  max_words=args.max_words, seed=args.seed)
+        write_prompts(args.out, prompts)
+        log.info("wrote %d prompts to %s", len(prompts), args.out)
     elif args.cmd == "eval-tasks":
         prompts = eval_tasks(args.spec_bench, args.n_code)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

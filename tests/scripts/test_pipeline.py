@@ -194,6 +194,43 @@ def test_gsm8k_training_problems_become_math_prompts_and_the_test_split_is_refus
     assert [p.prompt for p in data.read_prompt_file(tmp_path / "out.jsonl")] == [p.prompt for p in prompts]
 
 
+def test_context_prompts_use_training_texts_only(tmp_path):
+    """context-prompts: long English turns become summarization and context-QA prompts, short ones and non-English
+    human turns translations; held-out conversations, math-like ones and turns with code are never used, each text
+    once, the same prompts on every run."""
+    held = next(f"held{i}" for i in range(10_000) if data.is_held_out(f"held{i}"))
+    train_ids = [f"conv{i}" for i in range(400) if not data.is_held_out(f"conv{i}")][:12]
+    long_text = "The committee met on May 3, 2021 in Geneva and agreed on three measures. " * 20  # 280 words
+    records = [{"id": held, "conversations": [{"from": "human", "value": long_text}]},
+               {"id": train_ids[0], "conversations": [{"from": "human", "value": "Solve 3 + 4 = ? and x^2 = 9, "
+                                                       "calculate the sum " + long_text}]},
+               {"id": train_ids[1], "conversations": [{"from": "human", "value": "```python\n" + long_text + "```"}]}]
+    for rid in train_ids[2:8]:
+        records.append({"id": rid, "conversations": [{"from": "human", "value": "Tell me about the committee."},
+                                                     {"from": "gpt", "value": f"{rid}: " + long_text}]})
+    for rid in train_ids[8:10]:
+        records.append({"id": rid, "conversations": [
+            {"from": "human", "value": "Das Komitee traf sich im Mai in Genf und beschloss drei Maßnahmen für die "
+                                       "Zukunft der Region, über die später berichtet wurde. " * 2 + "äöüß " * 20},
+            {"from": "gpt", "value": f"{rid} " + "The committee met in Geneva and agreed on three measures. " * 3}]})
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(records))
+    prompts = data.context_prompts(path, per_task=10)
+    by_task = {t: [p for p in prompts if p.domain == t] for t in data.CONTEXT_TASKS}
+    assert len(by_task["summarization"]) == 3 and len(by_task["context_qa"]) == 3  # 6 long texts, split in two
+    assert len(by_task["translation"]) == 4  # 2 German human turns into English, 2 short English answers out of it
+    assert sum("into English" in p.prompt for p in by_task["translation"]) == 2
+    ids = [p.id for p in prompts]
+    assert len(set(ids)) == len(ids) and not any(held in i or train_ids[0] in i or train_ids[1] in i for i in ids)
+    assert all(long_text.strip() in p.prompt for p in by_task["summarization"] + by_task["context_qa"])
+    assert data.context_prompts(path, per_task=10) == prompts, "deterministic"
+    assert data.context_prompts(path, per_task=1, seed=1)[0].domain == "summarization"
+    assert data.main(["context-prompts", "--sharegpt-file", str(path), "--per-task", "2", "--out",
+                      str(tmp_path / "ctx.jsonl")]) == 0
+    assert [p.domain for p in data.read_prompt_file(tmp_path / "ctx.jsonl")] == ["summarization"] * 2 + [
+        "context_qa"] * 2 + ["translation"] * 2
+
+
 def test_make_dataset_takes_a_text_prompts_file_but_never_an_evaluation_set(tmp_path):
     """--prompts-file: text prompts chat-templated by the target, the length filter and --limit applied in order;
     a file under docs/benchmarks/ (the evaluation sets) and two prompt sources at once are refused."""
