@@ -155,21 +155,30 @@ def load_sharegpt(path: str | Path | None = None, limit: int | None = None) -> l
     Returns:
         One :class:`Prompt` per record that has a non-empty human turn (domain ``"chat"``).
     """
-    path = Path(path) if path is not None else sharegpt_path()
-    if not path.is_file():
-        raise FileNotFoundError(f"ShareGPT file {path} does not exist")
-    prompts, records = [], 0
-    for record in iter_json_array(_read_text(path)):
-        if limit is not None and records >= limit:
-            break
-        records += 1
-        if not isinstance(record, dict) or "id" not in record:
-            continue
+    path, records, count = sharegpt_records(path, limit)
+    prompts = []
+    for record in records:
         text = first_human_turn(record)
         if text and text.strip():
             prompts.append(Prompt(id=str(record["id"]), prompt=text.strip(), domain="chat"))
-    log.info("ShareGPT %s: %d complete records, %d with a human prompt", path.name, records, len(prompts))
+    log.info("ShareGPT %s: %d complete records, %d with a human prompt", path.name, count, len(prompts))
     return prompts
+
+
+def sharegpt_records(path: str | Path | None = None, limit: int | None = None) -> tuple[Path, list[dict], int]:
+    """The file read (default: the packaged one), its complete records that have an id (in file order), and how many
+    complete records were read (at most ``limit``)."""
+    path = Path(path) if path is not None else sharegpt_path()
+    if not path.is_file():
+        raise FileNotFoundError(f"ShareGPT file {path} does not exist")
+    records, count = [], 0
+    for record in iter_json_array(_read_text(path)):
+        if limit is not None and count >= limit:
+            break
+        count += 1
+        if isinstance(record, dict) and "id" in record:
+            records.append(record)
+    return path, records, count
 
 
 def conversation_key(record_id: str) -> str:
@@ -408,17 +417,9 @@ def context_prompts(path: str | Path | None = None, *, per_task: int = 2000, min
     Returns:
         Prompts with domains ``summarization``, ``context_qa`` and ``translation``, in that order.
     """
-    path = Path(path) if path is not None else sharegpt_path()
-    if not path.is_file():
-        raise FileNotFoundError(f"ShareGPT file {path} does not exist")
+    path, records, count = sharegpt_records(path, limit)
     long_texts, short_english, foreign = [], [], []
-    records = 0
-    for record in iter_json_array(_read_text(path)):
-        if limit is not None and records >= limit:
-            break
-        records += 1
-        if not isinstance(record, dict) or "id" not in record:
-            continue
+    for record in records:
         rid = str(record["id"])
         first = first_human_turn(record)
         if is_held_out(rid) or not first or looks_like_math(first):
@@ -457,7 +458,7 @@ def context_prompts(path: str | Path | None = None, *, per_task: int = 2000, min
             for n, (_, rid, i, text) in enumerate(from_english)]
     counts = {t: sum(p.domain == t for p in out) for t in CONTEXT_TASKS}
     log.info("ShareGPT %s: %d records, %d long English texts, %d short English, %d non-English human turns; "
-             "prompts %s", path.name, records, len(long_texts), len(short_english), len(foreign), counts)
+             "prompts %s", path.name, count, len(long_texts), len(short_english), len(foreign), counts)
     return out
 
 
