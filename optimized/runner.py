@@ -671,7 +671,8 @@ class ModelRunner:
         entry = self._hybrid[seq.slot]
         if entry is None or entry[0] is not seq:
             cfg = self.hybrid.config
-            entry = self._hybrid[seq.slot] = (seq, NgramIndex(cfg.ngram), HybridState(cfg))
+            entry = self._hybrid[seq.slot] = (seq, NgramIndex(cfg.ngram),
+                                              HybridState(cfg, sampling=seq.params.temperature > 0))
         return entry
 
     def draft_hybrid(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int | None]]:

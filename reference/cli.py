@@ -116,6 +116,9 @@ def add_hybrid_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hybrid-prior-accept", type=float, default=HybridConfig.prior_accept,
                    help="hybrid proposer: prior mean of an n-gram slot's conditional acceptance, before the request's "
                         "own verifications (HybridConfig.prior_accept)")
+    p.add_argument("--hybrid-prior-accept-sampling", type=float, default=HybridConfig.prior_accept_sampling,
+                   help="hybrid proposer: the same prior mean for a request that samples (T > 0), whose target seldom "
+                        "continues a verbatim copy (HybridConfig.prior_accept_sampling)")
     p.add_argument("--hybrid-prior-strength", type=float, default=HybridConfig.prior_strength,
                    help="hybrid proposer: pseudo-counts of that prior, α + β of its Beta distribution "
                         "(HybridConfig.prior_strength)")
@@ -125,7 +128,9 @@ def hybrid_from_args(args: argparse.Namespace, drafter: DSparkDrafter) -> Hybrid
     """The hybrid of ``drafter`` and the lookup the flags describe (a bad setting exits with its message)."""
     try:
         config = HybridConfig(gamma=drafter.config.block_size, max_n=args.ngram_max_n, min_n=args.ngram_min_n,
-                              prior_accept=args.hybrid_prior_accept, prior_strength=args.hybrid_prior_strength)
+                              prior_accept=args.hybrid_prior_accept,
+                              prior_accept_sampling=args.hybrid_prior_accept_sampling,
+                              prior_strength=args.hybrid_prior_strength)
     except ValueError as e:
         raise SystemExit(str(e)) from e
     return HybridProposer(drafter, config)

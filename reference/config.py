@@ -349,13 +349,18 @@ class HybridConfig:
     # no history the estimated survivals are 0.5, 0.25, ..., so E_ng < 1 and a drafter expected to emit one draft
     # or more keeps the block until the request's own verifications have shown the n-gram proposals to be good.
     prior_accept: float = 0.5
+    # The same for a request that samples (T > 0): the target then seldom continues a verbatim copy. On the H200, the
+    # n-gram proposer alone accepted 0.14 drafts a step at T = 1 against 1.04 greedy (docs/benchmarks/
+    # proposers-tasks-h200.json), and with the greedy prior the hybrid's T = 1 τ fell 1-3 % below the drafter's alone.
+    prior_accept_sampling: float = 0.15
     # Pseudo-counts of the prior (α + β): 2 is the uniform Beta(1, 1); larger trusts the prior for longer.
     prior_strength: float = 2.0
 
     def __post_init__(self) -> None:
         NgramConfig(gamma=self.gamma, max_n=self.max_n, min_n=self.min_n)  # the same checks as the n-gram proposer's
-        if not 0.0 < self.prior_accept < 1.0:
-            raise ValueError(f"HybridConfig.prior_accept must lie in (0, 1), got {self.prior_accept!r}")
+        for name in ("prior_accept", "prior_accept_sampling"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise ValueError(f"HybridConfig.{name} must lie in (0, 1), got {getattr(self, name)!r}")
         if not (self.prior_strength > 0 and math.isfinite(self.prior_strength)):
             raise ValueError(f"HybridConfig.prior_strength must be a finite number > 0, got {self.prior_strength!r}")
 
@@ -371,8 +376,13 @@ class HybridConfig:
 
     @property
     def prior(self) -> tuple[float, float]:
-        """``(α, β)``: the Beta prior's pseudo-counts of accepted and of rejected slots."""
-        return self.prior_accept * self.prior_strength, (1.0 - self.prior_accept) * self.prior_strength
+        """``(α, β)``: the Beta prior's pseudo-counts of accepted and of rejected slots (a greedy request's)."""
+        return self.prior_for(sampling=False)
+
+    def prior_for(self, sampling: bool) -> tuple[float, float]:
+        """``(α, β)`` for a greedy request (``prior_accept``) or a sampling one (``prior_accept_sampling``)."""
+        mean = self.prior_accept_sampling if sampling else self.prior_accept
+        return mean * self.prior_strength, (1.0 - mean) * self.prior_strength
 
 
 @dataclass

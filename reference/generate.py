@@ -266,7 +266,8 @@ def generate(
     model = drafter.drafter if hybrid else drafter
     features_to = model if mode.drafts and isinstance(model, DSparkDrafter) else None  # who reads the features
 
-    reqs = [Request(request_id=i, prompt_ids=list(p), hybrid=drafter.new_state() if hybrid else None)
+    reqs = [Request(request_id=i, prompt_ids=list(p),
+                    hybrid=drafter.new_state(sampling=gen.temperature > 0) if hybrid else None)
             for i, p in zip(ids, prompts)]
     for r in reqs:
         if not r.prompt_ids:

@@ -22,7 +22,8 @@ given the choice the current block is still an exact sample of its ``p_d``.
 blocks, bucketed by the match length ``n`` and the slot ``k``: ``N_{n,k}`` counts the blocks of match length ``n``
 that verified slot ``k`` with slots ``1..k-1`` accepted (slot ``k`` accepted or the first rejected one; slots never
 verified say nothing and do not count), ``A_{n,k}`` those that accepted it. With a Beta(α, β) prior
-(``HybridConfig.prior_accept``, ``prior_strength``),
+(``HybridConfig.prior_accept`` for a greedy request, ``prior_accept_sampling`` for one that samples, and
+``prior_strength``),
 
     ĉ_{n,k} = (A_{n,k} + α) / (N_{n,k} + α + β),    a^ng_k = Π_{j ≤ k} ĉ_{n,j} (k ≤ m),  0 past m,
     E_ng = Σ_k a^ng_k.
@@ -96,8 +97,9 @@ def expected_length(survival: Sequence[float]) -> float:
 class NgramAcceptance:
     """One request's online estimate of its n-gram blocks' survivals (module docstring): counts per (n, k)."""
 
-    def __init__(self, config: HybridConfig) -> None:
+    def __init__(self, config: HybridConfig, sampling: bool = False) -> None:
         self.config = config
+        self.prior = config.prior_for(sampling)  # (α, β): the request's decoding mode picks the prior
         shape = (config.max_n, config.gamma)  # row n - 1, column k - 1
         self.trials = [[0] * shape[1] for _ in range(shape[0])]  # N_{n,k}: slot k verified with 1..k-1 accepted
         self.accepted = [[0] * shape[1] for _ in range(shape[0])]  # A_{n,k}: and accepted
@@ -110,7 +112,7 @@ class NgramAcceptance:
 
     def conditional(self, n: int, k: int) -> float:
         """``ĉ_{n,k} = (A + α) / (N + α + β)``: the posterior mean of P(slot k accepted | slots 1..k-1 accepted)."""
-        row, (alpha, beta) = self._row(n), self.config.prior
+        row, (alpha, beta) = self._row(n), self.prior
         return (self.accepted[row][k - 1] + alpha) / (self.trials[row][k - 1] + alpha + beta)
 
     def survival(self, n: int, m: int) -> list[float]:
@@ -159,9 +161,9 @@ class HybridState:
     """One request's memory: its n-gram acceptance counts, the survivals of its latest DSpark draft, and the block it
     holds (chosen by :meth:`choose`, settled by :meth:`observe`)."""
 
-    def __init__(self, config: HybridConfig) -> None:
+    def __init__(self, config: HybridConfig, sampling: bool = False) -> None:
         self.config = config
-        self.acceptance = NgramAcceptance(config)
+        self.acceptance = NgramAcceptance(config, sampling)  # sampling: the request decodes at T > 0
         self.dspark: list[float] | None = None  # [γ] a_k of the latest DSpark draft (for the *next* choice)
         self.held: Choice | None = None  # the block the next verification takes (None: nobody drafted)
 
@@ -213,8 +215,9 @@ class HybridProposer:
             raise ValueError(f"HybridConfig.gamma = {self.config.gamma} differs from the drafter's block size γ = "
                              f"{gamma}: both sources draft the same block")
 
-    def new_state(self) -> HybridState:
-        return HybridState(self.config)
+    def new_state(self, sampling: bool = False) -> HybridState:
+        """A request's state; ``sampling``: it decodes at T > 0 (the n-gram prior is ``prior_accept_sampling``)."""
+        return HybridState(self.config, sampling)
 
     def lookup(self, context: Sequence[int]) -> tuple[int | None, list[int]]:
         """The lookup of ``reference/ngram.py``: ``(n, x_1..x_m)``, or ``(None, [])`` when no suffix recurred."""
@@ -258,4 +261,5 @@ class HybridProposer:
     def __repr__(self) -> str:
         cfg = self.config
         return (f"HybridProposer(gamma={cfg.gamma}, max_n={cfg.max_n}, min_n={cfg.min_n}, "
-                f"prior_accept={cfg.prior_accept}, prior_strength={cfg.prior_strength})")
+                f"prior_accept={cfg.prior_accept}, prior_accept_sampling={cfg.prior_accept_sampling}, "
+                f"prior_strength={cfg.prior_strength})")

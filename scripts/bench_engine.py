@@ -123,6 +123,7 @@ class BenchConfig:
     ngram_max_n: int = NgramConfig.max_n  # its longest suffix n-gram
     ngram_min_n: int = NgramConfig.min_n  # its shortest match (also the hybrid's lookup, whose block is the drafter's)
     hybrid_prior_accept: float = HybridConfig.prior_accept  # the hybrid's prior of an n-gram slot's acceptance
+    hybrid_prior_accept_sampling: float = HybridConfig.prior_accept_sampling  # the same for requests at T > 0
     hybrid_prior_strength: float = HybridConfig.prior_strength  # and its pseudo-counts
 
     def __post_init__(self) -> None:
@@ -136,6 +137,7 @@ class BenchConfig:
             raise ValueError(f"output_len_spread must lie in [0, 1), got {self.output_len_spread}")
         NgramConfig(self.ngram_gamma, self.ngram_max_n, self.ngram_min_n)  # validates the n-gram fields
         HybridConfig(max_n=self.ngram_max_n, min_n=self.ngram_min_n, prior_accept=self.hybrid_prior_accept,
+                     prior_accept_sampling=self.hybrid_prior_accept_sampling,
                      prior_strength=self.hybrid_prior_strength)  # and the hybrid's
         for m in self.modes:
             base, variant = split_variant(m)
@@ -339,6 +341,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     if any(kind is ProposerKind.HYBRID for _, kind, _, _ in modes):
         hybrid = HybridProposer(drafter, HybridConfig(gamma=gamma, max_n=cfg.ngram_max_n, min_n=cfg.ngram_min_n,
                                                       prior_accept=cfg.hybrid_prior_accept,
+                                                      prior_accept_sampling=cfg.hybrid_prior_accept_sampling,
                                                       prior_strength=cfg.hybrid_prior_strength))
         engines["hybrid"] = Engine(target, hybrid, EngineConfig(**econf), SchedulerConfig(mode="fixed", k=gamma))
         if table is None:  # the drafter's steps are the same graphs in either engine: one profile serves both
@@ -629,7 +632,9 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
                       layer_backend=args.layer_backend, linear_rows=args.linear_rows, context_len=args.context_len,
                       cost_cache_dir=args.cost_cache_dir, seed=args.seed, ngram_gamma=args.ngram_gamma,
                       ngram_max_n=args.ngram_max_n, ngram_min_n=args.ngram_min_n,
-                      hybrid_prior_accept=args.hybrid_prior_accept, hybrid_prior_strength=args.hybrid_prior_strength)
+                      hybrid_prior_accept=args.hybrid_prior_accept,
+                      hybrid_prior_accept_sampling=args.hybrid_prior_accept_sampling,
+                      hybrid_prior_strength=args.hybrid_prior_strength)
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if target is None:
         target = Target.load(args.model, device=args.device, dtype=getattr(torch, dtype_name))

@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 hybrid_cfg = HybridConfig(gamma=gamma, max_n=args.ngram_max_n, min_n=args.ngram_min_n,
                                           prior_accept=args.hybrid_prior_accept,
+                                          prior_accept_sampling=args.hybrid_prior_accept_sampling,
                                           prior_strength=args.hybrid_prior_strength)
             except ValueError as e:
                 raise SystemExit(str(e)) from e
@@ -232,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         if hybrid:
             drafter = HybridProposer(drafter, hybrid_cfg)
             drafter_config |= {"kind": "hybrid", "max_n": hybrid_cfg.max_n, "min_n": hybrid_cfg.min_n,
-                               "prior_accept": hybrid_cfg.prior_accept, "prior_strength": hybrid_cfg.prior_strength}
+                               "prior_accept": hybrid_cfg.prior_accept,
+                               "prior_accept_sampling": hybrid_cfg.prior_accept_sampling,
+                               "prior_strength": hybrid_cfg.prior_strength}
     prompts = spread_over_domains(read_domain_prompts(args.prompts_file, target,
                                                       chat_template=not args.no_chat_template), args.limit)
     seeds = list(range(args.seed, args.seed + args.seeds))

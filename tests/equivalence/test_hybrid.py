@@ -50,7 +50,9 @@ def test_reference_equals_optimized(family, temperature):
     """Every mode; the adaptive budget once priced as usual and once with verification nearly free, where it asks for
     slots past an n-gram block's end (the device must clip them as the reference does)."""
     target = Target.from_model(tiny_hf_model(family))
-    proposer = HybridProposer(tiny_drafter(target, gamma=4, noise=0.2))
+    # At T = 1 too the prior of a greedy request, so that n-gram blocks are taken (the random drafter's are rejected)
+    proposer = HybridProposer(tiny_drafter(target, gamma=4, noise=0.2),
+                              HybridConfig(gamma=4, prior_accept_sampling=0.5))
     gen = GenerationConfig(max_new_tokens=18, temperature=temperature, top_p=0.95 if temperature else 1.0, seed=99,
                            ignore_eos=True)
     sources = []

@@ -96,11 +96,18 @@ def test_update_counts_the_reached_slots_of_each_match_length():
 
 
 def test_config_is_validated():
-    for bad in (dict(prior_accept=0.0), dict(prior_accept=1.0), dict(prior_strength=0.0),
-                dict(prior_strength=float("inf")), dict(gamma=0), dict(min_n=3, max_n=2)):
+    for bad in (dict(prior_accept=0.0), dict(prior_accept=1.0), dict(prior_accept_sampling=0.0),
+                dict(prior_accept_sampling=1.5), dict(prior_strength=0.0), dict(prior_strength=float("inf")),
+                dict(gamma=0), dict(min_n=3, max_n=2)):
         with pytest.raises(ValueError):
             HybridConfig(**bad)
-    assert HybridConfig(prior_accept=0.25, prior_strength=4.0).prior == (1.0, 3.0)
+    cfg = HybridConfig(prior_accept=0.25, prior_accept_sampling=0.5, prior_strength=4.0)
+    assert cfg.prior == cfg.prior_for(sampling=False) == (1.0, 3.0) and cfg.prior_for(sampling=True) == (2.0, 2.0)
+    # A request's decoding mode picks its prior: with no history, a greedy request's first n-gram slot is estimated
+    # at prior_accept, a sampling one's at prior_accept_sampling.
+    assert NgramAcceptance(cfg).conditional(1, 1) == 0.25
+    assert NgramAcceptance(cfg, sampling=True).conditional(1, 1) == 0.5
+    assert HybridState(cfg, sampling=True).acceptance.prior == (2.0, 2.0)
     target = Target.from_model(tiny_hf_model("llama", num_layers=2))
     drafter = tiny_drafter(target, gamma=4)
     assert HybridProposer(drafter).config.gamma == 4
@@ -247,7 +254,7 @@ def test_verify_length_never_passes_the_ngram_block(mode):
 def test_a_request_decodes_alike_alone_and_in_a_batch():
     """Per-request state: sampled tokens, lengths and sources of each request equal those of the request alone."""
     target = Target.from_model(tiny_hf_model("qwen3"))
-    proposer = _hybrid(target)
+    proposer = _hybrid(target, prior_accept_sampling=0.5)  # sampled: the greedy prior, so that both sources occur
     gen = GenerationConfig(max_new_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
     sched = SchedulerConfig(mode="fixed", k=4)
     batch = generate(target, proposer, PROMPTS, gen, sched)
@@ -272,7 +279,7 @@ def test_sampling_matches_target_distribution():
     for seq, pr in exact_full.items():  # marginal of tokens 2..4 (token 1 comes from the prefill)
         exact[seq[1:]] = exact.get(seq[1:], 0.0) + pr
     gen = GenerationConfig(max_new_tokens=n_tokens, temperature=temperature, seed=4321, ignore_eos=True)
-    proposer = _hybrid(target, gamma=3, prior_accept=0.9)
+    proposer = _hybrid(target, gamma=3, prior_accept=0.9, prior_accept_sampling=0.9)
     out = generate(target, proposer, [prompt] * n_requests, gen, SchedulerConfig(mode="fixed", k=3))
     sources = [s for r in out for s in r.proposal_sources]
     assert sources.count(NGRAM) > 0.1 * n_requests and sources.count(DSPARK) > 0.1 * n_requests, "one source only"
