@@ -1,0 +1,90 @@
+"""Row invariance of the target's kernels: a token's row computed alone equals, bit for bit, the same row computed in
+a block of other rows (the other requests of a batch, or the other tokens of its own verify).
+
+This is what exact greedy decoding in bfloat16 rests on: a speculative step must compute each token's logits with the
+same reduction order as a plain step, or the first bit that differs can change an argmax (docs/numerics.md). Run under
+the Triton interpreter on the CPU (``TRITON_INTERPRET=1``). The interpreter runs ``tl.dot`` through NumPy, whose
+matrix products may pick their own order by shape: the tests below that hold here are the kernels whose reduction
+does not depend on the block; the one marked ``xfail`` is a known gap of the projections (their kernel changes at
+three rows), which a row-invariant projection kernel must close.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from optimized.kernels.layout import HAS_TRITON
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not (HAS_TRITON and INTERPRETED),
+                                reason="Triton kernels on CPU need TRITON_INTERPRET=1 (the CI command sets it)")
+DTYPES = [torch.float32, torch.bfloat16]
+K, N = 96, 40  # a projection's input and output widths (small: the interpreter is slow)
+
+
+def _rows(dtype: torch.dtype, m: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, K, generator=gen).to(dtype)  # [m, K]
+    weight = (torch.randn(N, K, generator=gen) * 0.05).to(dtype)  # [N, K]
+    gain = (1 + 0.1 * torch.randn(K, generator=gen)).to(dtype)  # [K]
+    return x, weight, gain
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [2, 8, 64])
+def test_rms_norm_row_alone_equals_the_row_in_a_block(dtype, block):
+    from optimized.kernels.layer_ops import rms_norm
+
+    x, _, gain = _rows(dtype)
+    alone, _ = rms_norm(x[:1], gain, 1e-5, backend="triton")  # [1, K]
+    together, _ = rms_norm(x[:block], gain, 1e-5, backend="triton")  # [block, K]
+    assert torch.equal(together[0], alone[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_projection_row_alone_equals_the_row_in_a_two_row_step(dtype):
+    """The fused norm + projection of the plain step (one or two rows a step) gives a row the same bits either way."""
+    from optimized.kernels.linear import norm_linear
+
+    x, weight, gain = _rows(dtype)
+    alone = norm_linear(x[:1], weight, norm_weight=gain, eps=1e-5, backend="triton")[0]
+    pair = norm_linear(x[:2], weight, norm_weight=gain, eps=1e-5, backend="triton")[0]
+    assert torch.equal(pair[0], alone[0])
+
+
+@pytest.mark.xfail(strict=True, reason="from three rows on the projection runs 16-row tl.dot tiles instead of the "
+                                       "few-row kernel's products summed over the input row: another reduction "
+                                       "order, so a verify's rows are not a plain step's")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_projection_row_alone_equals_the_row_in_a_verify_block(dtype):
+    from optimized.kernels.linear import norm_linear
+
+    x, weight, gain = _rows(dtype)
+    alone = norm_linear(x[:1], weight, norm_weight=gain, eps=1e-5, backend="triton")[0]
+    block = norm_linear(x[:8], weight, norm_weight=gain, eps=1e-5, backend="triton")[0]
+    assert torch.equal(block[0], alone[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_of_a_request_does_not_depend_on_the_other_requests(dtype):
+    """A request's attention output is the same alone and beside requests of other lengths and other slots."""
+    from optimized.kernels.attention import varlen_attention
+
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, length = 6, 2, 16, 96
+    k_cache = torch.randn(3, length, kv_heads, dim, generator=gen).to(dtype)  # [S, T, Hkv, D]
+    v_cache = torch.randn(3, length, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(12, heads, dim, generator=gen).to(dtype)  # [N, H, D]
+
+    def attend(cu, kv, slots, max_q_len):
+        i32 = torch.int32
+        return varlen_attention(q[:cu[-1]], k_cache, v_cache, torch.tensor(cu, dtype=i32), torch.tensor(kv, dtype=i32),
+                                torch.tensor(slots, dtype=i32), causal=True, scale=dim ** -0.5, max_q_len=max_q_len,
+                                backend="triton")
+
+    alone = attend([0, 4], [50], [1], 4)  # one request: 4 queries over 50 keys in slot 1
+    batch = attend([0, 4, 5, 12], [50, 90, 20], [1, 0, 2], 7)  # the same request first, then two others
+    assert torch.equal(batch[:4], alone)
