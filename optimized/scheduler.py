@@ -160,6 +160,14 @@ class BudgetPlanner:
         # Θ, because scale > 0 keeps scale·Θ largest where Θ is (rounding is monotone).
         return any(scale * t >= theta_plain for t in theta)
 
+    def gate_estimates(self, a_latest: np.ndarray, num_anchor_tokens: int) -> tuple[float, float]:
+        """``(best Θ at the measured prices, Θ_plain)``: the two numbers :meth:`speculation_pays` compares (before
+        its margin), for a trace of the gate's decisions (``DraftGate.trace``); not on the engine's hot path."""
+        r = a_latest.shape[0]
+        plain = self.verify_time(num_anchor_tokens, r)
+        best = self._best(self._theta(a_latest, num_anchor_tokens, None, check=False))[1]
+        return best * self.plain_scale / self.speculative_scale, (r / plain if plain > 0 else 0.0)
+
     @staticmethod
     def _best(theta: Iterator[float] | np.ndarray) -> tuple[int, float]:
         """The budget with the largest Θ (the first, i.e. the smaller B, on ties) and that Θ."""
@@ -274,6 +282,9 @@ class DraftGate:
         self._clean = [False] * max_num_seqs
         self._count = [0] * max_num_seqs
         self._owner: list[Sequence | None] = [None] * max_num_seqs
+        # When a list: every fresh verdict appends (R, best Θ, Θ_plain, margin, verdict) — a diagnostic for
+        # benchmarks (scripts/bench_engine.py --gate-trace), computed only then.
+        self.trace: list[tuple[int, float, float, float, bool]] | None = None
 
     @property
     def active(self) -> bool:
@@ -315,8 +326,12 @@ class DraftGate:
         key = holdings(seqs)
         if self._cache is None or self._cache[0] != key:
             recent = self.recent_survivals(seqs)  # [R, γ] host float32, or None
-            verdict = None if recent is None else self.planner.speculation_pays(
-                recent, len(seqs), None, gate_margin(self.config, len(seqs)), check=False)
+            margin = gate_margin(self.config, len(seqs))
+            verdict = None if recent is None else self.planner.speculation_pays(recent, len(seqs), None, margin,
+                                                                                  check=False)
+            if self.trace is not None and recent is not None:
+                best, plain = self.planner.gate_estimates(recent, len(seqs))
+                self.trace.append((len(seqs), best, plain, margin, bool(verdict)))
             self._cache = (key, recent, verdict)
         return self._cache[1], self._cache[2]
 

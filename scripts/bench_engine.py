@@ -125,6 +125,7 @@ class BenchConfig:
     hybrid_prior_accept: float = HybridConfig.prior_accept  # the hybrid's prior of an n-gram slot's acceptance
     hybrid_prior_accept_sampling: float = HybridConfig.prior_accept_sampling  # the same for requests at T > 0
     hybrid_prior_strength: float = HybridConfig.prior_strength  # and its pseudo-counts
+    gate_trace: bool = False  # adaptive rows also summarise the draft gate's estimates (gate_trace, gate_trace_summary)
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
@@ -374,10 +375,15 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
                                     draft_gate=not base.endswith("adaptive:nogate"))
             engine.set_scheduler(sched)
             lengths = request_lengths(len(workload), cfg.max_new_tokens, cfg.output_len_spread, cfg.seed)
+            gate = engine.scheduler.gate
+            gate.trace = [] if cfg.gate_trace and gate.active else None
             row = _measure(lambda e=engine, p=workload, n=lengths, c=b: run_engine(e, p, n, c), cfg.warmup,
                            cfg.repeats)
             row = {"engine": "optimized", "proposer": kind if mode.drafts else None, "mode": mode, "label": label,
                    "k": _k_of(sched, b), **row}
+            if gate.trace is not None:
+                row["gate_trace_summary"] = gate_trace_summary(gate.trace)
+                gate.trace = None
         row.update({"batch_size": b, "elapsed_s": round(time.perf_counter() - t_cfg, 3)})
         row["per_request_tokens_per_s"] = row["output_tokens_per_s"] / b
         report["results"].append(row)
@@ -399,6 +405,23 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
         log.warning("plotting failed: %s", e)
     log.info("wrote %s (%d configurations)", out, len(report["results"]))
     return report
+
+
+def gate_trace_summary(trace: list[tuple[int, float, float, float, bool]]) -> dict[str, Any]:
+    """What the draft gate estimated over a configuration's runs (warm-up included): how often it evaluated and said
+    "draft", and, by batch size R (rounded to a power of two), the quartiles of best Θ over Θ_plain and the margin."""
+    by_r: dict[int, list[tuple[float, float, bool]]] = {}
+    for r, best, plain, margin, verdict in trace:
+        bucket = 1 << max(r - 1, 0).bit_length()  # R rounded up to a power of two
+        by_r.setdefault(bucket, []).append((best / plain if plain > 0 else float("inf"), margin, verdict))
+    out = {}
+    for bucket, rows in sorted(by_r.items()):
+        ratios = sorted(x for x, _, _ in rows)
+        q = [ratios[min(len(ratios) - 1, int(f * len(ratios)))] for f in (0.25, 0.5, 0.75)]
+        out[str(bucket)] = {"evaluations": len(rows), "drafted": sum(v for _, _, v in rows),
+                            "best_over_plain_quartiles": [round(x, 4) for x in q],
+                            "margin": round(rows[-1][1], 4)}
+    return {"evaluations": len(trace), "drafted": sum(v for *_, v in trace), "by_batch": out}
 
 
 def _measure(run, warmup: int, repeats: int) -> dict[str, Any]:
@@ -604,6 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (the median is reported)")
     p.add_argument("--hf-max-batch", type=int, default=256, help="skip HF generate above this batch size")
     p.add_argument("--hf-repeats", type=int, default=1, help="timed runs of HF generate per batch size")
+    p.add_argument("--gate-trace", action="store_true",
+                   help="adaptive rows also summarise the draft gate's estimates: best Θ over Θ_plain by batch size, "
+                        "how often it said draft (gate_trace_summary); costs host time, so not for timing runs")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop starting new configurations after this many seconds (None: no limit); the JSON says "
                         "whether it is complete")
@@ -634,7 +660,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
                       ngram_max_n=args.ngram_max_n, ngram_min_n=args.ngram_min_n,
                       hybrid_prior_accept=args.hybrid_prior_accept,
                       hybrid_prior_accept_sampling=args.hybrid_prior_accept_sampling,
-                      hybrid_prior_strength=args.hybrid_prior_strength)
+                      hybrid_prior_strength=args.hybrid_prior_strength, gate_trace=args.gate_trace)
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if target is None:
         target = Target.load(args.model, device=args.device, dtype=getattr(torch, dtype_name))

@@ -99,6 +99,25 @@ def test_bench_engine_one_step_ahead_variants(models, tmp_path):
         bench_engine.BenchConfig(modes=["threshold+async"])
 
 
+def test_bench_engine_gate_trace_summarises_the_gates_estimates(models, tmp_path):
+    """--gate-trace: adaptive rows say how often the draft gate evaluated and drafted, and by batch size the
+    quartiles of best Θ over Θ_plain (the planner's own numbers) and the margin; other rows carry nothing."""
+    report, _ = _run(models, tmp_path, "--gate-trace", "--hf-max-batch", "0")
+    rows = {(r["label"], r["batch_size"]): r for r in report["results"]}
+    assert all("gate_trace_summary" not in rows[(m, b)] for m in ("none", "fixed:2") for b in (1, 2))
+    trace = rows[("adaptive", 2)]["gate_trace_summary"]
+    assert trace["evaluations"] > 0 and 0 <= trace["drafted"] <= trace["evaluations"]
+    for bucket, row in trace["by_batch"].items():
+        assert int(bucket) in (1, 2) and row["evaluations"] > 0
+        assert row["margin"] == pytest.approx(0.3 / int(bucket) ** 0.5, abs=1e-4)  # R = bucket here (powers of 2)
+        q1, q2, q3 = row["best_over_plain_quartiles"]
+        assert 0 < q1 <= q2 <= q3
+    # The estimates are the planner's: its verdict is (1 + margin) · best ≥ plain.
+    engine_gate = bench_engine.gate_trace_summary([(4, 1.0, 1.2, 0.15, False), (4, 1.5, 1.2, 0.15, True)])
+    assert engine_gate["by_batch"]["4"]["best_over_plain_quartiles"] == [pytest.approx(1 / 1.2, rel=1e-3), 1.25, 1.25]
+    assert engine_gate["drafted"] == 1 and engine_gate["evaluations"] == 2
+
+
 def test_bench_engine_time_budget_leaves_partial_results(models, tmp_path):
     report, out = _run(models, tmp_path, "--time-budget-s", "0", "--hf-max-batch", "0")
     on_disk = json.loads(out.read_text())
