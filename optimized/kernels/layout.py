@@ -286,8 +286,9 @@ def draft_store(rows: Tensor, tokens: Tensor, survival: Tensor, temperature: Ten
     if _draft_backend(rows, backend) == "torch":
         draft_store_torch(rows, tokens, survival, temperature, draft_tokens, draft_onehot, survival_slots)
         return
-    if tokens.stride(1) != 1 or survival.stride(1) != 1 or draft_tokens.stride(1) != 1 or survival_slots.stride(1) != 1:
-        raise ValueError("draft_store needs the γ axis contiguous in every [.., γ] tensor")
+    if draft_tokens.stride(1) != 1 or survival_slots.stride(1) != 1:
+        raise ValueError("draft_store needs the slots' [S, γ] tensors contiguous along γ")
+    tokens, survival = tokens.contiguous(), survival.contiguous()  # no copy when they are (the draft graph's outputs)
     _draft_store_kernel[(r,)](
         rows.contiguous(), tokens, tokens.stride(0), survival, survival.stride(0), temperature,
         draft_tokens, draft_tokens.stride(0), draft_onehot, survival_slots, survival_slots.stride(0), gamma,
