@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from reference.config import DEFAULT_DRAFTER, DEFAULT_MODEL, SCHEDULER_MODES, SchedulerConfig
+from reference.config import DEFAULT_DRAFTER, DEFAULT_MODEL, SCHEDULER_MODES, NgramConfig, SchedulerConfig
 
 if TYPE_CHECKING:
     from optimized.serving.engine_process import SpawnedEngine
@@ -65,7 +65,13 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
 SPEC_KEYS = ("method", "model", "num_speculative_tokens", "enable_adaptive_verification",
-             "num_speculative_tokens_per_batch_size", "mode", "threshold", "draft_gate")
+             "num_speculative_tokens_per_batch_size", "mode", "threshold", "draft_gate", "prompt_lookup_max",
+             "prompt_lookup_min")
+# "method": who drafts. dspark: the trained drafter; ngram: prompt lookup in each request's tokens (vLLM's name and
+# its prompt_lookup_max/min keys; no checkpoint, no confidences: modes none, fixed and dsd); hybrid: per request and
+# step, the drafter's block or the lookup's, whichever is expected to be accepted longer (reference/hybrid.py).
+SPEC_METHODS = ("dspark", "ngram", "hybrid")
+NGRAM_SERVE_MODES = ("none", "fixed", "dsd")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -83,6 +89,14 @@ class SpeculativeConfig:
     threshold: float = 0.5  # threshold mode: verify slot k while a_k ≥ threshold
     draft_gate: bool = True  # adaptive mode's draft gate (reference.config.SchedulerConfig.draft_gate)
     drafter: str | None = None  # vLLM's "model" key: the drafter directory
+    method: str = "dspark"  # SPEC_METHODS
+    lookup_max: int = NgramConfig.max_n  # the n-gram lookup's longest suffix (vLLM's prompt_lookup_max)
+    lookup_min: int = NgramConfig.min_n  # its shortest match (prompt_lookup_min)
+
+    @property
+    def uses_drafter(self) -> bool:
+        """Whether the server loads a DSpark checkpoint (the drafter or the hybrid, in a mode that drafts)."""
+        return self.mode != "none" and self.method != "ngram"
 
     @classmethod
     def parse(cls, text: str | None) -> SpeculativeConfig:
@@ -97,8 +111,9 @@ class SpeculativeConfig:
         unknown = sorted(set(d) - set(SPEC_KEYS))
         if unknown:
             raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {', '.join(SPEC_KEYS)}")
-        if d.get("method", "dspark") != "dspark":
-            raise ValueError(f"--speculative-config: method must be \"dspark\", got {d['method']!r}")
+        method = d.get("method", "dspark")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"--speculative-config: method must be one of {', '.join(SPEC_METHODS)}, got {method!r}")
         table = d.get("num_speculative_tokens_per_batch_size") or {}
         if isinstance(table, list):
             table = dict(table)
@@ -111,18 +126,34 @@ class SpeculativeConfig:
             mode = d["mode"]
         elif table:
             mode = "dsd"
-        elif d.get("enable_adaptive_verification") is False:
+        elif d.get("enable_adaptive_verification") is False or method == "ngram":
             mode = "fixed"
         else:
             mode = "adaptive"
         if mode not in SCHEDULER_MODES or mode == "oracle":
             modes = ", ".join(m for m in SCHEDULER_MODES if m != "oracle")
             raise ValueError(f"--speculative-config: mode must be one of {modes}, got {mode!r}")
+        if method == "ngram" and mode not in NGRAM_SERVE_MODES:
+            raise ValueError(f"--speculative-config: the ngram method has no confidences, so mode {mode!r} cannot run "
+                             f"with it; choose one of {', '.join(NGRAM_SERVE_MODES)}")
+        lookup = {}
+        for key, name in (("prompt_lookup_max", "lookup_max"), ("prompt_lookup_min", "lookup_min")):
+            if key in d:
+                if method == "dspark":
+                    raise ValueError(f"--speculative-config: {key} is for the ngram and hybrid methods")
+                lookup[name] = d[key]
+        try:
+            NgramConfig(max_n=lookup.get("lookup_max", NgramConfig.max_n),
+                        min_n=lookup.get("lookup_min", NgramConfig.min_n))
+        except ValueError as err:
+            raise ValueError(f"--speculative-config: prompt_lookup_max/min: {err}") from err
         k = d.get("num_speculative_tokens")
         if k is not None and (not isinstance(k, int) or k < 0):
             raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer ≥ 0, got {k!r}")
+        if method == "ngram" and d.get("model") is not None:
+            raise ValueError("--speculative-config: the ngram method takes no \"model\" (it has no checkpoint)")
         spec = cls(mode=mode, k=k, dsd_table=table, threshold=float(d.get("threshold", 0.5)),
-                   draft_gate=bool(d.get("draft_gate", True)), drafter=d.get("model"))
+                   draft_gate=bool(d.get("draft_gate", True)), drafter=d.get("model"), method=method, **lookup)
         spec.scheduler(gamma=max(k or 1, 1))  # validates the values now, before anything loads
         return spec
 
@@ -175,10 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients may use; the first is reported (default: --model)")
     p.add_argument("--speculative-config", default=None,
-                   help='JSON, vLLM\'s keys: {"method": "dspark", "num_speculative_tokens": K, '
-                        '"enable_adaptive_verification": true, "num_speculative_tokens_per_batch_size": {...}}, '
+                   help='JSON, vLLM\'s keys: {"method": "dspark" | "ngram" | "hybrid", "num_speculative_tokens": K, '
+                        '"enable_adaptive_verification": true, "num_speculative_tokens_per_batch_size": {...}, '
+                        '"prompt_lookup_max": N, "prompt_lookup_min": N}, '
                         f'plus "mode" ({", ".join(m for m in SCHEDULER_MODES if m != "oracle")}); '
-                        "default: adaptive with the drafter's γ")
+                        "default: the DSpark drafter, adaptive with its γ")
     p.add_argument("--cost-table", default=None,
                    help="step-cost table JSON (adaptive modes; default: profiled at start-up, cached on disk)")
     p.add_argument("--api-key", default=None,
@@ -240,8 +272,10 @@ def resolve(args: argparse.Namespace) -> ServeArgs:
         raise ValueError("--max-waiting and --shutdown-timeout must be ≥ 0")
     if args.drafter and spec.drafter and args.drafter != spec.drafter:
         raise ValueError("--drafter and the speculative config's \"model\" name different drafters")
+    if args.drafter and spec.method == "ngram":
+        raise ValueError("--drafter with the ngram method: the n-gram lookup uses no checkpoint")
     drafter = args.drafter or spec.drafter
-    if drafter is None and spec.mode != "none":
+    if drafter is None and spec.uses_drafter:
         if args.model.lower() != DEFAULT_MODEL:
             raise ValueError(f"no drafter for {args.model}: pass --drafter DIR (a DSpark checkpoint trained for it) "
                              "or --speculative-config '{\"mode\": \"none\"}'")
@@ -286,7 +320,10 @@ def build_runtime(sa: ServeArgs):
         from optimized.engine import Engine, EngineConfig
         from optimized.serving.engine_loop import Runtime
         from reference.cli import load_or_init_drafter
+        from reference.config import HybridConfig
         from reference.cost_model import CostTable
+        from reference.hybrid import HybridProposer
+        from reference.ngram import NgramProposer
         from reference.target import Target
     if sa.device == "cuda" and not torch.cuda.is_available():  # resolve() asked the driver; torch has the last word
         raise ValueError(f"the CUDA driver shows a device, but this torch ({torch.__version__}) cannot use it: "
@@ -297,10 +334,16 @@ def build_runtime(sa: ServeArgs):
     limit = getattr(target.config, "max_position_embeddings", None)
     if limit is not None and args.max_model_len > limit:
         raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's {limit} positions")
-    drafter = None
-    if sa.spec.mode != "none":
+    drafter, spec = None, sa.spec
+    if spec.mode != "none":
         with _stage("drafter", times):
-            drafter = load_or_init_drafter(sa.drafter, target, seed=args.seed)
+            lookup = dict(max_n=spec.lookup_max, min_n=spec.lookup_min)
+            if spec.method == "ngram":  # no checkpoint: the block is num_speculative_tokens (default 7)
+                drafter = NgramProposer(NgramConfig(gamma=spec.k or NgramConfig.gamma, **lookup))
+            else:
+                drafter = load_or_init_drafter(sa.drafter, target, seed=args.seed)
+                if spec.method == "hybrid":
+                    drafter = HybridProposer(drafter, HybridConfig(gamma=drafter.config.block_size, **lookup))
     gamma = drafter.config.block_size if drafter is not None else 0
     sched = sa.spec.scheduler(max(gamma, 1))
     cost = CostTable.load(args.cost_table) if args.cost_table else None

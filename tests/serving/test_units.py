@@ -3,6 +3,7 @@ calibration window, the request schemas, the spliced chunk events."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -171,7 +172,16 @@ def test_speculative_config_speaks_vllm():
     assert SpeculativeConfig.parse('{"enable_adaptive_verification": true}').scheduler(7).mode == "adaptive"
     assert SpeculativeConfig.parse('{"mode": "none"}').mode == "none"
     assert SpeculativeConfig.parse('{"mode": "threshold", "threshold": 0.3}').scheduler(7).threshold == 0.3
-    for bad, match in [('{"method": "eagle"}', "method"), ('{"speculative_tokens": 3}', "unknown keys"),
+    ngram = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}')
+    assert (ngram.method, ngram.mode, ngram.lookup_max, ngram.lookup_min, ngram.uses_drafter) == ("ngram", "fixed", 4,
+                                                                                                  1, False)
+    hybrid = SpeculativeConfig.parse('{"method": "hybrid", "prompt_lookup_min": 2}')
+    assert (hybrid.method, hybrid.mode, hybrid.lookup_min, hybrid.uses_drafter) == ("hybrid", "adaptive", 2, True)
+    for bad, match in [('{"method": "ngram", "mode": "adaptive"}', "no confidences"),
+                       ('{"method": "ngram", "model": "d"}', "no checkpoint"),
+                       ('{"prompt_lookup_max": 3}', "ngram and hybrid"),
+                       ('{"method": "hybrid", "prompt_lookup_max": 1, "prompt_lookup_min": 2}', "min_n"),
+                       ('{"method": "eagle"}', "method"), ('{"speculative_tokens": 3}', "unknown keys"),
                        ('{"mode": "oracle"}', "mode"), ('{"num_speculative_tokens": -1}', "≥ 0"), ("[1]", "object"),
                        ("{", "JSON"), ('{"num_speculative_tokens_per_batch_size": 5}', "batch sizes")]:
         with pytest.raises(ValueError, match=match):
@@ -180,6 +190,40 @@ def test_speculative_config_speaks_vllm():
         SpeculativeConfig.parse('{"mode": "fixed", "num_speculative_tokens": 9}').scheduler(7)
     with pytest.raises(ValueError, match="must be 7"):
         SpeculativeConfig.parse('{"mode": "adaptive", "num_speculative_tokens": 5}').scheduler(7)
+
+
+@pytest.mark.parametrize("config", ['{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}',
+                                    '{"method": "hybrid", "mode": "fixed"}', '{"method": "hybrid"}'])
+def test_the_server_runs_the_ngram_and_hybrid_proposers_losslessly(tiny_dirs, config):
+    """``--speculative-config`` methods ngram and hybrid build the engine with that proposer (the ngram one without
+    a drafter checkpoint), and its greedy tokens are plain decoding's."""
+    from optimized.engine import SamplingParams
+    from optimized.serve import build_parser, build_runtime, resolve
+    from reference.hybrid import HybridProposer
+    from reference.ngram import NgramProposer
+
+    model_dir, drafter_dir = tiny_dirs
+    base = ["--model", str(model_dir), "--device", "cpu", "--max-model-len", "64", "--max-num-seqs", "2"]
+    spec = json.loads(config)
+    argv = base + ([] if spec["method"] == "ngram" else ["--drafter", str(drafter_dir)])
+    if spec["method"] == "ngram":
+        with pytest.raises(ValueError, match="no checkpoint"):
+            resolve(build_parser().parse_args(argv + ["--drafter", str(drafter_dir), "--speculative-config", config]))
+    runtime = build_runtime(resolve(build_parser().parse_args(argv + ["--speculative-config", config])))
+    plain = build_runtime(resolve(build_parser().parse_args(base + ["--speculative-config", '{"mode": "none"}'])))
+    proposer = runtime.engine.runner.proposer or runtime.engine.runner.hybrid
+    assert isinstance(proposer, NgramProposer if spec["method"] == "ngram" else HybridProposer)
+    if spec["method"] == "ngram":
+        assert (proposer.config.gamma, proposer.config.max_n) == (3, 2)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10]]
+    outputs = []
+    for rt in (runtime, plain):
+        for rid, prompt in enumerate(prompts):
+            rt.engine.add_request(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True), request_id=rid)
+        while rt.engine.has_unfinished():
+            rt.engine.step()
+        outputs.append([list(rt.engine.sequence(rid).output_ids) for rid in range(len(prompts))])
+    assert [len(o) for o in outputs[1]] == [12, 12] and outputs[0] == outputs[1]
 
 
 def test_calibration_window_counts_verified_slots_only():
