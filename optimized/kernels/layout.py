@@ -179,6 +179,9 @@ def verify_layout(rows: Tensor, lens: Tensor, anchor: Tensor, anchor_pos: Tensor
 # is host-bound there; here it is one launch each way.
 
 
+DRAFT_LOAD_BLOCK = 128  # rows of the draft inputs one program of draft_load writes
+
+
 def draft_load_torch(rows: Tensor, anchor: Tensor, anchor_pos: Tensor, temperature: Tensor | None,
                      request_id: Tensor | None, r_pad: int, out: dict[str, Tensor]) -> None:
     """The definition: rows 0..R-1 of the draft inputs from the slots ``rows``, rows R..``r_pad``-1 padding."""
@@ -266,7 +269,7 @@ def draft_load(rows: Tensor, anchor: Tensor, anchor_pos: Tensor, temperature: Te
         draft_load_torch(rows, anchor, anchor_pos, temperature, request_id, r_pad, out)
         return
     sampling = temperature is not None
-    block = min(triton.next_power_of_2(r_pad), 256)
+    block = DRAFT_LOAD_BLOCK  # one compiled variant whatever the bucket (a few idle lanes at small batch)
     _draft_load_kernel[(triton.cdiv(r_pad, block),)](
         rows.contiguous(), anchor, anchor_pos, temperature if sampling else anchor, request_id if sampling else anchor,
         out["anchor_ids"], out["anchor_pos"], out["draft_slots"], out["draft_temperature"], out["draft_request_id"],
