@@ -128,7 +128,7 @@ def draft_buffers(max_rows: int) -> dict[str, torch.Tensor]:
 
 
 @needs_interpreter
-@pytest.mark.parametrize("r,r_pad", [(1, 1), (3, 4), (5, 8), (16, 16)])
+@pytest.mark.parametrize("r,r_pad", [(1, 1), (3, 4), (5, 8), (16, 16), (130, 256)])
 @pytest.mark.parametrize("sampling", [True, False])
 def test_draft_load_matches_torch(r, r_pad, sampling):
     """The one-launch load writes exactly the torch definition's inputs: the slots' anchors, positions (and, for a
@@ -136,13 +136,13 @@ def test_draft_load_matches_torch(r, r_pad, sampling):
     from optimized.kernels.layout import draft_load
 
     g = torch.Generator().manual_seed(r * 10 + r_pad)
-    S = 20
+    S = r + 20
     rows = torch.randperm(S, generator=g)[:r]  # [R] int64 distinct slots
     anchor, anchor_pos = torch.randint(0, 1000, (S,), generator=g), torch.randint(0, 500, (S,), generator=g)
     temperature = torch.rand(S, generator=g) * (torch.rand(S, generator=g) > 0.5)  # greedy and sampled slots
     request_id = torch.randint(0, 10**6, (S,), generator=g)
     per_slot = (temperature, request_id) if sampling else (None, None)
-    want, got = draft_buffers(24), draft_buffers(24)
+    want, got = draft_buffers(r_pad + 8), draft_buffers(r_pad + 8)  # rows past r_pad must keep their junk
     draft_load(rows, anchor, anchor_pos, *per_slot, r_pad, want, backend="torch")
     draft_load(rows, anchor, anchor_pos, *per_slot, r_pad, got, backend="triton")
     for name in want:
