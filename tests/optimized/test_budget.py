@@ -10,7 +10,7 @@ import torch
 
 from optimized.scheduler import BudgetPlanner, step_time_curve
 from reference.cost_model import CostTable
-from reference.scheduler import stale_budget
+from reference.scheduler import fill_stale_rows, stale_budget
 
 
 def _random_survivals(gen: torch.Generator, r: int, g: int, nan_rows: int = 0) -> torch.Tensor:
@@ -67,6 +67,26 @@ def test_step_time_curve_equals_the_tables_lookups(graph_max):
             want = [cost.step_time(n, r) for n in range(first, first + count)]
             got = step_time_curve(cost, first, count, r)
             assert got.dtype == np.float64 and got.tolist() == want, (i, first)
+
+
+def test_unchecked_fill_of_new_requests_equals_the_references():
+    """The engine plans on its own survivals without the range checks (check=False), and fills the rows of requests
+    too new to have stale survivals by its own cheaper route: the same budget and gate verdict as the reference,
+    float for float, with NaN rows anywhere, all rows NaN, or none."""
+    from reference.scheduler import speculation_pays
+
+    gen = torch.Generator().manual_seed(5)
+    for i in range(300):
+        r, g = int(torch.randint(1, 40, (1,), generator=gen)), int(torch.randint(1, 8, (1,), generator=gen))
+        a = _random_survivals(gen, r, g)
+        a[torch.rand(r, generator=gen) < (0.3 if i % 5 else 1.0)] = float("nan")  # every 5th: all rows new
+        cost = CostTable.affine(fixed_ms=1.0 + (i % 7), per_token_ms=0.01 * (1 + i % 3), draft_fixed_ms=0.3,
+                                sizes=list(range(1, r * (g + 1) + 1)))
+        planner = BudgetPlanner(cost)
+        arr = a.numpy()
+        assert np.array_equal(planner._filled(arr, check=False), fill_stale_rows(a).numpy(), equal_nan=True), i
+        assert planner.budget(arr, r, check=False) == stale_budget(a, cost, r), i
+        assert planner.speculation_pays(arr, r, check=False) == speculation_pays(a, cost, r), i
 
 
 def test_budget_zero_when_drafts_do_not_pay():
