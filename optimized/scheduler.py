@@ -249,7 +249,8 @@ def step_time_curve(cost: CostTable, first: int, count: int, num_requests: int) 
             _staircase(verify, ns, todo, list(curve), curve)
     graph = cost.graph_sizes()
     _staircase(verify, ns, np.isnan(verify), graph, cost.verify_ms)
-    for i in np.flatnonzero(np.isnan(verify)).tolist():  # past the largest graph: the table's interpolation
+    # Past the largest graph: the table's interpolation. sync: none, host NumPy indices
+    for i in np.flatnonzero(np.isnan(verify)).tolist():
         verify[i] = cost.verify_time(int(ns[i]), num_requests)
     return verify + cost.draft_time(num_requests)  # step_time = verify_time + draft_time, the same float sum
 

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from reference.config import DEFAULT_DRAFTER, DEFAULT_MODEL, SCHEDULER_MODES, NgramConfig, SchedulerConfig
+from reference.config import DEFAULT_DRAFTER, DEFAULT_MODEL, NGRAM_MODES, SCHEDULER_MODES, NgramConfig, SchedulerConfig
 
 if TYPE_CHECKING:
     from optimized.serving.engine_process import SpawnedEngine
@@ -71,7 +71,6 @@ SPEC_KEYS = ("method", "model", "num_speculative_tokens", "enable_adaptive_verif
 # its prompt_lookup_max/min keys; no checkpoint, no confidences: modes none, fixed and dsd); hybrid: per request and
 # step, the drafter's block or the lookup's, whichever is expected to be accepted longer (reference/hybrid.py).
 SPEC_METHODS = ("dspark", "ngram", "hybrid")
-NGRAM_SERVE_MODES = ("none", "fixed", "dsd")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -133,9 +132,9 @@ class SpeculativeConfig:
         if mode not in SCHEDULER_MODES or mode == "oracle":
             modes = ", ".join(m for m in SCHEDULER_MODES if m != "oracle")
             raise ValueError(f"--speculative-config: mode must be one of {modes}, got {mode!r}")
-        if method == "ngram" and mode not in NGRAM_SERVE_MODES:
+        if method == "ngram" and mode not in NGRAM_MODES:
             raise ValueError(f"--speculative-config: the ngram method has no confidences, so mode {mode!r} cannot run "
-                             f"with it; choose one of {', '.join(NGRAM_SERVE_MODES)}")
+                             f"with it; choose one of {', '.join(m.value for m in NGRAM_MODES)}")
         lookup = {}
         for key, name in (("prompt_lookup_max", "lookup_max"), ("prompt_lookup_min", "lookup_min")):
             if key in d:

@@ -95,6 +95,9 @@ class SchedulingMode(str, enum.Enum):
 
 
 SCHEDULER_MODES: tuple[str, ...] = tuple(m.value for m in SchedulingMode)  # the CLI spellings, in order
+# The modes the n-gram proposer can drive (reference/ngram.py): their verify length needs no confidence; ℓ is the
+# same for every request, then clipped to each proposal.
+NGRAM_MODES: tuple[SchedulingMode, ...] = (SchedulingMode.NONE, SchedulingMode.FIXED, SchedulingMode.DSD)
 
 
 class ProposerKind(str, enum.Enum):

@@ -40,10 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from reference.config import NgramConfig, SchedulingMode
-
-# The modes whose verify length needs no confidence: ℓ is the same for every request, then clipped to each proposal.
-NGRAM_MODES: tuple[SchedulingMode, ...] = (SchedulingMode.NONE, SchedulingMode.FIXED, SchedulingMode.DSD)
+from reference.config import NGRAM_MODES, NgramConfig, SchedulingMode
 
 
 def find_match(context: Sequence[int], max_n: int, min_n: int) -> tuple[int, int] | None:

@@ -140,11 +140,7 @@ def verify_layout(rows: Tensor, lens: Tensor, anchor: Tensor, anchor_pos: Tensor
     if r < 1 or r > m or lens.shape != (r,) or out["input_ids"].shape[0] < n_pad:
         raise ValueError(f"need 1 ≤ R ≤ {m} rows with [R] lengths and ≥ n_pad = {n_pad} token slots, got rows "
                          f"{tuple(rows.shape)}, lens {tuple(lens.shape)}, {out['input_ids'].shape[0]} token slots")
-    if backend == "auto":
-        backend = "triton" if (rows.is_cuda and HAS_TRITON) else "torch"
-    if backend == "triton" and not (HAS_TRITON and (rows.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
-        raise ValueError("backend='triton' needs triton and CUDA tensors (or TRITON_INTERPRET=1)")
-    if backend == "torch":
+    if _backend(rows, backend) == "torch":
         lay = verify_layout_torch(rows, lens, anchor, anchor_pos, draft_tokens, n_pad)
         for name in ("input_ids", "positions", "token_slot"):
             out[name][:n_pad].copy_(lay[name])
@@ -155,8 +151,6 @@ def verify_layout(rows: Tensor, lens: Tensor, anchor: Tensor, anchor_pos: Tensor
         out["slot_ids"][:r].copy_(lay["slot_ids"])
         out["slot_ids"][r:].fill_(-1)
         return
-    if backend != "triton":
-        raise ValueError(f"unknown layout backend {backend!r}; choose 'auto', 'triton' or 'torch'")
     draft = draft_tokens if draft_tokens.numel() else anchor[:, None]  # γ = 0 (no drafter): never read
     block_r = triton.next_power_of_2(m + 1)
     block_t = LAYOUT_BLOCK_T_FEW_ROWS if block_r <= LAYOUT_FEW_ROWS else LAYOUT_BLOCK_T_MANY_ROWS
@@ -239,7 +233,8 @@ if HAS_TRITON:
         tl.store(onehot_ptr + slot, (tl.load(temperature_ptr + slot) == 0).to(tl.int1))
 
 
-def _draft_backend(rows: Tensor, backend: str) -> str:
+def _backend(rows: Tensor, backend: str) -> str:
+    """``"triton"`` or ``"torch"`` for a layout op on ``rows``' device (``"auto"``: Triton on CUDA)."""
     if backend == "auto":
         return "triton" if (rows.is_cuda and HAS_TRITON) else "torch"
     if backend == "triton" and not (HAS_TRITON and (rows.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
@@ -265,7 +260,7 @@ def draft_load(rows: Tensor, anchor: Tensor, anchor_pos: Tensor, temperature: Te
     if r < 1 or r_pad < r or out["anchor_ids"].shape[0] < r_pad or (temperature is None) != (request_id is None):
         raise ValueError(f"need 1 ≤ R ≤ r_pad ≤ {out['anchor_ids'].shape[0]} and temperature and request_id both "
                          f"given or both None, got R = {r}, r_pad = {r_pad}")
-    if _draft_backend(rows, backend) == "torch":
+    if _backend(rows, backend) == "torch":
         draft_load_torch(rows, anchor, anchor_pos, temperature, request_id, r_pad, out)
         return
     sampling = temperature is not None
@@ -286,7 +281,7 @@ def draft_store(rows: Tensor, tokens: Tensor, survival: Tensor, temperature: Ten
     if r < 1 or rows.shape != (r,) or survival.shape != (r, gamma):
         raise ValueError(f"need R ≥ 1 slots for [R, γ] tokens and survivals, got rows {tuple(rows.shape)}, tokens "
                          f"{tuple(tokens.shape)}, survival {tuple(survival.shape)}")
-    if _draft_backend(rows, backend) == "torch":
+    if _backend(rows, backend) == "torch":
         draft_store_torch(rows, tokens, survival, temperature, draft_tokens, draft_onehot, survival_slots)
         return
     if draft_tokens.stride(1) != 1 or survival_slots.stride(1) != 1:
