@@ -496,7 +496,8 @@ class ModelRunner:
         else:
             # p_t at every verified position, laid out [R, γ+1, V] for the verifier.
             probs = self._target_probs(logits, slot_of, decoding)  # [N_pad, V]
-            target_probs = probs[packed_rows()]  # [R, γ+1, V]
+            src = packed_rows()  # [R, γ+1]
+            target_probs = probs[src]  # [R, γ+1, V]
             if g:
                 result = rejection_sample(self.draft_tokens[rows], lens, self.draft_probs[rows], target_probs,
                                           self.config.seed, self.request_id[rows], self.anchor_pos[rows],
@@ -511,10 +512,10 @@ class ModelRunner:
                 logp = torch.log(emitted_p.clamp_min(1e-30))  # [R, E]
         e = emitted.shape[1]
         top = None
-        if want:  # raw log-probabilities / alternatives, from the same packed logits rows as p_t
+        if want:  # raw log-probabilities / alternatives, from the same packed logits rows as p_t (a request that
+            # wants them sends the step down the p_t branch above, which built src)
             idx = torch.tensor(want, device=dev)
-            logp, top = extra_logprobs(decoding, want, logits[packed_rows()[idx, :e]], target_probs[idx, :e], emitted,
-                                       logp)
+            logp, top = extra_logprobs(decoding, want, logits[src[idx, :e]], target_probs[idx, :e], emitted, logp)
         if not moved:  # the next anchor: the last emitted token, one position past the accepted prefix
             advance_anchors(emitted, n_emitted, self.anchor, self.anchor_pos, rows)
         if plan.mode is SchedulingMode.ORACLE:
