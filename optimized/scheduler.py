@@ -208,14 +208,15 @@ class BudgetPlanner:
         without NaN its range and monotonicity checks run only with ``check``)."""
         if np.isnan(arr).any():
             if check:
-                return fill_stale_rows(torch.from_numpy(arr)).numpy()  # the reference's fill and its checks
+                # the reference's fill and its checks. sync: none, CPU tensors over host NumPy
+                return fill_stale_rows(torch.from_numpy(arr)).numpy()
             # The engine's own rows (whole rows NaN or none): the reference's fill without its checks, the known
             # rows' mean by the very torch op it uses on the same contiguous float32 rows, the rest in NumPy (5x
             # cheaper on the host than the reference function's dozen torch calls; the same floats, as
             # tests/optimized/test_budget.py checks).
             missing = np.isnan(arr).all(axis=1)  # [R]
             known = arr[~missing]  # [R_known, γ] a fresh contiguous array, as the reference's boolean index
-            fill = (torch.from_numpy(known).mean(dim=0).numpy() if known.shape[0]
+            fill = (torch.from_numpy(known).mean(dim=0).numpy() if known.shape[0]  # sync: none, a CPU tensor
                     else np.zeros(arr.shape[1], dtype=arr.dtype))  # [γ]
             return np.where(missing[:, None], fill[None, :], arr)  # [R, γ]
         if check:  # the reference's checks of fill_stale_rows, in float64 as it does them
@@ -249,8 +250,7 @@ def step_time_curve(cost: CostTable, first: int, count: int, num_requests: int) 
             _staircase(verify, ns, todo, list(curve), curve)
     graph = cost.graph_sizes()
     _staircase(verify, ns, np.isnan(verify), graph, cost.verify_ms)
-    # Past the largest graph: the table's interpolation. sync: none, host NumPy indices
-    for i in np.flatnonzero(np.isnan(verify)).tolist():
+    for i in np.flatnonzero(np.isnan(verify)).tolist():  # sync: none (host NumPy); past the largest graph, interpolate
         verify[i] = cost.verify_time(int(ns[i]), num_requests)
     return verify + cost.draft_time(num_requests)  # step_time = verify_time + draft_time, the same float sum
 
