@@ -42,7 +42,7 @@ import triton
 from tqdm import tqdm
 
 from optimized.kernels.layer_ops import rms_norm, silu_mul
-from optimized.kernels.linear import FUSED_MAX_ROWS, kernel_config, linear, norm_linear
+from optimized.kernels.linear import FUSED_MAX_ROWS, ROW_LOOP_MAX, kernel_config, linear, norm_linear
 from reference.cli import LOG_FORMAT
 from reference.cost_model import hardware_name
 from scripts.benchmarking import default_tag, save_plot
@@ -130,21 +130,19 @@ def timed(fn: Callable[[], Any], device: torch.device, repeats: int, iters: int,
 
 
 def sweep_configs(rows: int, k_max: int) -> list[dict]:
-    """Tile grid of the sweep for inputs of at most ``k_max`` columns: for fewer than 16 rows, tiles of 256 columns
-    up to the whole row (bounded registers); from 16 rows, ``tl.dot`` tiles. Tiles wider than the row are left out."""
-    block_m = 1 << (rows - 1).bit_length() if rows < 16 else 16
+    """Tile grid of the sweep for inputs of at most ``k_max`` columns: up to ``ROW_LOOP_MAX`` rows, row-loop tiles of
+    256 columns up to the whole row (a weight tile of at most 8192 values in registers); beyond, and as the
+    alternative from two rows on, ``tl.dot`` tiles of 16 rows. Tiles wider than the row are left out."""
     widest = 1 << (k_max - 1).bit_length()
     configs = []
-    for bn, bk, warps in itertools.product((1, 2, 4, 8, 16, 32, 64), (64, 128, 256, 512, 1024, 2048), (2, 4, 8)):
-        if bk > widest:
-            continue
-        if block_m < 16 and (block_m * bn * bk > 8192 or bk < min(256, widest)) or block_m >= 16 and (
-                bn < 16 or bn > 32):
-            continue
-        configs.append(dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps))
-    if 1 < rows < 16:  # a few rows can also take one tl.dot tile of 16
-        configs += [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (16, 32) for bk in (128, 256, 512)
-                    if bk <= widest for w in (4, 8)]
+    if rows <= ROW_LOOP_MAX:
+        block_m = 1 << (rows - 1).bit_length()
+        for bn, bk, warps in itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048), (1, 2, 4, 8)):
+            if bn * bk <= 8192 and min(256, widest) <= bk <= max(256, widest):
+                configs.append(dict(kernel="rows", BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps))
+    if rows > 1:
+        configs += [dict(kernel="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (16, 32)
+                    for bk in (64, 128, 256, 512) if bk <= widest for w in (4, 8)]
     return configs
 
 

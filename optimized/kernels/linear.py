@@ -54,6 +54,10 @@ if HAS_TRITON:
 # this limit does not take yet. Tuned on sm_90; the kernels are portable Triton.
 FUSED_MAX_ROWS = 2
 
+# Up to this many rows the kernel loops over the rows against each weight tile (_norm_linear_rows_kernel); more rows
+# take 16-row tl.dot tiles (_norm_linear_kernel).
+ROW_LOOP_MAX = 16
+
 
 def fused_rows(n: int, limit: int | None = None) -> bool:
     """Whether a step of ``n`` token rows takes the fused small-batch projections (``limit`` None = the default)."""
@@ -90,16 +94,18 @@ if HAS_TRITON:
         return x
 
     @triton.jit
-    def _accumulate(acc, h, w_ptr, outs, omask, cols, kmask, stride_wn, BLOCK_M: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
-        """acc [BLOCK_M, BLOCK_N] += h [BLOCK_M, BLOCK_K] · W[outs, cols]ᵀ in float32."""
-        w = tl.load(w_ptr + outs[:, None] * stride_wn + cols[None, :], mask=omask[:, None] & kmask[None, :],
-                    other=0.0)  # [BLOCK_N, BLOCK_K]
-        if BLOCK_M >= 16:
-            acc += tl.dot(h, tl.trans(w), input_precision=DOT_PRECISION)
-        else:  # a few rows: a broadcast product and a sum over K (tl.dot needs 16 rows)
-            acc += tl.sum(h.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        return acc
+    def _store_output(acc, acc_up, b_ptr, y_ptr, rows, rmask, outs, omask, stride_ym, HAS_BIAS: tl.constexpr,
+                      GATED: tl.constexpr):
+        """The epilogue: bias, then (gated) silu(gate) rounded, times up, rounded, as layer_ops' SiLU·up kernel."""
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + outs, mask=omask, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(y_ptr.dtype.element_ty)
+        if GATED:
+            gate = out.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty)
+            up = acc_up.to(y_ptr.dtype.element_ty)
+            out = (act.to(tl.float32) * up.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * stride_ym + outs[None, :], out, mask=rmask[:, None] & omask[None, :])
 
     @triton.jit
     def _norm_linear_kernel(
@@ -137,38 +143,99 @@ if HAS_TRITON:
                 normed = (h.to(tl.float32) * inv_rms[:, None]).to(h.dtype)  # HF casts back before the gain
                 gain = tl.load(gain_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
                 h = (gain[None, :] * normed.to(tl.float32)).to(h.dtype)
-            acc = _accumulate(acc, h, w_ptr, outs, omask, cols, kmask, stride_wn, BLOCK_M, DOT_PRECISION)
+            wmask = omask[:, None] & kmask[None, :]
+            w = tl.load(w_ptr + outs[:, None] * stride_wn + cols[None, :], mask=wmask, other=0.0)  # [BLOCK_N, BLOCK_K]
+            acc += tl.dot(h, tl.trans(w), input_precision=DOT_PRECISION)
             if GATED:
-                acc_up = _accumulate(acc_up, h, w_ptr + N * stride_wn, outs, omask, cols, kmask, stride_wn,
-                                     BLOCK_M, DOT_PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + outs, mask=omask, other=0.0).to(tl.float32)[None, :]
-        out = acc.to(y_ptr.dtype.element_ty)
-        if GATED:  # HF: silu(gate) rounded, times up, rounded (as layer_ops' SiLU·up kernel)
-            gate = out.to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty)
-            up = acc_up.to(y_ptr.dtype.element_ty)
-            out = (act.to(tl.float32) * up.to(tl.float32)).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + rows[:, None] * stride_ym + outs[None, :], out, mask=rmask[:, None] & omask[None, :])
+                w_up = tl.load(w_ptr + (outs[:, None] + N) * stride_wn + cols[None, :], mask=wmask, other=0.0)
+                acc_up += tl.dot(h, tl.trans(w_up), input_precision=DOT_PRECISION)
+        _store_output(acc, acc_up, b_ptr, y_ptr, rows, rmask, outs, omask, stride_ym, HAS_BIAS, GATED)
+
+    @triton.jit
+    def _norm_linear_rows_kernel(
+        x_ptr, res_ptr, gain_ptr, w_ptr, b_ptr, y_ptr, sum_ptr,  # x, res, sum [M, K]; w [N or 2N, K]; y [M, N]
+        M, N, K, eps,
+        stride_xm, stride_rm, stride_wn, stride_ym, stride_sm,
+        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """A few rows: each weight tile is loaded once, then every row of the block is multiplied into it in turn.
+
+        Row ``m`` goes through exactly the arithmetic of a one-row step — its own sum of squares over ``[1, BLOCK_K]``
+        tiles, its own ``[1, BLOCK_K] × [BLOCK_N, BLOCK_K]`` product summed over K — so a row's output does not
+        depend on how many rows share the step (tests/equivalence/test_row_invariance.py), and eight rows cost
+        about what one costs: the weights stream from memory once, and the extra products are a few hundred
+        multiply-adds per thread.
+        """
+        pid_n = tl.program_id(0)
+        first = tl.program_id(1) * BLOCK_M
+        lanes = tl.arange(0, BLOCK_M)  # [BLOCK_M] the block's rows
+        one = tl.arange(0, 1)  # [1] a one-row tile's row index
+        outs = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        omask = outs < N
+        inv_rms = tl.zeros([BLOCK_M], tl.float32)
+        if NORM:  # pass 1: each row's residual sum (stored once) and 1 / rms, one row at a time
+            for m in tl.static_range(BLOCK_M):
+                row = (first + m + one).to(tl.int64)  # [1]
+                live = row < M
+                sum_sq = tl.zeros([1], tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    cols = k0 + tl.arange(0, BLOCK_K)
+                    kmask = cols < K
+                    x = _input_tile(x_ptr, res_ptr, row, live, cols, kmask, stride_xm, stride_rm, HAS_RESIDUAL)
+                    if HAS_RESIDUAL:
+                        if pid_n == 0:
+                            tl.store(sum_ptr + row[:, None] * stride_sm + cols[None, :], x,
+                                     mask=live[:, None] & kmask[None, :])
+                    xf = x.to(tl.float32)
+                    sum_sq += tl.sum(xf * xf, axis=1)
+                inv_rms = tl.where(lanes == m, tl.sum(tl.math.rsqrt(sum_sq / K + eps)), inv_rms)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # pass 2: one weight tile, every row of the block against it
+            cols = k0 + tl.arange(0, BLOCK_K)
+            kmask = cols < K
+            wmask = omask[:, None] & kmask[None, :]
+            w = tl.load(w_ptr + outs[:, None] * stride_wn + cols[None, :], mask=wmask, other=0.0).to(tl.float32)
+            if GATED:
+                w_up = tl.load(w_ptr + (outs[:, None] + N) * stride_wn + cols[None, :], mask=wmask,
+                               other=0.0).to(tl.float32)
+            if NORM:
+                gain = tl.load(gain_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                row = (first + m + one).to(tl.int64)  # [1]
+                live = row < M
+                h = _input_tile(x_ptr, res_ptr, row, live, cols, kmask, stride_xm, stride_rm, HAS_RESIDUAL)
+                if NORM:  # normalise as HF rounds: x̂ / rms to the model dtype, then the gain product
+                    inv = tl.sum(tl.where(lanes == m, inv_rms, 0.0))  # this row's 1 / rms
+                    normed = (h.to(tl.float32) * inv).to(h.dtype)
+                    h = (gain[None, :] * normed.to(tl.float32)).to(h.dtype)
+                hf = h.to(tl.float32)  # [1, BLOCK_K]
+                mine = lanes[:, None] == m
+                acc = tl.where(mine, acc + tl.sum(hf * w, axis=1)[None, :], acc)
+                if GATED:
+                    acc_up = tl.where(mine, acc_up + tl.sum(hf * w_up, axis=1)[None, :], acc_up)
+        rows = (first + lanes).to(tl.int64)
+        _store_output(acc, acc_up, b_ptr, y_ptr, rows, rows < M, outs, omask, stride_ym, HAS_BIAS, GATED)
 
 
 def kernel_config(m: int, n: int, k: int, gated: bool) -> dict:
-    """Tile sizes and warps for an ``[m, k] · [n, k]ᵀ`` step (``n`` output columns, gate and up counted once).
+    """Kernel, tile sizes and warps for an ``[m, k] · [n, k]ᵀ`` step (``n`` output columns, gate and up counted once).
 
-    One or two rows: the whole input row in one tile (``BLOCK_K`` = K rounded up to a power of two, up to 2048),
-    so that every weight load of a program is in flight at once, and as few output columns a program as keep its
-    tile at ~2048 values: one to four columns, hundreds of programs. A batch-1 step is latency-bound, and this was
-    the fastest shape of the sweep on the H200 (scripts/bench_linear.py: 2–4× faster than 64-wide K tiles walked in
-    a loop). More rows: ``tl.dot`` tiles of 16 rows, the fastest at eight rows in the same sweep (about half the
-    time of the broadcast product over eight rows).
+    Up to :data:`ROW_LOOP_MAX` rows: the row loop (``kernel="rows"``), with the whole input row in one tile
+    (``BLOCK_K`` = K rounded up to a power of two, up to 2048), so that every weight load of a program is in flight
+    at once, and as few output columns a program as keep its weight tile at ~2048 values: one to four columns,
+    hundreds of programs. A few-row step is latency-bound, and this was the fastest shape of the sweep on the H200
+    (scripts/bench_linear.py: 2–4× faster than 64-wide K tiles walked in a loop). The tile does not depend on
+    ``m``: a row gets the same bits in a step of any size up to the limit. More rows: ``tl.dot`` tiles of 16 rows
+    (``kernel="dot"``).
     """
-    if m > 2:  # the sweep's best at eight rows: one 16-row tl.dot tile, 16 (gated: 32) columns, 256-wide K steps
-        return dict(BLOCK_M=16, BLOCK_N=32 if gated else 16, BLOCK_K=min(256, triton.next_power_of_2(k)), num_warps=4)
-    block_m = triton.next_power_of_2(m)
+    if m > ROW_LOOP_MAX:
+        return dict(kernel="dot", BLOCK_M=16, BLOCK_N=32 if gated else 16, BLOCK_K=min(256, triton.next_power_of_2(k)),
+                    num_warps=4)
     block_k = min(triton.next_power_of_2(k), 2048)
-    block_n = max(1, 2048 // (block_m * block_k))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                num_warps=2 if block_m * block_n * block_k <= 2048 else 4)
+    return dict(kernel="rows", BLOCK_M=triton.next_power_of_2(m), BLOCK_N=max(1, 2048 // block_k), BLOCK_K=block_k,
+                num_warps=2)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -222,17 +289,24 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
     if m:
         cfg = dict(kernel_config(m, n, k, gated) if config is None else config)
         block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+        kind = cfg.pop("kernel", "rows" if block_m < 16 else "dot")
+        if kind == "dot":
+            kernel = _norm_linear_kernel
+            cfg["DOT_PRECISION"] = "ieee" if x.dtype == torch.float32 else "tf32"
+        elif kind == "rows":
+            kernel = _norm_linear_rows_kernel
+        else:
+            raise ValueError(f"config['kernel'] must be 'rows' or 'dot', got {kind!r}")
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
         dummy = x  # stands in for absent pointers (never read: the flags compile the accesses away)
         res = residual if residual is not None else x
-        _norm_linear_kernel[grid](
+        kernel[grid](
             x, res, norm_weight if norm_weight is not None else dummy, weight,
             bias if bias is not None else dummy, y, total,
             m, n, k, eps,
             x.stride(0), res.stride(0), weight.stride(0), y.stride(0), total.stride(0),
             NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-            GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg,
+            GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, **cfg,
         )
     return y, total
 

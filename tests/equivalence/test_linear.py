@@ -4,7 +4,7 @@ layer ops' torch definitions (HF's rounding, tied to HF in test_models.py) compo
 The Triton kernel runs on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``, set by the CI command). Two
 interpreter artefacts shape the CPU cases: it rounds float32 → bfloat16 toward zero (the GPU rounds to nearest even,
 see test_layer_ops.py), and its ``tl.dot`` on bfloat16 operands returns garbage (triton 3.9), so bfloat16 runs the
-few-row path on the CPU and both paths in the ``gpu`` cases, where the kernel is compiled. Tolerances: the kernel
+row-loop kernel on the CPU and both kernels in the ``gpu`` cases, where the kernel is compiled. Tolerances: the kernel
 and the definition round at the same points and differ only in float32 summation order (the RMS and the dot
 products), so outputs agree to about one output ulp.
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from optimized.kernels.layer_ops import HAS_TRITON
-from optimized.kernels.linear import FUSED_MAX_ROWS, fused_rows, kernel_config, linear, norm_linear
+from optimized.kernels.linear import FUSED_MAX_ROWS, ROW_LOOP_MAX, fused_rows, kernel_config, linear, norm_linear
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
@@ -59,10 +59,10 @@ def run_both(kw, gated, config=None):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 21])  # the few-row path (1, 2), tl.dot tiles (3 and 21: masked rows)
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 21])  # the row loop (3: masked rows), tl.dot tiles (21: masked rows)
 @pytest.mark.parametrize("gated", [False, True])
 def test_norm_linear_matches_torch(dtype, m, gated):
-    if dtype == torch.bfloat16 and kernel_config(m, 40, 72, gated)["BLOCK_M"] >= 16:
+    if dtype == torch.bfloat16 and kernel_config(m, 40, 72, gated)["kernel"] == "dot":
         pytest.skip("the interpreter's tl.dot on bfloat16 is broken; compiled in test_gpu_bfloat16_bits")
     kw = case(m, 72, 40, dtype, gated=gated)  # K = 72 is not a tile multiple: masked tail
     check(dtype, *run_both(kw, gated))
@@ -80,9 +80,10 @@ def test_flags_and_bias(norm, residual, m):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("config", [dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=16, num_warps=1),
-                                    dict(BLOCK_M=4, BLOCK_N=8, BLOCK_K=32, num_warps=2),
-                                    dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4)])
+@pytest.mark.parametrize("config", [dict(kernel="rows", BLOCK_M=1, BLOCK_N=4, BLOCK_K=16, num_warps=1),
+                                    dict(kernel="rows", BLOCK_M=4, BLOCK_N=8, BLOCK_K=32, num_warps=2),
+                                    dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=32, num_warps=2),  # rows: BLOCK_M < 16
+                                    dict(kernel="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4)])
 def test_any_tiling_gives_the_same_result(config):
     """Tiles smaller than every dimension: several programs over rows and columns, several K steps."""
     kw = case(5, 50, 36, torch.float32, gated=True)
@@ -115,6 +116,10 @@ def test_bad_inputs_name_the_problem():
         norm_linear(kw["x"], kw["weight"], norm_weight=torch.ones(3))
     with pytest.raises(ValueError, match="bias"):
         norm_linear(kw["x"], torch.ones(8, 8), torch.ones(8), gated=True)
+    if HAS_TRITON:
+        with pytest.raises(ValueError, match="kernel"):
+            norm_linear(kw["x"], kw["weight"], backend="triton",
+                        config=dict(kernel="gemv", BLOCK_M=2, BLOCK_N=4, BLOCK_K=8, num_warps=1))
 
 
 def test_torch_path_is_the_composition_of_the_layer_ops():
@@ -130,11 +135,17 @@ def test_torch_path_is_the_composition_of_the_layer_ops():
 def test_row_limit_and_configs():
     assert fused_rows(1) and fused_rows(FUSED_MAX_ROWS) and not fused_rows(FUSED_MAX_ROWS + 1)
     assert not fused_rows(0) and not fused_rows(4, limit=0) and fused_rows(40, limit=64)
-    for m in range(1, 65):
-        for gated in (False, True):
+    for gated in (False, True):
+        one = kernel_config(1, 960, 576, gated)
+        for m in range(1, 65):
             cfg = kernel_config(m, 960, 576, gated)
-            assert cfg["BLOCK_M"] >= 16 or cfg["BLOCK_M"] >= m  # a few rows fit one program's tile
-            assert cfg["BLOCK_M"] * cfg["BLOCK_N"] * cfg["BLOCK_K"] <= 16384 or cfg["BLOCK_M"] >= 16
+            if m <= ROW_LOOP_MAX:  # the row loop: all rows in one program, the one-row step's tile (row invariance)
+                assert cfg["kernel"] == "rows" and cfg["BLOCK_M"] >= m
+                assert {key: cfg[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps")} == {
+                    key: one[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps")}
+                assert cfg["BLOCK_N"] * cfg["BLOCK_K"] <= 2048  # the weight tile held in registers
+            else:
+                assert cfg["kernel"] == "dot" and cfg["BLOCK_M"] == 16
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 16, 37])
@@ -153,7 +164,7 @@ def test_gpu_bfloat16_bits(m, gated, dtype, _):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 8])
 @pytest.mark.parametrize("op", ["qkv", "o", "gate_up", "down"])
 def test_default_tiles_at_smollm2_widths(m, op):
     """The engine's own tiles (one to four columns a program, the whole row of 576 or 1536 in one tile) at SmolLM2's
@@ -165,3 +176,19 @@ def test_default_tiles_at_smollm2_widths(m, op):
     cfg = kernel_config(m, n, k, gated)
     assert cfg["BLOCK_K"] >= k and cfg["BLOCK_N"] <= 4
     check(torch.float32, *run_both(kw, gated))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=on_gpu)])
+def test_gpu_row_loop_is_row_invariant(gated, dtype, _):
+    """Compiled on the device at SmolLM2's widths: every row of a 2-, 8- or 16-row step has the bits it has alone
+    (the CPU twin of this is tests/equivalence/test_row_invariance.py, under the interpreter)."""
+    kw = case(ROW_LOOP_MAX, 576, 1536 if gated else 960, dtype, gated=gated, device="cuda")
+    for block in (2, 8, ROW_LOOP_MAX):
+        together, total = norm_linear(**{key: v if v is None or v.dim() < 2 or key == "weight" else v[:block]
+                                         for key, v in kw.items()}, eps=EPS, gated=gated, backend="triton")
+        for j in range(block):
+            alone, alone_total = norm_linear(**{key: v if v is None or v.dim() < 2 or key == "weight" else v[j:j + 1]
+                                                for key, v in kw.items()}, eps=EPS, gated=gated, backend="triton")
+            assert torch.equal(together[j], alone[0]) and torch.equal(total[j], alone_total[0]), (block, j)

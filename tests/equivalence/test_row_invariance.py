@@ -5,8 +5,8 @@ This is what exact greedy decoding in bfloat16 rests on: a speculative step must
 same reduction order as a plain step, or the first bit that differs can change an argmax (docs/numerics.md). Run under
 the Triton interpreter on the CPU (``TRITON_INTERPRET=1``). The interpreter runs ``tl.dot`` through NumPy, whose
 matrix products may pick their own order by shape: the tests below that hold here are the kernels whose reduction
-does not depend on the block; the one marked ``xfail`` is a known gap of the projections (their kernel changes at
-three rows), which a row-invariant projection kernel must close.
+does not depend on the block. The projections are row-invariant up to ``optimized.kernels.linear.ROW_LOOP_MAX`` rows
+(their row loop); larger steps take ``tl.dot`` tiles, whose order depends on the block.
 """
 
 from __future__ import annotations
@@ -44,22 +44,26 @@ def test_rms_norm_row_alone_equals_the_row_in_a_block(dtype, block):
     assert torch.equal(together[0], alone[0])
 
 
-VERIFY_GAP = pytest.mark.xfail(strict=True, reason="from three rows on the projection runs 16-row tl.dot tiles instead "
-                                                  "of the few-row kernel's products summed over the input row: another "
-                                                  "reduction order, so a verify's rows are not a plain step's")
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block", [2, pytest.param(8, marks=VERIFY_GAP)])
-def test_fused_projection_row_alone_equals_the_row_in_a_block(dtype, block):
-    """The fused norm + projection gives a row the same bits alone and in a two-row step (the plain step's sizes);
-    in an 8-row block (a verify's) it does not yet."""
+@pytest.mark.parametrize("block", [2, 8, 16])
+@pytest.mark.parametrize("gated", [False, True])
+def test_fused_projection_row_alone_equals_the_row_in_a_block(dtype, block, gated):
+    """The fused add + norm + projection gives every row the same bits alone, in a two-row step (a plain step's
+    size) and in an 8- or 16-row block (a verify's): the row loop runs each row through the one-row arithmetic."""
     from optimized.kernels.linear import norm_linear
 
     x, weight, gain = _rows(dtype)
-    alone = norm_linear(x[:1], weight, norm_weight=gain, eps=1e-5, backend="triton")[0]
-    together = norm_linear(x[:block], weight, norm_weight=gain, eps=1e-5, backend="triton")[0]
-    assert torch.equal(together[0], alone[0])
+    residual = x.flip(0)  # [m, K] another stream for the residual add
+    w = torch.cat([weight, weight.flip(1)]) if gated else weight  # [gate | up] when gated
+
+    def project(rows: slice):
+        return norm_linear(x[rows], w, norm_weight=gain, eps=1e-5, residual=residual[rows], gated=gated,
+                           backend="triton")
+
+    together, total = project(slice(0, block))
+    for j in {0, block // 2, block - 1}:
+        alone, alone_total = project(slice(j, j + 1))
+        assert torch.equal(together[j], alone[0]) and torch.equal(total[j], alone_total[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
