@@ -42,7 +42,7 @@ import triton
 from tqdm import tqdm
 
 from optimized.kernels.layer_ops import rms_norm, silu_mul
-from optimized.kernels.linear import FUSED_MAX_ROWS, ROW_LOOP_MAX, kernel_config, linear, norm_linear
+from optimized.kernels.linear import FUSED_MAX_ROWS, kernel_config, linear, norm_linear
 from reference.cli import LOG_FORMAT
 from reference.cost_model import hardware_name
 from scripts.benchmarking import default_tag, save_plot
@@ -130,12 +130,12 @@ def timed(fn: Callable[[], Any], device: torch.device, repeats: int, iters: int,
 
 
 def sweep_configs(rows: int, k_max: int) -> list[dict]:
-    """Tile grid of the sweep for inputs of at most ``k_max`` columns: up to ``ROW_LOOP_MAX`` rows, row-loop tiles of
-    256 columns up to the whole row (a weight tile of at most 8192 values in registers); beyond, and as the
-    alternative from two rows on, ``tl.dot`` tiles of 16 rows. Tiles wider than the row are left out."""
+    """Tile grid of the sweep for inputs of at most ``k_max`` columns: up to 16 rows, row-loop tiles of 256 columns up
+    to the whole row (a weight tile of at most 8192 values in registers); from two rows on, ``tl.dot`` tiles of 16
+    rows. Tiles wider than the row are left out."""
     widest = 1 << (k_max - 1).bit_length()
     configs = []
-    if rows <= ROW_LOOP_MAX:
+    if rows <= 16:
         block_m = 1 << (rows - 1).bit_length()
         for bn, bk, warps in itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048), (1, 2, 4, 8)):
             if bn * bk <= 8192 and min(256, widest) <= bk <= max(256, widest):

@@ -13,22 +13,24 @@ layer instead of nine. On the H200 one layer's projection chain takes 12.8 µs i
 15.6 instead of 22.2 at two; from four rows on cuBLAS is as fast or faster, so the engine fuses only steps of at most
 :data:`FUSED_MAX_ROWS` tokens (:func:`fused_rows`; ``scripts/bench_linear.py`` measures both and sweeps the tiles).
 
-Each program owns ``BLOCK_N`` output columns of ``BLOCK_M`` rows and walks the input dimension ``K`` in tiles:
+Each program owns ``BLOCK_N`` output columns and walks the input dimension ``K`` in tiles, in one of two kernels
+(:func:`kernel_config` picks):
 
-- with ``NORM``, a first pass over the rows computes ``x̂ = x + residual`` (rounded to the model dtype, as HF's
-  eager add is) and its sum of squares; the program of column block 0 also stores ``x̂``, the residual stream the
-  layer carries on. The rows of a decode step are a few kilobytes, so every program re-reading them costs nothing
-  next to its slice of the weight matrix;
-- the second pass normalises each tile exactly where HF rounds (``x̂ / rms`` to the model dtype, then the gain
-  product to the model dtype) and accumulates ``h · Wᵀ`` in float32: a broadcast product and a sum for a few rows,
-  ``tl.dot`` for 16 rows and more;
-- with ``GATED`` the weight is ``[gate | up]`` (``[2N, K]``, the engine's fused gate/up matrix) and the program
-  accumulates the gate and up columns of the same outputs, then writes ``silu(gate) · up`` with HF's rounding
-  (each projection to the model dtype, SiLU to the model dtype, the product to the model dtype).
+- the row loop (``_norm_linear_rows_kernel``, one or two rows, or any number with ``row_invariant=True``): each
+  weight tile is loaded once and every row of the block is multiplied into it in turn, with exactly a one-row step's
+  arithmetic — a first pass computes the row's ``x̂ = x + residual`` (rounded to the model dtype, as HF's eager add
+  is; the program of column block 0 stores it, the residual stream the layer carries on) and its sum of squares, the
+  second normalises each tile exactly where HF rounds (``x̂ / rms`` to the model dtype, then the gain product to the
+  model dtype) and sums ``h · Wᵀ`` over the tile in float32. A row's bits therefore do not depend on how many rows
+  share the step (tests/equivalence/test_row_invariance.py). The tile is the whole input row, so every load of a
+  program is in flight at once: a one-row product is latency-bound, and a loop of dependent 64-wide tiles ran 2–4×
+  slower than cuBLAS. The rows run one after another, though: on the H200 eight rows cost 2.4× one;
+- ``tl.dot`` tiles of 16 rows (``_norm_linear_kernel``) for more rows: the same two passes over ``[16, BLOCK_K]``
+  tiles, faster from four rows on, with a summation order that depends on the block.
 
-For a few rows the tile is the whole input row (:func:`kernel_config`), so each pass is one step and every load of a
-program is in flight at once: a matrix-vector product of one row is latency-bound, and a loop of dependent 64-wide
-tiles ran 2–4× slower than cuBLAS.
+With ``GATED`` the weight is ``[gate | up]`` (``[2N, K]``, the engine's fused gate/up matrix) and the program
+accumulates the gate and up columns of the same outputs, then writes ``silu(gate) · up`` with HF's rounding (each
+projection to the model dtype, SiLU to the model dtype, the product to the model dtype).
 
 The torch definition of both ops is the composition of the layer ops' torch definitions with ``F.linear``, the
 reference twin of the kernel (``tests/equivalence/test_linear.py``). Outputs differ from it only in the order of
@@ -54,9 +56,11 @@ if HAS_TRITON:
 # this limit does not take yet. Tuned on sm_90; the kernels are portable Triton.
 FUSED_MAX_ROWS = 2
 
-# Up to this many rows the kernel loops over the rows against each weight tile (_norm_linear_rows_kernel); more rows
-# take 16-row tl.dot tiles (_norm_linear_kernel).
-ROW_LOOP_MAX = 16
+# Up to this many rows the default kernel loops over the rows against each weight tile (_norm_linear_rows_kernel);
+# more rows take 16-row tl.dot tiles (_norm_linear_kernel), unless the caller asks for row invariance. The row loop's
+# rows run one after another: on the H200 its chain costs 14.5 / 15.0 / 21.4 / 34.3 / 73.2 µs a layer at 1 / 2 / 4 /
+# 8 / 16 rows against cuBLAS's ~22 (docs/benchmarks/linear-row-loop-h200.json).
+ROW_LOOP_ROWS = 2
 
 
 def fused_rows(n: int, limit: int | None = None) -> bool:
@@ -219,23 +223,23 @@ if HAS_TRITON:
         _store_output(acc, acc_up, b_ptr, y_ptr, rows, rows < M, outs, omask, stride_ym, HAS_BIAS, GATED)
 
 
-def kernel_config(m: int, n: int, k: int, gated: bool) -> dict:
+def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = False) -> dict:
     """Kernel, tile sizes and warps for an ``[m, k] · [n, k]ᵀ`` step (``n`` output columns, gate and up counted once).
 
-    Up to :data:`ROW_LOOP_MAX` rows: the row loop (``kernel="rows"``), with the whole input row in one tile
-    (``BLOCK_K`` = K rounded up to a power of two, up to 2048), so that every weight load of a program is in flight
-    at once, and as few output columns a program as keep its weight tile at ~2048 values: one to four columns,
-    hundreds of programs. A few-row step is latency-bound, and this was the fastest shape of the sweep on the H200
-    (scripts/bench_linear.py: 2–4× faster than 64-wide K tiles walked in a loop). The tile does not depend on
-    ``m``: a row gets the same bits in a step of any size up to the limit. More rows: ``tl.dot`` tiles of 16 rows
-    (``kernel="dot"``).
+    Up to :data:`ROW_LOOP_ROWS` rows, or any number with ``row_invariant``: the row loop (``kernel="rows"``), with
+    the whole input row in one tile (``BLOCK_K`` = K rounded up to a power of two, up to 2048), so that every weight
+    load of a program is in flight at once, and as few output columns a program as keep its weight tile at ~2048
+    values: one to four columns, hundreds of programs. A one-row step is latency-bound, and this was the fastest
+    shape of the sweep on the H200 (scripts/bench_linear.py: 2–4× faster than 64-wide K tiles walked in a loop). The
+    tile does not depend on ``m``, so a row gets the same bits in a step of any size. More rows: ``tl.dot`` tiles of
+    16 rows (``kernel="dot"``), faster, but their summation order depends on the step.
     """
-    if m > ROW_LOOP_MAX:
+    if m > ROW_LOOP_ROWS and not row_invariant:
         return dict(kernel="dot", BLOCK_M=16, BLOCK_N=32 if gated else 16, BLOCK_K=min(256, triton.next_power_of_2(k)),
                     num_warps=4)
     block_k = min(triton.next_power_of_2(k), 2048)
-    return dict(kernel="rows", BLOCK_M=triton.next_power_of_2(m), BLOCK_N=max(1, 2048 // block_k), BLOCK_K=block_k,
-                num_warps=2)
+    return dict(kernel="rows", BLOCK_M=min(triton.next_power_of_2(m), 16), BLOCK_N=max(1, 2048 // block_k),
+                BLOCK_K=block_k, num_warps=2)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -245,7 +249,7 @@ def kernel_config(m: int, n: int, k: int, gated: bool) -> dict:
 
 def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_weight: Tensor | None = None,
                 eps: float = 1e-6, residual: Tensor | None = None, gated: bool = False, backend: str = "auto",
-                config: dict | None = None) -> tuple[Tensor, Tensor]:
+                config: dict | None = None, row_invariant: bool = False) -> tuple[Tensor, Tensor]:
     """``y = F.linear(w · norm(x̂), weight, bias)`` with ``x̂ = x + residual``; returns ``(y, x̂)``.
 
     Args:
@@ -255,8 +259,10 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
         norm_weight: ``[K]`` RMSNorm gain, or ``None`` for no norm (then ``residual`` must be ``None``).
         residual: ``[M, K]`` added to ``x`` before the norm, or ``None``.
         gated: return ``silu(x̂ W_gateᵀ) · (x̂ W_upᵀ)`` ``[M, N]`` instead of the projection.
-        config: kernel tile sizes (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``), default
-            :func:`kernel_config` (the benchmark sweeps them).
+        config: the kernel (``kernel``: ``"rows"`` or ``"dot"``) and its tile sizes (``BLOCK_M``, ``BLOCK_N``,
+            ``BLOCK_K``, ``num_warps``), default :func:`kernel_config` (the benchmark sweeps them).
+        row_invariant: compute every row with the one-row arithmetic (the row loop at any size), so that a row's
+            output does not depend on the other rows of the step; slower than ``tl.dot`` tiles from four rows.
 
     Returns:
         ``(y [M, N], x̂ [M, K])``; ``x̂`` is ``x`` itself when there is no residual.
@@ -287,7 +293,7 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     total = x if residual is None else torch.empty_like(x)
     if m:
-        cfg = dict(kernel_config(m, n, k, gated) if config is None else config)
+        cfg = dict(kernel_config(m, n, k, gated, row_invariant) if config is None else config)
         block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
         kind = cfg.pop("kernel", "rows" if block_m < 16 else "dot")
         if kind == "dot":
@@ -312,6 +318,6 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, backend: str = "auto",
-           config: dict | None = None) -> Tensor:
+           config: dict | None = None, row_invariant: bool = False) -> Tensor:
     """``F.linear(x, weight, bias)`` for a few rows (``x [M, K]``, ``weight [N, K]``) as one Triton kernel."""
-    return norm_linear(x, weight, bias, backend=backend, config=config)[0]
+    return norm_linear(x, weight, bias, backend=backend, config=config, row_invariant=row_invariant)[0]

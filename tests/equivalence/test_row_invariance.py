@@ -5,8 +5,9 @@ This is what exact greedy decoding in bfloat16 rests on: a speculative step must
 same reduction order as a plain step, or the first bit that differs can change an argmax (docs/numerics.md). Run under
 the Triton interpreter on the CPU (``TRITON_INTERPRET=1``). The interpreter runs ``tl.dot`` through NumPy, whose
 matrix products may pick their own order by shape: the tests below that hold here are the kernels whose reduction
-does not depend on the block. The projections are row-invariant up to ``optimized.kernels.linear.ROW_LOOP_MAX`` rows
-(their row loop); larger steps take ``tl.dot`` tiles, whose order depends on the block.
+does not depend on the block. The projections are row-invariant with ``row_invariant=True`` (their row loop at any
+size; by default up to ``optimized.kernels.linear.ROW_LOOP_ROWS`` rows, larger steps taking ``tl.dot`` tiles, whose
+order depends on the block).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def test_rms_norm_row_alone_equals_the_row_in_a_block(dtype, block):
 @pytest.mark.parametrize("block", [2, 8, 16])
 @pytest.mark.parametrize("gated", [False, True])
 def test_fused_projection_row_alone_equals_the_row_in_a_block(dtype, block, gated):
-    """The fused add + norm + projection gives every row the same bits alone, in a two-row step (a plain step's
-    size) and in an 8- or 16-row block (a verify's): the row loop runs each row through the one-row arithmetic."""
+    """The fused add + norm + projection with ``row_invariant`` gives every row the same bits alone, in a two-row step
+    (a plain step's size) and in an 8- or 16-row block (a verify's): the row loop runs each row through the one-row
+    arithmetic."""
     from optimized.kernels.linear import norm_linear
 
     x, weight, gain = _rows(dtype)
@@ -58,7 +60,7 @@ def test_fused_projection_row_alone_equals_the_row_in_a_block(dtype, block, gate
 
     def project(rows: slice):
         return norm_linear(x[rows], w, norm_weight=gain, eps=1e-5, residual=residual[rows], gated=gated,
-                           backend="triton")
+                           backend="triton", row_invariant=True)
 
     together, total = project(slice(0, block))
     for j in {0, block // 2, block - 1}:
