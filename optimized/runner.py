@@ -97,6 +97,19 @@ class LaunchedVerify:
     num_tokens: int  # N = R + Σℓ
 
 
+def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` without waiting for the device.
+
+    A host list copied to the GPU the plain way is a pageable copy, which PyTorch follows with a stream
+    synchronisation: the host waits for every kernel queued before it — in a step launched one ahead of its reads, the
+    very queue the pipeline keeps full — and the device then idles while the host launches the next graph. Here the
+    values are staged in pinned memory and copied asynchronously, in stream order (the caching host allocator keeps
+    the staging block until the copy has run). On the CPU it is ``torch.tensor``."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def extra_logprob_rows(seqs: list[Sequence]) -> list[int]:
     """Rows whose request asked for raw or top log-probabilities (known on the host from the parameters)."""
     return [i for i, s in enumerate(seqs) if s.params.logprobs and (s.params.raw_logprobs or s.params.top_logprobs)]
@@ -118,9 +131,9 @@ def extra_logprobs(seqs: list[Sequence], want: list[int], logits: torch.Tensor, 
     """
     dev = logits.device
     raw = torch.log_softmax(logits.float(), dim=-1)  # [W, E, V]
-    is_raw = torch.tensor([seqs[i].params.raw_logprobs for i in want], device=dev)[:, None, None]  # [W, 1, 1]
+    is_raw = upload([seqs[i].params.raw_logprobs for i in want], torch.bool, dev)[:, None, None]  # [W, 1, 1]
     dist = torch.where(is_raw, raw, torch.log(probs.float().clamp_min(1e-30)))  # [W, E, V]
-    idx = torch.tensor(want, device=dev)
+    idx = upload(want, torch.long, dev)
     logp = logp.clone()
     logp[idx] = dist.gather(2, tokens[idx].clamp(min=0)[..., None])[..., 0]
     k = min(max(seqs[i].params.top_logprobs for i in want), dist.shape[-1])
@@ -348,18 +361,18 @@ class ModelRunner:
         if not done:
             return StageOutput([], [], None)
         logits = logits[0] if len(logits) == 1 else torch.cat(logits)  # [M, V] the completed prompts' last rows
-        done_slots = torch.tensor([s.slot for s in done], dtype=torch.long, device=dev)
+        done_slots = upload([s.slot for s in done], torch.long, dev)
         # The reference op only where a request filters: its input checks are device→host syncs, each a pipeline
         # bubble in a step that is about to read its first tokens anyway.
         p_t = self._target_probs(logits, done_slots, done)  # [M, V]
-        positions_first = torch.tensor([len(s.prompt_ids) for s in done], dtype=torch.long, device=dev)
+        positions_first = upload([len(s.prompt_ids) for s in done], torch.long, dev)
         first = sample(p_t, self.config.seed, self.request_id[done_slots], positions_first, int(Purpose.BONUS),
                        backend=self.config.kernel_backend)
         logp = torch.log(p_t.gather(1, first[:, None]))  # [M, 1]
         want = extra_logprob_rows(done)
         top = None
         if want:
-            idx = torch.tensor(want, device=dev)
+            idx = upload(want, torch.long, dev)
             logp, top = extra_logprobs(done, want, logits[idx][:, None], p_t[idx][:, None], first[:, None], logp)
         self.anchor[done_slots] = first
         self.anchor_pos[done_slots] = positions_first
@@ -406,12 +419,12 @@ class ModelRunner:
             (logits,) = self.prefill_graphs.run(self.prefill_graphs.padded(len(tokens)))  # [Rp, V]
             return done, logits[:len(done)]
         dev = self.device  # a chunk longer than the largest prefill graph (or none): eagerly, over exactly its tokens
-        tok = torch.tensor(tokens, dtype=torch.long, device=dev)  # [N]
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)  # [N]
-        cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)  # [R+1]
-        kv_t = torch.tensor(kv_lens, dtype=torch.int32, device=dev)  # [R]
-        slot_t = torch.tensor(slots, dtype=torch.int32, device=dev)  # [R]
-        rows = torch.tensor(last_rows, dtype=torch.long, device=dev)  # [M]
+        tok = upload(tokens, torch.long, dev)  # [N]
+        pos = upload(positions, torch.long, dev)  # [N]
+        cu_t = upload(cu, torch.int32, dev)  # [R+1]
+        kv_t = upload(kv_lens, torch.int32, dev)  # [R]
+        slot_t = upload(slots, torch.int32, dev)  # [R]
+        rows = upload(last_rows, torch.long, dev)  # [M]
         logits, features = self.target.forward(tok, pos, cu_t, kv_t, slot_t, logits_rows=rows)  # [M, V], [N, m*d]
         if self.drafter is not None:
             slot_of_token = torch.repeat_interleave(slot_t.long(), torch.diff(cu_t).long())  # [N]
@@ -443,13 +456,13 @@ class ModelRunner:
         r = len(decoding)
         slots = [s.slot for s in decoding]
         if plan.budget is not None:  # ℓ = top-B of the current survivals, on the device
-            rows = torch.tensor(slots, dtype=torch.long, device=dev)  # [R] slot of each row
+            rows = upload(slots, torch.long, dev)  # [R] slot of each row
             lens = allocate_top_b(self.survival, plan.budget, self.config.kernel_backend, rows=rows)  # [R]
             if self.hybrid is not None:  # top-B may reach an n-gram block's zero survivals past its m
                 lens = torch.minimum(lens, self.proposal_cap[rows])
         else:  # ℓ known to the host (0 for plain decoding): one upload with the slots
             known = plan.lengths if plan.lengths is not None else [0] * r
-            both = torch.tensor(slots + list(known), dtype=torch.long, device=dev)  # [2R]
+            both = upload(slots + list(known), torch.long, dev)  # [2R]
             rows, lens = both[:r], both[r:]  # [R] slot of each row, [R] ℓ
         n_tokens = plan.num_verify_tokens
         plain = bool(self.context_lag) and plan.mode is SchedulingMode.NONE  # the target alone, features parked
@@ -514,7 +527,7 @@ class ModelRunner:
         top = None
         if want:  # raw log-probabilities / alternatives, from the same packed logits rows as p_t (a request that
             # wants them sends the step down the p_t branch above, which built src)
-            idx = torch.tensor(want, device=dev)
+            idx = upload(want, torch.long, dev)
             logp, top = extra_logprobs(decoding, want, logits[src[idx, :e]], target_probs[idx, :e], emitted, logp)
         if not moved:  # the next anchor: the last emitted token, one position past the accepted prefix
             advance_anchors(emitted, n_emitted, self.anchor, self.anchor_pos, rows)
@@ -579,8 +592,8 @@ class ModelRunner:
             back += range(k, 0, -1)
             self._lag[slot] = 0
         dev = self.device
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)  # [M]
-        pos = self.anchor_pos[slot_t] - torch.tensor(back, dtype=torch.long, device=dev)  # [M]
+        slot_t = upload(slots, torch.long, dev)  # [M]
+        pos = self.anchor_pos[slot_t] - upload(back, torch.long, dev)  # [M]
         features = self.pending_features[slot_t, pos % self.context_lag]  # [M, m·d]
         self.drafter.append_context(features, pos, slot_t)
 
@@ -594,7 +607,7 @@ class ModelRunner:
         dev = self.device
         if self.context_lag:
             self.catch_up_context(seqs)  # the features of their plain steps, if any, join the context first
-        rows = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        rows = upload([s.slot for s in seqs], torch.long, dev)
         r = len(seqs)
         r_pad = self.draft_graphs.padded(r)
         backend = self.config.kernel_backend

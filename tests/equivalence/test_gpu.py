@@ -132,6 +132,30 @@ def test_speculation_one_step_ahead_on_cuda(mode):
     assert out[(True, mode)] == out[(False, mode)] == out[(True, "none")]
 
 
+@pytest.mark.parametrize("mode", ["none", "fixed", "adaptive"])
+def test_decoding_steps_one_ahead_never_wait_for_the_stream(mode):
+    """Once every prompt is in, a step one ahead of its reads neither synchronises the stream nor makes a blocking
+    copy (``torch.cuda.set_sync_debug_mode("error")`` raises on either): its only waits are the events of the token
+    read and of the draft's survivals, which wait for exactly that much of the queue. A plain host→device copy would
+    drain the queue the pipeline keeps full, and the device would idle while the host launches the next graph."""
+    target, drafter = _cuda_models("llama")
+    cfg = EngineConfig(max_num_seqs=len(PROMPTS), seed=99, kernel_backend="triton", device="cuda",
+                       dtype=torch.float32, async_decode=True)
+    engine = Engine(target, None if mode == "none" else drafter, cfg, SchedulerConfig(mode=mode, k=3), _cost())
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True), request_id=i)
+    while not all(engine.sequence(i).output_ids for i in range(len(PROMPTS))):  # the prefills (they read tokens)
+        engine.step()
+    engine.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(6):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(len(engine.sequence(i).output_ids) > 6 for i in range(len(PROMPTS)))
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_plain_decoding_one_step_ahead_on_cuda(temperature):
     """``async_decode`` with CUDA graphs: step n+1 launched before step n's tokens are read gives the reference's
