@@ -2,7 +2,8 @@
 # What a speculative step costs against a plain one, and whether `adaptive` keeps up with the best mode at every batch
 # size (one H200, two parts of under ten minutes each; PART picks one):
 #
-#   PART=engine    the GPU tests of speculation one step ahead (tests/equivalence/test_gpu.py), then the engine
+#   PART=engine    the GPU tests of steps one ahead (tests/equivalence/test_gpu.py: their tokens, and that they never
+#                  wait for the stream), then the engine
 #                  benchmark in closed batches (docs/benchmarks/engine-h200.json) and with continuous arrivals
 #                  (engine-h200-steady.json): plain decoding, fixed K = 7 and adaptive, each synchronous and one
 #                  step ahead of its reads ("+async": the engine a server runs on CUDA, with cost feedback); then
@@ -26,7 +27,8 @@ MODES=none,none+async,fixed:7,fixed:7+async,adaptive,adaptive+async
 
 run cache python -c "from reference.target import Target; Target.load('$MODEL')"
 if [ "$PART" = engine ]; then
-  run tests-ahead timeout 150 python -m pytest -q -p no:cacheprovider tests/equivalence/test_gpu.py -k "one_step_ahead"
+  run tests-ahead timeout 150 python -m pytest -q -p no:cacheprovider tests/equivalence/test_gpu.py \
+    -k "one_step_ahead or one_ahead"
   run bench timeout 250 python -m scripts.bench_engine "${SRC[@]}" --modes "$MODES" --batch-sizes 1,4,16,64,256 \
     --min-requests 16 --hf-max-batch 0 --repeats 2 --time-budget-s 210 --out "$RES/engine-h200.json"
   run steady timeout 230 python -m scripts.bench_engine "${SRC[@]}" --modes none+async,fixed:7+async,adaptive+async \
