@@ -589,6 +589,9 @@ def value(name: str, args: list[str], page_dir: Path) -> str:
     if name == "engine-batches":  # the batch sizes with a verdict: helps, loses or ties
         word = VERDICTS[opt["verdict"]]
         return _and([str(r["batch"]) for r in frontier(data) if r["verdict"].startswith(word)])
+    if name == "engine-step":  # one policy's step time over another's at one batch size (label=fixed:7 over=none)
+        step = {r["label"]: r["step_ms"] for r in data["results"] if r.get("batch_size") == int(opt["batch"])}
+        return f"{step[opt['label']] / step[opt['over']]:.2f}×"
     if name == "engine-tau":  # mean accepted length of one policy, over the batch sizes named (default all)
         taus = [r["mean_accepted_length"] for r in data["results"] if r.get("label") == opt["label"]
                 and ("batch" not in opt or r["batch_size"] in {int(b) for b in opt["batch"].split(",")})]
