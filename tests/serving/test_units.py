@@ -617,3 +617,26 @@ def test_a_connection_that_sends_no_request_is_closed():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_the_servers_engine_is_frozen_out_of_the_garbage_collector(tiny_dirs):
+    """The server builds its engine with ``freeze_gc``: everything alive after start-up is out of the cyclic
+    collector's reach (a full collection would walk the model and the engine in the middle of decoding steps);
+    a plain ``build_runtime`` (tests, benchmarks building engines one after another) freezes nothing."""
+    import gc
+
+    from optimized.serve import build_parser, build_runtime, resolve
+
+    model_dir, _ = tiny_dirs
+    sa = resolve(build_parser().parse_args(["--model", str(model_dir), "--device", "cpu", "--max-model-len", "64",
+                                            "--max-num-seqs", "2", "--speculative-config", '{"mode": "none"}']))
+    assert gc.get_freeze_count() == 0
+    build_runtime(sa)
+    assert gc.get_freeze_count() == 0
+    try:
+        runtime = build_runtime(sa, freeze_gc=True)
+        assert gc.get_freeze_count() > 0
+        engine = runtime.engine
+        assert all(o is not engine for o in gc.get_objects())  # frozen: in no generation the collector walks
+    finally:
+        gc.unfreeze()
