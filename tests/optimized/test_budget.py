@@ -270,3 +270,26 @@ def test_python_and_numpy_theta_agree_bit_for_bit():
         for margin in (0.0, 0.1, -0.5, -2.0):  # the Python path stops at the first budget that pays when 1 + margin > 0
             pays = speculation_pays(torch.from_numpy(a), cost, t0, n_s, margin=margin)
             assert python.speculation_pays(a, t0, n_s, margin) == numpy_.speculation_pays(a, t0, n_s, margin) == pays
+
+
+def test_planner_curves_are_the_step_time_curve():
+    """The planner slices its step times out of one verify curve per request curve of the table (a steady server's
+    batch size changes nearly every step): float for float :func:`step_time_curve` at every (T_0, R), the eager
+    region past the largest graph included, as the cached curve grows and when the table changes."""
+    gen = torch.Generator().manual_seed(7)
+    planner = BudgetPlanner(None)
+    for i in range(80):
+        if i % 20 == 0:  # a new table: the planner's caches must not survive it
+            sizes = sorted({int(x) for x in torch.randint(1, 120, (10,), generator=gen)})
+            ms = torch.cumsum(torch.rand(len(sizes), generator=gen) * 3, 0) + 1.0
+            cost = CostTable(verify_ms=dict(zip(sizes, ms.tolist())), draft_ms={1: 0.5, 4: 0.7, 9: 1.3},
+                             graph_max_tokens=sizes[len(sizes) // 2] if i % 40 else None)
+            cost = _with_request_curves(gen, cost, 6, 7)
+            planner.cost = cost
+        r, g = int(torch.randint(1, 12, (1,), generator=gen)), int(torch.randint(1, 8, (1,), generator=gen))
+        t0 = r + int(torch.randint(0, 3, (1,), generator=gen))
+        step, step_list = planner._step_times(t0, r, r * g)
+        want = step_time_curve(cost, t0, r * g + 1, r)
+        want = np.where(want > 0, np.maximum(want, 1e-300), np.inf)
+        assert np.array_equal(step, want), i
+        assert step_list is None or step_list == want.tolist()
