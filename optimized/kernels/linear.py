@@ -98,6 +98,24 @@ if HAS_TRITON:
         return x
 
     @triton.jit
+    def _inv_rms(x_ptr, res_ptr, sum_ptr, rows, rmask, K, eps, stride_xm, stride_rm, stride_sm, store,
+                 HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Pass 1 over ``rows``: each row's 1 / rms of x̂ = x (+ residual), walking K in tiles; with ``store`` (the
+        program of column block 0) x̂ is written to the residual stream too."""
+        sum_sq = tl.zeros(rows.shape, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            kmask = cols < K
+            x = _input_tile(x_ptr, res_ptr, rows, rmask, cols, kmask, stride_xm, stride_rm, HAS_RESIDUAL)
+            if HAS_RESIDUAL:
+                if store:
+                    tl.store(sum_ptr + rows[:, None] * stride_sm + cols[None, :], x,
+                             mask=rmask[:, None] & kmask[None, :])
+            xf = x.to(tl.float32)
+            sum_sq += tl.sum(xf * xf, axis=1)
+        return tl.math.rsqrt(sum_sq / K + eps)
+
+    @triton.jit
     def _store_output(acc, acc_up, b_ptr, y_ptr, rows, rmask, outs, omask, stride_ym, HAS_BIAS: tl.constexpr,
                       GATED: tl.constexpr):
         """The epilogue: bias, then (gated) silu(gate) rounded, times up, rounded, as layer_ops' SiLU·up kernel."""
@@ -125,18 +143,8 @@ if HAS_TRITON:
         outs = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         omask = outs < N
         if NORM:  # pass 1: the residual sum (stored once) and each row's 1 / rms
-            sum_sq = tl.zeros([BLOCK_M], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                kmask = cols < K
-                x = _input_tile(x_ptr, res_ptr, rows, rmask, cols, kmask, stride_xm, stride_rm, HAS_RESIDUAL)
-                if HAS_RESIDUAL:
-                    if pid_n == 0:
-                        tl.store(sum_ptr + rows[:, None] * stride_sm + cols[None, :], x,
-                                 mask=rmask[:, None] & kmask[None, :])
-                xf = x.to(tl.float32)
-                sum_sq += tl.sum(xf * xf, axis=1)
-            inv_rms = tl.math.rsqrt(sum_sq / K + eps)
+            inv_rms = _inv_rms(x_ptr, res_ptr, sum_ptr, rows, rmask, K, eps, stride_xm, stride_rm, stride_sm,
+                               pid_n == 0, HAS_RESIDUAL, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):  # pass 2: normalise each tile as HF rounds it, multiply it in
@@ -181,19 +189,9 @@ if HAS_TRITON:
         if NORM:  # pass 1: each row's residual sum (stored once) and 1 / rms, one row at a time
             for m in tl.static_range(BLOCK_M):
                 row = (first + m + one).to(tl.int64)  # [1]
-                live = row < M
-                sum_sq = tl.zeros([1], tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    cols = k0 + tl.arange(0, BLOCK_K)
-                    kmask = cols < K
-                    x = _input_tile(x_ptr, res_ptr, row, live, cols, kmask, stride_xm, stride_rm, HAS_RESIDUAL)
-                    if HAS_RESIDUAL:
-                        if pid_n == 0:
-                            tl.store(sum_ptr + row[:, None] * stride_sm + cols[None, :], x,
-                                     mask=live[:, None] & kmask[None, :])
-                    xf = x.to(tl.float32)
-                    sum_sq += tl.sum(xf * xf, axis=1)
-                inv_rms = tl.where(lanes == m, tl.sum(tl.math.rsqrt(sum_sq / K + eps)), inv_rms)
+                row_inv = _inv_rms(x_ptr, res_ptr, sum_ptr, row, row < M, K, eps, stride_xm, stride_rm, stride_sm,
+                                   pid_n == 0, HAS_RESIDUAL, BLOCK_K)  # [1]
+                inv_rms = tl.where(lanes == m, tl.sum(row_inv), inv_rms)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):  # pass 2: one weight tile, every row of the block against it
