@@ -184,7 +184,8 @@ class ModelRunner:
         self.vocab = target.vocab_size
         # Static caches: max_num_seqs slots (+ a trash slot the models add for padding writes).
         self.target = OptimizedTarget(target, attention_backend=config.kernel_backend,
-                                      layer_backend=config.layer_backend, linear_rows=config.linear_rows)
+                                      layer_backend=config.layer_backend, linear_rows=config.linear_rows,
+                                      row_invariant=config.row_invariant)
         self.target.allocate_cache(config.max_num_seqs, config.max_seq_len)
         self.drafter = None
         if drafter is not None:

@@ -127,7 +127,7 @@ def decoder_layer(x: Tensor, pending: Tensor | None, w: LayerWeights, shape: Att
                   sin: Tensor, k_cache: Tensor, v_cache: Tensor, write_slots: Tensor, write_pos: Tensor,
                   cu_seqlens_q: Tensor, kv_lens: Tensor, slot_ids: Tensor, *, causal: bool,
                   max_q_len: int | None, backend: str, layer_backend: str | None = None,
-                  linear_rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  linear_rows: int | None = None, row_invariant: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """One pre-norm layer over packed tokens: x + attn(norm(x)), then + mlp(norm(·)). x [N, d] -> [N, d].
 
     The layer's input is ``x + pending`` (``pending`` = the previous layer's MLP output, not yet added, or ``None``),
@@ -140,16 +140,18 @@ def decoder_layer(x: Tensor, pending: Tensor | None, w: LayerWeights, shape: Att
     a layer is nine launches: add+norm, qkv, RoPE+append, attention, o, add+norm, gate/up, SiLU·up, down. A step of
     at most ``linear_rows`` tokens (default ``optimized.kernels.linear.FUSED_MAX_ROWS``; 0: never) runs the
     projections as the fused small-batch Triton kernels instead, six launches: add+norm+qkv, RoPE+append,
-    attention, o, add+norm+gate/up+SiLU·up, down.
+    attention, o, add+norm+gate/up+SiLU·up, down. With ``row_invariant`` every step does, through the kernels' row
+    loop, so that a token's outputs do not depend on the other tokens of its step (slower from a few rows on).
     """
     ops = backend if layer_backend is None else layer_backend
     n = x.shape[0]
-    fused = fused_rows(n, linear_rows) and resolve_backend(ops, x) == "triton"
+    fused = (row_invariant or fused_rows(n, linear_rows)) and resolve_backend(ops, x) == "triton"
+    inv = dict(row_invariant=row_invariant)
     # x + pending = HF's `residual + hidden_states` (a bf16 add is commutative), inside the norm
     inp, res = (x, None) if pending is None else (pending, x)
     if fused:
         qkv, x = norm_linear(inp, w.qkv, w.qkv_bias, norm_weight=w.input_norm, eps=shape.eps, residual=res,
-                             backend=ops)
+                             backend=ops, **inv)
     else:
         h, x = fused_rms_norm(inp, w.input_norm, shape.eps, residual=res, backend=ops)
         qkv = F.linear(h, w.qkv, w.qkv_bias)
@@ -160,9 +162,9 @@ def decoder_layer(x: Tensor, pending: Tensor | None, w: LayerWeights, shape: Att
     o = varlen_attention(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal=causal, scale=shape.scale,
                          max_q_len=max_q_len, backend=backend).view(n, -1)  # [N, H·D]
     if fused:
-        act, x = norm_linear(linear(o, w.o_proj, backend=ops), w.gate_up, norm_weight=w.post_norm, eps=shape.eps,
-                             residual=x, gated=True, backend=ops)  # [N, I]
-        return x, linear(act, w.down, backend=ops), x_in
+        act, x = norm_linear(linear(o, w.o_proj, backend=ops, **inv), w.gate_up, norm_weight=w.post_norm,
+                             eps=shape.eps, residual=x, gated=True, backend=ops, **inv)  # [N, I]
+        return x, linear(act, w.down, backend=ops, **inv), x_in
     h, x = fused_rms_norm(F.linear(o, w.o_proj), w.post_norm, shape.eps, residual=x, backend=ops)
     return x, F.linear(silu_mul(F.linear(h, w.gate_up), backend=ops), w.down), x_in
 
@@ -170,8 +172,8 @@ def decoder_layer(x: Tensor, pending: Tensor | None, w: LayerWeights, shape: Att
 def run_layers(x: Tensor, layers: list[LayerWeights], shape: AttentionShape, cos: Tensor, sin: Tensor,
                k_cache: Tensor, v_cache: Tensor, write_slots: Tensor, write_pos: Tensor, cu_seqlens_q: Tensor,
                kv_lens: Tensor, slot_ids: Tensor, *, causal: bool, max_q_len: int | None, backend: str,
-               layer_backend: str | None = None, linear_rows: int | None = None, taps: tuple[int, ...] = ()
-               ) -> tuple[Tensor, dict[int, Tensor]]:
+               layer_backend: str | None = None, linear_rows: int | None = None, taps: tuple[int, ...] = (),
+               row_invariant: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
     """Every decoder layer over x [N, d] (caches ``[L, S, T, Hkv, D]``). Returns the residual stream after the last
     layer and ``{l: stream after layer l}`` for the tapped layers. Every residual add rides on the next layer's
     RMSNorm, the tapped ones too: layer l's output is the sum layer l + 1's first norm computes (the same bits as a
@@ -181,7 +183,7 @@ def run_layers(x: Tensor, layers: list[LayerWeights], shape: AttentionShape, cos
         x, pending, x_in = decoder_layer(x, pending, w, shape, cos, sin, k_cache[i], v_cache[i], write_slots,
                                          write_pos, cu_seqlens_q, kv_lens, slot_ids, causal=causal,
                                          max_q_len=max_q_len, backend=backend, layer_backend=layer_backend,
-                                         linear_rows=linear_rows)
+                                         linear_rows=linear_rows, row_invariant=row_invariant)
         if i - 1 in taps:
             tapped[i - 1] = x_in
     x = x + pending
@@ -210,7 +212,8 @@ class OptimizedTarget:
     """
 
     def __init__(self, model, layer_ids=None, *, attention_backend: str = "auto",
-                 layer_backend: str | None = None, linear_rows: int | None = None) -> None:
+                 layer_backend: str | None = None, linear_rows: int | None = None,
+                 row_invariant: bool = False) -> None:
         """Args:
             model: a ``reference.target.Target`` or its HF ``LlamaForCausalLM``/``Qwen2ForCausalLM``/
                 ``Qwen3ForCausalLM``. The HF q/k/v and gate/up parameters are rebound to views of the fused
@@ -224,6 +227,11 @@ class OptimizedTarget:
             linear_rows: steps of at most this many tokens run the projections as fused small-batch Triton
                 kernels (``optimized/kernels/linear.py``; Triton layer ops only); ``None``: its ``FUSED_MAX_ROWS``,
                 0: never.
+            row_invariant: every step, whatever its size, runs the projections and the LM head through the fused
+                kernels' row loop (Triton layer ops only), so that a token's logits are the same bits in a step of
+                one token and in a verify block or a batch: speculative greedy decoding then emits plain decoding's
+                tokens in bfloat16 too, as far as the other kernels are row-invariant (docs/numerics.md). Slower
+                from a few rows on.
         """
         self.source = model  # what this was built from (a Target keeps the tokenizer and the eos ids)
         if hasattr(model, "layer_ids") and hasattr(model, "model"):  # a reference.target.Target
@@ -262,6 +270,7 @@ class OptimizedTarget:
         self.attention_backend = attention_backend
         self.layer_backend = attention_backend if layer_backend is None else layer_backend
         self.linear_rows = FUSED_MAX_ROWS if linear_rows is None else linear_rows  # the limit in force
+        self.row_invariant = bool(row_invariant)
         self.embed = decoder.embed_tokens.weight.detach()  # [V, d]
         self.final_norm = decoder.norm.weight.detach()  # [d]
         self.lm_head = hf_model.get_output_embeddings().weight.detach()  # [V, d] (the embedding when tied)
@@ -275,12 +284,14 @@ class OptimizedTarget:
     @classmethod
     def load(cls, name_or_dir: str = "smollm2-135m-instruct", *, layer_ids=None, device="cpu",
              dtype: torch.dtype = torch.float32, attention_backend: str = "auto",
-             layer_backend: str | None = None, linear_rows: int | None = None) -> OptimizedTarget:
+             layer_backend: str | None = None, linear_rows: int | None = None,
+             row_invariant: bool = False) -> OptimizedTarget:
         """Load a target with :meth:`reference.target.Target.load` (default SmolLM2 GGUF, a .gguf or an HF dir)."""
         from reference.target import Target
 
         return cls(Target.load(name_or_dir, layer_ids=layer_ids, device=device, dtype=dtype),
-                   attention_backend=attention_backend, layer_backend=layer_backend, linear_rows=linear_rows)
+                   attention_backend=attention_backend, layer_backend=layer_backend, linear_rows=linear_rows,
+                   row_invariant=row_invariant)
 
     @property
     def feature_size(self) -> int:
@@ -355,11 +366,14 @@ class OptimizedTarget:
         x, taps = run_layers(x, self.layers, self.shape, cos, sin, k_cache, v_cache, write_slots, write_pos,
                              cu_seqlens_q, kv_lens, attn_slots, causal=True, max_q_len=max_q_len,
                              backend=self.attention_backend, layer_backend=self.layer_backend,
-                             linear_rows=self.linear_rows, taps=self.layer_ids)
+                             linear_rows=self.linear_rows, taps=self.layer_ids, row_invariant=self.row_invariant)
         features = torch.cat([taps[l] for l in self.layer_ids], dim=-1)  # [N, m·d], in layer_ids order
         rows = x if logits_rows is None else x.index_select(0, logits_rows)  # [M, d]
         normed, _ = fused_rms_norm(rows, self.final_norm, self.shape.eps, backend=self.layer_backend)
-        logits = F.linear(normed, self.lm_head)  # [M, V] model dtype
+        if self.row_invariant and resolve_backend(self.layer_backend, normed) == "triton":
+            logits = linear(normed, self.lm_head, backend=self.layer_backend, row_invariant=True)  # [M, V]
+        else:
+            logits = F.linear(normed, self.lm_head)  # [M, V] model dtype
         if logits_out is None:
             return logits.float(), features
         if logits_out.shape != logits.shape or logits_out.dtype != torch.float32:

@@ -88,3 +88,68 @@ def test_attention_of_a_request_does_not_depend_on_the_other_requests(dtype):
     alone = attend([0, 4], [50], [1], 4)  # one request: 4 queries over 50 keys in slot 1
     batch = attend([0, 4, 5, 12], [50, 90, 20], [1, 0, 2], 7)  # the same request first, then two others
     assert torch.equal(batch[:4], alone)
+
+
+def _target_logits(row_invariant: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tiny target's logits for the 8 tokens after a prompt, computed as 8 one-token steps (plain decoding) in slot
+    0 and as one 8-token block (a verify) in slot 1, with every op on its Triton kernel."""
+    from optimized.models.target import OptimizedTarget
+    from reference.testing import tiny_hf_model
+
+    target = OptimizedTarget(tiny_hf_model("llama", num_layers=2).to(dtype), attention_backend="triton",
+                             row_invariant=row_invariant)
+    target.allocate_cache(2, 32)
+    gen = torch.Generator().manual_seed(3)
+    prompt, block = torch.randint(2, 96, (5,), generator=gen), torch.randint(2, 96, (8,), generator=gen)
+    i32 = torch.int32
+
+    def step(tokens, start, slot):
+        n = tokens.shape[0]
+        logits, _ = target.forward(tokens, torch.arange(start, start + n), torch.tensor([0, n], dtype=i32),
+                                   torch.tensor([start + n], dtype=i32), torch.tensor([slot], dtype=i32),
+                                   max_q_len=n)
+        return logits  # [n, V]
+
+    step(prompt, 0, 0), step(prompt, 0, 1)  # the same prompt in both slots
+    plain = torch.cat([step(block[i:i + 1], 5 + i, 0) for i in range(8)])  # [8, V]
+    verify = step(block, 5, 1)  # [8, V]
+    return plain, verify
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_target_logits_of_a_verify_block_are_plain_decodings(dtype):
+    """With ``row_invariant`` the target gives a token the same logits, bit for bit, in a verify block of 8 as in a
+    plain step of one: every projection and the LM head through the row loop, and the norms, RoPE and attention
+    row-invariant by themselves. This is what makes speculative greedy decoding exact in bfloat16."""
+    plain, verify = _target_logits(True, dtype)
+    assert torch.equal(plain, verify)
+
+
+def test_bfloat16_engine_with_row_invariance_speculates_plain_decodings_tokens():
+    """The engine with ``EngineConfig.row_invariant``, bfloat16, every op on Triton (the interpreter): greedy
+    fixed-K and adaptive speculation emit plain decoding's tokens (the target-level test above is the bit-level
+    guarantee; this runs it through the engine's verify and plain steps, drafts and batches of two)."""
+    from optimized.engine import Engine, EngineConfig, SamplingParams
+    from reference.config import SchedulerConfig
+    from reference.cost_model import CostTable
+    from reference.target import Target
+    from reference.testing import tiny_drafter, tiny_hf_model
+
+    model = tiny_hf_model("llama", num_layers=2)
+    drafter = tiny_drafter(Target.from_model(model), gamma=3, seed=0, noise=0.2)
+    model.to(torch.bfloat16)
+    drafter.to(torch.bfloat16)
+    target = Target.from_model(model)
+    drafter.attach_target(target.embed_tokens, target.lm_head)
+    cost = CostTable.affine(fixed_ms=1.0, per_token_ms=0.01, draft_fixed_ms=0.2, sizes=list(range(1, 17)))
+    out = {}
+    for mode in ("none", "fixed", "adaptive"):
+        cfg = EngineConfig(max_num_seqs=2, max_seq_len=48, kernel_backend="triton", dtype=torch.bfloat16,
+                           row_invariant=True, seed=1)
+        engine = Engine(target, drafter if mode != "none" else None, cfg, SchedulerConfig(mode=mode, k=3), cost)
+        for rid, prompt in enumerate([[5, 9, 3, 17], [60, 2]]):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=7, ignore_eos=True), request_id=rid)
+        while engine.has_unfinished():
+            engine.step()
+        out[mode] = [engine.sequence(rid).output_ids for rid in range(2)]
+    assert out["fixed"] == out["none"] and out["adaptive"] == out["none"]
