@@ -38,7 +38,7 @@ class EngineConfig:
     # batch or a step of its own, so greedy speculative decoding emits plain decoding's tokens in bfloat16 too
     # (docs/numerics.md). Slower from a few rows a step on (the rows of a program run one after another); for small
     # batches that need exact greedy output. Only where the layer ops run on Triton (on the GPU).
-    row_invariant: bool = False
+    batch_invariant: bool = False
     seed: int = 0  # root of the random-number contract (reference/sampling.py)
     # Plan the next step (the draft gate's verdict, the adaptive budget) while the device verifies, instead of
     # after the token read: the same decisions, off the host's critical path. None: on CUDA, where the device runs
@@ -86,8 +86,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs, max_seq_len and prefill_chunk must be positive")
         if self.linear_rows is not None and self.linear_rows < 0:
             raise ValueError(f"linear_rows must be None or ≥ 0 (0: never fused), got {self.linear_rows}")
-        if self.row_invariant and self.layer_backend == "torch":
-            raise ValueError("row_invariant runs the projections on the Triton row loop: it needs the Triton layer "
+        if self.batch_invariant and self.layer_backend == "torch":
+            raise ValueError("batch_invariant runs the projections on the Triton row loop: it needs the Triton layer "
                              "ops, not layer_backend='torch'")
         if self.draft_context_lag < 0:
             raise ValueError(f"draft_context_lag must be ≥ 0 (0: append every step), got {self.draft_context_lag}")

@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
                         help="cuda if present, else cpu (default: %(default)s)")
     parser.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
-    parser.add_argument("--row-invariant", action="store_true",
-                        help="every target step through the projections' row loop (EngineConfig.row_invariant): "
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="every target step through the projections' row loop (EngineConfig.batch_invariant): "
                              "greedy speculative tokens equal plain decoding's in bfloat16 too")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="engine slots (default: the batch size)")
     parser.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=None,
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     cost = CostTable.load(args.cost_table) if args.cost_table else None
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs or len(prompts), device=args.device, dtype=dtype,
                        enforce_eager=args.enforce_eager, seed=gen.seed, async_decode=args.async_decode,
-                       cost_feedback=args.cost_feedback, row_invariant=args.row_invariant)
+                       cost_feedback=args.cost_feedback, batch_invariant=args.batch_invariant)
     t0 = time.perf_counter()
     results = generate(target, drafter, prompts, gen, sched, cost, engine_config=cfg, warmup=True)
     print_results(results, args.json, time.perf_counter() - t0, sched.mode)

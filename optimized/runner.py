@@ -185,7 +185,7 @@ class ModelRunner:
         # Static caches: max_num_seqs slots (+ a trash slot the models add for padding writes).
         self.target = OptimizedTarget(target, attention_backend=config.kernel_backend,
                                       layer_backend=config.layer_backend, linear_rows=config.linear_rows,
-                                      row_invariant=config.row_invariant)
+                                      row_invariant=config.batch_invariant)
         self.target.allocate_cache(config.max_num_seqs, config.max_seq_len)
         self.drafter = None
         if drafter is not None:

@@ -195,8 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens per step over all prefilling requests (chunked prefill; default: the engine's "
                         "EngineConfig.prefill_chunk, 8192)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--row-invariant", action="store_true",
-                   help="every target step through the projections' row loop (EngineConfig.row_invariant): greedy "
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every target step through the projections' row loop (EngineConfig.batch_invariant): greedy "
                         "speculative tokens equal plain decoding's in bfloat16 too; slower from a few rows a step on")
     p.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the previous step's tokens are read (plain decoding and the fixed, "
@@ -361,7 +361,7 @@ def build_runtime(sa: ServeArgs, freeze_gc: bool = False):
     # Positions per slot: the longest request plus the drafter's scratch block (as optimized.generate sizes them).
     cfg = EngineConfig(max_num_seqs=sa.max_num_seqs, max_seq_len=args.max_model_len + 2 * gamma + 2,
                        enforce_eager=args.enforce_eager, seed=args.seed, device=sa.device, dtype=dtype,
-                       row_invariant=args.row_invariant,
+                       batch_invariant=args.batch_invariant,
                        async_decode=args.async_decode, cost_feedback=args.cost_feedback, **extra)
     graphs = sa.device == "cuda" and not args.enforce_eager
     with _stage("engine (static caches" + (", CUDA graphs)" if graphs else ")"), times):

@@ -116,7 +116,7 @@ class BenchConfig:
     prefill_graph_tokens: int = EngineConfig.prefill_graph_tokens  # 0: every prefill eager (the A/B of prefill graphs)
     layer_backend: str | None = None  # EngineConfig.layer_backend (None: fused Triton layer ops on CUDA)
     linear_rows: int | None = None  # EngineConfig.linear_rows (None: the fused projections' default; 0: cuBLAS)
-    row_invariant: bool = False  # EngineConfig.row_invariant (exact greedy in bfloat16, the row loop at every size)
+    batch_invariant: bool = False  # EngineConfig.batch_invariant (exact greedy in bfloat16, the row loop at every size)
     context_len: int = DEFAULT_CONTEXT_LEN  # KV length the cost table is profiled at
     cost_cache_dir: str | None = None  # default $DSPARK_CACHE/cost or ~/.cache/dspark/cost
     seed: int = 0
@@ -305,7 +305,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
     # are each one switch against the same engine
     econf = dict(max_num_seqs=max_b, max_seq_len=max_seq_len, device=str(device), dtype=target.dtype,
                  enforce_eager=cfg.enforce_eager, layer_backend=cfg.layer_backend, seed=cfg.seed,
-                 linear_rows=cfg.linear_rows, row_invariant=cfg.row_invariant,
+                 linear_rows=cfg.linear_rows, batch_invariant=cfg.batch_invariant,
                  prefill_graph_tokens=cfg.prefill_graph_tokens, draft_ahead=False, async_decode=False,
                  cost_feedback=False)
     engines: dict[str, Engine] = {}
@@ -657,7 +657,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
                       hf_max_batch=args.hf_max_batch, hf_repeats=args.hf_repeats, time_budget_s=args.time_budget_s,
                       enforce_eager=args.enforce_eager, prefill_graph_tokens=args.prefill_graph_tokens,
                       layer_backend=args.layer_backend, linear_rows=args.linear_rows, context_len=args.context_len,
-                      row_invariant=args.row_invariant,
+                      batch_invariant=args.batch_invariant,
                       cost_cache_dir=args.cost_cache_dir, seed=args.seed, ngram_gamma=args.ngram_gamma,
                       ngram_max_n=args.ngram_max_n, ngram_min_n=args.ngram_min_n,
                       hybrid_prior_accept=args.hybrid_prior_accept,

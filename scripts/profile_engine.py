@@ -67,14 +67,14 @@ def build_engine(target: Target, drafter: DSparkDrafter | None, mode: Scheduling
                  batch_size: int, max_seq_len: int, enforce_eager: bool, context_len: int, cost_cache_dir: str | None,
                  seed: int, layer_backend: str | None = None, draft_ahead: bool = False,
                  async_decode: bool = False, prefill_graph_tokens: int = EngineConfig.prefill_graph_tokens,
-                 linear_rows: int | None = None, row_invariant: bool = False) -> Engine:
+                 linear_rows: int | None = None, batch_invariant: bool = False) -> Engine:
     """An engine sized for ``batch_size`` slots in one policy; adaptive policies get a profiled cost table."""
     sched = SchedulerConfig(mode=mode) if k is None else SchedulerConfig(mode=mode, k=k)
     cfg = EngineConfig(max_num_seqs=batch_size, max_seq_len=max_seq_len, device=str(target.device),
                        dtype=target.dtype, enforce_eager=enforce_eager, seed=seed, layer_backend=layer_backend,
                        plan_ahead=True if draft_ahead else None, draft_ahead=draft_ahead, async_decode=async_decode,
                        prefill_graph_tokens=prefill_graph_tokens, linear_rows=linear_rows,
-                       row_invariant=row_invariant)
+                       batch_invariant=batch_invariant)
     engine = Engine(target, drafter if mode.drafts else None, cfg, sched)
     if mode.needs_cost_table:
         engine.set_cost_table(cached_profile(engine.runner, cache_dir=cost_cache_dir, context_len=context_len))
@@ -195,7 +195,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
     engine = build_engine(target, drafter, mode, k, args.batch_size, max(max_seq_len, args.context_len + 2 * gamma + 8),
                           args.enforce_eager, args.context_len, args.cost_cache_dir, args.seed, args.layer_backend,
                           args.draft_ahead, args.async_decode, args.prefill_graph_tokens, args.linear_rows,
-                          args.row_invariant)
+                          args.batch_invariant)
     refill = None
     if args.refill:
         refill = Refill(engine, prompts, args.batch_size, args.refill, args.temperature, args.seed,
@@ -229,7 +229,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
                      "temperature": args.temperature, "enforce_eager": args.enforce_eager,
                      "layer_backend": args.layer_backend or "default",
                      "linear_rows": engine.runner.target.linear_rows,
-                     "row_invariant": engine.runner.target.row_invariant,
+                     "batch_invariant": engine.runner.target.row_invariant,
                      "draft_head_in_graph": engine.runner.head_in_graph, "draft_ahead": args.draft_ahead,
                      "async_decode": args.async_decode, "refill": args.refill,
                      "dtype": str(target.dtype), "prefill_steps": prefill_steps, "gamma": gamma},

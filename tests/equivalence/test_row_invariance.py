@@ -126,7 +126,7 @@ def test_target_logits_of_a_verify_block_are_plain_decodings(dtype):
 
 
 def test_bfloat16_engine_with_row_invariance_speculates_plain_decodings_tokens():
-    """The engine with ``EngineConfig.row_invariant``, bfloat16, every op on Triton (the interpreter): greedy
+    """The engine with ``EngineConfig.batch_invariant``, bfloat16, every op on Triton (the interpreter): greedy
     fixed-K and adaptive speculation emit plain decoding's tokens (the target-level test above is the bit-level
     guarantee; this runs it through the engine's verify and plain steps, drafts and batches of two)."""
     from optimized.engine import Engine, EngineConfig, SamplingParams
@@ -145,7 +145,7 @@ def test_bfloat16_engine_with_row_invariance_speculates_plain_decodings_tokens()
     out = {}
     for mode in ("none", "fixed", "adaptive"):
         cfg = EngineConfig(max_num_seqs=2, max_seq_len=48, kernel_backend="triton", dtype=torch.bfloat16,
-                           row_invariant=True, seed=1)
+                           batch_invariant=True, seed=1)
         engine = Engine(target, drafter if mode != "none" else None, cfg, SchedulerConfig(mode=mode, k=3), cost)
         for rid, prompt in enumerate([[5, 9, 3, 17], [60, 2]]):
             engine.add_request(prompt, SamplingParams(max_new_tokens=7, ignore_eos=True), request_id=rid)

@@ -153,10 +153,10 @@ def test_seed_keys_the_random_numbers():
 
 def test_bad_engine_settings_name_the_problem():
     """A setting the engine cannot honour fails at construction with a message that names it."""
-    with pytest.raises(ValueError, match="row_invariant"):
-        EngineConfig(row_invariant=True, layer_backend="torch")
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(batch_invariant=True, layer_backend="torch")
     with pytest.raises(ValueError, match="linear_rows"):
         EngineConfig(linear_rows=-1)
     with pytest.raises(ValueError, match="kernel_backend"):
         EngineConfig(kernel_backend="cuda")
-    assert EngineConfig(row_invariant=True).row_invariant
+    assert EngineConfig(batch_invariant=True).batch_invariant
