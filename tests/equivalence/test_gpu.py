@@ -156,6 +156,17 @@ def test_decoding_steps_one_ahead_never_wait_for_the_stream(mode):
     assert all(len(engine.sequence(i).output_ids) > 6 for i in range(len(PROMPTS)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_target_logits_on_cuda(dtype):
+    """Compiled on the GPU: with the row-invariant kernels (``EngineConfig.batch_invariant``) a tiny target gives 8
+    tokens the same logits, bit for bit, as one verify block and as 8 one-token steps (the interpreter's twin is in
+    tests/equivalence/test_row_invariance.py)."""
+    from tests.equivalence.test_row_invariance import target_logits
+
+    plain, verify = target_logits(True, dtype, device="cuda")
+    assert torch.equal(plain, verify), (plain - verify).abs().max().item()
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_plain_decoding_one_step_ahead_on_cuda(temperature):
     """``async_decode`` with CUDA graphs: step n+1 launched before step n's tokens are read gives the reference's

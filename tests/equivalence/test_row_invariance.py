@@ -90,24 +90,25 @@ def test_attention_of_a_request_does_not_depend_on_the_other_requests(dtype):
     assert torch.equal(batch[:4], alone)
 
 
-def _target_logits(row_invariant: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def target_logits(row_invariant: bool, dtype: torch.dtype, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """A tiny target's logits for the 8 tokens after a prompt, computed as 8 one-token steps (plain decoding) in slot
-    0 and as one 8-token block (a verify) in slot 1, with every op on its Triton kernel."""
+    0 and as one 8-token block (a verify) in slot 1, with every op on its Triton kernel (also used on the GPU by
+    tests/equivalence/test_gpu.py)."""
     from optimized.models.target import OptimizedTarget
     from reference.testing import tiny_hf_model
 
-    target = OptimizedTarget(tiny_hf_model("llama", num_layers=2).to(dtype), attention_backend="triton",
-                             row_invariant=row_invariant)
+    target = OptimizedTarget(tiny_hf_model("llama", num_layers=2).to(device=device, dtype=dtype),
+                             attention_backend="triton", row_invariant=row_invariant)
     target.allocate_cache(2, 32)
     gen = torch.Generator().manual_seed(3)
-    prompt, block = torch.randint(2, 96, (5,), generator=gen), torch.randint(2, 96, (8,), generator=gen)
-    i32 = torch.int32
+    prompt = torch.randint(2, 96, (5,), generator=gen).to(device)
+    block = torch.randint(2, 96, (8,), generator=gen).to(device)
 
     def step(tokens, start, slot):
         n = tokens.shape[0]
-        logits, _ = target.forward(tokens, torch.arange(start, start + n), torch.tensor([0, n], dtype=i32),
-                                   torch.tensor([start + n], dtype=i32), torch.tensor([slot], dtype=i32),
-                                   max_q_len=n)
+        i32 = dict(dtype=torch.int32, device=device)
+        logits, _ = target.forward(tokens, torch.arange(start, start + n, device=device), torch.tensor([0, n], **i32),
+                                   torch.tensor([start + n], **i32), torch.tensor([slot], **i32), max_q_len=n)
         return logits  # [n, V]
 
     step(prompt, 0, 0), step(prompt, 0, 1)  # the same prompt in both slots
@@ -121,7 +122,7 @@ def test_target_logits_of_a_verify_block_are_plain_decodings(dtype):
     """With ``row_invariant`` the target gives a token the same logits, bit for bit, in a verify block of 8 as in a
     plain step of one: every projection and the LM head through the row loop, and the norms, RoPE and attention
     row-invariant by themselves. This is what makes speculative greedy decoding exact in bfloat16."""
-    plain, verify = _target_logits(True, dtype)
+    plain, verify = target_logits(True, dtype)
     assert torch.equal(plain, verify)
 
 
