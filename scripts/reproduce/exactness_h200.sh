@@ -3,9 +3,9 @@
 # 256 tokens, fixed K = 7, dsd and adaptive against plain decoding at batch 1, 16 and 64, with the default kernels
 # and with EngineConfig.batch_invariant (identical prompts, first differences, and the throughput of one setting
 # over the other)                                                        -> docs/benchmarks/exactness-h200.json
-# Then the GPU tests of the row-invariant kernels. Needs the target at $MODEL and ShareGPT at $SHAREGPT
-# (docs/training.md, "Reproduction scripts on a GPU machine"). Run it on a copy of the repository;
-# `bash scripts/reproduce/pack.sh` packs $RES for the trip back.
+# First the GPU tests of the row-invariant kernels and of the batch-invariant target. Needs the target at $MODEL and
+# ShareGPT at $SHAREGPT (docs/training.md, "Reproduction scripts on a GPU machine"). Run it on a copy of the
+# repository; `bash scripts/reproduce/pack.sh` packs $RES for the trip back.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH=/tmp/stage/site:$PWD  # the staged wheels (gguf) and the repository
@@ -15,7 +15,8 @@ DRAFTER=${DRAFTER:-checkpoints/smollm2-135m-instruct-dspark}
 RES=${RES:-/tmp/res}
 source "$(dirname "$0")/timeline.sh"  # stamp, run
 
-run tests-invariance timeout 120 python -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_linear.py
+run tests-invariance timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_linear.py \
+  tests/equivalence/test_gpu.py -k "row_invariant or batch_invariant"
 run exactness timeout 540 python -m scripts.exactness --model "$MODEL" --drafter "$DRAFTER" --sharegpt-file "$SHAREGPT" \
   --limit 64 --max-new-tokens 256 --modes fixed:7,dsd,adaptive --batch-sizes 1,16,64 --json "$RES/exactness-h200.json"
 stamp DONE
