@@ -145,12 +145,11 @@ class BudgetPlanner:
     def _verify_curve(self, r: int, upto: int) -> np.ndarray:
         """``[≥ upto]`` float64: ``cost.verify_time(n, r)`` for n = 0, 1, 2, …, as :func:`verify_time_curve`, kept per
         request curve of the table (the one R picks: the smallest measured count ≥ R) and recomputed longer when a
-        step needs more."""
+        step needs more (never longer than asked: a table without eager sizes cannot price a step past its graphs)."""
         which = request_curve(self.cost, r)
         curve = self._verify_curves.get(which)
-        if curve is None or len(curve) < upto:
-            length = max(upto, 2 * len(curve) if curve is not None else 0)
-            curve = self._verify_curves[which] = verify_time_curve(self.cost, 0, length, r)
+        if curve is None or len(curve) < upto:  # exactly as long as asked: past the graphs a table may stop
+            curve = self._verify_curves[which] = verify_time_curve(self.cost, 0, upto, r)
         return curve
 
     def verify_time(self, num_tokens: int, num_requests: int) -> float:

@@ -77,7 +77,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scripts.exactness", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.exactness", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="target: name, .gguf or HF directory")
     p.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one)")
     p.add_argument("--modes", default="fixed:7,dsd,adaptive", help="comma list of drafting modes (plain runs too)")

@@ -293,3 +293,16 @@ def test_planner_curves_are_the_step_time_curve():
         want = np.where(want > 0, np.maximum(want, 1e-300), np.inf)
         assert np.array_equal(step, want), i
         assert step_list is None or step_list == want.tolist()
+
+
+def test_planner_prices_no_step_past_the_tables_graphs():
+    """A table profiled only up to its largest graph (no eager sizes above it) prices every step the engine can take;
+    the planner's cached verify curve must not reach past what a step asks for (growing batches: R = 1..5 at γ = 7,
+    the largest step exactly the largest graph)."""
+    sizes = list(range(1, 41))
+    cost = CostTable(verify_ms={n: 1.0 + 0.01 * n for n in sizes}, draft_ms={1: 0.5, 5: 0.7}, graph_max_tokens=40)
+    planner = BudgetPlanner(cost)
+    gen = torch.Generator().manual_seed(8)
+    for r in range(1, 6):
+        a = _random_survivals(gen, r, 7).numpy()
+        assert planner.budget(a, r, check=False) == stale_budget(torch.from_numpy(a), cost, r)
