@@ -247,8 +247,8 @@ def fingerprint(runner: ModelRunner, context_len: int = DEFAULT_CONTEXT_LEN) -> 
         "pipelined": runner.pipelined,  # stages priced back to back (one step ahead) or launch-to-read
         "draft_context_lag": runner.context_lag,  # plain steps with a drafter: the target alone, or + the context
     }
-    if getattr(runner.target, "row_invariant", False):  # every step on the row loop: other prices (keys unchanged
-        inputs["row_invariant"] = True  # for the default engine)
+    if runner.target.row_invariant:  # every step on the row loop: other prices (the default engine's keys unchanged)
+        inputs["row_invariant"] = True
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return key, inputs
 

@@ -107,7 +107,7 @@ def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tens
     the staging block until the copy has run). On the CPU it is ``torch.tensor``."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)  # sync: none (pinned)
 
 
 def extra_logprob_rows(seqs: list[Sequence]) -> list[int]:

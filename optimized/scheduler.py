@@ -135,8 +135,8 @@ class BudgetPlanner:
             verify = self._verify_curve(r, t0 + candidates + 1)[t0:t0 + candidates + 1]  # [R·γ + 1] seconds
             step = verify + self.cost.draft_time(r)  # step_time = verify_time + draft_time, the same float sum
             step = np.where(step > 0, np.maximum(step, 1e-300), np.inf)  # [R·γ + 1]
-            # sync: none, a host NumPy array (cached per (T_0, R))
-            curve = (step, step.tolist() if candidates <= self.PYTHON_MAX_CANDIDATES else None)
+            lst = step.tolist() if candidates <= self.PYTHON_MAX_CANDIDATES else None  # sync: none, host NumPy
+            curve = (step, lst)  # cached per (T_0, R)
             if len(self._curves) > 4096:  # bounded: (T_0, R) pairs are few in steady state
                 self._curves.clear()
             self._curves[key] = curve
@@ -257,22 +257,21 @@ class BudgetPlanner:
 
 
 def step_time_curve(cost: CostTable, first: int, count: int, num_requests: int) -> np.ndarray:
-    """``[cost.step_time(n, num_requests) for n in range(first, first + count)]`` as a float64 array, the same floats.
-
-    A steady server's batch changes size nearly every step (requests finish, others start), so the planner's curve
-    cache misses often; computed one lookup at a time, a miss at R = 256 (1,793 sizes) took 23 ms on the project's
-    2-core CPU, tens of steps' worth of host time. Here the staircases are looked up for all sizes at once
-    (``np.searchsorted`` where ``CostTable.verify_time`` bisects) and the same table entries are divided by the same
-    1e3; only sizes past the largest graph (the eager region, interpolated) are asked one by one.
-    """
+    """``[cost.step_time(n, num_requests) for n in range(first, first + count)]`` as a float64 array, the same floats:
+    :func:`verify_time_curve` plus the drafter's time, the sum ``CostTable.step_time`` takes (the planner slices its
+    cached verify curves and adds the same term, ``BudgetPlanner._step_times``)."""
     return verify_time_curve(cost, first, count, num_requests) + cost.draft_time(num_requests)  # the same float sum
 
 
 def verify_time_curve(cost: CostTable, first: int, count: int, num_requests: int) -> np.ndarray:
     """``[cost.verify_time(n, num_requests) for n in range(first, first + count)]`` as a float64 array, the same
-    floats (:func:`step_time_curve` without the drafter's time). ``num_requests`` matters only through the table's
-    request curve it picks (the smallest measured count ≥ it): the rest is the graph staircase and, past it, the
-    eager region's line."""
+    floats. ``num_requests`` matters only through the table's request curve it picks (the smallest measured count ≥
+    it, :func:`request_curve`): the rest is the graph staircase and, past it, the eager region's line.
+
+    Asked one lookup at a time, the 1,793 sizes of a budget at R = 256 took 23 ms on the project's 2-core CPU. Here
+    the staircases are looked up for all sizes at once (``np.searchsorted`` where ``CostTable.verify_time`` bisects)
+    and the same table entries are divided by the same 1e3; only sizes past the largest graph (the eager region,
+    interpolated) are asked one by one."""
     ns = np.arange(first, first + count, dtype=np.int64)  # [count] token counts
     verify = np.full(count, np.nan, dtype=np.float64)  # [count] seconds, NaN: not found yet
     verify[ns == 0] = 0.0

@@ -146,12 +146,11 @@ def decoder_layer(x: Tensor, pending: Tensor | None, w: LayerWeights, shape: Att
     ops = backend if layer_backend is None else layer_backend
     n = x.shape[0]
     fused = (row_invariant or fused_rows(n, linear_rows)) and resolve_backend(ops, x) == "triton"
-    inv = dict(row_invariant=row_invariant)
     # x + pending = HF's `residual + hidden_states` (a bf16 add is commutative), inside the norm
     inp, res = (x, None) if pending is None else (pending, x)
     if fused:
         qkv, x = norm_linear(inp, w.qkv, w.qkv_bias, norm_weight=w.input_norm, eps=shape.eps, residual=res,
-                             backend=ops, **inv)
+                             backend=ops, row_invariant=row_invariant)
     else:
         h, x = fused_rms_norm(inp, w.input_norm, shape.eps, residual=res, backend=ops)
         qkv = F.linear(h, w.qkv, w.qkv_bias)
@@ -162,9 +161,10 @@ def decoder_layer(x: Tensor, pending: Tensor | None, w: LayerWeights, shape: Att
     o = varlen_attention(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal=causal, scale=shape.scale,
                          max_q_len=max_q_len, backend=backend).view(n, -1)  # [N, H·D]
     if fused:
-        act, x = norm_linear(linear(o, w.o_proj, backend=ops, **inv), w.gate_up, norm_weight=w.post_norm,
-                             eps=shape.eps, residual=x, gated=True, backend=ops, **inv)  # [N, I]
-        return x, linear(act, w.down, backend=ops, **inv), x_in
+        o = linear(o, w.o_proj, backend=ops, row_invariant=row_invariant)  # [N, d]
+        act, x = norm_linear(o, w.gate_up, norm_weight=w.post_norm, eps=shape.eps, residual=x, gated=True,
+                             backend=ops, row_invariant=row_invariant)  # [N, I]
+        return x, linear(act, w.down, backend=ops, row_invariant=row_invariant), x_in
     h, x = fused_rms_norm(F.linear(o, w.o_proj), w.post_norm, shape.eps, residual=x, backend=ops)
     return x, F.linear(silu_mul(F.linear(h, w.gate_up), backend=ops), w.down), x_in
 
