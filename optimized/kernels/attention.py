@@ -169,7 +169,8 @@ def _check_inputs(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids) -> None:
         raise ValueError("q, k_cache and v_cache need a contiguous last (head) dimension")
 
 
-def _varlen_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal, scale, max_q_len, out):
+def _varlen_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal, scale, max_q_len, out,
+                             row_invariant=False):
     num_tokens, num_heads, head_dim = q.shape
     num_requests = kv_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
@@ -182,8 +183,14 @@ def _varlen_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_id
     # Tile sizes: 16 is tl.dot's minimum M/N/K. A tile holds up to 64 (query, head) rows: decode/verify steps
     # (max_q_len ≤ γ+1 = 8, G ≤ 8) fit in one tile, long prefill chunks split into 64-row tiles so the
     # accumulator stays in registers (64 × D fp32).
-    block_m = max(16, triton.next_power_of_2(group * max(1, min(max_q_len, 64 // group or 1))))
-    block_n, num_warps = _key_tile(head_dim, block_m, max_q_len)
+    # With row_invariant every step takes the prefill shape (64-row tiles, 4 warps), whatever its max_q_len: the
+    # tile shape picks the matrix instructions and how a row's scores are spread over the threads, hence the order
+    # of its sums, so one shape for every step gives a query the same bits alone, in a verify block or beside a
+    # prefill chunk. A step's other requests never share its programs, and the key tiles are aligned to BLOCK_N
+    # from key 0, so a tile that holds later queries only adds fully masked key tiles: exact no-ops (α = 1, p = 0).
+    tile_q_len = 64 if row_invariant else max_q_len
+    block_m = max(16, triton.next_power_of_2(group * max(1, min(tile_q_len, 64 // group or 1))))
+    block_n, num_warps = _key_tile(head_dim, block_m, tile_q_len)
     num_stages = 3
     if q.dtype == torch.float32:
         # fp32 tiles are twice the bytes and the ieee dot runs on FMAs, whose operands are staged in shared
@@ -258,6 +265,7 @@ def varlen_attention(
     max_q_len: int | None = None,
     backend: str = "auto",
     out: torch.Tensor | None = None,
+    row_invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of packed ragged queries against per-slot KV caches.
 
@@ -276,6 +284,8 @@ def varlen_attention(
             graphs, e.g. γ+1 for verify steps); ``None`` uses N, always a valid bound.
         backend: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton on CUDA tensors, torch otherwise).
         out: optional ``[N, H, D]`` buffer of q's dtype and device to write into; every row of it is written.
+        row_invariant: Triton only: one tile shape for every step (the prefill one), so that a query's output is
+            the same bits whatever ``max_q_len`` and the other requests of its step (slower for decode steps).
 
     Returns:
         ``[N, H, D]`` attention output in q's dtype (``out`` when given); rows that belong to no request are zero.
@@ -292,7 +302,7 @@ def varlen_attention(
             raise RuntimeError("backend='triton' but triton is not installed (pip install triton)")
         bound = q.shape[0] if max_q_len is None else int(max_q_len)
         return _varlen_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal, scale, bound,
-                                        out)
+                                        out, row_invariant)
     if backend == "torch":
         return _varlen_attention_torch(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal, scale, out)
     raise ValueError(f"unknown attention backend {backend!r}; choose 'auto', 'triton' or 'torch'")

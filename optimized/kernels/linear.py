@@ -16,17 +16,19 @@ layer instead of nine. On the H200 one layer's projection chain takes 12.8 µs i
 Each program owns ``BLOCK_N`` output columns and walks the input dimension ``K`` in tiles, in one of two kernels
 (:func:`kernel_config` picks):
 
-- the row loop (``_norm_linear_rows_kernel``, one or two rows, or any number with ``row_invariant=True``): each
-  weight tile is loaded once and every row of the block is multiplied into it in turn, with exactly a one-row step's
-  arithmetic — a first pass computes the row's ``x̂ = x + residual`` (rounded to the model dtype, as HF's eager add
-  is; the program of column block 0 stores it, the residual stream the layer carries on) and its sum of squares, the
-  second normalises each tile exactly where HF rounds (``x̂ / rms`` to the model dtype, then the gain product to the
-  model dtype) and sums ``h · Wᵀ`` over the tile in float32. A row's bits therefore do not depend on how many rows
-  share the step (tests/equivalence/test_row_invariance.py). The tile is the whole input row, so every load of a
-  program is in flight at once: a one-row product is latency-bound, and a loop of dependent 64-wide tiles ran 2–4×
-  slower than cuBLAS. The rows run one after another, though: on the H200 eight rows cost 2.4× one;
+- the row loop (``_norm_linear_rows_kernel``, one or two rows): each weight tile is loaded once and every row of the
+  block is multiplied into it in turn, with exactly a one-row step's arithmetic — a first pass computes the row's
+  ``x̂ = x + residual`` (rounded to the model dtype, as HF's eager add is; the program of column block 0 stores it,
+  the residual stream the layer carries on) and its sum of squares, the second normalises each tile exactly where HF
+  rounds (``x̂ / rms`` to the model dtype, then the gain product to the model dtype) and sums ``h · Wᵀ`` over the
+  tile in float32. The tile is the whole input row, so every load of a program is in flight at once: a one-row
+  product is latency-bound, and a loop of dependent 64-wide tiles ran 2–4× slower than cuBLAS. The rows run one
+  after another, though: on the H200 eight rows cost 2.4× one;
 - ``tl.dot`` tiles of 16 rows (``_norm_linear_kernel``) for more rows: the same two passes over ``[16, BLOCK_K]``
-  tiles, faster from four rows on, with a summation order that depends on the block.
+  tiles, faster from four rows on. Its tiles do not depend on the number of rows either, so with
+  ``row_invariant=True`` every step takes it, one row included, and a row's bits do not depend on how many rows
+  share the step (tests/equivalence/test_row_invariance.py): what would change them is the switch between the two
+  kernels.
 
 With ``GATED`` the weight is ``[gate | up]`` (``[2N, K]``, the engine's fused gate/up matrix) and the program
 accumulates the gate and up columns of the same outputs, then writes ``silu(gate) · up`` with HF's rounding (each
@@ -57,9 +59,9 @@ if HAS_TRITON:
 FUSED_MAX_ROWS = 2
 
 # Up to this many rows the default kernel loops over the rows against each weight tile (_norm_linear_rows_kernel);
-# more rows take 16-row tl.dot tiles (_norm_linear_kernel), unless the caller asks for row invariance. The row loop's
-# rows run one after another: on the H200 its chain costs 14.5 / 15.0 / 21.4 / 34.3 / 73.2 µs a layer at 1 / 2 / 4 /
-# 8 / 16 rows against cuBLAS's ~22 (docs/benchmarks/linear-row-loop-h200.json).
+# more rows, and every step of a caller that asks for row invariance, take 16-row tl.dot tiles (_norm_linear_kernel).
+# The row loop's rows run one after another: on the H200 its chain costs 14.5 / 15.0 / 21.4 / 34.3 / 73.2 µs a layer
+# at 1 / 2 / 4 / 8 / 16 rows against cuBLAS's ~22 (docs/benchmarks/linear-row-loop-h200.json).
 ROW_LOOP_ROWS = 2
 
 
@@ -224,15 +226,21 @@ if HAS_TRITON:
 def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = False) -> dict:
     """Kernel, tile sizes and warps for an ``[m, k] · [n, k]ᵀ`` step (``n`` output columns, gate and up counted once).
 
-    Up to :data:`ROW_LOOP_ROWS` rows, or any number with ``row_invariant``: the row loop (``kernel="rows"``), with
-    the whole input row in one tile (``BLOCK_K`` = K rounded up to a power of two, up to 2048), so that every weight
-    load of a program is in flight at once, and as few output columns a program as keep its weight tile at ~2048
-    values: one to four columns, hundreds of programs. A one-row step is latency-bound, and this was the fastest
-    shape of the sweep on the H200 (scripts/bench_linear.py: 2–4× faster than 64-wide K tiles walked in a loop). The
-    tile does not depend on ``m``, so a row gets the same bits in a step of any size. More rows: ``tl.dot`` tiles of
-    16 rows (``kernel="dot"``), faster, but their summation order depends on the step.
+    Up to :data:`ROW_LOOP_ROWS` rows: the row loop (``kernel="rows"``), with the whole input row in one tile
+    (``BLOCK_K`` = K rounded up to a power of two, up to 2048), so that every weight load of a program is in flight
+    at once, and as few output columns a program as keep its weight tile at ~2048 values: one to four columns,
+    hundreds of programs. A one-row step is latency-bound, and this was the fastest shape of the sweep on the H200
+    (scripts/bench_linear.py: 2–4× faster than 64-wide K tiles walked in a loop). More rows: ``tl.dot`` tiles of 16
+    rows (``kernel="dot"``), faster from four rows on.
+
+    With ``row_invariant`` every ``m`` takes the one ``tl.dot`` configuration: a row's products are summed over the
+    same ``BLOCK_K`` tiles in the same order, by the same matrix instructions, whether its tile holds 1 or 16 real
+    rows (padding rows are zeros that no real row reads) — no split of ``K``, nothing chosen from ``m``. Either kernel
+    alone is row-invariant; switching between them at ``ROW_LOOP_ROWS`` is what makes a token's bits depend on its
+    step, so the invariant mode gives up the row loop's one-row speed for the dot tiles' many-row speed (the row loop
+    runs its rows one after another: an engine with every step on it ran 7× slower than the default at batch 64).
     """
-    if m > ROW_LOOP_ROWS and not row_invariant:
+    if m > ROW_LOOP_ROWS or row_invariant:
         return dict(kernel="dot", BLOCK_M=16, BLOCK_N=32 if gated else 16, BLOCK_K=min(256, triton.next_power_of_2(k)),
                     num_warps=4)
     block_k = min(triton.next_power_of_2(k), 2048)
@@ -259,8 +267,8 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
         gated: return ``silu(x̂ W_gateᵀ) · (x̂ W_upᵀ)`` ``[M, N]`` instead of the projection.
         config: the kernel (``kernel``: ``"rows"`` or ``"dot"``) and its tile sizes (``BLOCK_M``, ``BLOCK_N``,
             ``BLOCK_K``, ``num_warps``), default :func:`kernel_config` (the benchmark sweeps them).
-        row_invariant: compute every row with the one-row arithmetic (the row loop at any size), so that a row's
-            output does not depend on the other rows of the step; slower than ``tl.dot`` tiles from four rows.
+        row_invariant: compute every row with the one ``tl.dot`` configuration at any size, so that a row's output
+            does not depend on the other rows of the step (slower than the row loop at one or two rows).
 
     Returns:
         ``(y [M, N], x̂ [M, K])``; ``x̂`` is ``x`` itself when there is no residual.

@@ -140,8 +140,9 @@ def decoder_layer(x: Tensor, pending: Tensor | None, w: LayerWeights, shape: Att
     a layer is nine launches: add+norm, qkv, RoPE+append, attention, o, add+norm, gate/up, SiLU·up, down. A step of
     at most ``linear_rows`` tokens (default ``optimized.kernels.linear.FUSED_MAX_ROWS``; 0: never) runs the
     projections as the fused small-batch Triton kernels instead, six launches: add+norm+qkv, RoPE+append,
-    attention, o, add+norm+gate/up+SiLU·up, down. With ``row_invariant`` every step does, through the kernels' row
-    loop, so that a token's outputs do not depend on the other tokens of its step (slower from a few rows on).
+    attention, o, add+norm+gate/up+SiLU·up, down. With ``row_invariant`` every step does, every projection on
+    the one tl.dot tile shape and the attention on one tile shape, so that a token's outputs do not depend on the
+    other tokens of its step (slower at one or two rows).
     """
     ops = backend if layer_backend is None else layer_backend
     n = x.shape[0]
@@ -159,7 +160,7 @@ def decoder_layer(x: Tensor, pending: Tensor | None, w: LayerWeights, shape: Att
     q = rope_append_kv(q, k, v, cos, sin, k_cache, v_cache, write_slots, write_pos, w.q_norm, w.k_norm, shape.eps,
                        backend=ops)  # [N, H, D]
     o = varlen_attention(q, k_cache, v_cache, cu_seqlens_q, kv_lens, slot_ids, causal=causal, scale=shape.scale,
-                         max_q_len=max_q_len, backend=backend).view(n, -1)  # [N, H·D]
+                         max_q_len=max_q_len, backend=backend, row_invariant=row_invariant).view(n, -1)  # [N, H·D]
     if fused:
         o = linear(o, w.o_proj, backend=ops, row_invariant=row_invariant)  # [N, d]
         act, x = norm_linear(o, w.gate_up, norm_weight=w.post_norm, eps=shape.eps, residual=x, gated=True,

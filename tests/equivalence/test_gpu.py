@@ -167,6 +167,17 @@ def test_batch_invariant_target_logits_on_cuda(dtype):
     assert torch.equal(plain, verify), (plain - verify).abs().max().item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_logits_beside_a_prefill_on_cuda(dtype):
+    """Compiled on the GPU: with the row-invariant kernels a decoded token gets the same logits, bit for bit, in a
+    step of its own and beside another request's 40-token prefill chunk (where the default attention takes larger
+    tiles and other matrix instructions)."""
+    from tests.equivalence.test_row_invariance import logits_beside_a_prefill
+
+    alone, mixed = logits_beside_a_prefill(True, dtype, device="cuda")
+    assert torch.equal(alone, mixed), (alone - mixed).abs().max().item()
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_plain_decoding_one_step_ahead_on_cuda(temperature):
     """``async_decode`` with CUDA graphs: step n+1 launched before step n's tokens are read gives the reference's

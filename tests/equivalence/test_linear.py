@@ -140,13 +140,14 @@ def test_row_limit_and_configs():
         same_tile = ("kernel", "BLOCK_N", "BLOCK_K", "num_warps")
         for m in range(1, 65):
             cfg, invariant = kernel_config(m, 960, 576, gated), kernel_config(m, 960, 576, gated, row_invariant=True)
-            # row invariance: the one-row step's kernel and tile at every size, all rows up to 16 in one program
-            assert {key: invariant[key] for key in same_tile} == {key: one[key] for key in same_tile}
-            assert invariant["BLOCK_M"] >= min(m, 16) and invariant["BLOCK_N"] * invariant["BLOCK_K"] <= 2048
-            if m <= ROW_LOOP_ROWS:  # by default too
-                assert cfg == invariant
+            # row invariance: one kernel and one tile at every size (the default's many-row tl.dot tiles), no split
+            # of K; by default the row loop up to ROW_LOOP_ROWS rows, the whole row in one tile
+            assert invariant == kernel_config(64, 960, 576, gated) and invariant["kernel"] == "dot"
+            if m <= ROW_LOOP_ROWS:
+                assert {key: cfg[key] for key in same_tile} == {key: one[key] for key in same_tile}
+                assert cfg["kernel"] == "rows" and cfg["BLOCK_M"] >= m and cfg["BLOCK_N"] * cfg["BLOCK_K"] <= 2048
             else:
-                assert cfg["kernel"] == "dot" and cfg["BLOCK_M"] == 16
+                assert cfg == invariant and cfg["BLOCK_M"] == 16
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 16, 37])
@@ -168,14 +169,16 @@ def test_gpu_bfloat16_bits(m, gated, dtype, _):
 @pytest.mark.parametrize("m,row_invariant", [(1, False), (2, False), (8, True)])
 @pytest.mark.parametrize("op", ["qkv", "o", "gate_up", "down"])
 def test_default_tiles_at_smollm2_widths(m, row_invariant, op):
-    """The engine's own tiles (one to four columns a program, the whole row of 576 or 1536 in one tile) at SmolLM2's
-    input widths: the steps the engine fuses, and an 8-row verify block with row invariance (few output columns: the
-    tiles depend on K, and the interpreter is slow; the full shapes run compiled in test_gpu_bfloat16_bits)."""
+    """The engine's own tiles at SmolLM2's input widths: the row loop's (one to four columns a program, the whole row
+    of 576 or 1536 in one tile) for the steps the engine fuses, and the tl.dot tiles of an 8-row verify block with row
+    invariance (few output columns: the tiles depend on K, and the interpreter is slow; the full shapes run compiled
+    in test_gpu_bfloat16_bits)."""
     k, n, gated, norm = {"qkv": (576, 15, False, True), "o": (576, 9, False, False),
                          "gate_up": (576, 12, True, True), "down": (1536, 9, False, False)}[op]
     kw = case(m, k, n, torch.float32, gated=gated, norm=norm, residual=norm)
     cfg = kernel_config(m, n, k, gated, row_invariant)
-    assert cfg["BLOCK_K"] >= k and cfg["BLOCK_N"] <= 4
+    if cfg["kernel"] == "rows":
+        assert cfg["BLOCK_K"] >= k and cfg["BLOCK_N"] <= 4
     y, total = norm_linear(**kw, eps=EPS, gated=gated, backend="triton", row_invariant=row_invariant)
     y_ref, total_ref = norm_linear(**kw, eps=EPS, gated=gated, backend="torch")
     check(torch.float32, y, y_ref, total, total_ref)
@@ -184,18 +187,16 @@ def test_default_tiles_at_smollm2_widths(m, row_invariant, op):
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("_", [pytest.param(None, marks=on_gpu)])
-def test_gpu_row_loop_is_row_invariant(gated, dtype, _):
-    """Compiled on the device at SmolLM2's widths, with ``row_invariant``: every row of a 2-, 8- or 16-row step has
-    the bits it has alone (the CPU twin is tests/equivalence/test_row_invariance.py, under the interpreter). bfloat16,
-    the dtype exact greedy decoding needs, holds at every size; float32 held up to 8 rows on the H200, and one row of
-    16 differed (the compiler's multiply-add contraction of the unrolled loop is its own), so it is checked to 8."""
-    kw = case(16, 576, 1536 if gated else 960, dtype, gated=gated, device="cuda")
+def test_gpu_projection_is_row_invariant(gated, dtype, _):
+    """Compiled on the device at SmolLM2's widths, with ``row_invariant``: every row of a 2-, 8-, 16- or 40-row step
+    has the bits it has alone (the CPU twin is tests/equivalence/test_row_invariance.py, under the interpreter)."""
+    kw = case(40, 576, 1536 if gated else 960, dtype, gated=gated, device="cuda")
 
     def project(rows: slice):
         return norm_linear(**{key: v if v is None or v.dim() < 2 or key == "weight" else v[rows]
                               for key, v in kw.items()}, eps=EPS, gated=gated, backend="triton", row_invariant=True)
 
-    for block in (2, 8, 16) if dtype == torch.bfloat16 else (2, 8):
+    for block in (2, 8, 16, 40):
         together, total = project(slice(0, block))
         for j in range(block):
             alone, alone_total = project(slice(j, j + 1))

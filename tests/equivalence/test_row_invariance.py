@@ -3,11 +3,11 @@ a block of other rows (the other requests of a batch, or the other tokens of its
 
 This is what exact greedy decoding in bfloat16 rests on: a speculative step must compute each token's logits with the
 same reduction order as a plain step, or the first bit that differs can change an argmax (docs/numerics.md). Run under
-the Triton interpreter on the CPU (``TRITON_INTERPRET=1``). The interpreter runs ``tl.dot`` through NumPy, whose
-matrix products may pick their own order by shape: the tests below that hold here are the kernels whose reduction
-does not depend on the block. The projections are row-invariant with ``row_invariant=True`` (their row loop at any
-size; by default up to ``optimized.kernels.linear.ROW_LOOP_ROWS`` rows, larger steps taking ``tl.dot`` tiles, whose
-order depends on the block).
+the Triton interpreter on the CPU (``TRITON_INTERPRET=1``), and compiled on the GPU by tests/equivalence/test_gpu.py
+(the interpreter runs ``tl.dot`` through NumPy, whose products need not follow the GPU's order). The projections are
+row-invariant with ``row_invariant=True`` (one ``tl.dot`` tile shape at every size; by default up to
+``optimized.kernels.linear.ROW_LOOP_ROWS`` rows take the row loop, larger steps ``tl.dot`` tiles: each is
+row-invariant alone, the switch between them is not), and so is the attention (one tile shape for every step).
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ def test_rms_norm_row_alone_equals_the_row_in_a_block(dtype, block):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block", [2, 8, 16])
+@pytest.mark.parametrize("block", [2, 8, 16, 40])
 @pytest.mark.parametrize("gated", [False, True])
 def test_fused_projection_row_alone_equals_the_row_in_a_block(dtype, block, gated):
     """The fused add + norm + projection with ``row_invariant`` gives every row the same bits alone, in a two-row step
-    (a plain step's size) and in an 8- or 16-row block (a verify's): the row loop runs each row through the one-row
-    arithmetic."""
+    (a plain step's size), in an 8- or 16-row block (a verify's) and across three 16-row tiles (a prefill's): one
+    tile shape at every size, the row alone in a tile of zeros included."""
     from optimized.kernels.linear import norm_linear
 
     x, weight, gain = _rows(dtype)
@@ -117,11 +117,48 @@ def target_logits(row_invariant: bool, dtype: torch.dtype, device: str = "cpu") 
     return plain, verify
 
 
+def logits_beside_a_prefill(row_invariant: bool, dtype: torch.dtype, device: str = "cpu"
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tiny target's logits for one decoded token, computed in a step of its own (``max_q_len`` 1, a plain step of
+    batch 1) and in a step beside another request's 40-token prefill chunk (``max_q_len`` 40: the engine's mixed
+    steps, where the attention's tile shape would follow the longest query). Also used on the GPU."""
+    from optimized.models.target import OptimizedTarget
+    from reference.testing import tiny_hf_model
+
+    target = OptimizedTarget(tiny_hf_model("llama", num_layers=2).to(device=device, dtype=dtype),
+                             attention_backend="triton", row_invariant=row_invariant)
+    target.allocate_cache(3, 64)
+    gen = torch.Generator().manual_seed(4)
+    prompt, other = torch.randint(2, 96, (5,), generator=gen), torch.randint(2, 96, (40,), generator=gen)
+    token = torch.randint(2, 96, (1,), generator=gen)
+    i32 = dict(dtype=torch.int32, device=device)
+
+    def step(tokens, positions, cu, kv_lens, slots, max_q_len):
+        logits, _ = target.forward(tokens.to(device), positions.to(device), torch.tensor(cu, **i32),
+                                   torch.tensor(kv_lens, **i32), torch.tensor(slots, **i32), max_q_len=max_q_len)
+        return logits
+
+    for slot in (0, 1):  # the same prompt in two slots
+        step(prompt, torch.arange(5), [0, 5], [5], [slot], 5)
+    alone = step(token, torch.tensor([5]), [0, 1], [6], [0], 1)[0]  # [V]
+    mixed = step(torch.cat((token, other)), torch.cat((torch.tensor([5]), torch.arange(40))), [0, 1, 41], [6, 40],
+                 [1, 2], 40)[0]  # [V]: the token's row; the prefill's 40 rows follow it
+    return alone, mixed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_decoded_tokens_logits_do_not_depend_on_a_prefill_beside_it(dtype):
+    """With ``row_invariant`` a decoded token gets the same logits, bit for bit, in a step of its own and beside
+    another request's prefill chunk: the attention takes one tile shape whatever the step's longest query."""
+    alone, mixed = logits_beside_a_prefill(True, dtype)
+    assert torch.equal(alone, mixed)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_target_logits_of_a_verify_block_are_plain_decodings(dtype):
     """With ``row_invariant`` the target gives a token the same logits, bit for bit, in a verify block of 8 as in a
-    plain step of one: every projection and the LM head through the row loop, and the norms, RoPE and attention
-    row-invariant by themselves. This is what makes speculative greedy decoding exact in bfloat16."""
+    plain step of one: every projection and the LM head on one tile shape, the attention on one tile shape, and the
+    norms and RoPE a row per program. This is what makes speculative greedy decoding exact in bfloat16."""
     plain, verify = target_logits(True, dtype)
     assert torch.equal(plain, verify)
 
