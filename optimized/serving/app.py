@@ -9,10 +9,15 @@ loop, and stream what comes back; they never touch the engine. Every error leave
        ``--max-model-len``
 401    ``--api-key`` set and the ``/v1/*`` request lacks ``Authorization: Bearer <key>``
 404    unknown model name, unknown route
+408    a request body that stopped arriving (``BODY_READ_TIMEOUT_S`` without its next part)
 413    a body larger than any prompt that fits ``--max-model-len`` could be
-429    more requests in flight than ``--max-num-seqs`` + ``--max-waiting``
-503    the engine is still starting (``/health`` answers 503 until warm-up is done)
+429    more requests in flight than ``--max-num-seqs`` + ``--max-waiting`` (with ``Retry-After``)
+503    the engine is still starting (``/health`` answers 503 until warm-up is done), or ``--shutdown-timeout`` ran out
+       before the request finished (``shutting_down``)
 =====  ==========================================================================================================
+
+Once a stream's headers are out, an error (the engine failed, the shutdown timeout ran out) leaves as an error event
+in the same body, followed by ``data: [DONE]``.
 
 A client that disconnects is noticed while its request waits or streams; its request is aborted, which frees the
 engine slot before the next step.
@@ -681,6 +686,7 @@ def build_app(server: Server) -> FastAPI:
                     yield _SSE_DONE
                 except (EngineFailed, APIError) as err:  # the headers are out: the error goes in the stream
                     yield _sse(_stream_error(err))
+                    yield _SSE_DONE  # then the stream ends as any stream does (vLLM's order too)
                 except ClientDisconnected:  # nobody is listening any more; close() below aborts the request
                     return
                 finally:
@@ -747,6 +753,7 @@ def build_app(server: Server) -> FastAPI:
                     yield _SSE_DONE
                 except (EngineFailed, APIError) as err:  # the headers are out: the error goes in the stream
                     yield _sse(_stream_error(err))
+                    yield _SSE_DONE  # then the stream ends as any stream does (vLLM's order too)
                 except ClientDisconnected:  # nobody is listening any more; close() below aborts the request
                     return
                 finally:

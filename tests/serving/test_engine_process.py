@@ -543,7 +543,8 @@ def test_a_killed_engine_process_fails_requests_in_flight_and_stops_the_server(s
             for cm, lines in streams:
                 events = [line async for line in lines if line.startswith("data:")]
                 await cm.__aexit__(None, None, None)
-                assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == "engine_failed"
+                assert events[-1] == "data: [DONE]", "the error event ends the stream as a stream ends"
+                assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "engine_failed"
             for r in await asyncio.gather(*plain):
                 assert r.status_code == 500 and r.json()["error"]["code"] == "engine_failed"
 

@@ -541,29 +541,41 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server):
 
 
 def test_requests_left_at_the_shutdown_timeout_end_with_an_error_event(tiny_dirs, tmp_path):
-    """SIGTERM with ``--shutdown-timeout 0`` while a long stream runs: the stream ends with an OpenAI error event
-    (``shutting_down``) instead of a cut connection, the server exits 0, and its log says that requests were ended,
-    not that it drained."""
+    """SIGTERM with ``--shutdown-timeout 0`` while a long stream and a long non-streamed request run: the stream ends
+    with an OpenAI error event (``shutting_down``) and then ``[DONE]`` instead of a cut connection, the other request
+    gets a 503 with the same error, the server exits 0, and its log counts the requests it ended instead of saying
+    that it drained."""
     import signal
 
     srv = LiveServer(tiny_server_args(tiny_dirs, "--max-model-len", "500", "--shutdown-timeout", "0"), tmp_path,
                      tmp_path / "server.log")
+    long = {"model": "tiny", "messages": MSG, "max_tokens": 450, "ignore_eos": True, "temperature": 0}
+
+    async def run() -> tuple[list[str], httpx.Response]:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+            plain = asyncio.create_task(c.post(CHAT, json=long))
+            async with c.stream("POST", CHAT, json={**long, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                while not (await lines.__anext__()).startswith("data:"):
+                    pass
+                while gauge(scrape(srv.url), "vllm:num_requests_running") < 2:  # both are in the engine
+                    await asyncio.sleep(0.02)
+                srv.proc.send_signal(signal.SIGTERM)
+                events = [line.removeprefix("data: ") async for line in lines if line.startswith("data:")]
+            return events, await plain
+
     try:
         srv.wait_ready()
-        body = {"model": "tiny", "messages": MSG, "max_tokens": 450, "ignore_eos": True, "temperature": 0,
-                "stream": True}
-        with httpx.Client(base_url=srv.url, timeout=60) as c, c.stream("POST", CHAT, json=body) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            next(line for line in lines if line.startswith("data:"))  # the stream is under way
-            srv.proc.send_signal(signal.SIGTERM)
-            events = [line.removeprefix("data: ") for line in lines if line.startswith("data:")]
-        assert events and events[-1] != "[DONE]", "the request finished before the timeout: make it longer"
-        err = json.loads(events[-1])["error"]
+        events, plain = asyncio.run(run())
+        assert events[-1] == "[DONE]" and len(events) >= 2
+        err = json.loads(events[-2]).get("error")
+        assert err is not None, "the request finished before the timeout: make it longer"
         assert err["code"] == "shutting_down" and err["type"] == "server_error"
         assert "--shutdown-timeout" in err["message"]
+        assert plain.status_code == 503 and plain.json()["error"]["code"] == "shutting_down"
         assert srv.proc.wait(30) == 0
         log = srv.log.read_text()
-        assert "ended by --shutdown-timeout" in log and "drained" not in log
+        assert "2 request(s) were ended by --shutdown-timeout" in log and "drained" not in log
     finally:
         srv.stop()
