@@ -37,14 +37,16 @@ If the child dies (killed, crashed), the results pipe reaches its end: every req
 ``EngineFailed``, ``/health`` answers 503 and the server stops, as when the engine thread dies. The child never
 outlives the server: it is a daemon process, ``stop`` asks it to finish and joins it (then terminates, then kills
 it), and a child whose command pipe closes (the HTTP process is gone, however it ended) stops by itself — at once if
-that happens during its start-up. The child
-ignores SIGINT: a Ctrl-C reaches the whole process group, and the HTTP process drains the requests in flight before
-it stops the engine.
+that happens during its start-up. That takes one of the child's threads, which a start-up busy in C code that holds
+the interpreter lock would not let run; so the first thing the child does is :func:`die_with_parent`: on Linux the
+kernel kills it when the server dies (``PR_SET_PDEATHSIG``), whatever it is doing. The child ignores SIGINT: a Ctrl-C
+reaches the whole process group, and the HTTP process drains the requests in flight before it stops the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import logging
 import multiprocessing
@@ -68,6 +70,10 @@ from optimized.serving.engine_loop import EngineClient, Runtime, run_steps
 log = logging.getLogger("dspark.serve")
 
 _STOP_RETRY_S = 5.0  # after terminate(), and after kill(), wait this long for the child to go
+_PR_SET_PDEATHSIG = 1  # prctl(2)'s option number, <linux/prctl.h>
+# Where the kernel cannot kill the child with its parent: how often a thread of the child checks that its parent is
+# still there. Half a second is a few microseconds of work a second, and well within the server's own stop timeouts.
+_PARENT_POLL_S = 0.5
 _READ_LIMIT = 1 << 20  # bytes taken from the results pipe per event-loop turn at most: a fast engine never starves it
 _LENGTH = struct.Struct("!Q")  # a results message on the pipe: its pickle's length, then the pickle
 # A StepOutput on the wire: a plain tuple of its fields, a third of the pickling time of the dataclass.
@@ -228,7 +234,8 @@ def spawn_engine(build: Callable[[], Runtime], count: int = 1) -> SpawnedEngine:
     """Start the engine process (``engine_main``), which calls ``build`` at once: its imports, weights, graphs and
     warm-up run from here on. ``python -m optimized.serve`` calls this before it imports its HTTP stack and hands
     the result to :class:`EngineProcess`, which attaches to it once the event loop runs; results the child sends
-    meanwhile wait in the pipe."""
+    meanwhile wait in the pipe. Call it on a thread that lives as long as the engine should (the main thread): on
+    Linux the child dies with that thread (:func:`die_with_parent`)."""
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = [], []  # per API server: (commands in, results out) here, (commands out, results in) there
     for _ in range(count):
@@ -238,7 +245,8 @@ def spawn_engine(build: Callable[[], Runtime], count: int = 1) -> SpawnedEngine:
         theirs.append((commands_out, results_in))
     root = logging.getLogger()
     fmt = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)
-    proc = ctx.Process(target=engine_main, name="dspark-engine", daemon=True, args=(build, theirs, root.level, fmt))
+    proc = ctx.Process(target=engine_main, name="dspark-engine", daemon=True,
+                       args=(build, theirs, root.level, fmt, os.getpid()))
     proc.start()
     for commands_out, results_in in theirs:  # the child's ends: once it exits, our reads see the end of the pipe
         commands_out.close()
@@ -356,14 +364,46 @@ class EnginePeer(PipeClient):
 # --------------------------------------------------------------------------------------------------------------
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """End this process when ``parent_pid``, the process that spawned it, ends, however either of them is busy.
+
+    On Linux the kernel sends this process SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``, through
+    ctypes): no thread of ours has to run for it, so a start-up stuck in C code that holds the interpreter lock (an
+    import, a weight conversion, a graph capture) dies as promptly as an idle loop. The kernel means the parent
+    *thread* that forked this process: the server spawns its engine from its main thread, which lives as long as
+    the server. A parent that died before this call (while the child was still being spawned) is caught by
+    comparing ``os.getppid()`` with ``parent_pid`` after it. Elsewhere (or if prctl fails) a daemon thread makes the
+    same comparison every ``_PARENT_POLL_S`` seconds."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except (OSError, AttributeError):  # no prctl in this libc
+            armed = False
+    if os.getppid() != parent_pid:  # re-parented already: the server died before the kernel was told
+        os._exit(0)
+    if not armed:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), name="dspark-parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_POLL_S)
+    os._exit(0)  # the server is gone: nobody will read anything this process does any more
+
+
 def engine_main(build: Callable[[], Runtime], channels: list[tuple[Connection, Connection]], log_level: int,
-                log_format: str | None) -> None:
+                log_format: str | None, parent_pid: int | None = None) -> None:
     """The engine process: build the runtime, report ready, step until told to stop (or API server 0 is gone).
+    ``parent_pid``: the server's process, which this one must not outlive (:func:`die_with_parent`).
 
     ``channels``: per API server, (commands in, results out). Every output goes to the server whose request it is
     (request id mod the number of servers); step statistics and the idle signal go to server 0, whose metrics hold
     the engine's. A further server that goes away (its command pipe ends, or its results pipe breaks) has its
     requests aborted; the others carry on."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the HTTP process drains, then stops us
     if log_format is not None:
         logging.basicConfig(level=log_level, format=log_format, stream=sys.stderr)

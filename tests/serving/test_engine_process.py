@@ -407,6 +407,67 @@ def test_the_engine_process_does_not_outlive_a_server_killed_during_its_start_up
         parent.wait()
 
 
+@dataclasses.dataclass
+class LockedBuild:
+    """A start-up stuck in C code that never releases the interpreter lock (one ``sum`` over a range too long to end):
+    no other thread of the child runs while it lasts, the one that would notice the server's pipe closing included
+    (picklable)."""
+
+    def __call__(self):
+        sum(range(1 << 62))
+
+
+_LOCKED_ORPHAN_SCRIPT = _STARTING_ORPHAN_SCRIPT.replace("SlowBuild(60.0, sim_build())", "LockedBuild()").replace(
+    "SlowBuild, sim_build", "LockedBuild")
+
+
+def test_the_engine_process_dies_with_its_server_even_when_its_threads_cannot_run():
+    """SIGKILL to the server while the engine's start-up holds the interpreter lock: the kernel ends the engine
+    (die_with_parent), which a thread of the engine watching its command pipe could not do."""
+    parent = subprocess.Popen([sys.executable, "-c", _LOCKED_ORPHAN_SCRIPT.format(root=str(ROOT))], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        deadline = time.monotonic() + 30
+        while child.cpu_times().user < 0.5:  # spawned, imported, now in the sum (a busy core)
+            assert time.monotonic() < deadline, "the engine process never got busy"
+            time.sleep(0.1)
+        parent.kill()
+        parent.wait()
+        assert gone(child.pid, timeout=5), "the engine process outlived its server"
+    finally:
+        parent.kill()
+        parent.wait()
+        if psutil.pid_exists(child.pid):
+            child.kill()
+
+
+@pytest.mark.parametrize("stage", ["spawned", "building"])
+def test_a_server_killed_during_start_up_leaves_no_engine_process(tiny_dirs, tmp_path, stage):
+    """``python -m optimized.serve --engine-process``, SIGKILLed while its engine process starts: just spawned (the
+    child still unpickling its arguments, before it could ask to die with its parent) or building the engine (its
+    start-up stages under way). Either way the engine process is gone within seconds, instead of running its
+    start-up to the end."""
+    srv = LiveServer(tiny_server_args(tiny_dirs, "--engine-process"), tmp_path, tmp_path / "server.log")
+    engine = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (children := _engine_children(srv)):
+            assert srv.proc.poll() is None and time.monotonic() < deadline, "no engine process was started"
+            time.sleep(0.01)
+        (engine,) = children
+        while stage == "building" and "start-up: target weights ..." not in srv.log.read_text():
+            assert time.monotonic() < deadline, "the engine never began loading the weights"
+            time.sleep(0.05)
+        srv.proc.kill()
+        srv.proc.wait()
+        assert gone(engine.pid, timeout=5), f"the engine process outlived its server ({stage})"
+    finally:
+        srv.stop()
+        if engine is not None and engine.is_running():  # only if the test failed
+            engine.kill()
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Live servers, one per mode
 # ------------------------------------------------------------------------------------------------------------
