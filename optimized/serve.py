@@ -43,6 +43,10 @@ log = logging.getLogger("dspark.serve")
 DEFAULT_MAX_NUM_SEQS = {"cpu": 8, "cuda": 256}
 DEFAULT_MAX_MODEL_LEN = 2048  # prompt + completion; a ShareGPT turn and its answer fit with room
 DEFAULT_MAX_WAITING = 1024  # queued requests before 429: well above a closed-loop benchmark at concurrency 256
+# --header-timeout and --body-timeout: optimized/serving/app.py's HEADER_TIMEOUT_S and BODY_READ_TIMEOUT_S, which say
+# why (restated, not imported: the HTTP stack is imported only after the engine process has started).
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
 # The engine in its own process on a GPU host, where the HTTP process and the engine each have cores: 1.5× the plain
 # decoding throughput at concurrency 64 and 2.4× at 256 on an H200, 2 % less at 1 (docs/serving.md, "The server's own
 # cost"). On the CPU the engine's forward wants the cores itself, and the process mode measured no better there.
@@ -222,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests queued beyond --max-num-seqs before answering 429 (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let requests in flight finish (default: %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a connection has to send a whole request's headers, counted from its opening or from "
+                        "the end of its previous response; then it is closed (default: %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="seconds a request body may go without its next part before the server answers 408 "
+                        "(default: %(default)s)")
     p.add_argument("--stream-each-step", action="store_true",
                    help="send every engine step as its own chunk, even to a stream that has fallen behind (default: "
                         "the steps that queued up for a request leave as one chunk)")
@@ -273,6 +283,9 @@ def resolve(args: argparse.Namespace) -> ServeArgs:
             raise ValueError(f"{name} must be ≥ 1, got {value}")
     if args.max_waiting < 0 or args.shutdown_timeout < 0:
         raise ValueError("--max-waiting and --shutdown-timeout must be ≥ 0")
+    for name, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0 seconds, got {value}")
     if args.drafter and spec.drafter and args.drafter != spec.drafter:
         raise ValueError("--drafter and the speculative config's \"model\" name different drafters")
     if args.drafter and spec.method == "ngram":
@@ -395,7 +408,8 @@ def server_settings(args: argparse.Namespace):
 
     return ServerSettings(served_model_names=args.served_model_name or [args.model], model_root=args.model,
                           max_model_len=args.max_model_len, api_key=args.api_key,
-                          coalesce_steps=not args.stream_each_step, shutdown_timeout=args.shutdown_timeout)
+                          coalesce_steps=not args.stream_each_step, shutdown_timeout=args.shutdown_timeout,
+                          header_timeout=args.header_timeout, body_timeout=args.body_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

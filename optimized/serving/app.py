@@ -9,7 +9,7 @@ loop, and stream what comes back; they never touch the engine. Every error leave
        ``--max-model-len``
 401    ``--api-key`` set and the ``/v1/*`` request lacks ``Authorization: Bearer <key>``
 404    unknown model name, unknown route
-408    a request body that stopped arriving (``BODY_READ_TIMEOUT_S`` without its next part)
+408    a request body that stopped arriving (``--body-timeout`` seconds without its next part)
 413    a body larger than any prompt that fits ``--max-model-len`` could be
 429    more requests in flight than ``--max-num-seqs`` + ``--max-waiting`` (with ``Retry-After``)
 503    the engine is still starting (``/health`` answers 503 until warm-up is done), or ``--shutdown-timeout`` ran out
@@ -117,6 +117,16 @@ def error_response(err: APIError) -> JSONResponse:
 # Retry-After on a 429 (full) or a 503 (not ready yet), in whole seconds as the header allows: a slot frees whenever
 # any running request finishes, which at the engine's step rates (a few ms a step) is well within the smallest value.
 RETRY_AFTER_S = "1"
+# Defaults of --header-timeout and --body-timeout. A request's headers must be complete within this many seconds of
+# the connection's opening or of the previous response's end, or the connection is closed: uvicorn's keep-alive timer
+# (5 s) closes a connection that stays silent after a response, but nothing closes one that never sends a request,
+# or sends its headers a byte at a time, and each holds a socket and a protocol. A client sends its request as it
+# connects, so 10 s is slack for any network.
+HEADER_TIMEOUT_S = 10.0
+# A request body must arrive within this many seconds of its previous part (or of the headers): the largest body a
+# prompt of --max-model-len tokens makes is a few hundred kB, seconds even on a slow link; a client that stops
+# half-way would otherwise hold a connection and a task for ever.
+BODY_READ_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -131,6 +141,8 @@ class ServerSettings:
     # chunk per engine step whatever the load (scripts/bench_server_overhead.py measures both).
     coalesce_steps: bool = True
     shutdown_timeout: float = 30.0  # --shutdown-timeout: how long API server 0 waits for the others to drain
+    header_timeout: float = HEADER_TIMEOUT_S  # --header-timeout: a request's headers, or the connection is closed
+    body_timeout: float = BODY_READ_TIMEOUT_S  # --body-timeout: each part of a request's body, or a 408
 
 
 class Server:
@@ -493,11 +505,6 @@ class _BodyTimeout(Exception):
     pass
 
 
-# A request body must arrive within this many seconds of its previous part (or of the headers): the largest body a
-# prompt of --max-model-len tokens makes is a few hundred kB, seconds even on a slow link; a client that stops
-# half-way would otherwise hold a connection and a task for ever.
-BODY_READ_TIMEOUT_S = 30.0
-
 
 class BodyLimitMiddleware:
     """Refuse a body larger than any request whose prompt fits ``--max-model-len`` could be (413), before reading
@@ -582,7 +589,8 @@ def build_app(server: Server) -> FastAPI:
     app = FastAPI(title="DSpark OpenAI-compatible server", lifespan=lifespan)
     # add_middleware puts each new one outside the last: the key is checked first, then the body size.
     app.add_middleware(BodyLimitMiddleware,
-                       max_bytes=BODY_BYTES_OVERHEAD + BODY_BYTES_PER_TOKEN * settings.max_model_len)
+                       max_bytes=BODY_BYTES_OVERHEAD + BODY_BYTES_PER_TOKEN * settings.max_model_len,
+                       read_timeout=settings.body_timeout)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
 
@@ -778,31 +786,47 @@ def build_app(server: Server) -> FastAPI:
     return app
 
 
-# A new connection must complete its first request's headers within this many seconds, or it is closed: uvicorn arms
-# its keep-alive timer only after a response, so a connection that never sends a request (or sends its headers a
-# byte at a time) would hold a socket and a protocol for ever. A client sends its request as it connects.
-HEADER_TIMEOUT_S = 10.0
 
+def header_timeout(protocol: type, seconds: float = HEADER_TIMEOUT_S) -> type:
+    """uvicorn's HTTP protocol class ``protocol`` (h11 or httptools), closing a connection that has not completed a
+    request's headers ``seconds`` after it opened or after its previous response ended.
 
-def first_request_timeout(protocol: type, seconds: float = HEADER_TIMEOUT_S) -> type:
-    """uvicorn's HTTP protocol class ``protocol`` (h11 or httptools: both keep ``cycle`` None until a request's headers
-    are complete), closing a connection whose first request has not begun within ``seconds``."""
+    Both protocols keep ``cycle`` (the request being served) until the next request's headers are complete, so a
+    timer that finds ``cycle`` unchanged knows that none were. An idle connection after a response is closed by
+    uvicorn's keep-alive timer first (5 s) unless this timeout is shorter; one that sends half a request line or
+    half its headers, which cancels the keep-alive timer, is closed by this one."""
 
-    class FirstRequestTimeout(protocol):
+    class HeaderTimeout(protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._first_request_timer = self.loop.call_later(seconds, self._close_without_request)
+            self._header_timer = None
+            self._await_headers()
 
-        def _close_without_request(self) -> None:
-            if self.cycle is None and not self.transport.is_closing():
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._await_headers()
+
+        def _await_headers(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(seconds, self._close_without_headers, self.cycle)
+
+        def _close_without_headers(self, cycle) -> None:
+            self._header_timer = None
+            # ``cycle`` still the latest request and done with (None: there was none): no headers came since
+            # armed. A pipelined request started by the previous response's end is still being answered: wait.
+            waiting = cycle is None or cycle.response_complete
+            if self.cycle is cycle and waiting and not self.transport.is_closing():
                 self.transport.close()
 
         def connection_lost(self, exc) -> None:
-            self._first_request_timer.cancel()
+            if self._header_timer is not None:
+                self._header_timer.cancel()
             super().connection_lost(exc)
 
-    FirstRequestTimeout.__name__ = f"FirstRequestTimeout{protocol.__name__}"
-    return FirstRequestTimeout
+    HeaderTimeout.__name__ = f"HeaderTimeout{protocol.__name__}"
+    return HeaderTimeout
 
 
 def serve_until_stopped(server: Server, *, sockets: list | None = None,
@@ -825,7 +849,7 @@ def serve_until_stopped(server: Server, *, sockets: list | None = None,
     if "http" not in config:  # uvicorn's choice ("auto": httptools if installed, else h11), with the header timeout
         from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-        config["http"] = first_request_timeout(AutoHTTPProtocol)
+        config["http"] = header_timeout(AutoHTTPProtocol, server.settings.header_timeout)
     http = HTTPServer(uvicorn.Config(build_app(server), **config))
     exit_code = 0
 

@@ -516,6 +516,59 @@ def test_bench_serving_launch_sweeps_every_mode(server, tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Slow clients
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_slow_clients_are_timed_out_and_the_server_stays_healthy(tiny_dirs, tmp_path):
+    """``--header-timeout 1 --body-timeout 1``, over raw sockets: half a body gets a 408 in OpenAI's shape, a
+    connection that sends nothing is closed, each within about a second; then the server still serves."""
+    import socket
+
+    srv = LiveServer(tiny_server_args(tiny_dirs, "--header-timeout", "1", "--body-timeout", "1"), tmp_path,
+                     tmp_path / "server.log")
+
+    def connect() -> socket.socket:
+        return socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+
+    def read_response(sock: socket.socket) -> tuple[bytes, bytes]:
+        """(status line and headers, body) of one response with a Content-Length."""
+        data = b""
+        while b"\r\n\r\n" not in data and (chunk := sock.recv(65536)):
+            data += chunk
+        head, _, rest = data.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(
+            b"content-length:")))
+        while len(rest) < length and (chunk := sock.recv(65536)):
+            rest += chunk
+        return head, rest
+
+    try:
+        srv.wait_ready()
+        body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": 4}).encode()
+        with connect() as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body[:len(body) // 2])
+            t0 = time.monotonic()
+            head, answer = read_response(sock)
+            took = time.monotonic() - t0
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert 0.5 < took < 5, f"the 408 came after {took:.1f} s"
+        err = json.loads(answer)["error"]
+        assert err["code"] == "request_timeout" and err["type"] == "invalid_request_error"
+        with connect() as sock:
+            t0 = time.monotonic()
+            assert sock.recv(1024) == b"", "an idle connection got an answer"
+            took = time.monotonic() - t0
+        assert 0.5 < took < 5, f"an idle connection was closed after {took:.1f} s"
+        r = httpx.post(srv.url + CHAT, json={"model": "tiny", "messages": MSG, "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        assert_idle(srv.url)
+    finally:
+        srv.stop()
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Shutdown (last: it stops the module's server)
 # ------------------------------------------------------------------------------------------------------------
 

@@ -572,9 +572,11 @@ def test_a_body_that_stops_arriving_gets_a_408_and_a_whole_one_is_untouched():
     assert waited == [{"type": "http.disconnect"}], "the receive after the body waited past the body timeout"
 
 
-def test_a_connection_that_sends_no_request_is_closed():
-    """uvicorn's protocol with the first-request timeout (what ``serve_until_stopped`` runs): a connection that sends
-    nothing, or half a request line, is closed after the timeout; a whole request is answered as usual."""
+def test_a_connection_that_sends_no_whole_headers_is_closed():
+    """uvicorn's protocol with the header timeout (what ``serve_until_stopped`` runs): a connection that sends nothing,
+    or half a request line, is closed after the timeout, and so is a kept-alive one that sends half of its next
+    request's headers after a response; a whole request is answered as usual, however long its answer takes."""
+    import asyncio
     import socket
     import threading
     import time
@@ -582,18 +584,21 @@ def test_a_connection_that_sends_no_request_is_closed():
     import uvicorn
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    from optimized.serving.app import first_request_timeout
+    from optimized.serving.app import header_timeout
     from tests.serving.conftest import free_port
 
     async def app(scope, receive, send):
         if scope["type"] != "http":
             return
+        if scope["path"] == "/slow":  # an answer that outlasts the header timeout
+            await asyncio.sleep(0.8)
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
 
     port = free_port()
+    # keep-alive far longer than the header timeout: the closes below are the header timeout's
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
-                            http=first_request_timeout(AutoHTTPProtocol, 0.3))
+                            http=header_timeout(AutoHTTPProtocol, 0.3), timeout_keep_alive=30)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -602,21 +607,42 @@ def test_a_connection_that_sends_no_request_is_closed():
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.02)
 
-        def closed_by_server(payload: bytes) -> bool:
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-                sock.sendall(payload)
-                t0 = time.monotonic()
-                data = sock.recv(1024)  # b"": the server closed the connection
-                return data == b"" and 0.2 < time.monotonic() - t0 < 4
+        def closed_by_server(sock: socket.socket, payload: bytes) -> bool:
+            sock.sendall(payload)
+            t0 = time.monotonic()
+            data = sock.recv(1024)  # b"": the server closed the connection
+            return data == b"" and 0.2 < time.monotonic() - t0 < 4
 
-        assert closed_by_server(b""), "an idle connection stayed open"
-        assert closed_by_server(b"POST /v1/chat/completions HTT"), "half a request line stayed open"
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+        def connect() -> socket.socket:
+            return socket.create_connection(("127.0.0.1", port), timeout=5)
+
+        with connect() as sock:
+            assert closed_by_server(sock, b""), "an idle connection stayed open"
+        with connect() as sock:
+            assert closed_by_server(sock, b"POST /v1/chat/completions HTT"), "half a request line stayed open"
+        with connect() as sock:
+            sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(1024).startswith(b"HTTP/1.1 200"), "a slow answer was cut"
+            time.sleep(0.1)  # the next request begins after the answer
+            assert closed_by_server(sock, b"GET / HTTP/1.1\r\nHost: x\r\nX-Half: "), \
+                "half of a kept-alive connection's next headers stayed open"
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_timeout_flags():
+    """``--header-timeout`` and ``--body-timeout`` reach the HTTP side's settings; their defaults are the app's."""
+    from optimized.serve import build_parser, resolve, server_settings
+    from optimized.serving.app import BODY_READ_TIMEOUT_S, HEADER_TIMEOUT_S
+
+    default = server_settings(build_parser().parse_args([]))
+    assert (default.header_timeout, default.body_timeout) == (HEADER_TIMEOUT_S, BODY_READ_TIMEOUT_S)
+    got = server_settings(build_parser().parse_args(["--header-timeout", "2.5", "--body-timeout", "4"]))
+    assert (got.header_timeout, got.body_timeout) == (2.5, 4.0)
+    for flag in ("--header-timeout", "--body-timeout"):
+        with pytest.raises(ValueError, match=f"{flag} must be > 0"):
+            resolve(build_parser().parse_args(["--device", "cpu", flag, "0"]))
 
 
 def test_the_servers_engine_is_frozen_out_of_the_garbage_collector(tiny_dirs):
