@@ -172,22 +172,54 @@ def test_recheck_detects_a_stale_table(models, tmp_path, monkeypatch):
     assert CostTable.load(path).verify_ms == table.verify_ms  # the stale file was replaced
 
 
-def test_recheck_tells_noise_from_drift(models, monkeypatch):
-    """One slow round (a busy CPU at start-up) does not make a cached table stale; two rounds beyond the tolerance on
-    the same side do; a second round inside it clears the first."""
-    from optimized.cost_model import recheck_table
-
+@pytest.fixture
+def cached_table(models, tmp_path, monkeypatch):
+    """(engine, cached table, re-check on load) with the re-check's clock scripted: ``recheck(clock)`` loads the table
+    through ``cached_profile`` while each timed verify of ``n`` tokens reads ``clock(n, i) ×`` the cached time (``i``
+    counts the calls), and returns whether it re-profiled. No pauses between rounds."""
     engine = _engine(models)
-    table = CostTable({1: 1.0, 20: 2.0}, {}, 20, "test", {"context_len": 8})
+    table = cached_profile(engine.runner, cache_dir=tmp_path, context_len=16, repeats=1, recheck=False, progress=False)
+    monkeypatch.setattr(cost_model, "RECHECK_PAUSE_S", 0.0)
 
-    def check(times):  # each value: the ms one timed call (one round, repeats=1) reads off the clock
-        clock = iter([t for ms in times for t in (0.0, ms / 1e3)])
-        monkeypatch.setattr(cost_model.time, "perf_counter", lambda: next(clock))
-        return recheck_table(engine.runner, table, repeats=1, rounds=2, tolerance=0.25)
+    def recheck(clock) -> bool:
+        calls, profiled = [], []
 
-    assert check([1.6, 1.0, 2.0])  # verify(1): 60 % slow, then on time; verify(20) on time
-    assert not check([1.6, 1.5])  # two slow rounds: stale
-    assert check([1.6, 0.5, 2.0])  # one slow, one fast: noise, not a drift in one direction
+        def timed(runner, n, context_len, depth):
+            calls.append(n)
+            return table.verify_ms[n] * clock(n, len(calls) - 1)
+
+        with monkeypatch.context() as m:
+            m.setattr(cost_model, "time_verify", timed)
+            m.setattr(cost_model, "profile_engine", lambda *a, **k: profiled.append(1) or table)
+            cached_profile(engine.runner, cache_dir=tmp_path, context_len=16, repeats=1, progress=False)
+        assert calls, "the cached table was not re-checked"
+        return bool(profiled)
+
+    return engine, table, recheck
+
+
+def test_recheck_keeps_the_table_through_noise(cached_table):
+    """A busy host at start-up does not re-profile: an outlier call in every round (the median of three hides it),
+    one slow round that the next round clears, and rounds beyond the tolerance but scattered (load, not a steady new
+    cost) or on both sides all keep the cached table (CPU tolerance: a factor of 2). Calls 0-2 are the smallest
+    size's first round."""
+    _, table, recheck = cached_table
+    small = min(table.verify_ms)
+    assert not recheck(lambda n, i: 1.0)
+    assert not recheck(lambda n, i: 10.0 if i % 3 == 1 else 1.0)  # one call of every round 10× slow
+    assert not recheck(lambda n, i: 3.0 if i < 3 else 1.0)  # verify(smallest): one round 3× slow, then on time
+    assert not recheck(lambda n, i: (3.0, 3.0, 3.0, 6.0, 6.0, 6.0, 3.0, 3.0, 3.0)[i] if n == small else 1.0)
+    assert not recheck(lambda n, i: (3.0, 3.0, 3.0, 0.3, 0.3, 0.3, 3.0, 3.0, 3.0)[i] if n == small else 1.0)
+
+
+def test_recheck_reprofiles_a_steady_drift(cached_table):
+    """A drift that every round reads alike, slower or faster, in one size or both, re-profiles. In the last case
+    the smallest size passes in calls 0-2, and the largest size's rounds are calls 3-5, 6-8, 9-11."""
+    _, table, recheck = cached_table
+    large = max(table.verify_ms)
+    assert recheck(lambda n, i: 3.0)
+    assert recheck(lambda n, i: 0.3)
+    assert recheck(lambda n, i: (3.0, 3.6, 2.7)[(i - 3) // 3] if n == large else 1.0)  # rounds agree within 1.5×
 
 
 def test_profile_engine_cost_table_entry_point(models, tmp_path):
