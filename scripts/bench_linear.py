@@ -146,6 +146,55 @@ def sweep_configs(rows: int, k_max: int) -> list[dict]:
     return configs
 
 
+def invariant_configs(k_max: int) -> list[dict]:
+    """The tl.dot tiles the row-invariant sweep tries (one tile for every step size: rows and columns per program)."""
+    widest = 1 << (k_max - 1).bit_length()
+    return [dict(kernel="dot", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4) for bm in (16, 32, 64)
+            for bn in (16, 32, 64) for bk in (128, 256) if bk <= widest]
+
+
+def invariant_sweep(rows: list[int], layers: list[dict], hidden: int, inter: int, device, dtype, backend: str,
+                    repeats: int, iters: int, graphs: bool, gen: torch.Generator) -> list[dict]:
+    """Each op over :func:`invariant_configs` at every row count; per op the tiles ranked by the geometric mean over
+    the row counts of (time / the best time at that row count), the default row-invariant tile included."""
+    results = []
+    for op in ("qkv", "o", "gate_up", "down"):
+        k, n = (inter, hidden) if op == "down" else (hidden, {"qkv": layers[0]["qkv"].shape[0], "o": hidden,
+                                                              "gate_up": inter}[op])
+        default = kernel_config(1, n, k, op == "gate_up", row_invariant=True)
+        grid = invariant_configs(k)
+        if default not in grid:
+            grid.append(default)
+        times: dict[int, list[float | None]] = {}
+        for m in rows:
+            x = torch.randn(m, hidden, generator=gen).to(device=device, dtype=dtype)
+            row_times = []
+            for cfg in tqdm(grid, desc=f"invariant sweep {op} M={m}", disable=None):
+                try:
+                    row_times.append(timed(one_op(op, x, layers, cfg, backend), device, repeats, iters, graphs)
+                                     / len(layers))
+                except Exception as e:  # a tile that does not compile (shared memory, registers) is skipped
+                    log.warning("M=%d %s %s: %s", m, op, cfg, str(e).splitlines()[0][:200])
+                    row_times.append(None)
+            times[m] = row_times
+        ranked = []
+        for i, cfg in enumerate(grid):
+            per_row = {m: times[m][i] for m in rows}
+            if any(t is None for t in per_row.values()):
+                continue
+            slowdown = statistics.geometric_mean([per_row[m] / min(t for t in times[m] if t is not None)
+                                                  for m in rows])
+            ranked.append({"config": cfg, "default": cfg == default, "us": {str(m): round(t, 3)
+                                                                           for m, t in per_row.items()},
+                           "slowdown": round(slowdown, 4)})
+        ranked.sort(key=lambda r: r["slowdown"])
+        best, dflt = ranked[0], next(r for r in ranked if r["default"])
+        log.info("invariant sweep %-8s best %s (×%.3f), default ×%.3f", op, best["config"], best["slowdown"],
+                 dflt["slowdown"])
+        results.append({"op": op, "rows": rows, "ranked": ranked})
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -162,6 +211,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tiny", action="store_true", help="miniature shapes (default on the CPU)")
     p.add_argument("--sweep", action="store_true", help="also time each fused op over a grid of tile sizes")
     p.add_argument("--sweep-rows", default="1,8", help="row counts of the sweep")
+    p.add_argument("--invariant-sweep", default="",
+                   help="comma list of row counts: time each op over a grid of tl.dot tiles at every one of them, and "
+                        "rank the tiles by their geometric-mean slowdown against each size's best (row_invariant "
+                        "takes one tile at every size; empty: no such sweep)")
     p.add_argument("--sweep-max-configs", type=int, default=None,
                    help="try at most this many tiles per op, evenly spaced over the grid (default: all)")
     p.add_argument("--repeats", type=int, default=7,
@@ -237,6 +290,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report["sweep"].append({"rows": m, "op": op, "config": "default", "us": round(default, 3),
                                     "best": best[1], "best_us": round(best[0], 3)})
             out.write_text(json.dumps(report, indent=2) + "\n")
+    inv_rows = [int(r) for r in args.invariant_sweep.split(",") if r]
+    if inv_rows:
+        report["invariant_sweep"] = invariant_sweep(inv_rows, layers, hidden, inter, device, dtype, backend,
+                                                    args.repeats, iters, graphs, gen)
+        out.write_text(json.dumps(report, indent=2) + "\n")
     save_plot(plot, report, out.with_suffix(".png"), log)
     log.info("wrote %s", out)
     return report
