@@ -410,35 +410,42 @@ def test_the_engine_process_does_not_outlive_a_server_killed_during_its_start_up
 @dataclasses.dataclass
 class LockedBuild:
     """A start-up stuck in C code that never releases the interpreter lock (one ``sum`` over a range too long to end):
-    no other thread of the child runs while it lasts, the one that would notice the server's pipe closing included
-    (picklable)."""
+    no other thread of the child runs while it lasts, the one that would notice the server's pipe closing included.
+    It touches ``path`` first (picklable)."""
+
+    path: str
 
     def __call__(self):
+        Path(self.path).touch()
         sum(range(1 << 62))
 
 
-_LOCKED_ORPHAN_SCRIPT = _STARTING_ORPHAN_SCRIPT.replace("SlowBuild(60.0, sim_build())", "LockedBuild()").replace(
-    "SlowBuild, sim_build", "LockedBuild")
+_LOCKED_ORPHAN_SCRIPT = (_STARTING_ORPHAN_SCRIPT.replace("SlowBuild(60.0, sim_build())", "LockedBuild({path!r})")
+                         .replace("SlowBuild, sim_build", "LockedBuild"))
 
 
-def test_the_engine_process_dies_with_its_server_even_when_its_threads_cannot_run():
+def test_the_engine_process_dies_with_its_server_even_when_its_threads_cannot_run(tmp_path):
     """SIGKILL to the server while the engine's start-up holds the interpreter lock: the kernel ends the engine
     (die_with_parent), which a thread of the engine watching its command pipe could not do."""
-    parent = subprocess.Popen([sys.executable, "-c", _LOCKED_ORPHAN_SCRIPT.format(root=str(ROOT))], cwd=ROOT,
-                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    locked = tmp_path / "locked"
+    script = _LOCKED_ORPHAN_SCRIPT.format(root=str(ROOT), path=str(locked))
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    child = None
     try:
         child = psutil.Process(int(parent.stdout.readline()))
         deadline = time.monotonic() + 30
-        while child.cpu_times().user < 0.5:  # spawned, imported, now in the sum (a busy core)
-            assert time.monotonic() < deadline, "the engine process never got busy"
-            time.sleep(0.1)
+        while not locked.exists():
+            assert time.monotonic() < deadline, "the engine process never began its start-up"
+            time.sleep(0.05)
+        time.sleep(0.2)  # in the sum by now
         parent.kill()
         parent.wait()
         assert gone(child.pid, timeout=5), "the engine process outlived its server"
     finally:
         parent.kill()
         parent.wait()
-        if psutil.pid_exists(child.pid):
+        if child is not None and child.is_running():  # only if the test failed
             child.kill()
 
 
