@@ -191,7 +191,7 @@ def invariant_sweep(rows: list[int], layers: list[dict], hidden: int, inter: int
         best, dflt = ranked[0], next(r for r in ranked if r["default"])
         log.info("invariant sweep %-8s best %s (×%.3f), default ×%.3f", op, best["config"], best["slowdown"],
                  dflt["slowdown"])
-        results.append({"op": op, "rows": rows, "ranked": ranked})
+        results.append({"op": op, "row_counts": rows, "ranked": ranked})
     return results
 
 
