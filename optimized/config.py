@@ -33,11 +33,11 @@ class EngineConfig:
     # (optimized/kernels/linear.py), six kernels a layer instead of nine. None: that module's FUSED_MAX_ROWS; 0: never
     # (cuBLAS at every size, to measure what the fusion buys). Only where the layer ops run on Triton.
     linear_rows: int | None = None
-    # Every target step, whatever its size, runs its projections and LM head through the fused kernels' row loop
-    # (optimized/kernels/linear.py, row_invariant): a token's logits are then the same bits in a verify block, a
-    # batch or a step of its own, so greedy speculative decoding emits plain decoding's tokens in bfloat16 too
-    # (docs/numerics.md). Slower from a few rows a step on (the rows of a program run one after another); for small
-    # batches that need exact greedy output. Only where the layer ops run on Triton (on the GPU).
+    # Every target step, whatever its size, runs each kernel on one tile shape (row_invariant: the projections and
+    # LM head on optimized/kernels/linear.py's tl.dot tiles, the attention on one query tile): a token's logits are
+    # then the same bits in a verify block, a batch or a step of its own, so greedy speculative decoding emits plain
+    # decoding's tokens in bfloat16 too (docs/numerics.md). 0.6-1.0x the default's throughput on the H200; for
+    # deployments that need exact greedy output. Only where the layer ops run on Triton (on the GPU).
     batch_invariant: bool = False
     seed: int = 0  # root of the random-number contract (reference/sampling.py)
     # Plan the next step (the draft gate's verdict, the adaptive budget) while the device verifies, instead of
@@ -87,7 +87,7 @@ class EngineConfig:
         if self.linear_rows is not None and self.linear_rows < 0:
             raise ValueError(f"linear_rows must be None or ≥ 0 (0: never fused), got {self.linear_rows}")
         if self.batch_invariant and self.layer_backend == "torch":
-            raise ValueError("batch_invariant runs the projections on the Triton row loop: it needs the Triton layer "
+            raise ValueError("batch_invariant runs the projections on the Triton kernels: it needs the Triton layer "
                              "ops, not layer_backend='torch'")
         if self.draft_context_lag < 0:
             raise ValueError(f"draft_context_lag must be ≥ 0 (0: append every step), got {self.draft_context_lag}")

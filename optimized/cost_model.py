@@ -258,7 +258,7 @@ def fingerprint(runner: ModelRunner, context_len: int = DEFAULT_CONTEXT_LEN) -> 
         "pipelined": runner.pipelined,  # stages priced back to back (one step ahead) or launch-to-read
         "draft_context_lag": runner.context_lag,  # plain steps with a drafter: the target alone, or + the context
     }
-    if runner.target.row_invariant:  # every step on the row loop: other prices (the default engine's keys unchanged)
+    if runner.target.row_invariant:  # one tile shape a kernel: other prices (the default engine's keys unchanged)
         inputs["row_invariant"] = True
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return key, inputs

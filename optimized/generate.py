@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="cuda if present, else cpu (default: %(default)s)")
     parser.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
     parser.add_argument("--batch-invariant", action="store_true",
-                        help="every target step through the projections' row loop (EngineConfig.batch_invariant): "
-                             "greedy speculative tokens equal plain decoding's in bfloat16 too")
+                        help="every kernel on one tile shape at every step size (EngineConfig.batch_invariant): greedy "
+                             "speculative tokens equal plain decoding's in bfloat16 too, at some speed")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="engine slots (default: the batch size)")
     parser.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=None,
                         help="launch each step before the previous step's tokens are read (EngineConfig.async_decode; "

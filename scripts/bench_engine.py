@@ -116,7 +116,7 @@ class BenchConfig:
     prefill_graph_tokens: int = EngineConfig.prefill_graph_tokens  # 0: every prefill eager (the A/B of prefill graphs)
     layer_backend: str | None = None  # EngineConfig.layer_backend (None: fused Triton layer ops on CUDA)
     linear_rows: int | None = None  # EngineConfig.linear_rows (None: the fused projections' default; 0: cuBLAS)
-    batch_invariant: bool = False  # EngineConfig.batch_invariant (exact greedy in bfloat16, the row loop at every size)
+    batch_invariant: bool = False  # EngineConfig.batch_invariant (exact greedy in bfloat16, one tile shape a kernel)
     context_len: int = DEFAULT_CONTEXT_LEN  # KV length the cost table is profiled at
     cost_cache_dir: str | None = None  # default $DSPARK_CACHE/cost or ~/.cache/dspark/cost
     seed: int = 0

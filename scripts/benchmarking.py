@@ -87,8 +87,8 @@ def add_engine_source_args(p: argparse.ArgumentParser) -> None:
                    help="steps of at most this many tokens run the fused small-batch projections "
                         "(optimized/kernels/linear.py; default its FUSED_MAX_ROWS); 0 = cuBLAS always, to measure them")
     p.add_argument("--batch-invariant", action="store_true",
-                   help="every target step through the projections' row loop (EngineConfig.batch_invariant): exact "
-                        "greedy tokens in bfloat16, slower from a few rows a step on")
+                   help="every kernel on one tile shape at every step size (EngineConfig.batch_invariant): exact "
+                        "greedy tokens in bfloat16, at some speed")
 
 
 def load_prompts(args: argparse.Namespace, target: Target, needed: int) -> list[list[int]]:

@@ -12,7 +12,8 @@ row-invariant row loop; this script measures what that buys and what it costs:
 * ``identical``: how many prompts emitted exactly the tokens plain decoding emitted at the same batch size and
   setting (and ``none`` at each batch size against ``none`` at the first: a request alone and in a batch);
   ``first_difference``: the token index of each differing prompt's first difference;
-* ``throughput_ratio``: per batch size and mode, tokens/s of the invariant setting over the default's, the same run.
+* ``throughput_ratio``: per batch size and mode, tokens/s of the invariant setting over the default's
+  (``invariant_over_default``), the same run.
 
 JSON to ``--json`` (``docs/benchmarks/exactness-<tag>.json`` by default), rewritten after every configuration::
 
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
         "command": "python -m scripts.exactness " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                         else sys.argv[1:])),
         "model": target.name or args.model, "drafter": args.drafter or str(DEFAULT_DRAFTER),
-        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "results": [], "throughput_ratio": {},
+        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "results": [], "throughput_ratio": [],
     }
     max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + 2 * gamma + 8
     tokens_per_s: dict[tuple[str, int, str], float] = {}
@@ -166,9 +167,10 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
             del engine
             _save(report, out)
     if set(SETTINGS) <= set(settings):
-        report["throughput_ratio"] = {str(b): {m: round(tokens_per_s[("invariant", b, m)]
-                                                        / tokens_per_s[("default", b, m)], 3) for m in modes}
-                                      for b in batch_sizes}
+        report["throughput_ratio"] = [
+            {"batch_size": b, "mode": m,
+             "invariant_over_default": round(tokens_per_s[("invariant", b, m)] / tokens_per_s[("default", b, m)], 3)}
+            for b in batch_sizes for m in modes]
     _save(report, out)
     log.info("wrote %s", out)
     return {k: v for k, v in report.items() if k != "_plain"}
