@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import gc
 import logging
 import multiprocessing
 import operator
@@ -430,6 +431,12 @@ def engine_main(build: Callable[[], Runtime], channels: list[tuple[Connection, C
 
     try:
         runtime = build()
+        # This process lives as long as the engine: what start-up left alive (the engine, its imports) is moved out
+        # of the garbage collector's reach, so that a full collection walks only what the steps allocate (a stall of
+        # the step loop otherwise; optimized/serving/app.py's freeze_heap says how long). build_runtime does this for
+        # the real engine already; a simulated one (scripts/bench_server_overhead.py) gets it here.
+        gc.collect()
+        gc.freeze()
         started.set()
         ready = Runtime(None, runtime.tokenizer, runtime.vocab_size, runtime.gamma, runtime.has_drafter)
         for i in reversed(range(count)):  # server 0 last: once it answers /health, every server has the engine
