@@ -76,13 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def prompts(args: argparse.Namespace) -> list[str]:
     """The workload's prompts, chosen as ``bench_serving`` chooses them (held-out split, filter, file order)."""
-    from scripts import data
+    from scripts.bench_serving import load_prompts
 
-    if args.prompts_file:
-        found = [p.prompt for p in data.read_prompt_file(args.prompts_file)]
-    else:
-        _, held = data.split(data.load_sharegpt(args.sharegpt_file))
-        found = [p.prompt for p in data.filter_prompts(held, max_chars=4 * args.max_prompt_tokens)]
+    found = load_prompts(args)
     if not found:
         raise SystemExit("no prompt to send: the prompt source is empty after filtering")
     return found
