@@ -47,6 +47,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -246,6 +247,18 @@ def run_level(server: Server, model: str, prompts: list[str], args: argparse.Nam
             **({"samples": samples} if profile_dir is not None else {})}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median throughput, with each process's CPU per token replaced by its median over the runs (a
+    machine shared with other work moves single runs by 10-20 %)."""
+    row = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
+    if len(runs) > 1:
+        row["cpu_us_per_token"] = {k: statistics.median(r["cpu_us_per_token"][k] for r in runs)
+                                   for k in row["cpu_us_per_token"]}
+        row["repeats"] = {"output_tokens_per_s": [r["output_tokens_per_s"] for r in runs],
+                          "cpu_us_per_token": [r["cpu_us_per_token"] for r in runs]}
+    return row
+
+
 def stage_split(samples: dict[str, Counter], cpu_us: dict[str, float]) -> dict[str, dict[str, float]]:
     """Each process kind's µs per token (the unprofiled pass's) shared out over its stages by sample counts."""
     split = {}
@@ -286,6 +299,18 @@ def compare(rows: list[dict], baseline: dict) -> None:
             row["output_tokens_per_s"] / before["output_tokens_per_s"], 3)
 
 
+def code_version() -> str:
+    """The commit of the code under test (``+dirty`` with uncommitted changes), or "unknown" outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def run(args: argparse.Namespace) -> dict:
     from scripts import data
 
@@ -302,9 +327,11 @@ def run(args: argparse.Namespace) -> dict:
                    else "real: python -m optimized.serve"),
         "command": "python -m scripts.profile_server " + shlex.join(args.argv),
         "settings": {k: getattr(args, k) for k in ("engine", "step_ms", "tokens_per_step", "api_server_count",
-                                                   "output_len", "prompts_per_user", "client_processes", "rate",
-                                                   "server_args")},
+                                                   "output_len", "prompts_per_user", "client_processes", "repeats",
+                                                   "rate", "server_args")},
         "python": platform.python_version(),
+        "code": code_version(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "results": [],
     }
     for c, step_ms in zip(args.concurrency, args.step_ms, strict=True):
@@ -312,7 +339,8 @@ def run(args: argparse.Namespace) -> dict:
         try:
             server.wait_ready()
             model = served_model(server.url, None)[0]
-            row = run_level(server, model, prompts, args, c, None)
+            runs = [run_level(server, model, prompts, args, c, None) for _ in range(args.repeats)]
+            row = median_run(runs)
             if args.profile:
                 prof_dir = log_dir / f"c{c}"
                 prof_dir.mkdir(exist_ok=True)
@@ -325,7 +353,10 @@ def run(args: argparse.Namespace) -> dict:
         log.info("c=%d: %.0f tok/s, CPU µs/token %s", c, row["output_tokens_per_s"], row["cpu_us_per_token"])
         report["results"].append(row)
     if args.baseline:
-        compare(report["results"], json.loads(Path(args.baseline).read_text()))
+        baseline = json.loads(Path(args.baseline).read_text())
+        report["baseline"] = {"code": baseline.get("code", "unknown"), "command": baseline.get("command"),
+                              "load_average_at_start": baseline.get("load_average_at_start")}
+        compare(report["results"], baseline)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
         log.info("wrote %s", args.out)
@@ -355,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-processes", type=int, default=1, help="client processes (scripts/bench_serving.py)")
     p.add_argument("--prompts-file", default=str(ROOT / "docs/benchmarks/eval_prompts.jsonl"),
                    help="JSONL of {'prompt': ...} lines")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="unprofiled passes per level: the report keeps the median (CPU per token of each process)")
     p.add_argument("--profile", action="store_true",
                    help="a second pass per level under py-spy: the stages of each server process")
     p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")

@@ -130,6 +130,28 @@ def test_text_without_stop_is_sent_as_it_comes(tok):
     assert stream.add([1], finished=True) == ""  # </s> is a special token: no text
 
 
+def test_text_stream_decodes_once_per_chunk(tok, monkeypatch):
+    """The window's start stays put for a few tokens, its text kept: one decode per chunk, plus one each time the
+    window starts again, and the pieces still add up to one decode of all the ids."""
+    from optimized.serving import text
+
+    calls = []
+    decoder = text.plain_decoder
+
+    def counting(tokenizer):
+        decode = decoder(tokenizer)
+        return lambda ids: calls.append(len(ids)) or decode(ids)
+
+    monkeypatch.setattr(text, "plain_decoder", counting)
+    ids = tok("the quick brown fox jumps over the lazy dog, twice: the quick brown fox")["input_ids"]
+    stream = text.TextStream(tok)
+    pieces = [stream.add([i], finished=False) for i in ids]
+    pieces.append(stream.add([], finished=True))
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    assert len(ids) < len(calls) <= len(ids) + len(ids) // text._WINDOW + 2
+    assert max(calls) <= text._WINDOW + 1
+
+
 def test_plain_decoder_is_the_tokenizers_own_decode(tok):
     """The fast path (the Rust tokenizer's decode) against its twin, the tokenizer's ``decode``: the same text for
     random ids, special tokens and unknown ids included. A tokenizer that cleans its text up afterwards, or whose
