@@ -18,7 +18,8 @@ Per level it reports
   HTTP processes (all of them) and of the client processes, measured without a profiler attached;
 * with ``--profile`` (py-spy, ``pip install py-spy``; it needs ptrace rights over the server's processes), each
   process's samples sorted into stages (:data:`STAGES`: the first rule that matches a frame, searching each stack
-  from its innermost frame out) and each stage's share of the process's CPU as µs per token. The profile is taken
+  from its innermost frame out), the waits dropped (:data:`IDLE_CALLS`), and each stage's share of the rest times
+  the process's CPU as µs per token. The profile is taken
   in a second pass of the same level, so the sampler's own cost never enters ``cpu_us_per_token``. In the engine
   process the ``engine step`` stage is the (simulated or real) engine itself; everything else there is the serving
   layer's per-step host work (commands in, outputs collected, the message built, pickled and written).
@@ -40,9 +41,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import linecache
 import logging
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -103,10 +106,43 @@ STAGES: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 
 
+# A sample whose innermost frame waits (its source line calls one of these) is idle time: py-spy's own idle detection
+# misses these waits on some kernels, so they are dropped here. The event loop's own poll (uvloop's run_forever, in C)
+# shows as its Python caller's line (run_until_complete): dropped too, with the little C work it does besides waiting.
+IDLE_CALLS = ("sleep(", ".wait(", ".acquire(True", "select(", "read(handle", ".get(timeout", "inbox.get(",
+              "run_until_complete(",
+              "run_forever(", "_recv_bytes(", ".poll(", "epoll")
+_FRAME = re.compile(r"\((?P<file>[^()]*):(?P<line>\d+)\)$")
+
+
+_LIBRARY = re.compile(r"^.*/(?:site-packages|lib/python3\.\d+)/")
+
+
+def short(frame: str) -> str:
+    """A frame as py-spy prints it without --full-filenames: paths from the project root or the library root."""
+    m = _FRAME.search(frame)
+    if m is None:
+        return frame
+    path = m["file"].removeprefix(f"{ROOT}/")
+    return f"{frame[:m.start()]}({_LIBRARY.sub('', path)}:{m['line']})"
+
+
+def is_idle(frame: str) -> bool:
+    """Whether the innermost frame of a sample is a wait (:data:`IDLE_CALLS` on its source line)."""
+    m = _FRAME.search(frame)
+    if m is None:
+        return False
+    line = linecache.getline(m["file"], int(m["line"]))
+    return any(call in line for call in IDLE_CALLS)
+
+
 def classify(stack: str, kind: str) -> str:
-    """The stage of one py-spy sample (``frame;frame;...``, outermost first) in a process of ``kind``."""
+    """The stage of one py-spy sample (``frame;frame;...``, outermost first) in a process of ``kind``: ``idle`` when
+    its innermost frame waits."""
     frames = stack.split(";")
-    for frame in reversed(frames):
+    if is_idle(frames[-1]):
+        return "idle"
+    for frame in map(short, reversed(frames)):
         for k, stage, marks in STAGES:
             if k == kind and any(m in frame for m in marks):
                 return stage
@@ -212,7 +248,7 @@ def run_level(server: Server, model: str, prompts: list[str], args: argparse.Nam
             out = profile_dir / f"{kind}-{pid}.txt"
             spies.append((kind, out, subprocess.Popen(
                 [shutil.which("py-spy") or "py-spy", "record", "--pid", str(pid), "--rate", str(args.rate),
-                 "--format", "raw", "--nonblocking", "--output", str(out)],
+                 "--format", "raw", "--full-filenames", "--output", str(out)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
         time.sleep(1.0)  # py-spy attaches
     cpu0 = {kind: sum(map(_cpu_s, group)) for kind, group in pids.items()}
@@ -260,16 +296,18 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def stage_split(samples: dict[str, Counter], cpu_us: dict[str, float]) -> dict[str, dict[str, float]]:
-    """Each process kind's µs per token (the unprofiled pass's) shared out over its stages by sample counts."""
+    """Each process kind's µs per token (the unprofiled pass's) shared out over its stages by their shares of the
+    samples that were not idle."""
     split = {}
     for kind, key in (("engine", "engine_process"), ("http", "http_processes"), ("client", "client")):
         counts: Counter = Counter()
         for stack, n in samples.get(kind, Counter()).items():
             counts[classify(stack, kind)] += n
+        idle = counts.pop("idle", 0)
         total = sum(counts.values())
         if total:
             stages = {stage: round(cpu_us[key] * n / total, 2) for stage, n in counts.most_common()}
-            split[key] = {"samples": total, "us_per_token": stages}
+            split[key] = {"samples": total, "idle_samples": idle, "us_per_token": stages}
             if kind == "engine":
                 split[key]["serving_us_per_token"] = round(cpu_us[key] - stages.get("engine step", 0.0), 2)
     return split
@@ -279,7 +317,7 @@ def top_frames(samples: Counter, n: int = 15) -> list[list]:
     """The innermost frames that took the most samples (what the stage rules may have missed)."""
     leaf: Counter = Counter()
     for stack, k in samples.items():
-        leaf[stack.rsplit(";", 1)[-1]] += k
+        leaf[short(stack.rsplit(";", 1)[-1])] += k
     total = sum(leaf.values()) or 1
     return [[frame, round(k / total, 4)] for frame, k in leaf.most_common(n)]
 

@@ -6,36 +6,65 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from scripts.profile_server import build_parser, classify, compare, read_raw, stage_split
+from scripts.profile_server import ROOT, build_parser, classify, compare, read_raw, stage_split
 
-UVICORN = "run (uvicorn/server.py:70);"
-EVENTS = UVICORN + "events (optimized/serving/app.py:750);"
+# Frames as py-spy prints them with --full-filenames, at lines past the files' ends: no source line is found, so none
+# is taken for a wait.
+LIB = "/usr/lib/python3.11/site-packages"
+
+
+def frame(func: str, path: str) -> str:
+    """A frame of ``path`` in this repository (``optimized/...``, ``scripts/...``) or, otherwise, in a library."""
+    root = ROOT if path.startswith(("optimized/", "scripts/")) else LIB
+    return f"{func} ({root}/{path}:99999)"
+
+
+def stack(*frames: str) -> str:
+    return ";".join(frames)
+
+
+UVICORN = frame("run", "uvicorn/server.py")
+EVENTS = stack(UVICORN, frame("events", "optimized/serving/app.py"))
+LOOP = frame("run_steps", "optimized/serving/engine_loop.py")
 
 
 def test_samples_are_classified_from_the_innermost_frame():
-    assert classify(EVENTS + "add (optimized/serving/text.py:60)", "http") == "detokenize"
-    assert classify(EVENTS + "__call__ (optimized/serving/app.py:470)", "http") == "SSE chunk: JSON + framing"
-    assert classify(EVENTS + "send (uvicorn/protocols/http/httptools_impl.py:542)",
+    assert classify(stack(EVENTS, frame("add", "optimized/serving/text.py")), "http") == "detokenize"
+    assert classify(stack(EVENTS, frame("__call__", "optimized/serving/app.py")),
+                    "http") == "SSE chunk: JSON + framing"
+    assert classify(stack(EVENTS, frame("send", "uvicorn/protocols/http/httptools_impl.py")),
                     "http") == "ASGI response + socket writes"
-    receive = UVICORN + "_receive (optimized/serving/engine_process.py:183)"
-    assert classify(receive, "http") == "results: read + unpickle"
-    assert classify("run_steps (optimized/serving/engine_loop.py:261);step (scripts/bench_server_overhead.py:155)",
+    assert classify(stack(UVICORN, frame("_receive", "optimized/serving/engine_process.py")),
+                    "http") == "results: read + unpickle"
+    assert classify(stack(LOOP, frame("step", "scripts/bench_server_overhead.py")), "engine") == "engine step"
+    assert classify(stack(LOOP, frame("post", "optimized/serving/engine_process.py"),
+                          frame("send", "optimized/serving/engine_process.py")), "engine") == "message: pickle + write"
+    assert classify(stack(frame("one_request", "scripts/bench_serving.py"), frame("loads", "json/__init__.py")),
+                    "client") == "JSON parse"
+    assert classify("somewhere (/elsewhere.py:1)", "http") == "other"
+
+
+def test_waits_are_idle(tmp_path):
+    src = tmp_path / "loop.py"
+    src.write_text("def step():\n    time.sleep(0.01)\n    return [1]\n")
+    assert classify(stack(LOOP, f"step ({src}:2)"), "engine") == "idle"
+    assert classify(stack(frame("step", "scripts/bench_server_overhead.py"), f"step ({src}:3)"),
                     "engine") == "engine step"
-    assert classify("run_steps (optimized/serving/engine_loop.py:261);post (optimized/serving/engine_process.py:450);"
-                    "send (optimized/serving/engine_process.py:90)", "engine") == "message: pickle + write"
-    assert classify("one_request (scripts/bench_serving.py:140);loads (json/__init__.py:346)", "client") == "JSON parse"
-    assert classify("somewhere (elsewhere.py:1)", "http") == "other"
 
 
 def test_stage_split_shares_out_the_measured_cpu(tmp_path):
     raw = tmp_path / "http-1.txt"
-    raw.write_text(f"{EVENTS}add (optimized/serving/text.py:60) 30\n{UVICORN}_receive "
-                   "(optimized/serving/engine_process.py:183) 10\n")
-    samples = {"http": read_raw(raw), "engine": Counter({"step (scripts/bench_server_overhead.py:155)": 3,
-                                                         "post (optimized/serving/engine_process.py:450)": 1})}
+    raw.write_text(f"{stack(EVENTS, frame('add', 'optimized/serving/text.py'))} 30\n"
+                   f"{stack(UVICORN, frame('_receive', 'optimized/serving/engine_process.py'))} 10\n")
+    src = tmp_path / "wait.py"
+    src.write_text("event.wait(1)\n")
+    samples = {"http": read_raw(raw), "engine": Counter({frame("step", "scripts/bench_server_overhead.py"): 3,
+                                                         frame("post", "optimized/serving/engine_process.py"): 1,
+                                                         stack(LOOP, f"wait ({src}:1)"): 5})}
     split = stage_split(samples, {"engine_process": 4.0, "http_processes": 40.0, "client": 50.0})
     assert split["http_processes"]["us_per_token"] == {"detokenize": 30.0, "results: read + unpickle": 10.0}
     assert split["engine_process"]["us_per_token"] == {"engine step": 3.0, "message: collect outputs": 1.0}
+    assert split["engine_process"]["idle_samples"] == 5
     assert split["engine_process"]["serving_us_per_token"] == 1.0 and "client" not in split
 
 
