@@ -372,11 +372,15 @@ def run(args: argparse.Namespace) -> dict:
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "results": [],
     }
-    for c, step_ms in zip(args.concurrency, args.step_ms, strict=True):
-        server = Server(args, step_ms, log_dir / f"server-c{c}.log")
-        try:
-            server.wait_ready()
-            model = served_model(server.url, None)[0]
+    server = None  # the synthetic engine's step time is fixed at launch: one server per level; the real one is shared
+    try:
+        for c, step_ms in zip(args.concurrency, args.step_ms, strict=True):
+            if server is None or args.engine == "synthetic":
+                if server is not None:
+                    server.stop()
+                server = Server(args, step_ms, log_dir / f"server-c{c}.log")
+                server.wait_ready()
+                model = served_model(server.url, None)[0]
             runs = [run_level(server, model, prompts, args, c, None) for _ in range(args.repeats)]
             row = median_run(runs)
             if args.profile:
@@ -386,10 +390,11 @@ def run(args: argparse.Namespace) -> dict:
                 row["stages"] = stage_split(prof["samples"], row["cpu_us_per_token"])
                 row["top_frames"] = {kind: top_frames(s) for kind, s in prof["samples"].items()}
                 row["profiled_pass_tokens_per_s"] = prof["output_tokens_per_s"]
-        finally:
+            log.info("c=%d: %.0f tok/s, CPU µs/token %s", c, row["output_tokens_per_s"], row["cpu_us_per_token"])
+            report["results"].append(row)
+    finally:
+        if server is not None:
             server.stop()
-        log.info("c=%d: %.0f tok/s, CPU µs/token %s", c, row["output_tokens_per_s"], row["cpu_us_per_token"])
-        report["results"].append(row)
     if args.baseline:
         baseline = json.loads(Path(args.baseline).read_text())
         report["baseline"] = {"code": baseline.get("code", "unknown"), "command": baseline.get("command"),
@@ -408,9 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synthetic: SimulatedEngine behind the real server, no model; real: python -m optimized.serve")
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="synthetic engine: the target whose tokenizer the server uses")
-    p.add_argument("--step-ms", type=lambda t: [float(x) for x in t.split(",")], default=[10.0, 20.0],
-                   help="synthetic engine: time per step (a sleep), one per --concurrency level; the defaults offer "
-                        "6.4k and 12.8k tokens/s at 64 and 256 users, below what the 2-core machine can serve")
+    p.add_argument("--step-ms", type=lambda t: [float(x) for x in t.split(",")], default=None,
+                   help="synthetic engine: time per step (a sleep), one value or one per --concurrency level; none: "
+                        "10 ms up to 64 users, 20 ms above (6.4k and 12.8k tokens/s offered at 64 and 256 users, "
+                        "below what a 2-core machine serves)")
     p.add_argument("--tokens-per-step", type=int, default=1,
                    help="synthetic engine: tokens per running request per step (1: plain decoding)")
     p.add_argument("--server-args", default="", help="real engine: extra flags for python -m optimized.serve")
@@ -440,6 +446,8 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv
+    if args.step_ms is None:
+        args.step_ms = [10.0 if c <= 64 else 20.0 for c in args.concurrency]
     if len(args.step_ms) == 1:
         args.step_ms *= len(args.concurrency)
     if len(args.step_ms) != len(args.concurrency):

@@ -81,7 +81,7 @@ def test_a_baseline_gives_ratios():
 
 def test_defaults_and_step_times():
     args = build_parser().parse_args([])
-    assert (args.engine, args.concurrency, args.step_ms, args.profile) == ("synthetic", [64, 256], [10.0, 20.0], False)
+    assert (args.engine, args.concurrency, args.step_ms, args.profile) == ("synthetic", [64, 256], None, False)
 
 
 def test_harness_runs_end_to_end(tmp_path):
