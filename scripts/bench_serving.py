@@ -441,14 +441,19 @@ class LaunchedServer:
         return wait_healthy(self.url, self.proc, self.log_path, START_TIMEOUT_S, self.poll_s)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_server(self.proc, 120)
         self._log.close()
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM (the server drains and exits 0), then SIGKILL if it is still there after ``timeout_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def served_model(base_url: str, api_key: str | None) -> tuple[str, str]:

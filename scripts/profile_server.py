@@ -57,8 +57,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import httpx
-
+from scripts.bench_server_overhead import engine_steps
 from scripts.bench_serving import (
     WARMUP_TOKENS,
     _cmdline,
@@ -66,6 +65,7 @@ from scripts.bench_serving import (
     _cpu_s,
     closed_loop,
     served_model,
+    stop_server,
     wait_healthy,
 )
 
@@ -206,24 +206,8 @@ class Server:
         return {"http": [self.proc.pid, *api], "engine": [c for c in spawned if c not in api]}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_server(self.proc, 60)
         self._log.close()
-
-
-def engine_steps(url: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        for s in fam.samples:
-            if s.name == "dspark:steps_total":
-                return s.value
-    return float("nan")
 
 
 # --------------------------------------------------------------------------------------------------------------
