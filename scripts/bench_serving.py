@@ -310,6 +310,13 @@ def process_cpu_s(pid: int | None) -> tuple[float, float] | None:
     no pid)."""
     if pid is None or not Path(f"/proc/{pid}/stat").exists():
         return None
+    api, engine = server_processes(pid)
+    return _cpu_s(pid) + sum(map(_cpu_s, api)), sum(map(_cpu_s, engine))
+
+
+def server_processes(pid: int) -> tuple[list[int], list[int]]:
+    """(the further API servers, the engine process(es)) among the children of server ``pid`` (Linux ``/proc``):
+    multiprocessing children, the API servers named ``dspark-api-N``."""
     children: set[int] = set()
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
@@ -322,7 +329,7 @@ def process_cpu_s(pid: int | None) -> tuple[float, float] | None:
             continue
     spawned = [c for c in children if "spawn_main" in _cmdline(c)]
     api = [c for c in spawned if _comm(c).startswith("dspark-api")]
-    return _cpu_s(pid) + sum(map(_cpu_s, api)), sum(_cpu_s(c) for c in spawned if c not in api)
+    return api, [c for c in spawned if c not in api]
 
 
 def _cpu_s(pid: int) -> float:

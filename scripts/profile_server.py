@@ -60,11 +60,10 @@ from pathlib import Path
 from scripts.bench_server_overhead import engine_steps
 from scripts.bench_serving import (
     WARMUP_TOKENS,
-    _cmdline,
-    _comm,
     _cpu_s,
     closed_loop,
     served_model,
+    server_processes,
     stop_server,
     wait_healthy,
 )
@@ -195,15 +194,8 @@ class Server:
 
     def processes(self) -> dict[str, list[int]]:
         """{"http": [server 0, further API servers], "engine": [the engine process]} (Linux ``/proc``)."""
-        children: set[int] = set()
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            try:
-                children.update(int(c) for c in (task / "children").read_text().split())
-            except OSError:
-                continue
-        spawned = [c for c in children if "spawn_main" in _cmdline(c)]
-        api = [c for c in spawned if _comm(c).startswith("dspark-api")]
-        return {"http": [self.proc.pid, *api], "engine": [c for c in spawned if c not in api]}
+        api, engine = server_processes(self.proc.pid)
+        return {"http": [self.proc.pid, *api], "engine": engine}
 
     def stop(self) -> None:
         stop_server(self.proc, 60)
