@@ -619,6 +619,7 @@ class RunSettings:
     dsd_table: dict[int, int] = field(default_factory=lambda: dict(TINY_DSD_TABLE))  # mode dsd
     enforce_eager: bool = False  # engine without CUDA graphs
     kernel_backend: str = "auto"  # engine ops: Triton on CUDA (or under TRITON_INTERPRET=1), else torch
+    batch_invariant: bool = False  # engine target on its row-invariant kernels (EngineConfig.batch_invariant)
 
 
 def run_config(target: Target, drafter: DSparkDrafter, prompts: list[tuple[str, list[int]]], spec: ModeSpec,
@@ -644,7 +645,8 @@ def run_config(target: Target, drafter: DSparkDrafter, prompts: list[tuple[str, 
     cfg = EngineConfig(max_num_seqs=len(ids), max_seq_len=longest + settings.max_new_tokens + 2 * gamma + 8,
                        prefill_chunk=max(8192, sum(len(p) for p in ids)), enforce_eager=settings.enforce_eager,
                        kernel_backend=settings.kernel_backend, seed=settings.seed, device=str(target.device),
-                       dtype=target.dtype, async_decode=False, cost_feedback=False)
+                       dtype=target.dtype, async_decode=False, cost_feedback=False,
+                       batch_invariant=settings.batch_invariant)
     t0 = time.perf_counter()
     with count_graph_runs() as graph_runs:
         opt = opt_generate(target, drafter, ids, gen, sched, cost, engine_config=cfg)

@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"mode threshold (default {DEFAULT_THRESHOLD}; {TINY_THRESHOLD} with --tiny)")
     p.add_argument("--seed", type=int, default=0, help="generation seed (random-number contract)")
     p.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the engine's target on its row-invariant kernels (EngineConfig.batch_invariant; Triton)")
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "triton", "torch"],
                    help="engine ops: auto = Triton on CUDA (or under TRITON_INTERPRET=1), else torch")
     p.add_argument("--tie-threshold", type=float, default=None,
@@ -190,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
     settings = RunSettings(max_new_tokens=args.max_new_tokens, top_p=args.top_p, seed=args.seed,
                            stop_at_eos=args.stop_at_eos, threshold=args.threshold, dsd_table=args.dsd_table,
-                           enforce_eager=args.enforce_eager, kernel_backend=args.kernel_backend)
+                           enforce_eager=args.enforce_eager, kernel_backend=args.kernel_backend,
+                           batch_invariant=args.batch_invariant)
     tie_threshold = args.tie_threshold if args.tie_threshold is not None else TIE_THRESHOLD[args.dtype]
     if device.type == "cuda" and dtype == torch.float32:
         # TF32 would round matmul inputs to 10 mantissa bits, differently in cuBLAS and in the Triton kernels.
@@ -222,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m scripts.gpu_equivalence " + shlex.join(argv),
         "model": model_name, "drafter": drafter_name, "gamma": gamma, "dtype": args.dtype, "device": str(device),
         "graphs": graphs, "kernel_backend": resolve_backend(args.kernel_backend, torch.empty(0, device=device)),
+        "batch_invariant": args.batch_invariant,
         "tf32": bool(torch.backends.cuda.matmul.allow_tf32) if device.type == "cuda" else None,
         "cost_table": {"choice": "one fixed synthetic affine table for both loops (the CPU e2e test's), for "
                                  "determinism: a profiled table differs between loops and runs",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -82,6 +83,19 @@ def test_tiny_run_writes_the_schema_and_finds_every_request_identical(tmp_path):
     for c in report["configs"]:  # every verify and draft ran through the engine's graph runners, eagerly on CPU
         assert c["graph_runs"]["verify"]["graph"] == 0 and c["graph_runs"]["verify"]["eager"] > 0
         assert c["graph_runs"]["draft"]["eager"] > 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the row-invariant kernels are Triton's")
+def test_tiny_run_with_the_batch_invariant_engine(tmp_path):
+    """``--batch-invariant``: the engine's target on its row-invariant kernels keeps every request identical to the
+    reference loop (float32, under the interpreter on the CPU), and the report says which kernels ran."""
+    out = tmp_path / "ge.json"
+    argv = ["--tiny", "--device", "cpu", "--modes", "fixed:2,adaptive", "--temperatures", "0", "--max-new-tokens",
+            "6", "--kernel-backend", "triton", "--batch-invariant", "--json", str(out)]
+    assert gpu_equivalence.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["batch_invariant"] is True and report["kernel_backend"] == "triton"
+    assert report["summary"]["counts"] == {"identical": 6, "near-tie": 0, "MISMATCH": 0}
 
 
 def test_parse_modes():
