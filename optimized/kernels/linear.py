@@ -223,7 +223,7 @@ if HAS_TRITON:
         _store_output(acc, acc_up, b_ptr, y_ptr, rows, rows < M, outs, omask, stride_ym, HAS_BIAS, GATED)
 
 
-# Row-invariant steps of more rows than this, in a 16-bit dtype, take 64 × 64 tiles instead of 16 × 32: on the H200
+# Row-invariant steps of more rows than this, in bfloat16, take 64 × 64 tiles instead of 16 × 32: on the H200
 # the four projections of a 512-row step (a verify at batch 64) take 52 µs a layer with them against 89
 # (benchmarks/linear-invariant-h200.json), and both tiles give every row the same bits (test_linear.py, on the GPU).
 INVARIANT_WIDE_ROWS = 128
@@ -245,13 +245,14 @@ def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = Fal
     are zeros that no real row reads) — no split of ``K``. Either kernel alone is row-invariant; switching between
     them at ``ROW_LOOP_ROWS`` is what makes a token's bits depend on its step, so the invariant mode gives up the row
     loop's one-row speed for the dot tiles' many-row speed (the row loop runs its rows one after another: an engine
-    with every step on it ran 7× slower than the default at batch 64). In 16-bit dtypes the tile's own size does not
-    change a row's bits either (on the H200 every tile from 16 × 16 to 128 × 64, 128- or 256-wide in K, 4 or 8 warps,
-    gave the same bits), so steps of more than :data:`INVARIANT_WIDE_ROWS` rows take 64 × 64 tiles, which read the
-    weights a quarter as often; float32, whose products run on FMAs in an order the layout picks, keeps one tile.
+    with every step on it ran 7× slower than the default at batch 64). In bfloat16 the tile's own size does not change
+    a row's bits either (on the H200 every tile from 16 × 16 to 128 × 64, 128- or 256-wide in K, 4 or 8 warps, gave
+    the same bits), so steps of more than :data:`INVARIANT_WIDE_ROWS` rows take 64 × 64 tiles, which read the weights
+    a quarter as often; float32, whose products run on FMAs in an order the layout picks, and float16, not checked,
+    keep one tile.
     """
     if row_invariant:
-        if m > INVARIANT_WIDE_ROWS and dtype in (torch.bfloat16, torch.float16):
+        if m > INVARIANT_WIDE_ROWS and dtype == torch.bfloat16:
             return dict(kernel="dot", BLOCK_M=64, BLOCK_N=64, BLOCK_K=min(128, triton.next_power_of_2(k)), num_warps=4)
         return dict(kernel="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=min(256, triton.next_power_of_2(k)), num_warps=4)
     if m > ROW_LOOP_ROWS:

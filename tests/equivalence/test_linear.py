@@ -156,11 +156,12 @@ def test_row_limit_and_configs():
                 assert cfg["kernel"] == "rows" and cfg["BLOCK_M"] >= m and cfg["BLOCK_N"] * cfg["BLOCK_K"] <= 2048
             else:
                 assert cfg["kernel"] == "dot" and cfg["BLOCK_M"] == invariant["BLOCK_M"] == 16
-        # 16-bit steps past INVARIANT_WIDE_ROWS take the wide tile; float32 keeps one tile at every size
+        # bfloat16 steps past INVARIANT_WIDE_ROWS take the wide tile; float32 and float16 keep one tile at every size
         for m in (INVARIANT_WIDE_ROWS, INVARIANT_WIDE_ROWS + 1, 2048):
             wide = m > INVARIANT_WIDE_ROWS
             assert kernel_config(m, 960, 576, gated, True, torch.bfloat16)["BLOCK_M"] == (64 if wide else 16)
             assert kernel_config(m, 960, 576, gated, True, torch.float32) == kernel_config(1, 960, 576, gated, True)
+            assert kernel_config(m, 960, 576, gated, True, torch.float16) == kernel_config(1, 960, 576, gated, True)
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 16, 37])
