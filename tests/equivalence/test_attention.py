@@ -77,13 +77,14 @@ def test_torch_fallback_matches_naive(case, causal, dtype):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("row_invariant", [False, True])  # True: the one tile shape of EngineConfig.batch_invariant
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("case", CASES + [(6, 2, 16, [40, 3], [150, 70])])  # 2 query tiles, 3 key tiles
-def test_triton_kernel_matches_naive_fp32(case, causal):
+def test_triton_kernel_matches_naive_fp32(case, causal, row_invariant):
     q, k, v, cu, kv_lens, slots = ragged_case(*case, dtype=torch.float32)
     scale = case[2] ** -0.5
     out = varlen_attention(q, k, v, cu, kv_lens, slots, causal=causal, scale=scale, backend="triton",
-                           max_q_len=max(case[3]))
+                           max_q_len=max(case[3]), row_invariant=row_invariant)
     expected = naive_attention(q, k, v, cu, kv_lens, slots, causal, scale)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
 
