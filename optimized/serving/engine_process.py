@@ -433,10 +433,12 @@ def engine_main(build: Callable[[], Runtime], channels: list[tuple[Connection, C
         runtime = build()
         # This process lives as long as the engine: what start-up left alive (the engine, its imports) is moved out
         # of the garbage collector's reach, so that a full collection walks only what the steps allocate (a stall of
-        # the step loop otherwise; optimized/serving/app.py's freeze_heap says how long). build_runtime does this for
-        # the real engine already; a simulated one (scripts/bench_server_overhead.py) gets it here.
-        gc.collect()
-        gc.freeze()
+        # the step loop otherwise; optimized/serving/app.py's freeze_heap says how long). build_runtime has done it
+        # for the real engine (a second full collection would only lengthen the start-up); a simulated one
+        # (scripts/bench_server_overhead.py) gets it here.
+        if gc.get_freeze_count() == 0:
+            gc.collect()
+            gc.freeze()
         started.set()
         ready = Runtime(None, runtime.tokenizer, runtime.vocab_size, runtime.gamma, runtime.has_drafter)
         for i in reversed(range(count)):  # server 0 last: once it answers /health, every server has the engine
