@@ -223,14 +223,7 @@ if HAS_TRITON:
         _store_output(acc, acc_up, b_ptr, y_ptr, rows, rows < M, outs, omask, stride_ym, HAS_BIAS, GATED)
 
 
-# Row-invariant steps of more rows than this, in bfloat16, take 64 × 64 tiles instead of 16 × 32: on the H200
-# the four projections of a 512-row step (a verify at batch 64) take 52 µs a layer with them against 89
-# (benchmarks/linear-invariant-h200.json), and both tiles give every row the same bits (test_linear.py, on the GPU).
-INVARIANT_WIDE_ROWS = 128
-
-
-def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = False,
-                  dtype: torch.dtype | None = None) -> dict:
+def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = False) -> dict:
     """Kernel, tile sizes and warps for an ``[m, k] · [n, k]ᵀ`` step (``n`` output columns, gate and up counted once).
 
     Up to :data:`ROW_LOOP_ROWS` rows: the row loop (``kernel="rows"``), with the whole input row in one tile
@@ -240,20 +233,14 @@ def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = Fal
     (scripts/bench_linear.py: 2–4× faster than 64-wide K tiles walked in a loop). More rows: ``tl.dot`` tiles of 16
     rows (``kernel="dot"``), faster from four rows on.
 
-    With ``row_invariant`` every ``m`` takes ``tl.dot`` tiles: a row's products are accumulated over ``K`` in the
-    same order, 16 at a time into one float32 accumulator, whether its tile holds 1 or 16 real rows (padding rows
-    are zeros that no real row reads) — no split of ``K``. Either kernel alone is row-invariant; switching between
-    them at ``ROW_LOOP_ROWS`` is what makes a token's bits depend on its step, so the invariant mode gives up the row
-    loop's one-row speed for the dot tiles' many-row speed (the row loop runs its rows one after another: an engine
-    with every step on it ran 7× slower than the default at batch 64). In bfloat16 the tile's own size does not change
-    a row's bits either (on the H200 every tile from 16 × 16 to 128 × 64, 128- or 256-wide in K, 4 or 8 warps, gave
-    the same bits), so steps of more than :data:`INVARIANT_WIDE_ROWS` rows take 64 × 64 tiles, which read the weights
-    a quarter as often; float32, whose products run on FMAs in an order the layout picks, and float16, not checked,
-    keep one tile.
+    With ``row_invariant`` every ``m`` takes the one ``tl.dot`` configuration: a row's products are summed over the
+    same ``BLOCK_K`` tiles in the same order, by the same matrix instructions, whether its tile holds 1 or 16 real
+    rows (padding rows are zeros that no real row reads) — no split of ``K``, nothing chosen from ``m``. Either kernel
+    alone is row-invariant; switching between them at ``ROW_LOOP_ROWS`` is what makes a token's bits depend on its
+    step, so the invariant mode gives up the row loop's one-row speed for the dot tiles' many-row speed (the row loop
+    runs its rows one after another: an engine with every step on it ran 7× slower than the default at batch 64).
     """
-    if row_invariant:
-        if m > INVARIANT_WIDE_ROWS and dtype == torch.bfloat16:
-            return dict(kernel="dot", BLOCK_M=64, BLOCK_N=64, BLOCK_K=min(128, triton.next_power_of_2(k)), num_warps=4)
+    if row_invariant:  # 32 columns a program for every op: the best single tile of the H200's sweep over 1..512 rows
         return dict(kernel="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=min(256, triton.next_power_of_2(k)), num_warps=4)
     if m > ROW_LOOP_ROWS:
         return dict(kernel="dot", BLOCK_M=16, BLOCK_N=32 if gated else 16, BLOCK_K=min(256, triton.next_power_of_2(k)),
@@ -314,7 +301,7 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     total = x if residual is None else torch.empty_like(x)
     if m:
-        cfg = dict(kernel_config(m, n, k, gated, row_invariant, x.dtype) if config is None else config)
+        cfg = dict(kernel_config(m, n, k, gated, row_invariant) if config is None else config)
         block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
         kind = cfg.pop("kernel", "rows" if block_m < 16 else "dot")
         if kind == "dot":
