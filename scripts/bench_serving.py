@@ -546,7 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --base-url: the server's process id, for its CPU share (a launched one is known)")
     p.add_argument("--server-args", default="", help="with --launch: extra flags for the server (one string)")
     p.add_argument("--concurrency", default="1,4,16,64,256", help="comma-separated user counts")
-    p.add_argument("--prompts-per-user", type=int, default=4, help="measured requests per level = C × this")
+    p.add_argument("--prompts-per-user", type=int, default=8,
+                   help="measured requests per level = C × this: each user's first and last requests overlap the "
+                        "level's ramp-up and drain, so more requests per user measure the steady state")
     p.add_argument("--min-requests", type=int, default=16, help="but at least this many per level")
     p.add_argument("--output-len", type=int, default=128,
                    help="tokens per request (ignore_eos: exactly this many) (default: %(default)s)")
@@ -557,9 +559,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", default=None, help='JSONL, one {"prompt": ...} per line')
     src.add_argument("--sharegpt-file", default=None, help="ShareGPT .json(.gz) (none: the packaged file)")
     p.add_argument("--api-key", default=None, help="bearer token, if the server requires one (default: %(default)s)")
-    p.add_argument("--client-processes", type=int, default=max(1, min(4, usable_cores() // 4)),
-                   help="client processes sharing the users of a level (default: a quarter of the cores, 1 to 4), so "
-                        "that the client is not what limits a fast server")
+    p.add_argument("--client-processes", type=int, default=max(1, min(8, usable_cores() // 2)),
+                   help="client processes sharing the users of a level (default: half the cores, 1 to 8), so that "
+                        "the client is not what limits a fast server: on the H200 machine's 16 cores four processes "
+                        "were each a whole core busy at 64 and 256 users")
     p.add_argument("--hardware", default=None, help="recorded in the JSON (default: this machine's GPU or CPU)")
     p.add_argument("--drafter", default=None, help="recorded in the JSON (default: from --server-args or shipped)")
     p.add_argument("--log-dir", default="runs/bench_serving", help="with --launch: the servers' logs (not published)")

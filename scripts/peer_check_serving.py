@@ -50,7 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--base-url", required=True, help="the running server, e.g. http://127.0.0.1:8000")
     p.add_argument("--label", default="adaptive", help="the mode the server runs (recorded in the JSON)")
     p.add_argument("--concurrency", default="64,256", help="comma-separated concurrent users (streams)")
-    p.add_argument("--min-requests", type=int, default=64, help="measured requests per level: max(2 C, this)")
+    p.add_argument("--requests-per-user", type=int, default=8,
+                   help="measured requests per level: max(C × this, --min-requests); both clients send the same")
+    p.add_argument("--min-requests", type=int, default=64, help="the fewest measured requests per level")
     p.add_argument("--output-len", type=int, default=128, help="tokens each request generates (ignore_eos)")
     p.add_argument("--max-prompt-tokens", type=int, default=512,
                    help="drop ShareGPT prompts longer than 4x this in characters (as bench_serving does)")
@@ -69,8 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if not args.levels or min(args.levels) < 1:
         p.error(f"--concurrency needs positive integers, got {args.concurrency!r}")
-    if args.output_len < 2 or args.min_requests < 1:
-        p.error("--output-len must be at least 2 and --min-requests at least 1")
+    if args.output_len < 2 or args.min_requests < 1 or args.requests_per_user < 1:
+        p.error("--output-len must be at least 2, --min-requests and --requests-per-user at least 1")
     return args
 
 
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                   "prompts": args.prompts_file or "ShareGPT held-out split, file order",
                                   "peer": _guidellm_version(args.guidellm), "results": []}
         for c in args.levels:
-            n = max(2 * c, args.min_requests)
+            n = max(args.requests_per_user * c, args.min_requests)
             batch = [texts[i % len(texts)] for i in range(n)]  # request i takes prompt i, cycling, for both
             ours_path, peer_path = work / f"prompts-{c}.jsonl", work / f"guidellm-{c}-data.jsonl"
             ours_path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in batch))

@@ -15,7 +15,7 @@ DRAFTER=${DRAFTER:-checkpoints/smollm2-135m-instruct-dspark}
 RES=${RES:-/tmp/res}
 source "$(dirname "$0")/timeline.sh"  # stamp, run
 
-run tests-invariance timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_linear.py \
+run tests-invariance timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_linear.py \
   tests/equivalence/test_gpu.py -k "row_invariant or batch_invariant"
 run exactness timeout 540 python -m scripts.exactness --model "$MODEL" --drafter "$DRAFTER" --sharegpt-file "$SHAREGPT" \
   --limit 64 --max-new-tokens 256 --modes fixed:7,dsd,adaptive --batch-sizes 1,16,64 --json "$RES/exactness-h200.json"

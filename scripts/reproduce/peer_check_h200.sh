@@ -6,7 +6,8 @@
 # Needs the target at $MODEL and ShareGPT at $SHAREGPT (docs/training.md, "Reproduction scripts on a GPU machine"),
 # the server's packages, and GuideLLM (`pip install guidellm`; $GUIDELLM names its command). Run it on a copy of the
 # repository; `bash scripts/reproduce/pack.sh` packs $RES for the trip back. A CPU dry run:
-# MODEL=smollm2-135m-instruct SHAREGPT= MODES=none CONCURRENCY=2 OUTPUT_LEN=4 MIN_REQUESTS=4 MAX_NUM_SEQS=4
+# MODEL=smollm2-135m-instruct SHAREGPT= MODES=none CONCURRENCY=2 OUTPUT_LEN=4 REQUESTS_PER_USER=2 MIN_REQUESTS=4
+# MAX_NUM_SEQS=4
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 MODEL=${MODEL:-/tmp/stage/target.gguf}
@@ -15,7 +16,8 @@ DRAFTER=${DRAFTER:-checkpoints/smollm2-135m-instruct-dspark}
 MODES=${MODES:-none,adaptive}
 CONCURRENCY=${CONCURRENCY:-64,256}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
-MIN_REQUESTS=${MIN_REQUESTS:-64}     # requests a level: max(2 x concurrency, this)
+REQUESTS_PER_USER=${REQUESTS_PER_USER:-8}  # requests a level: max(this x concurrency, MIN_REQUESTS)
+MIN_REQUESTS=${MIN_REQUESTS:-64}
 GUIDELLM=${GUIDELLM:-guidellm}
 PORT=${PORT:-8765}
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}
@@ -37,7 +39,8 @@ for mode in ${MODES//,/ }; do
   if ! kill -0 "$server" 2>/dev/null; then stamp "server $mode exited during start-up: logs/serve-$mode.log"; continue; fi
   run "peer-$mode" python -m scripts.peer_check_serving --base-url "http://127.0.0.1:$PORT" --label "$mode" \
     --model "$MODEL" "${SOURCE[@]}" --concurrency "$CONCURRENCY" --output-len "$OUTPUT_LEN" \
-    --min-requests "$MIN_REQUESTS" --guidellm "$GUIDELLM" --out "$RES/serving-peer-h200-$mode.json"
+    --requests-per-user "$REQUESTS_PER_USER" --min-requests "$MIN_REQUESTS" --guidellm "$GUIDELLM" \
+    --out "$RES/serving-peer-h200-$mode.json"
   kill -TERM "$server" 2>/dev/null; wait "$server"
 done
 stamp DONE

@@ -25,9 +25,9 @@ RES=${RES:-/tmp/res}
 NAME=${NAME:-serving-h200}   # $RES/$NAME.{json,png}; an A/B of the server: NAME=serving-h200-each-step
                              # SERVER_EXTRA=--stream-each-step (one chunk per engine step) beside a default run
 read -r -a SERVER_EXTRA <<< "${SERVER_EXTRA:-}"   # e.g. "--device cpu" for a dry run on a GPU machine
-read -r -a BENCH_EXTRA <<< "${BENCH_EXTRA---min-requests 64}"  # more bench_serving flags; the default gives the low
-                                                 # concurrencies 64 requests each (16 left single points at
-                                                 # concurrency 1 within the machine's run-to-run spread)
+read -r -a BENCH_EXTRA <<< "${BENCH_EXTRA---min-requests 64 --prompts-per-user 16}"  # more bench_serving flags:
+    # the low concurrencies get 64 requests each (16 left single points at concurrency 1 within the machine's
+    # run-to-run spread), the high ones 16 a user (4 left seconds-long levels where ramp-up and drain weighed)
 SOURCE=(); [ -n "$SHAREGPT" ] && SOURCE=(--sharegpt-file "$SHAREGPT")
 source "$(dirname "$0")/timeline.sh"  # stamp, run
 

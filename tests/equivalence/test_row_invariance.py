@@ -46,15 +46,15 @@ def test_rms_norm_row_alone_equals_the_row_in_a_block(dtype, block):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block", [2, 8, 16, 40])
+@pytest.mark.parametrize("block", [2, 8, 16, 40, 200])
 @pytest.mark.parametrize("gated", [False, True])
 def test_fused_projection_row_alone_equals_the_row_in_a_block(dtype, block, gated):
     """The fused add + norm + projection with ``row_invariant`` gives every row the same bits alone, in a two-row step
-    (a plain step's size), in an 8- or 16-row block (a verify's) and across three 16-row tiles (a prefill's): one
-    tile shape at every size, the row alone in a tile of zeros included."""
+    (a plain step's size), in an 8- or 16-row block (a verify's), across three 16-row tiles and in a 200-row step (a
+    prefill chunk's): one tile shape at every size, the row alone in a tile of zeros included."""
     from optimized.kernels.linear import norm_linear
 
-    x, weight, gain = _rows(dtype)
+    x, weight, gain = _rows(dtype, m=max(64, block))
     residual = x.flip(0)  # [m, K] another stream for the residual add
     w = torch.cat([weight, weight.flip(1)]) if gated else weight  # [gate | up] when gated
 

@@ -43,11 +43,12 @@ def test_both_clients_get_one_workload_and_the_report_puts_them_side_by_side(tmp
     monkeypatch.setattr(peer_check_serving, "ours", ours)
     out, work = tmp_path / "peer.json", tmp_path / "work"
     report = peer_check_serving.main(["--base-url", "http://127.0.0.1:9", "--label", "none", "--concurrency", "2,8",
-                                      "--min-requests", "6", "--output-len", "16", "--prompts-file", str(prompts),
+                                      "--min-requests", "6", "--requests-per-user", "2", "--output-len", "16",
+                                      "--prompts-file", str(prompts),
                                       "--tokenizer", "tok-dir", "--guidellm", str(guidellm), "--hardware", "test",
                                       "--work-dir", str(work), "--out", str(out)])
     assert json.loads(out.read_text()) == report and report["peer"] == "guidellm version: 0.0-test"
-    assert [(c, n) for c, n, _ in seen] == [(2, 6), (8, 16)]  # max(2 C, --min-requests) requests a level
+    assert [(c, n) for c, n, _ in seen] == [(2, 6), (8, 16)]  # max(2 C, --min-requests) requests a level (2 a user)
     assert seen[0][2] == [f"question {i % 5}" for i in range(6)]  # request i takes prompt i, cycling
     for (c, n, texts), row in zip(seen, report["results"]):
         spec = json.loads((work / f"guidellm-{c}.json.spec").read_text())
