@@ -6,14 +6,19 @@ server and at each ``--concurrency`` C, first our client and then GuideLLM (``pi
 project's benchmarking tool) on the same workload, and writes both side by side:
 
 * **Same workload:** the same prompts (one JSONL written here, read by both clients: ``--prompts-file``, or the
-  held-out ShareGPT first turns of ``--sharegpt-file`` as ``bench_serving`` picks them), N = max(C × 2,
-  ``--min-requests``) streaming chat requests, C at a time (our closed-loop users; GuideLLM's ``concurrent`` profile
-  with C streams), ``--output-len`` tokens each with ``ignore_eos``, temperature 0 (GuideLLM sends it through its
-  request-body extras). Our client warms each level up first (one unmeasured request per user); GuideLLM runs right
-  after it, on the warm server.
+  held-out ShareGPT first turns of ``--sharegpt-file`` as ``bench_serving`` picks them), N = max(C ×
+  ``--requests-per-user``, ``--min-requests``) streaming chat requests, C at a time (our closed-loop users;
+  GuideLLM's ``concurrent`` profile with C streams), ``--output-len`` tokens each with ``ignore_eos``, temperature 0
+  (GuideLLM sends it through its request-body extras). Our client warms each level up first (one unmeasured request
+  per user); GuideLLM runs right after it, on the warm server.
 * **Side by side, per level:** aggregate output tokens/s (ours: tokens / wall time from the first send to the last
   token; GuideLLM: its output tokens / its benchmark duration, and the time-weighted mean rate its console prints),
   TTFT and TPOT medians, completed and failed requests, and the ratio GuideLLM / ours of the aggregate.
+* **The engine alone, optionally:** ``--engine-report`` names ``scripts/bench_engine.py`` reports measured on the same
+  prompts (closed batches, or continuous arrivals with ``--requests-per-slot``); each level then records the engine's
+  tokens/s at batch size C in ``--engine-modes`` (default: the label and its one-step-ahead variant) and what each
+  client measured through the server over the fastest of them. ``--annotate REPORT`` adds that to a report already
+  written, running no client.
 
 GuideLLM counts tokens with a tokenizer: ``--tokenizer`` (an HF tokenizer directory), or the one of ``--model``
 (the server's target: a name, a .gguf file or an HF directory), saved to a temporary directory.
@@ -47,7 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--base-url", required=True, help="the running server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--base-url", default=None, help="the running server, e.g. http://127.0.0.1:8000 (required "
+                   "unless --annotate)")
     p.add_argument("--label", default="adaptive", help="the mode the server runs (recorded in the JSON)")
     p.add_argument("--concurrency", default="64,256", help="comma-separated concurrent users (streams)")
     p.add_argument("--requests-per-user", type=int, default=8,
@@ -67,7 +73,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=900.0, help="the most either client may run at one level")
     p.add_argument("--work-dir", default=None, help="where the clients' files go (default: a temporary directory)")
     p.add_argument("--out", default="serving-peer.json", help="JSON report (rewritten after every level)")
+    p.add_argument("--engine-report", action="append", default=[],
+                   help="a scripts/bench_engine.py JSON on the same prompts (repeatable): the engine alone per level")
+    p.add_argument("--engine-modes", default=None,
+                   help="bench_engine modes compared (comma-separated; default: LABEL,LABEL+async)")
+    p.add_argument("--annotate", default=None,
+                   help="a report this script wrote: add --engine-report's numbers to it (in place) and run no client")
     args = p.parse_args(argv)
+    if args.base_url is None and args.annotate is None:
+        p.error("--base-url is required (or --annotate REPORT)")
+    if args.annotate is not None and not args.engine_report:
+        p.error("--annotate needs at least one --engine-report")
     args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if not args.levels or min(args.levels) < 1:
         p.error(f"--concurrency needs positive integers, got {args.concurrency!r}")
@@ -160,9 +176,45 @@ def read_guidellm(path: Path) -> dict[str, Any]:
             "output_tokens": tokens, "duration_s": duration}
 
 
+def engine_alone(report: dict[str, Any], engine_reports: list[str], modes: list[str] | None) -> dict[str, Any]:
+    """Add to each level of ``report`` the engine alone at batch size C from ``engine_reports``
+    (``scripts/bench_engine.py`` JSONs, keyed by file name) in ``modes`` (default: the report's label and its
+    one-step-ahead variant), and each client's tokens/s over the fastest of them. A level a report lacks is left out
+    of that report's entry; a report none of whose modes were measured is an error (the wrong file)."""
+    modes = modes or [report["label"], report["label"] + "+async"]
+    for path in engine_reports:
+        data = json.loads(Path(path).read_text())
+        summary, name = data.get("summary") or {}, Path(path).name
+        if not any(m in (summary.get(str(r["concurrency"])) or {}).get("tokens_per_s", {})
+                   for r in report["results"] for m in modes):
+            raise SystemExit(f"{path}: no level of {modes} at the report's concurrencies: not the engine report "
+                             "of this workload?")
+        for row in report["results"]:
+            measured = (summary.get(str(row["concurrency"])) or {}).get("tokens_per_s", {})
+            engine = {m: measured[m] for m in modes if m in measured}
+            if not engine:
+                continue
+            best = max(engine, key=engine.get)
+            entry = {"requests_per_slot": data.get("settings", {}).get("requests_per_slot", 1),
+                     "tokens_per_s": engine, "fastest": best}
+            for client in ("bench_serving", "guidellm"):
+                entry[f"{client}_over_engine"] = round(row[client]["output_tokens_per_s"] / engine[best], 3)
+            row.setdefault("engine_alone", {})[name] = entry
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     args = parse_args(argv)
+    modes = args.engine_modes.split(",") if args.engine_modes else None
+    if args.annotate is not None:
+        path = Path(args.annotate)
+        report = engine_alone(json.loads(path.read_text()), args.engine_report, modes)
+        report["engine_alone_command"] = ("python -m scripts.peer_check_serving "
+                                          + shlex.join(argv if argv is not None else sys.argv[1:]))
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        log.info("added the engine alone to %s", path)
+        return report
     if shutil.which(args.guidellm) is None:
         raise SystemExit(f"GuideLLM not found ({args.guidellm!r}): pip install guidellm, or pass --guidellm PATH")
     command = "python -m scripts.peer_check_serving " + shlex.join(argv if argv is not None else sys.argv[1:])
@@ -189,6 +241,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ratio = theirs["output_tokens_per_s"] / mine["output_tokens_per_s"] if mine["output_tokens_per_s"] else 0
             report["results"].append({"label": args.label, "concurrency": c, "requests": n, "bench_serving": mine,
                                       "guidellm": theirs, "guidellm_over_bench_serving": round(ratio, 3)})
+            if args.engine_report:
+                engine_alone({**report, "results": report["results"][-1:]}, args.engine_report, modes)
             log.info("C=%4d  ours %8.0f tokens/s  GuideLLM %8.0f tokens/s (%.2fx)  TTFT p50 %.1f / %.1f ms  "
                      "(%.0f s)", c, mine["output_tokens_per_s"], theirs["output_tokens_per_s"], ratio,
                      mine["ttft_ms_p50"], theirs["ttft_ms_p50"], time.perf_counter() - t0)

@@ -23,6 +23,9 @@ PORT=${PORT:-8765}
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}
 RES=${RES:-/tmp/res}
 SOURCE=(); [ -n "$SHAREGPT" ] && SOURCE=(--sharegpt-file "$SHAREGPT")
+# scripts/bench_engine.py reports on the same prompts, space-separated (serving_h200.sh's engine run, say): each level
+# then records the engine alone and each client's share of it
+ENGINE=(); for f in ${ENGINE_REPORTS:-}; do ENGINE+=(--engine-report "$f"); done
 source "$(dirname "$0")/timeline.sh"  # stamp, run
 
 for mode in ${MODES//,/ }; do
@@ -40,7 +43,7 @@ for mode in ${MODES//,/ }; do
   run "peer-$mode" python -m scripts.peer_check_serving --base-url "http://127.0.0.1:$PORT" --label "$mode" \
     --model "$MODEL" "${SOURCE[@]}" --concurrency "$CONCURRENCY" --output-len "$OUTPUT_LEN" \
     --requests-per-user "$REQUESTS_PER_USER" --min-requests "$MIN_REQUESTS" --guidellm "$GUIDELLM" \
-    --out "$RES/serving-peer-h200-$mode.json"
+    "${ENGINE[@]}" --out "$RES/serving-peer-h200-$mode.json"
   kill -TERM "$server" 2>/dev/null; wait "$server"
 done
 stamp DONE

@@ -7,6 +7,8 @@ import json
 import stat
 import sys
 
+import pytest
+
 from scripts import peer_check_serving
 
 FAKE_GUIDELLM = """#!{python}
@@ -61,3 +63,39 @@ def test_both_clients_get_one_workload_and_the_report_puts_them_side_by_side(tmp
         assert row["guidellm"]["output_tokens_per_s"] == n * 16 / 2.0  # its tokens over its duration
         assert row["guidellm"]["requests"] == n and row["guidellm"]["errors"] == 0
         assert row["guidellm_over_bench_serving"] == round(n * 8 / (100.0 * c), 3)
+
+
+def _engine_report(path, per_batch: dict, requests_per_slot: int = 1):
+    path.write_text(json.dumps({"settings": {"requests_per_slot": requests_per_slot},
+                                "summary": {str(b): {"tokens_per_s": t} for b, t in per_batch.items()}}))
+    return str(path)
+
+
+def test_annotate_adds_the_engine_alone_at_each_level_against_its_fastest_mode(tmp_path):
+    """--annotate: each level gets the engine's tokens/s at batch size C in the label's modes (the label and its
+    one-step-ahead variant), from each report, and both clients' ratio to the fastest; a level a report lacks is
+    left out; the command is recorded. A report measured in none of the modes is refused (the wrong file)."""
+    report = {"label": "none", "results": [
+        {"concurrency": c, "bench_serving": {"output_tokens_per_s": ours}, "guidellm": {"output_tokens_per_s": peer}}
+        for c, ours, peer in ((64, 30.0, 33.0), (256, 60.0, 66.0))]}
+    path = tmp_path / "peer.json"
+    path.write_text(json.dumps(report))
+    closed = _engine_report(tmp_path / "closed.json", {64: {"none": 40.0, "none+async": 50.0, "adaptive": 99.0},
+                                                       256: {"none": 120.0}})
+    steady = _engine_report(tmp_path / "steady.json", {256: {"none+async": 100.0}}, requests_per_slot=8)
+    out = peer_check_serving.main(["--annotate", str(path), "--engine-report", closed, "--engine-report", steady])
+    assert json.loads(path.read_text()) == out and "--annotate" in out["engine_alone_command"]
+    low, high = out["results"]
+    assert low["engine_alone"] == {"closed.json": {  # adaptive is another mode: not compared
+        "requests_per_slot": 1, "tokens_per_s": {"none": 40.0, "none+async": 50.0}, "fastest": "none+async",
+        "bench_serving_over_engine": 0.6, "guidellm_over_engine": 0.66}}  # steady.json has no batch 64
+    assert high["engine_alone"]["closed.json"]["fastest"] == "none"
+    assert high["engine_alone"]["closed.json"]["bench_serving_over_engine"] == 0.5
+    assert high["engine_alone"]["steady.json"] == {
+        "requests_per_slot": 8, "tokens_per_s": {"none+async": 100.0}, "fastest": "none+async",
+        "bench_serving_over_engine": 0.6, "guidellm_over_engine": 0.66}
+    wrong = _engine_report(tmp_path / "wrong.json", {64: {"fixed:7": 10.0}})
+    with pytest.raises(SystemExit, match="not the engine report"):
+        peer_check_serving.main(["--annotate", str(path), "--engine-report", wrong])
+    with pytest.raises(SystemExit):  # --annotate without an engine report
+        peer_check_serving.main(["--annotate", str(path)])
