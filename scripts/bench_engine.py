@@ -127,6 +127,9 @@ class BenchConfig:
     hybrid_prior_accept_sampling: float = HybridConfig.prior_accept_sampling  # the same for requests at T > 0
     hybrid_prior_strength: float = HybridConfig.prior_strength  # and its pseudo-counts
     gate_trace: bool = False  # adaptive rows also summarise the draft gate's estimates (gate_trace, gate_trace_summary)
+    # and every drafting row the forecast: drafts the confidence head expected to be accepted against those that were
+    cost_feedback: bool = False  # EngineConfig.cost_feedback for every engine (the server's CUDA default): the draft
+    # gate prices steps at their measured times once they drift from the cost table; rows record the final drift
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
@@ -174,9 +177,11 @@ def split_variant(spec: str) -> tuple[str, str | None]:
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int | list[int],
-               concurrency: int | None = None) -> dict[str, float]:
+               concurrency: int | None = None, forecast: dict[int, list[float]] | None = None) -> dict[str, float]:
     """Decode every prompt once (``max_new_tokens``: one length for all, or one per prompt; EOS ignored), at most
-    ``concurrency`` in flight (None: all at once, a closed batch); wall time, tokens and the per-step statistics."""
+    ``concurrency`` in flight (None: all at once, a closed batch); wall time, tokens and the per-step statistics.
+    ``forecast``: if given, every verifying step's drafts are added to it (:func:`add_forecast`; host work per step,
+    so not for timing runs)."""
     lengths = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
     if len(lengths) != len(prompts):
         raise ValueError(f"{len(lengths)} lengths for {len(prompts)} prompts")
@@ -193,6 +198,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int | l
             if out.finished and admitted < len(prompts):  # a slot freed: the next request takes it
                 engine.add_request(prompts[admitted], params[admitted], request_id=admitted)
                 admitted += 1
+        if forecast is not None:
+            add_forecast(forecast, engine.last_step_stats())
     sync(engine.device)
     wall = time.perf_counter() - t0
     seqs = [engine.sequence(i) for i in range(len(prompts))]
@@ -220,6 +227,36 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int | l
         "prefill_step_fraction": stats["prefill_steps"] / max(stats["steps"], 1),
         "prefill_ms": 1e3 * stats["prefill_s"] / max(stats["prefill_steps"], 1),
     }
+
+
+def add_forecast(forecast: dict[int, list[float]], stats) -> None:
+    """Add one step's verified drafts to ``forecast`` (batch size R rounded up to a power of two -> [drafts the
+    confidence head expected to be accepted, drafts accepted, verified drafts, request-steps]): the expectation of a
+    request's ℓ verified drafts is the sum of their calibrated prefix survivals a_1..a_ℓ (docs/method.md §4), what the
+    draft gate and the budget plan with."""
+    if stats is None or not stats.verified:
+        return
+    bucket = 1 << max(stats.num_decoding - 1, 0).bit_length()
+    row = forecast.setdefault(bucket, [0.0, 0.0, 0.0, 0.0])
+    for a, accepted, verified in zip(stats.predicted_survival, stats.accepted, stats.verified):
+        if verified and a:
+            row[0] += float(sum(a))
+            row[1] += accepted
+            row[2] += verified
+            row[3] += 1
+
+
+def forecast_summary(forecast: dict[int, list[float]]) -> dict[str, Any]:
+    """Per batch-size bucket: verified drafts per request-step and accepted drafts per request-step, expected and
+    measured, and measured over expected (below 1: the survivals the scheduler plans with were optimistic)."""
+    out = {}
+    for bucket, (expected, accepted, verified, n) in sorted(forecast.items()):
+        if n:
+            out[str(bucket)] = {"request_steps": int(n), "verified_per_request": round(verified / n, 4),
+                                "expected_accepted_per_request": round(expected / n, 4),
+                                "accepted_per_request": round(accepted / n, 4),
+                                "accepted_over_expected": round(accepted / expected, 4) if expected else None}
+    return out
 
 
 @torch.inference_mode()
@@ -307,7 +344,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
                  enforce_eager=cfg.enforce_eager, layer_backend=cfg.layer_backend, seed=cfg.seed,
                  linear_rows=cfg.linear_rows, batch_invariant=cfg.batch_invariant,
                  prefill_graph_tokens=cfg.prefill_graph_tokens, draft_ahead=False, async_decode=False,
-                 cost_feedback=False)
+                 cost_feedback=cfg.cost_feedback)
     engines: dict[str, Engine] = {}
     t_build = time.perf_counter()
     if any(not m.drafts for _, _, m, _ in modes):
@@ -378,13 +415,19 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
             lengths = request_lengths(len(workload), cfg.max_new_tokens, cfg.output_len_spread, cfg.seed)
             gate = engine.scheduler.gate
             gate.trace = [] if cfg.gate_trace and gate.active else None
-            row = _measure(lambda e=engine, p=workload, n=lengths, c=b: run_engine(e, p, n, c), cfg.warmup,
-                           cfg.repeats)
+            forecast = {} if cfg.gate_trace and mode.drafts else None
+            row = _measure(lambda e=engine, p=workload, n=lengths, c=b, f=forecast: run_engine(e, p, n, c, f),
+                           cfg.warmup, cfg.repeats)
             row = {"engine": "optimized", "proposer": kind if mode.drafts else None, "mode": mode, "label": label,
                    "k": _k_of(sched, b), **row}
             if gate.trace is not None:
                 row["gate_trace_summary"] = gate_trace_summary(gate.trace)
                 gate.trace = None
+            if forecast:
+                row["forecast"] = forecast_summary(forecast)
+            if cfg.cost_feedback and engine.cost_drift is not None:  # where the step prices ended up
+                row["cost_drift"] = {k: None if v is None else round(v, 4) for k, v in engine.cost_drift.items()}
+                row["price_scales"] = {k: round(v, 4) for k, v in engine.price_scales.items()}
         row.update({"batch_size": b, "elapsed_s": round(time.perf_counter() - t_cfg, 3)})
         row["per_request_tokens_per_s"] = row["output_tokens_per_s"] / b
         report["results"].append(row)
@@ -630,7 +673,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-repeats", type=int, default=1, help="timed runs of HF generate per batch size")
     p.add_argument("--gate-trace", action="store_true",
                    help="adaptive rows also summarise the draft gate's estimates: best Θ over Θ_plain by batch size, "
-                        "how often it said draft (gate_trace_summary); costs host time, so not for timing runs")
+                        "how often it said draft (gate_trace_summary), and every drafting row the accepted drafts "
+                        "expected from the confidence head against those accepted (forecast); costs host time, so "
+                        "not for timing runs")
+    p.add_argument("--cost-feedback", action="store_true",
+                   help="run every engine with EngineConfig.cost_feedback, as python -m optimized.serve does on CUDA: "
+                        "the draft gate prices steps at their measured times once they drift more than 10%% from the "
+                        "cost table (rows record cost_drift and price_scales)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop starting new configurations after this many seconds (None: no limit); the JSON says "
                         "whether it is complete")
@@ -662,7 +711,8 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
                       ngram_max_n=args.ngram_max_n, ngram_min_n=args.ngram_min_n,
                       hybrid_prior_accept=args.hybrid_prior_accept,
                       hybrid_prior_accept_sampling=args.hybrid_prior_accept_sampling,
-                      hybrid_prior_strength=args.hybrid_prior_strength, gate_trace=args.gate_trace)
+                      hybrid_prior_strength=args.hybrid_prior_strength, gate_trace=args.gate_trace,
+                      cost_feedback=args.cost_feedback)
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if target is None:
         target = Target.load(args.model, device=args.device, dtype=getattr(torch, dtype_name))

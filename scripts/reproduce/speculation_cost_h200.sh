@@ -6,8 +6,10 @@
 #                  wait for the stream), then the engine
 #                  benchmark in closed batches (docs/benchmarks/engine-h200.json) and with continuous arrivals
 #                  (engine-h200-steady.json): plain decoding, fixed K = 7 and adaptive, each synchronous and one
-#                  step ahead of its reads ("+async": the engine a server runs on CUDA, with cost feedback); then
-#                  what adaptive's draft gate estimated at batch 16, 64 and 256 (gate-trace-h200.json, --gate-trace)
+#                  step ahead of its reads ("+async"), every engine with cost feedback (--cost-feedback: the engine a
+#                  server runs on CUDA); then what adaptive's draft gate estimated at batch 16, 64 and 256, and the
+#                  accepted drafts the survivals forecast against those accepted, for adaptive and fixed K = 7
+#                  (gate-trace-h200.json, --gate-trace)
 #   PART=profiles  where a step's time goes, one step ahead (profile-h200-*.json), at batch 1, 16, 64 and 256, then
 #                  the remaining GPU tests (every gpu-marked test; the kernels' equivalence tests compiled for the GPU)
 #
@@ -30,13 +32,14 @@ if [ "$PART" = engine ]; then
   run tests-ahead timeout 150 python -m pytest -q -p no:cacheprovider tests/equivalence/test_gpu.py \
     -k "one_step_ahead or one_ahead"
   run bench timeout 250 python -m scripts.bench_engine "${SRC[@]}" --modes "$MODES" --batch-sizes 1,4,16,64,256 \
-    --min-requests 16 --hf-max-batch 0 --repeats 2 --time-budget-s 210 --out "$RES/engine-h200.json"
+    --min-requests 16 --hf-max-batch 0 --repeats 2 --time-budget-s 210 --cost-feedback --out "$RES/engine-h200.json"
   run steady timeout 230 python -m scripts.bench_engine "${SRC[@]}" --modes none+async,fixed:7+async,adaptive+async \
     --batch-sizes 1,4,16,64,256 --requests-per-slot 8 --output-len-spread 0.5 --hf-max-batch 0 --repeats 2 \
-    --time-budget-s 190 --out "$RES/engine-h200-steady.json"
+    --time-budget-s 190 --cost-feedback --out "$RES/engine-h200-steady.json"
   # What the draft gate estimated (best Θ over Θ_plain by batch size): a diagnostic run, not for timing
-  run gate-trace timeout 120 python -m scripts.bench_engine "${SRC[@]}" --modes adaptive+async --batch-sizes 16,64,256 \
-    --gate-trace --hf-max-batch 0 --repeats 1 --warmup 0 --out "$RES/gate-trace-h200.json"
+  run gate-trace timeout 120 python -m scripts.bench_engine "${SRC[@]}" --modes fixed:7+async,adaptive+async \
+    --batch-sizes 16,64,256 --gate-trace --cost-feedback --hf-max-batch 0 --repeats 1 --warmup 0 \
+    --out "$RES/gate-trace-h200.json"
 else
   for cfg in "fixed:7 1" "none 1" "fixed:7 16" "fixed:7 64" "fixed:7 256" "adaptive 64" "adaptive 256"; do
     set -- $cfg

@@ -116,6 +116,45 @@ def test_bench_engine_gate_trace_summarises_the_gates_estimates(models, tmp_path
     engine_gate = bench_engine.gate_trace_summary([(4, 1.0, 1.2, 0.15, False), (4, 1.5, 1.2, 0.15, True)])
     assert engine_gate["by_batch"]["4"]["best_over_plain_quartiles"] == [pytest.approx(1 / 1.2, rel=1e-3), 1.25, 1.25]
     assert engine_gate["drafted"] == 1 and engine_gate["evaluations"] == 2
+    # And every drafting row the forecast: drafts expected to be accepted (the survivals planned with) and accepted.
+    assert all("forecast" not in rows[("none", b)] for b in (1, 2))
+    for b in (1, 2):
+        for label in ("fixed:2", "adaptive"):
+            for bucket, f in rows[(label, b)]["forecast"].items():
+                assert int(bucket) <= b and f["request_steps"] > 0
+                assert 0 < f["expected_accepted_per_request"] <= f["verified_per_request"] <= GAMMA
+                assert 0 <= f["accepted_per_request"] <= f["verified_per_request"]
+        assert {f["verified_per_request"] for f in rows[("fixed:2", b)]["forecast"].values()} == {2.0}
+
+
+def test_forecast_adds_each_requests_survivals_against_its_accepted_drafts():
+    from optimized.sequence import StepStats
+
+    def stats(verified, accepted, survival):
+        return StepStats(step_time_s=0.0, num_running=len(verified), num_waiting=0, num_decoding=len(verified),
+                         verify_tokens=len(verified) + sum(verified), budget=None, drafted=True, verified=verified,
+                         accepted=accepted, predicted_survival=survival, request_ids=list(range(len(verified))))
+
+    forecast: dict = {}
+    bench_engine.add_forecast(forecast, stats([2, 3, 0], [1, 3, 0], [[0.9, 0.5], [0.8, 0.6, 0.4], []]))
+    bench_engine.add_forecast(forecast, stats([], [], []))  # a step that verified nothing
+    bench_engine.add_forecast(forecast, None)  # before the first step
+    bench_engine.add_forecast(forecast, stats([1], [0], [[0.5]]))  # one request: its own bucket
+    assert forecast[4] == pytest.approx([3.2, 4, 5, 2]) and forecast[1] == pytest.approx([0.5, 0, 1, 1])
+    summary = bench_engine.forecast_summary(forecast)
+    assert summary["4"] == {"request_steps": 2, "verified_per_request": 2.5, "expected_accepted_per_request": 1.6,
+                            "accepted_per_request": 2.0, "accepted_over_expected": 1.25}
+    assert summary["1"]["accepted_over_expected"] == 0.0
+
+
+def test_bench_engine_cost_feedback_runs_the_engines_as_the_server_does(models, tmp_path):
+    """--cost-feedback: every engine keeps its step prices true (EngineConfig.cost_feedback); drafting rows record
+    where the drift and the price scales ended up."""
+    report, _ = _run(models, tmp_path, "--cost-feedback", "--hf-max-batch", "0", "--modes", "none,adaptive")
+    assert report["settings"]["cost_feedback"] is True
+    row = next(r for r in report["results"] if r["label"] == "adaptive" and r["batch_size"] == 2)
+    assert set(row["cost_drift"]) == {"plain", "speculative"} and set(row["price_scales"]) == {"plain", "speculative"}
+    assert all(v > 0 for v in row["price_scales"].values())
 
 
 def test_bench_engine_time_budget_leaves_partial_results(models, tmp_path):
