@@ -227,12 +227,14 @@ def run_level(server: Server, model: str, prompts: list[str], args: argparse.Nam
                  "--format", "raw", "--full-filenames", "--output", str(out)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
         time.sleep(1.0)  # py-spy attaches
+    each0 = {pid: _cpu_s(pid) for pid in pids["http"]}
     cpu0 = {kind: sum(map(_cpu_s, group)) for kind, group in pids.items()}
     steps0 = engine_steps(server.url)
     results, wall, client_cpu = closed_loop(server.url, model, prompts, concurrency, n, args.output_len, 0.0, None,
                                             args.client_processes)
     steps = engine_steps(server.url) - steps0 - 1  # the scrape is no step; the last one may be a tail
     cpu = {kind: sum(map(_cpu_s, group)) - cpu0[kind] for kind, group in pids.items()}
+    each = [_cpu_s(pid) - each0[pid] for pid in pids["http"]]  # server 0 first: it also takes every step's stats
     samples: dict[str, Counter] = {}
     for kind, out, spy in spies:
         spy.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
@@ -255,7 +257,10 @@ def run_level(server: Server, model: str, prompts: list[str], args: argparse.Nam
             "cpu_us_per_token": {"engine_process": per_token(cpu["engine"]), "http_processes": per_token(cpu["http"]),
                                  "client": per_token(client_cpu)},
             "cpu_share": {"engine_process": round(cpu["engine"] / wall, 3),
-                          "http_processes": round(cpu["http"] / wall, 3), "client": round(client_cpu / wall, 3)},
+                          "http_processes": round(cpu["http"] / wall, 3), "client": round(client_cpu / wall, 3),
+                          # per HTTP process, API server 0 first (the metrics of every step are its work): one near
+                          # 1.0 is a process that cannot go faster, and the engine's pipe to it fills
+                          "each_http_process": [round(x / wall, 3) for x in each]},
             **({"samples": samples} if profile_dir is not None else {})}
 
 

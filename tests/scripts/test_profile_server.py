@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import pytest
+
 from scripts.profile_server import ROOT, build_parser, classify, compare, read_raw, stage_split
 
 # Frames as py-spy prints them with --full-filenames, at lines past the files' ends: no source line is found, so none
@@ -101,4 +103,6 @@ def test_harness_runs_end_to_end(tmp_path):
     assert row["engine_steps"] > 0 and row["output_tokens_per_s"] > 0
     assert set(row["cpu_us_per_token"]) == {"engine_process", "http_processes", "client"}
     assert row["cpu_us_per_token"]["http_processes"] > 0 and row["cpu_us_per_token"]["client"] > 0
+    (server0,) = row["cpu_share"]["each_http_process"]  # one HTTP process: it is all of them
+    assert server0 == pytest.approx(row["cpu_share"]["http_processes"], abs=0.002)
     assert report["command"].startswith("python -m scripts.profile_server --model")
