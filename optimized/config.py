@@ -68,6 +68,13 @@ class EngineConfig:
     # run to run (greedy outputs are unaffected). None: on CUDA; off on the CPU, where the equivalence tests hold the
     # schedule to the reference's.
     cost_feedback: bool | None = None
+    # Compare the survivals the confidence head forecast for verified drafts with the drafts that survived, slot by
+    # slot, and plan the adaptive budget and the draft gate with the survivals times the measured ratio (clipped to
+    # 0.5-1.5) once it moves by more than 5 % (optimized/acceptance_monitor.py): a head over-confident on the traffic
+    # being served otherwise keeps a large batch drafting that plain decoding would beat. Like cost_feedback it makes
+    # the adaptive schedule depend on the traffic so far (sampled adaptive outputs are then not repeatable; greedy ones
+    # are unaffected). Off by default.
+    acceptance_feedback: bool = False
     # A step that verifies no drafts (plain decoding on an engine with a drafter: the draft gate closed) runs the
     # target alone, as the engine without a drafter does (its own CUDA graphs, a one-token query per request): the
     # tapped features of its tokens wait in a per-slot buffer of this many positions instead of being projected into

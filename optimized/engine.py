@@ -27,6 +27,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from optimized.acceptance_monitor import AcceptanceMonitor
 from optimized.config import EngineConfig
 from optimized.cost_monitor import CostMonitor
 from optimized.runner import LaunchedVerify, ModelRunner, StageOutput
@@ -73,6 +74,10 @@ class Engine:
         self._feedback_on = (config.cost_feedback if config.cost_feedback is not None
                              else self.runner.device.type == "cuda")
         self._monitor: CostMonitor | None = None  # measured step times against the table (cost_feedback)
+        # the verified drafts' outcomes against their forecast survivals (acceptance_feedback)
+        # (the DSpark drafter's confidence head; the n-gram and hybrid proposers estimate their own online)
+        self._acceptance = (AcceptanceMonitor(self.runner.gamma) if config.acceptance_feedback and self.runner.gamma
+                            and not self.runner.host_proposals else None)
         if cost is not None:
             self._watch(cost)
         self._drafted_ahead: tuple[list[Sequence], torch.Tensor] | None = None  # this step's early draft, if any
@@ -161,6 +166,13 @@ class Engine:
         """Per kind of step (``plain``, ``speculative``): measured time over the cost table's price, minus one (None
         until enough steps of that kind ran), or None without a cost table or with ``cost_feedback`` off."""
         return self._monitor.drift if self._monitor is not None else None
+
+    @property
+    def survival_scale(self) -> list[float] | None:
+        """The per-slot factors the adaptive planner multiplies the survivals by (``EngineConfig.acceptance_feedback``:
+        drafts that survived over drafts forecast to); None: the survivals as they are."""
+        scale = self.scheduler.planner.survival_scale
+        return None if scale is None else [float(x) for x in scale]
 
     @property
     def price_scales(self) -> dict[str, float]:
@@ -542,3 +554,10 @@ class Engine:
         self.stats["host_schedule_s"] += host_s
         self.stats["step_s"] += step_s
         self._last = (plan, self._verified, self._survivals, step_s, drafted)
+        if self._acceptance is not None and self._verified is not None and self._verified.verified is not None:
+            # the drafts this step's read verified
+            out = self._verified
+            self._acceptance.add(self._survivals, out.verified, [len(t) - 1 for t in out.tokens])
+            factors = self._acceptance.update()
+            if factors is not None:
+                self.scheduler.set_survival_scale(factors)

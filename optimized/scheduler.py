@@ -107,6 +107,9 @@ class BudgetPlanner:
         # Multipliers of the table's prices of plain and of speculative steps, from the engine's measurements
         # (optimized/cost_monitor.py); 1.0 is the table as it is (the reference's twin: a product with 1.0 is exact).
         self.plain_scale = self.speculative_scale = 1.0
+        # Per-slot factors of the survivals from the drafts that survived (optimized/acceptance_monitor.py): Θ is
+        # computed on min(1, a_k · factor_k), non-increasing again. None: the survivals as they are (the reference's).
+        self.survival_scale: np.ndarray | None = None
 
     @property
     def cost(self) -> CostTable | None:
@@ -214,6 +217,9 @@ class BudgetPlanner:
         arr = np.asarray(a_stale, dtype=np.float32)  # [R, γ] (no copy if it is float32 already)
         if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0:
             raise ValueError(f"a_stale must be a non-empty [R, γ] matrix, got {tuple(arr.shape)}")
+        if self.survival_scale is not None:  # what the drafts' outcomes say of the forecasts (NaN rows stay NaN)
+            arr = np.minimum(np.minimum.accumulate(arr * self.survival_scale[:arr.shape[1]], axis=1),
+                             1.0).astype(np.float32)  # [R, γ] in [0, 1], non-increasing
         r, g = arr.shape
         n_s = r if num_requests is None else num_requests
         step, step_list = self._step_times(num_anchor_tokens, r, r * g)  # [R·γ + 1] each
@@ -487,6 +493,17 @@ class Scheduler:
         if not (plain > 0 and speculative > 0):
             raise ValueError(f"price scales must be positive, got {plain} and {speculative}")
         self.planner.plain_scale, self.planner.speculative_scale = float(plain), float(speculative)
+        self.gate.forget_verdict()
+
+    def set_survival_scale(self, factors: np.ndarray | None) -> None:
+        """Plan with the drafts' survivals times these per-slot factors (``[γ]``, positive; the engine's measured
+        outcome over forecast, ``optimized/acceptance_monitor.py``), capped at 1 and non-increasing; None: as they are.
+        The budget and the draft gate both see them; the gate's cached verdict is dropped."""
+        if factors is not None:
+            factors = np.asarray(factors, dtype=np.float64)
+            if factors.ndim != 1 or not (factors > 0).all():
+                raise ValueError(f"survival factors must be a positive [γ] vector, got {factors!r}")
+        self.planner.survival_scale = factors
         self.gate.forget_verdict()
 
     # ------------------------------------------------------------------------------------------------ requests

@@ -130,6 +130,7 @@ class BenchConfig:
     # and every drafting row the forecast: drafts the confidence head expected to be accepted against those that were
     cost_feedback: bool = False  # EngineConfig.cost_feedback for every engine (the server's CUDA default): the draft
     # gate prices steps at their measured times once they drift from the cost table; rows record the final drift
+    acceptance_feedback: bool = False  # EngineConfig.acceptance_feedback: survivals scaled by their measured outcomes
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
@@ -344,7 +345,7 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
                  enforce_eager=cfg.enforce_eager, layer_backend=cfg.layer_backend, seed=cfg.seed,
                  linear_rows=cfg.linear_rows, batch_invariant=cfg.batch_invariant,
                  prefill_graph_tokens=cfg.prefill_graph_tokens, draft_ahead=False, async_decode=False,
-                 cost_feedback=cfg.cost_feedback)
+                 cost_feedback=cfg.cost_feedback, acceptance_feedback=cfg.acceptance_feedback)
     engines: dict[str, Engine] = {}
     t_build = time.perf_counter()
     if any(not m.drafts for _, _, m, _ in modes):
@@ -428,6 +429,9 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
             if cfg.cost_feedback and engine.cost_drift is not None:  # where the step prices ended up
                 row["cost_drift"] = {k: None if v is None else round(v, 4) for k, v in engine.cost_drift.items()}
                 row["price_scales"] = {k: round(v, 4) for k, v in engine.price_scales.items()}
+            if cfg.acceptance_feedback and mode.drafts:  # the survival factors the planner ended with (None: 1)
+                scale = engine.survival_scale
+                row["survival_scale"] = None if scale is None else [round(x, 4) for x in scale]
         row.update({"batch_size": b, "elapsed_s": round(time.perf_counter() - t_cfg, 3)})
         row["per_request_tokens_per_s"] = row["output_tokens_per_s"] / b
         report["results"].append(row)
@@ -680,6 +684,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every engine with EngineConfig.cost_feedback, as python -m optimized.serve does on CUDA: "
                         "the draft gate prices steps at their measured times once they drift more than 10%% from the "
                         "cost table (rows record cost_drift and price_scales)")
+    p.add_argument("--acceptance-feedback", action="store_true",
+                   help="run every engine with EngineConfig.acceptance_feedback: the adaptive planner scales each "
+                        "slot's forecast survivals by the measured ratio of drafts that survived (rows record "
+                        "survival_scale)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop starting new configurations after this many seconds (None: no limit); the JSON says "
                         "whether it is complete")
@@ -712,7 +720,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
                       hybrid_prior_accept=args.hybrid_prior_accept,
                       hybrid_prior_accept_sampling=args.hybrid_prior_accept_sampling,
                       hybrid_prior_strength=args.hybrid_prior_strength, gate_trace=args.gate_trace,
-                      cost_feedback=args.cost_feedback)
+                      cost_feedback=args.cost_feedback, acceptance_feedback=args.acceptance_feedback)
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if target is None:
         target = Target.load(args.model, device=args.device, dtype=getattr(torch, dtype_name))

@@ -9,7 +9,8 @@
 #                  step ahead of its reads ("+async"), every engine with cost feedback (--cost-feedback: the engine a
 #                  server runs on CUDA); then what adaptive's draft gate estimated at batch 16, 64 and 256, and the
 #                  accepted drafts the survivals forecast against those accepted, for adaptive and fixed K = 7
-#                  (gate-trace-h200.json, --gate-trace)
+#                  (gate-trace-h200.json, --gate-trace); and adaptive with the survivals scaled by their measured
+#                  outcomes (engine-h200-acceptance-feedback.json, --acceptance-feedback)
 #   PART=profiles  where a step's time goes, one step ahead (profile-h200-*.json), at batch 1, 16, 64 and 256, then
 #                  the remaining GPU tests (every gpu-marked test; the kernels' equivalence tests compiled for the GPU)
 #
@@ -40,6 +41,11 @@ if [ "$PART" = engine ]; then
   run gate-trace timeout 120 python -m scripts.bench_engine "${SRC[@]}" --modes fixed:7+async,adaptive+async \
     --batch-sizes 16,64,256 --gate-trace --cost-feedback --hf-max-batch 0 --repeats 1 --warmup 0 \
     --out "$RES/gate-trace-h200.json"
+  # The same closed batches with the survivals scaled by their measured outcomes (--acceptance-feedback), against the
+  # bench run above: whether the gate stops drafting where plain decoding wins
+  run acceptance-feedback timeout 150 python -m scripts.bench_engine "${SRC[@]}" --modes none+async,adaptive+async \
+    --batch-sizes 16,64,256 --min-requests 16 --hf-max-batch 0 --repeats 2 --cost-feedback --acceptance-feedback \
+    --gate-trace --out "$RES/engine-h200-acceptance-feedback.json"
 else
   for cfg in "fixed:7 1" "none 1" "fixed:7 16" "fixed:7 64" "fixed:7 256" "adaptive 64" "adaptive 256"; do
     set -- $cfg

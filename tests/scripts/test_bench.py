@@ -147,14 +147,20 @@ def test_forecast_adds_each_requests_survivals_against_its_accepted_drafts():
     assert summary["1"]["accepted_over_expected"] == 0.0
 
 
-def test_bench_engine_cost_feedback_runs_the_engines_as_the_server_does(models, tmp_path):
+def test_bench_engine_feedback_runs_the_engines_as_the_server_does(models, tmp_path):
     """--cost-feedback: every engine keeps its step prices true (EngineConfig.cost_feedback); drafting rows record
-    where the drift and the price scales ended up."""
-    report, _ = _run(models, tmp_path, "--cost-feedback", "--hf-max-batch", "0", "--modes", "none,adaptive")
-    assert report["settings"]["cost_feedback"] is True
+    where the drift and the price scales ended up. --acceptance-feedback likewise for the survivals."""
+    report, _ = _run(models, tmp_path, "--cost-feedback", "--acceptance-feedback", "--hf-max-batch", "0", "--modes",
+                     "none,adaptive")
+    assert report["settings"]["cost_feedback"] is True and report["settings"]["acceptance_feedback"] is True
     row = next(r for r in report["results"] if r["label"] == "adaptive" and r["batch_size"] == 2)
     assert set(row["cost_drift"]) == {"plain", "speculative"} and set(row["price_scales"]) == {"plain", "speculative"}
     assert all(v > 0 for v in row["price_scales"].values())
+    # --acceptance-feedback: drafting rows say which survival factors the planner ended with (None: too few trials)
+    plain = next(r for r in report["results"] if r["label"] == "none")
+    assert "survival_scale" in row and "survival_scale" not in plain
+    assert row["survival_scale"] is None or (len(row["survival_scale"]) == GAMMA
+                                             and all(0.5 <= x <= 1.5 for x in row["survival_scale"]))
 
 
 def test_bench_engine_time_budget_leaves_partial_results(models, tmp_path):
