@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cost-feedback", action=argparse.BooleanOptionalAction, default=None,
                         help="price steps at their measured times once these drift from the cost table "
                              "(EngineConfig.cost_feedback; default: on with CUDA)")
+    parser.add_argument("--acceptance-feedback", action="store_true",
+                        help="plan the adaptive mode with the survivals scaled by how often drafts survived "
+                             "(EngineConfig.acceptance_feedback; default: off)")
     args = parser.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target, drafter, gen, sched, prompts = setup_from_args(args, device=args.device, dtype=dtype, forward=False)
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     cost = CostTable.load(args.cost_table) if args.cost_table else None
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs or len(prompts), device=args.device, dtype=dtype,
                        enforce_eager=args.enforce_eager, seed=gen.seed, async_decode=args.async_decode,
-                       cost_feedback=args.cost_feedback, batch_invariant=args.batch_invariant)
+                       cost_feedback=args.cost_feedback, batch_invariant=args.batch_invariant,
+                       acceptance_feedback=args.acceptance_feedback)
     t0 = time.perf_counter()
     results = generate(target, drafter, prompts, gen, sched, cost, engine_config=cfg, warmup=True)
     print_results(results, args.json, time.perf_counter() - t0, sched.mode)

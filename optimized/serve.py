@@ -210,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="price plain and speculative steps at their measured times once these drift more than 10%% "
                         "from the cost table (the /metrics gauges dspark:step_cost_*); it makes sampled adaptive "
                         "outputs depend on timing (default: on with CUDA, off on the CPU)")
+    p.add_argument("--acceptance-feedback", action="store_true",
+                   help="plan the adaptive mode with each draft slot's survivals scaled by how often such drafts "
+                        "survived (EngineConfig.acceptance_feedback); it makes sampled adaptive outputs depend on the "
+                        "traffic so far (default: off)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients may use; the first is reported (default: --model)")
     p.add_argument("--speculative-config", default=None,
@@ -375,7 +379,8 @@ def build_runtime(sa: ServeArgs, freeze_gc: bool = False):
     cfg = EngineConfig(max_num_seqs=sa.max_num_seqs, max_seq_len=args.max_model_len + 2 * gamma + 2,
                        enforce_eager=args.enforce_eager, seed=args.seed, device=sa.device, dtype=dtype,
                        batch_invariant=args.batch_invariant,
-                       async_decode=args.async_decode, cost_feedback=args.cost_feedback, **extra)
+                       async_decode=args.async_decode, cost_feedback=args.cost_feedback,
+                       acceptance_feedback=args.acceptance_feedback, **extra)
     graphs = sa.device == "cuda" and not args.enforce_eager
     with _stage("engine (static caches" + (", CUDA graphs)" if graphs else ")"), times):
         engine = Engine(target, drafter, cfg, sched, cost)

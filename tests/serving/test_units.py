@@ -214,6 +214,21 @@ def test_speculative_config_speaks_vllm():
         SpeculativeConfig.parse('{"mode": "adaptive", "num_speculative_tokens": 5}').scheduler(7)
 
 
+def test_acceptance_feedback_flag_reaches_the_engine(tiny_dirs):
+    """``--acceptance-feedback`` (off by default) builds the engine with EngineConfig.acceptance_feedback: the adaptive
+    mode's monitor of the drafts' outcomes exists, and without the flag it does not."""
+    from optimized.serve import build_parser, build_runtime, resolve
+
+    model_dir, drafter_dir = tiny_dirs
+    base = ["--model", str(model_dir), "--drafter", str(drafter_dir), "--device", "cpu", "--max-model-len", "64",
+            "--max-num-seqs", "2"]
+    assert build_parser().parse_args(base).acceptance_feedback is False
+    on = build_runtime(resolve(build_parser().parse_args(base + ["--acceptance-feedback"]))).engine
+    off = build_runtime(resolve(build_parser().parse_args(base))).engine
+    assert on.config.acceptance_feedback and on._acceptance is not None and on.survival_scale is None
+    assert not off.config.acceptance_feedback and off._acceptance is None
+
+
 @pytest.mark.parametrize("config", ['{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}',
                                     '{"method": "hybrid", "mode": "fixed"}', '{"method": "hybrid"}'])
 def test_the_server_runs_the_ngram_and_hybrid_proposers_losslessly(tiny_dirs, config):
