@@ -27,7 +27,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from optimized.acceptance_monitor import AcceptanceMonitor
+from optimized.acceptance_monitor import SAMPLE_EVERY, AcceptanceMonitor
 from optimized.config import EngineConfig
 from optimized.cost_monitor import CostMonitor
 from optimized.runner import LaunchedVerify, ModelRunner, StageOutput
@@ -554,8 +554,8 @@ class Engine:
         self.stats["host_schedule_s"] += host_s
         self.stats["step_s"] += step_s
         self._last = (plan, self._verified, self._survivals, step_s, drafted)
-        if self._acceptance is not None and self._verified is not None and self._verified.verified is not None:
-            # the drafts this step's read verified
+        if (self._acceptance is not None and self._verified is not None and self._verified.verified is not None
+                and self.stats["steps"] % SAMPLE_EVERY == 0):  # one step's verified drafts in SAMPLE_EVERY
             out = self._verified
             self._acceptance.add(self._survivals, out.verified, [len(t) - 1 for t in out.tokens])
             factors = self._acceptance.update()

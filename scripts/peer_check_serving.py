@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return report
     if shutil.which(args.guidellm) is None:
         raise SystemExit(f"GuideLLM not found ({args.guidellm!r}): pip install guidellm, or pass --guidellm PATH")
+    for path in args.engine_report:  # an unreadable engine report fails now, not after the clients have run
+        json.loads(Path(path).read_text())
     command = "python -m scripts.peer_check_serving " + shlex.join(argv if argv is not None else sys.argv[1:])
     work_ctx = tempfile.TemporaryDirectory(prefix="peer-check-") if args.work_dir is None else None
     work = Path(args.work_dir or work_ctx.name)
@@ -241,12 +243,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ratio = theirs["output_tokens_per_s"] / mine["output_tokens_per_s"] if mine["output_tokens_per_s"] else 0
             report["results"].append({"label": args.label, "concurrency": c, "requests": n, "bench_serving": mine,
                                       "guidellm": theirs, "guidellm_over_bench_serving": round(ratio, 3)})
-            if args.engine_report:
-                engine_alone({**report, "results": report["results"][-1:]}, args.engine_report, modes)
             log.info("C=%4d  ours %8.0f tokens/s  GuideLLM %8.0f tokens/s (%.2fx)  TTFT p50 %.1f / %.1f ms  "
                      "(%.0f s)", c, mine["output_tokens_per_s"], theirs["output_tokens_per_s"], ratio,
                      mine["ttft_ms_p50"], theirs["ttft_ms_p50"], time.perf_counter() - t0)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        if args.engine_report:  # once every level is measured (and written: a mismatched report loses no run)
+            engine_alone(report, args.engine_report, modes)
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     finally:
         if work_ctx is not None:

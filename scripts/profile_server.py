@@ -227,14 +227,14 @@ def run_level(server: Server, model: str, prompts: list[str], args: argparse.Nam
                  "--format", "raw", "--full-filenames", "--output", str(out)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
         time.sleep(1.0)  # py-spy attaches
-    each0 = {pid: _cpu_s(pid) for pid in pids["http"]}
-    cpu0 = {kind: sum(map(_cpu_s, group)) for kind, group in pids.items()}
+    cpu0 = {pid: _cpu_s(pid) for group in pids.values() for pid in group}
     steps0 = engine_steps(server.url)
     results, wall, client_cpu = closed_loop(server.url, model, prompts, concurrency, n, args.output_len, 0.0, None,
                                             args.client_processes)
     steps = engine_steps(server.url) - steps0 - 1  # the scrape is no step; the last one may be a tail
-    cpu = {kind: sum(map(_cpu_s, group)) - cpu0[kind] for kind, group in pids.items()}
-    each = [_cpu_s(pid) - each0[pid] for pid in pids["http"]]  # server 0 first: it also takes every step's stats
+    used = {pid: _cpu_s(pid) - t for pid, t in cpu0.items()}  # CPU seconds of each server process in the pass
+    cpu = {kind: sum(used[pid] for pid in group) for kind, group in pids.items()}
+    each = [used[pid] for pid in pids["http"]]  # server 0 first: it also takes every step's stats
     samples: dict[str, Counter] = {}
     for kind, out, spy in spies:
         spy.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C

@@ -99,3 +99,36 @@ def test_annotate_adds_the_engine_alone_at_each_level_against_its_fastest_mode(t
         peer_check_serving.main(["--annotate", str(path), "--engine-report", wrong])
     with pytest.raises(SystemExit):  # --annotate without an engine report
         peer_check_serving.main(["--annotate", str(path)])
+
+
+def test_a_live_run_adds_the_engine_alone_once_its_levels_are_measured(tmp_path, monkeypatch):
+    """With --engine-report the measured report gets the engine alone at the levels the engine report has; an
+    unreadable engine report fails before either client runs."""
+    guidellm = tmp_path / "guidellm"
+    guidellm.write_text(FAKE_GUIDELLM.format(python=sys.executable))
+    guidellm.chmod(guidellm.stat().st_mode | stat.S_IEXEC)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(5)))
+    ran = []
+
+    def ours(args, c, n, prompts_path, work):
+        ran.append(c)
+        return {"output_tokens_per_s": 10.0 * c, "ttft_ms_p50": 10.0, "tpot_ms_p50": 1.0, "requests": n,
+                "errors": 0, "output_tokens": n * 16, "duration_s": 1.0}
+
+    monkeypatch.setattr(peer_check_serving, "ours", ours)
+    common = ["--base-url", "http://127.0.0.1:9", "--label", "none", "--concurrency", "2,8", "--min-requests", "4",
+              "--output-len", "16", "--prompts-file", str(prompts), "--tokenizer", "tok-dir", "--guidellm",
+              str(guidellm), "--hardware", "test", "--work-dir", str(tmp_path / "work")]
+    with pytest.raises(FileNotFoundError):
+        peer_check_serving.main([*common, "--engine-report", str(tmp_path / "missing.json"), "--out",
+                                 str(tmp_path / "x.json")])
+    assert ran == []
+    engine = _engine_report(tmp_path / "engine.json", {2: {"none": 40.0, "none+async": 80.0}})
+    out = tmp_path / "peer.json"
+    report = peer_check_serving.main([*common, "--engine-report", engine, "--out", str(out)])
+    assert ran == [2, 8] and json.loads(out.read_text()) == report
+    low, high = report["results"]
+    assert low["engine_alone"]["engine.json"]["fastest"] == "none+async"
+    assert low["engine_alone"]["engine.json"]["bench_serving_over_engine"] == 0.25  # 20 / 80
+    assert "engine_alone" not in high  # the engine report has no batch 8
