@@ -75,6 +75,13 @@ class EngineConfig:
     # the adaptive schedule depend on the traffic so far (sampled adaptive outputs are then not repeatable; greedy ones
     # are unaffected). Off by default.
     acceptance_feedback: bool = False
+    # An offline batch (every request known up front: optimized.generate, scripts/bench_engine): once no request waits
+    # for a slot, the adaptive mode's draft gate compares the expected time to finish the running requests drafting
+    # every step against plain decoding (reference.scheduler.finish_estimate), instead of one step's tokens per second.
+    # There the slowest request sets the time: at large batch sizes a drafting step outearns a plain one, yet plain
+    # decoding finishes the batch sooner. Wrong for a server, whose clients send again as soon as they are answered
+    # (the next request is only not known yet): off by default, and `python -m optimized.serve` leaves it off.
+    finish_time_gate: bool = False
     # A step that verifies no drafts (plain decoding on an engine with a drafter: the draft gate closed) runs the
     # target alone, as the engine without a drafter does (its own CUDA graphs, a one-token query per request): the
     # tapped features of its tokens wait in a per-slot buffer of this many positions instead of being projected into

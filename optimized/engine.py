@@ -64,6 +64,7 @@ class Engine:
         self.scheduler = Scheduler(sched, gamma=self.runner.gamma, max_num_seqs=config.max_num_seqs,
                                    max_seq_len=config.max_seq_len, prefill_chunk=config.prefill_chunk, cost=cost,
                                    eos_token_ids=target.eos_token_ids, tokenizer=target.tokenizer)
+        self.scheduler.finish_time_gate = config.finish_time_gate  # an offline batch: the gate weighs finish times
         self._ids: dict[int, Sequence] = {}
         self._last: tuple | None = None  # the raw material of last_step_stats(), assembled only when asked
         self._verified: StageOutput | None = None  # this step's verify result, if any request decoded

@@ -37,7 +37,15 @@ import torch
 from optimized.sequence import Sequence, Status, StepOutput
 from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import CostTable
-from reference.scheduler import MONOTONE_TOL, draft_forced, fill_stale_rows, gate_margin
+from reference.scheduler import (
+    MONOTONE_TOL,
+    FinishEstimate,
+    draft_forced,
+    fill_stale_rows,
+    finish_estimate,
+    finish_pays,
+    gate_margin,
+)
 from reference.scheduler import Scheduler as Policy
 
 
@@ -121,6 +129,7 @@ class BudgetPlanner:
         self._cost = cost
         self._curves: dict[tuple[int, int, int], tuple[np.ndarray, list[float] | None]] = {}
         self._verify_times: dict[tuple[int, int], float] = {}
+        self._draft_times: dict[int, float] = {}
         # verify seconds for 0, 1, 2, … tokens, per request curve of the table (None: none of them), grown as needed
         self._verify_curves: dict[int | None, np.ndarray] = {}
 
@@ -198,6 +207,18 @@ class BudgetPlanner:
         best = self._best(self._theta(a_latest, num_anchor_tokens, None, check=False))[1]
         return best * self.plain_scale / self.speculative_scale, (r / plain if plain > 0 else 0.0)
 
+    def finish_estimate(self, a_latest: np.ndarray, remaining: list[int]) -> FinishEstimate:
+        """``reference.scheduler.finish_estimate`` at this planner's prices (the survivals scaled as the budget sees
+        them, the measured price multipliers, the budget it would plan), its table lookups cached. Host only."""
+        arr = np.asarray(a_latest, dtype=np.float32)  # [R, γ]
+        if self.survival_scale is not None:
+            arr = np.minimum(np.minimum.accumulate(arr * self.survival_scale[:arr.shape[1]], axis=1),
+                             1.0).astype(np.float32)
+        r = arr.shape[0]
+        budget = self._best(self._theta(arr, r, r, check=False))[0]
+        return finish_estimate(torch.from_numpy(arr), torch.tensor(remaining, dtype=torch.float64), _Prices(self),
+                               budget, plain_scale=self.plain_scale, speculative_scale=self.speculative_scale)
+
     @staticmethod
     def _best(theta: Iterator[float] | np.ndarray) -> tuple[int, float]:
         """The budget with the largest Θ (the first, i.e. the smaller B, on ties) and that Θ."""
@@ -260,6 +281,23 @@ class BudgetPlanner:
                 raise ValueError("a_stale must be non-increasing along the slot axis (prefix survivals); "
                                  "pass confidences through prefix_survival first")
         return arr
+
+
+class _Prices:
+    """The two lookups ``finish_estimate`` makes of a cost table, through the planner's caches (the table's own
+    lookups sort its sizes: tens of µs each, and an estimate makes a hundred)."""
+
+    def __init__(self, planner: BudgetPlanner) -> None:
+        self.planner = planner
+
+    def verify_time(self, num_tokens: int, num_requests: int | None = None) -> float:
+        return self.planner.verify_time(num_tokens, num_requests)
+
+    def step_time(self, num_tokens: int, num_requests: int) -> float:
+        draft = self.planner._draft_times.get(num_requests)
+        if draft is None:
+            draft = self.planner._draft_times[num_requests] = self.planner.cost.draft_time(num_requests)
+        return self.planner.verify_time(num_tokens, num_requests) + draft
 
 
 def step_time_curve(cost: CostTable, first: int, count: int, num_requests: int) -> np.ndarray:
@@ -344,6 +382,17 @@ class DraftGate:
         # When a list: every fresh verdict appends (R, best Θ, Θ_plain, margin, verdict) — a diagnostic for
         # benchmarks (scripts/bench_engine.py --gate-trace), computed only then.
         self.trace: list[tuple[int, float, float, float, bool]] | None = None
+        # The finish-time gate (EngineConfig.finish_time_gate): set by the scheduler while no request waits in an
+        # offline batch; the verdict then weighs the time to finish the running requests (reference.scheduler.
+        # finish_estimate), kept for FINISH_REUSE evaluations while the batch size holds.
+        self.finishing = False
+        self._finish: tuple[int, bool, int] | None = None  # (R, verdict, evaluations it still answers)
+        # When a list: every fresh finish-time verdict appends (R, FinishEstimate, margin, verdict), as ``trace``.
+        self.finish_trace: list[tuple[int, FinishEstimate, float, bool]] | None = None
+
+    # A finish-time verdict answers this many evaluations while the batch keeps its size: a drafting batch changes
+    # its survivals every step, and an estimate (about 1 ms at 256 requests) need not follow each.
+    FINISH_REUSE = 8
 
     @property
     def active(self) -> bool:
@@ -351,12 +400,13 @@ class DraftGate:
 
     def forget_verdict(self) -> None:
         """Drop the cached verdict (the prices changed): the next decision weighs the costs again."""
-        self._cache = None
+        self._cache = self._finish = None
 
     def reset(self, config: SchedulerConfig, planner: BudgetPlanner) -> None:
         """A new policy or cost table: forget the cached verdict and the plain-step count, as a new reference
         ``Scheduler`` would (the per-slot averages stay valid: they depend on the drafts only)."""
         self.config, self.planner, self._cache, self.steps_without_draft = config, planner, None, 0
+        self._finish = None
         self._window = np.float32(config.gate_window)
 
     def decide(self, seqs: list[Sequence]) -> bool:
@@ -364,11 +414,16 @@ class DraftGate:
         if not self.active:
             return True
         recent, verdict = self._evaluate(seqs)
-        # The reference's ``draft_forced(...) or verdict`` in the other order (the same boolean): a paying verdict
-        # drafts whatever draft_forced says, so its rules (a few torch ops) run only when the cost says no, or
-        # nothing is known yet.
-        drafts = verdict or draft_forced(self.config, None if recent is None else torch.from_numpy(recent),
-                                         self.steps_without_draft)
+        if self.finishing and verdict is not None:
+            # Finishing an offline batch: the verdict holds for as long as it says. Nothing probes: the requests'
+            # survivals can only go stale with their contexts, and the estimate already priced every step to the end.
+            drafts = verdict
+        else:
+            # The reference's ``draft_forced(...) or verdict`` in the other order (the same boolean): a paying verdict
+            # drafts whatever draft_forced says, so its rules (a few torch ops) run only when the cost says no, or
+            # nothing is known yet.
+            drafts = verdict or draft_forced(self.config, None if recent is None else torch.from_numpy(recent),
+                                             self.steps_without_draft)
         if drafts and self.steps_without_draft:  # a draft after plain steps restarts the moving averages (as
             for s in seqs:  # reference.generate.step): every recorded draft is folded, the next one folds as the first
                 self._recent[s.slot], self._clean[s.slot] = self._none, False
@@ -382,17 +437,36 @@ class DraftGate:
 
     def _evaluate(self, seqs: list[Sequence]) -> tuple[np.ndarray | None, bool | None]:
         """The recent survivals of ``seqs`` and the cost's verdict on them, cached while the inputs repeat."""
-        key = holdings(seqs)
+        key = (holdings(seqs), self.finishing)
         if self._cache is None or self._cache[0] != key:
             recent = self.recent_survivals(seqs)  # [R, γ] host float32, or None
             margin = gate_margin(self.config, len(seqs))
-            verdict = None if recent is None else self.planner.speculation_pays(recent, len(seqs), None, margin,
-                                                                                  check=False)
-            if self.trace is not None and recent is not None:
+            if recent is None:
+                verdict = None
+            elif self.finishing:
+                verdict = self._finish_verdict(seqs, recent, margin)
+            else:
+                verdict = self.planner.speculation_pays(recent, len(seqs), None, margin, check=False)
+            if self.trace is not None and recent is not None and not self.finishing:
                 best, plain = self.planner.gate_estimates(recent, len(seqs))
                 self.trace.append((len(seqs), best, plain, margin, bool(verdict)))
             self._cache = (key, recent, verdict)
         return self._cache[1], self._cache[2]
+
+    def _finish_verdict(self, seqs: list[Sequence], recent: np.ndarray, margin: float) -> bool:
+        """Whether drafting finishes the running requests sooner than plain decoding (``finish_pays``), re-estimated
+        when the batch size changes or after ``FINISH_REUSE`` evaluations."""
+        r = len(seqs)
+        if self._finish is not None and self._finish[0] == r and self._finish[2] > 0:
+            self._finish = (r, self._finish[1], self._finish[2] - 1)
+            return self._finish[1]
+        remaining = [max(1, s.params.max_new_tokens - len(s.output_ids)) for s in seqs]
+        estimate = self.planner.finish_estimate(recent, remaining)
+        verdict = finish_pays(estimate, margin)
+        if self.finish_trace is not None:
+            self.finish_trace.append((r, estimate, margin, verdict))
+        self._finish = (r, verdict, self.FINISH_REUSE - 1)
+        return verdict
 
     def recent_survivals(self, seqs: list[Sequence]) -> np.ndarray | None:
         """Each request's moving average of its drafts' survivals (``reference.scheduler.fold_recent``), kept per slot
@@ -461,6 +535,9 @@ class Scheduler:
         # The next step's budget, planned ahead by plan_ahead: ((request id, drafts held) of each request, B)
         self._ahead: tuple[tuple[tuple[int, int], ...], int] | None = None
         self.ahead_hits = 0  # steps whose budget was planned ahead (for tests and benchmarks)
+        # An offline batch (EngineConfig.finish_time_gate): once no request waits, the draft gate weighs the time to
+        # finish the running requests instead of one step's throughput (DraftGate.finishing).
+        self.finish_time_gate = False
 
     # ------------------------------------------------------------------------------------------------ configuration
 
@@ -615,6 +692,7 @@ class Scheduler:
         seqs = self.decoding()
         if not seqs or not self.config.mode.drafts:
             return False
+        self.gate.finishing = self.finish_time_gate and not self.waiting
         verdict = self.gate.prepare(seqs)  # cached for drafters(); None: gate off, or nothing known yet
         # The budget reads drafts `staleness` old, so with staleness ≥ 1 it is known before the next draft lands.
         if self.config.mode is SchedulingMode.ADAPTIVE and self.config.staleness > 0 and verdict is not False:
@@ -711,6 +789,7 @@ class Scheduler:
         if seqs is None:
             seqs = self.decoding()
         seqs = seqs if self.config.mode.drafts else []
+        self.gate.finishing = self.finish_time_gate and not self.waiting
         self.drafted = bool(seqs) and self.gate.decide(seqs)
         return seqs if self.drafted else []
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -192,6 +193,89 @@ def speculation_pays(a_latest: Tensor, cost: CostTable, num_anchor_tokens: int, 
     plain = cost.verify_time(_num_anchor_tokens(num_anchor_tokens, a.shape[0]), a.shape[0])
     theta_plain = n_s / plain if plain > 0 else 0.0
     return (1.0 + margin) * max(throughput_curve(a, cost, num_anchor_tokens, num_requests)) >= theta_plain
+
+
+class FinishEstimate(NamedTuple):
+    """What finishing the running requests costs, drafting every step or decoding plainly (:func:`finish_estimate`)."""
+
+    speculative_s: float  # expected seconds until the last request finishes, every step drafting at the planned budget
+    plain_s: float  # seconds until the last request finishes by plain decoding
+    speculative_steps: float  # expected steps until the last request finishes, drafting
+    plain_steps: int  # steps until the last request finishes, plainly (its longest remaining answer)
+
+
+def finish_estimate(a_latest: Tensor, remaining: Tensor, cost: CostTable, budget: int | None = None, *,
+                   plain_scale: float = 1.0, speculative_scale: float = 1.0) -> FinishEstimate:
+    """The time to finish every running request when no other request is coming (an offline batch draining),
+    drafting every step against decoding plainly. The draft gate of an engine told so compares these two
+    (:func:`finish_pays`) instead of one step's ``Θ``, because here the last request to finish sets the time.
+
+    Why the step's ``Θ`` misleads here: a drafting step emits more tokens per second than a plain one at every batch
+    size where ``speculation_pays``, yet the batch is done only when its slowest request is. Plain decoding finishes
+    a batch of equal answers in exactly their length in steps, all at the full batch's price; drafting finishes most
+    requests early but keeps stepping for the few whose drafts keep failing, and the most such laggards a batch holds
+    the more requests it has. On a GPU where a large batch's drafting step costs several plain steps, that tail
+    outweighs the gain.
+
+    The model: request ``r`` verifies ``ℓ_r`` drafts each step (the global top-``B`` allocation of its survivals at
+    the planned ``budget``) and so emits ``1 + A_r`` tokens, where ``P(A_r ≥ j) = a_{r,j}`` for ``j ≤ ℓ_r``: mean
+    ``g_r = 1 + Σ_j a_{r,j}`` and variance ``Σ_j (2j − 1) a_{r,j} − (Σ_j a_{r,j})²``. Over its ``n_r`` remaining
+    tokens it needs ``F_r`` steps, approximately normal with mean ``n_r / g_r`` and variance ``n_r · var / g_r³``
+    (a renewal count). Step ``t`` runs while some request is unfinished, with probability
+    ``1 − Π_r P(F_r ≤ t)``, and costs the drafting step of the requests expected to be left then. Plain decoding
+    needs exactly ``n_r`` steps for request ``r``, each priced at the requests left.
+
+    Args:
+        a_latest: ``[R, γ]`` each request's recent survivals (NaN rows: none yet, filled as :func:`fill_stale_rows`).
+        remaining: ``[R]`` tokens each request may still emit (at least 1).
+        cost: the step-cost table (drafting steps at ``step_time``, plain ones at ``verify_time`` of one token each).
+        budget: the drafts ``B`` a step verifies for all ``R`` requests (default: :func:`best_budget` of ``a_latest``).
+        plain_scale, speculative_scale: multipliers of the table's plain and drafting prices (measured drift).
+    """
+    a = fill_stale_rows(a_latest).to(torch.float64)  # [R, γ]
+    R, gamma = a.shape
+    n = torch.as_tensor(remaining, dtype=torch.float64).reshape(-1)  # [R]
+    if n.shape[0] != R or not bool((n >= 1).all()):
+        raise ValueError(f"remaining must hold one count ≥ 1 per request ({R}), got {n.tolist()}")
+    if budget is None:
+        budget = best_budget(a, cost, R)
+    lens = allocate_top_b(a, budget)  # [R]
+    verified = (torch.arange(gamma) < lens[:, None]).to(torch.float64)  # [R, γ]
+    mean = (a * verified).sum(dim=1)  # [R] E[A_r]
+    second = ((2 * torch.arange(1, gamma + 1, dtype=torch.float64) - 1) * a * verified).sum(dim=1)  # [R] E[A_r²]
+    rate = 1.0 + mean  # [R] tokens per step
+    mu = n / rate  # [R] expected steps to finish
+    sigma = (n * (second - mean**2).clamp_min(0.0) / rate**3).sqrt()  # [R]
+    per_request = budget / R  # drafts verified per request and step
+
+    def drafting_step(live: float) -> float:
+        k = max(1, round(live))
+        return speculative_scale * cost.step_time(k + round(k * per_request), k)
+
+    def plain_step(live: int) -> float:
+        return plain_scale * cost.verify_time(live, live)
+
+    # Plain: the longest answers set the steps; between two remaining lengths the step prices the requests left.
+    plain_s, done, left = 0.0, 0, R
+    for length, count in zip(*torch.unique(n, return_counts=True)):
+        steps = int(length) - done
+        plain_s += steps * plain_step(left)
+        done, left = int(length), left - int(count)
+    # Drafting: step t (t = 0, 1, ...) runs while some F_r > t; its expected price counts the requests left.
+    horizon = int(math.ceil(float((mu + 6 * sigma).max()))) + 1
+    t = torch.arange(horizon, dtype=torch.float64)[:, None] + 0.5  # [T, 1] (continuity correction)
+    z = (t - mu[None, :]) / sigma.clamp_min(1e-9)[None, :]  # [T, R]
+    unfinished = 0.5 * torch.erfc(z / math.sqrt(2.0))  # [T, R] P(F_r > t)
+    some = 1.0 - torch.exp(torch.log1p(-unfinished.clamp_max(1 - 1e-15)).sum(dim=1))  # [T] P(max F > t)
+    live = unfinished.sum(dim=1)  # [T] expected requests left
+    speculative_s = sum(p * drafting_step(m / p) for p, m in zip(some.tolist(), live.tolist()) if p > 1e-6)
+    return FinishEstimate(speculative_s, plain_s, float(some.sum()), int(n.max()))
+
+
+def finish_pays(estimate: FinishEstimate, margin: float = 0.0) -> bool:
+    """Whether a draining batch should draft: ``(1 + margin) · plain ≥ speculative`` time to finish (the same margin
+    as :func:`speculation_pays`, read the same way: plain decoding must look more than ``margin`` faster to win)."""
+    return (1.0 + margin) * estimate.plain_s >= estimate.speculative_s
 
 
 def gate_margin(config: SchedulerConfig, num_requests: int) -> float:

@@ -13,7 +13,9 @@ block drafted before the token read), and a mode suffixed ``+async`` (``none+asy
 ``adaptive+async``) on one built with ``EngineConfig.async_decode`` (steps launched one ahead of their token reads;
 with a drafter also ``cost_feedback`` and a cost table profiled the way it runs: the engine a server runs on CUDA),
 each beside the same mode without it (the plain modes run with every switch off, although on CUDA the engine's
-defaults turn them on). Names follow
+defaults turn them on). ``adaptive:finish`` (``adaptive:finish+async``, ...) is adaptive with the finish-time gate
+(``EngineConfig.finish_time_gate``: the workload is an offline batch, so once no request waits the gate weighs the
+time to finish the running ones; with ``--gate-trace`` its rows add the estimates, ``finish_trace``). Names follow
 ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix survival, ``ℓ`` verify length, ``τ`` emitted tokens
 per verify step).
 
@@ -80,6 +82,7 @@ from reference.cost_model import hardware_name
 from reference.drafter import DSparkDrafter
 from reference.hybrid import NGRAM, HybridProposer
 from reference.ngram import NgramProposer
+from reference.scheduler import FinishEstimate
 from reference.target import Target
 from scripts.benchmarking import (
     add_engine_source_args,
@@ -413,9 +416,11 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
             sched = SchedulerConfig(mode=mode, k=k if k is not None else engine.gamma,
                                     draft_gate=not base.endswith("adaptive:nogate"))
             engine.set_scheduler(sched)
+            engine.scheduler.finish_time_gate = base.endswith("adaptive:finish")  # an offline batch's finish times
             lengths = request_lengths(len(workload), cfg.max_new_tokens, cfg.output_len_spread, cfg.seed)
             gate = engine.scheduler.gate
             gate.trace = [] if cfg.gate_trace and gate.active else None
+            gate.finish_trace = [] if gate.trace is not None and engine.scheduler.finish_time_gate else None
             forecast = {} if cfg.gate_trace and mode.drafts else None
             row = _measure(lambda e=engine, p=workload, n=lengths, c=b, f=forecast: run_engine(e, p, n, c, f),
                            cfg.warmup, cfg.repeats)
@@ -424,6 +429,9 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
             if gate.trace is not None:
                 row["gate_trace_summary"] = gate_trace_summary(gate.trace)
                 gate.trace = None
+            if gate.finish_trace is not None:
+                row["finish_trace"] = finish_trace_summary(gate.finish_trace)
+                gate.finish_trace = None
             if forecast:
                 row["forecast"] = forecast_summary(forecast)
             if cfg.cost_feedback and engine.cost_drift is not None:  # where the step prices ended up
@@ -453,6 +461,16 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
         log.warning("plotting failed: %s", e)
     log.info("wrote %s (%d configurations)", out, len(report["results"]))
     return report
+
+
+def finish_trace_summary(trace: list[tuple[int, FinishEstimate, float, bool]]) -> dict[str, Any]:
+    """What the finish-time gate estimated over a configuration's runs (warm-up included): its first estimates of
+    each run's batch (the largest R) and every later one, by R: the expected time to finish drafting over plainly,
+    the expected steps drafting against the plain steps left, and whether it drafted."""
+    return {"evaluations": len(trace), "drafted": sum(v for *_, v in trace),
+            "estimates": [{"requests": r, "speculative_over_plain": round(e.speculative_s / e.plain_s, 4),
+                           "speculative_steps": round(e.speculative_steps, 1), "plain_steps": e.plain_steps,
+                           "margin": round(m, 4), "drafted": v} for r, e, m, v in trace[:64]]}
 
 
 def gate_trace_summary(trace: list[tuple[int, float, float, float, bool]]) -> dict[str, Any]:
@@ -652,8 +670,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one, else random init)")
     p.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES, help="comma list of batch sizes B")
     p.add_argument("--modes", default=DEFAULT_MODES, help="comma list: none, fixed:K, dsd, threshold, adaptive-sync, "
-                   "adaptive; ngram:fixed:K and ngram:dsd draft with the n-gram proposer; hybrid:MODE (every "
-                   "drafting mode above) with the hybrid of the drafter and the n-gram lookup")
+                   "adaptive (adaptive:finish: with the finish-time gate of an offline batch); ngram:fixed:K and "
+                   "ngram:dsd draft with the n-gram proposer; hybrid:MODE (every drafting mode above) with the hybrid "
+                   "of the drafter and the n-gram lookup")
     p.add_argument("--ngram-gamma", type=int, default=NgramConfig.gamma, help="the n-gram proposer's block γ")
     p.add_argument("--ngram-max-n", type=int, default=NgramConfig.max_n,
                    help="n-gram proposer (and the hybrid's lookup): longest suffix tried")

@@ -26,9 +26,10 @@ from reference.target import Target
 
 def parse_mode(spec: str, gamma: int | None) -> tuple[SchedulingMode, int | None]:
     """``"fixed:3"`` -> (FIXED, 3); ``"adaptive"`` -> (ADAPTIVE, None); ``"adaptive:nogate"`` -> (ADAPTIVE, None)
-    with the draft gate off (the paper's adaptive mode, which drafts every step; the caller reads the label). Fixed
+    with the draft gate off (the paper's adaptive mode, which drafts every step), ``"adaptive:finish"`` -> (ADAPTIVE,
+    None) with the finish-time gate (``EngineConfig.finish_time_gate``; the caller reads the label of both). Fixed
     without K verifies the whole block (K = γ). Unknown modes, the simulation-only ``oracle`` and K > γ fail."""
-    if spec == "adaptive:nogate":
+    if spec in ("adaptive:nogate", "adaptive:finish"):
         return SchedulingMode.ADAPTIVE, None
     name, _, k = spec.partition(":")
     if name not in SCHEDULER_MODES or name == SchedulingMode.ORACLE:

@@ -6,11 +6,12 @@
 #                  wait for the stream), then the engine
 #                  benchmark in closed batches (docs/benchmarks/engine-h200.json) and with continuous arrivals
 #                  (engine-h200-steady.json): plain decoding, fixed K = 7 and adaptive, each synchronous and one
-#                  step ahead of its reads ("+async"), every engine with cost feedback (--cost-feedback: the engine a
-#                  server runs on CUDA); then what adaptive's draft gate estimated at batch 16, 64 and 256, and the
-#                  accepted drafts the survivals forecast against those accepted, for adaptive and fixed K = 7
-#                  (gate-trace-h200.json, --gate-trace); and adaptive with the survivals scaled by their measured
-#                  outcomes (engine-h200-acceptance-feedback.json, --acceptance-feedback)
+#                  step ahead of its reads ("+async"), and adaptive with the finish-time gate of an offline batch
+#                  ("adaptive:finish+async"), every engine with cost feedback (--cost-feedback: the engine a
+#                  server runs on CUDA); then what adaptive's draft gate and the finish-time gate estimated at batch
+#                  16, 64 and 256, and the accepted drafts the survivals forecast against those accepted, for
+#                  adaptive and fixed K = 7 (gate-trace-h200.json, --gate-trace); and adaptive with the survivals
+#                  scaled by their measured outcomes (engine-h200-acceptance-feedback.json, --acceptance-feedback)
 #   PART=profiles  where a step's time goes, one step ahead (profile-h200-*.json), at batch 1, 16, 64 and 256, then
 #                  the remaining GPU tests (every gpu-marked test; the kernels' equivalence tests compiled for the GPU)
 #
@@ -26,7 +27,7 @@ RES=${RES:-/tmp/res}
 PART=${PART:-engine}
 source "$(dirname "$0")/timeline.sh"  # stamp, run
 SRC=(--model "$MODEL" --drafter "$DRAFTER" --sharegpt-file "$SHAREGPT")
-MODES=none,none+async,fixed:7,fixed:7+async,adaptive,adaptive+async
+MODES=none,none+async,fixed:7,fixed:7+async,adaptive,adaptive+async,adaptive:finish+async
 
 run cache python -c "from reference.target import Target; Target.load('$MODEL')"
 if [ "$PART" = engine ]; then
@@ -34,11 +35,13 @@ if [ "$PART" = engine ]; then
     -k "one_step_ahead or one_ahead"
   run bench timeout 250 python -m scripts.bench_engine "${SRC[@]}" --modes "$MODES" --batch-sizes 1,4,16,64,256 \
     --min-requests 16 --hf-max-batch 0 --repeats 2 --time-budget-s 210 --cost-feedback --out "$RES/engine-h200.json"
-  run steady timeout 230 python -m scripts.bench_engine "${SRC[@]}" --modes none+async,fixed:7+async,adaptive+async \
+  run steady timeout 230 python -m scripts.bench_engine "${SRC[@]}" \
+    --modes none+async,fixed:7+async,adaptive+async,adaptive:finish+async \
     --batch-sizes 1,4,16,64,256 --requests-per-slot 8 --output-len-spread 0.5 --hf-max-batch 0 --repeats 2 \
     --time-budget-s 190 --cost-feedback --out "$RES/engine-h200-steady.json"
   # What the draft gate estimated (best Θ over Θ_plain by batch size): a diagnostic run, not for timing
-  run gate-trace timeout 120 python -m scripts.bench_engine "${SRC[@]}" --modes fixed:7+async,adaptive+async \
+  run gate-trace timeout 120 python -m scripts.bench_engine "${SRC[@]}" \
+    --modes fixed:7+async,adaptive+async,adaptive:finish+async \
     --batch-sizes 16,64,256 --gate-trace --cost-feedback --hf-max-batch 0 --repeats 1 --warmup 0 \
     --out "$RES/gate-trace-h200.json"
   # The same closed batches with the survivals scaled by their measured outcomes (--acceptance-feedback), against the

@@ -252,3 +252,23 @@ def test_plain_steps_park_the_drafter_context_and_append_it_before_the_next_draf
 def test_draft_context_lag_must_not_be_negative():
     with pytest.raises(ValueError, match="draft_context_lag"):
         EngineConfig(draft_context_lag=-1)
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_the_finish_time_gate_keeps_greedy_tokens(models, async_decode):
+    """``EngineConfig.finish_time_gate`` reaches the scheduler; once nothing waits the gate weighs finish times (its
+    trace records them), and greedy tokens equal the ordinary gate's (verification is lossless whatever drafts)."""
+    target, drafter = models
+    out, traces = {}, {}
+    for finish in (False, True):
+        cfg = EngineConfig(max_num_seqs=2, max_seq_len=96, kernel_backend="torch", seed=3, async_decode=async_decode,
+                           finish_time_gate=finish)
+        engine = Engine(target, drafter, cfg, SchedulerConfig(mode="adaptive"), _cost(draft_ms=6.0))
+        assert engine.scheduler.finish_time_gate is finish
+        engine.scheduler.gate.finish_trace = []
+        results, _ = _run(engine, temperature=0.0, max_new_tokens=16)  # three requests, two slots: one waits first
+        out[finish] = [r[0] for r in results]
+        traces[finish] = engine.scheduler.gate.finish_trace
+    assert out[True] == out[False]
+    assert traces[False] == [] and traces[True], "the finish-time gate never weighed the batch"
+    assert all(r <= 2 and est.plain_steps <= 16 for r, est, _, _ in traces[True])

@@ -137,3 +137,41 @@ def test_emitting_tokens_at_once_finishes_as_token_by_token():
         assert results[0] == results[1], (prompt, params, out0, tokens)
         cases += results[0][2] is not None
     assert cases > 500  # both reasons and both paths were exercised often
+
+
+def _finishing(survival_rows: list[float], waiting: int = 0) -> tuple[Scheduler, list[Sequence]]:
+    """An adaptive scheduler whose decoding requests have drafted once (per-slot acceptance ``p`` each), 40 tokens to
+    go each, ``waiting`` more requests queued behind them, and the finish-time gate on."""
+    cost = CostTable.affine(fixed_ms=5.0, per_token_ms=0.3, draft_fixed_ms=2.0, sizes=list(range(1, 129)))
+    r = len(survival_rows)
+    sched = Scheduler(SchedulerConfig(mode="adaptive"), gamma=GAMMA, max_num_seqs=r, max_seq_len=64,
+                      prefill_chunk=64, cost=cost)
+    sched.finish_time_gate = True
+    seqs = [Sequence(request_id=i, prompt_ids=[2, 3, 4], params=SamplingParams(max_new_tokens=40))
+            for i in range(r + waiting)]
+    for s in seqs:
+        sched.add(s)
+    sched.schedule()
+    for s, p in zip(seqs, survival_rows):
+        s.status, s.num_prefilled = Status.DECODE, 3
+        s.survivals = [np.cumprod(np.full(GAMMA, p, dtype=np.float32))]
+    return sched, seqs[:r]
+
+
+def test_the_finish_time_gate_weighs_the_slowest_request():
+    """Three requests whose drafts nearly always pass and one whose drafts nearly never do: one step's Θ says draft,
+    but the laggard finishes no sooner drafting, so the closed batch decodes plainly (and does not probe while it
+    holds the same requests); four good requests draft. While requests wait for a slot, the ordinary gate decides."""
+    sched, seqs = _finishing([0.95, 0.95, 0.95, 0.05])
+    assert sched.planner.speculation_pays(np.array([s.survivals[-1] for s in seqs]), 4, check=False)
+    assert sched.drafters() == []
+    for _ in range(sched.config.probe_every + 2):  # plain steps: the verdict stands, no probing draft
+        assert sched.drafters() == []
+    sched.finish_time_gate = False  # the ordinary gate drafts for the same batch
+    assert sched.drafters() == seqs
+
+    sched, seqs = _finishing([0.95] * 4)
+    assert sched.drafters() == seqs
+
+    sched, seqs = _finishing([0.95, 0.95, 0.95, 0.05], waiting=1)
+    assert sched.drafters() == seqs and not sched.gate.finishing
