@@ -22,10 +22,16 @@ successor also ran prompt chunks is not sampled (the time includes the prompt's 
 step after the engine went idle (its successor starts with a prefill).
 
 Per kind, the monitor keeps an exponential moving average of ``log(measured / price)`` over ``window`` samples;
-``drift = exp(average) − 1``. Once a kind has ``min_samples`` samples and its ratio differs from the scale in force
-by more than ``tolerance`` (relative), :meth:`CostMonitor.update` returns new scales: the scheduler then prices that
-kind's steps at the measured ratio (``optimized.scheduler.Scheduler.set_price_scales``). The scale of speculative
-steps multiplies every budget's step time alike, so it moves the gate's verdict, never the budget itself.
+``drift = exp(average) − 1`` (the engine's metric). The prices are rescaled per kind **and per batch size** (request
+counts in powers of two, :func:`request_bucket`): how far a table is off depends on the batch (on an H200 the
+table's speculative steps ran 16 % under their price at batch 1-16 and 3 % at 256 in one run), and a scale learned
+at small batches would misprice a large one. Once a (kind, batch size) pair has ``min_samples`` samples and its
+ratio differs from the scale in force by more than ``tolerance`` (relative), :meth:`CostMonitor.update` returns the
+new scales:
+the scheduler then prices that kind's steps at that batch size at the measured ratio
+(``optimized.scheduler.Scheduler.set_price_scales``); a batch size not measured yet keeps the table's prices. The
+scale of speculative steps multiplies every budget's step time alike, so it moves the gate's verdict, never the
+budget itself.
 """
 
 from __future__ import annotations
@@ -55,6 +61,11 @@ WINDOW = 32
 TOLERANCE = 0.10
 
 
+def request_bucket(num_requests: int) -> int:
+    """The batch-size bucket a step of ``num_requests`` requests is priced in: the largest power of two ≤ it."""
+    return 1 << (max(int(num_requests), 1).bit_length() - 1)
+
+
 @dataclass
 class _Launch:
     """One decoding step as launched: when, and what the table prices it at."""
@@ -63,6 +74,7 @@ class _Launch:
     kind: str
     price_s: float
     prefill: bool  # prompt chunks ran in the same call, before this launch (and after the previous step's)
+    bucket: int  # request_bucket of its requests
 
 
 class CostMonitor:
@@ -81,9 +93,12 @@ class CostMonitor:
         self.cost, self.device = cost, torch.device(device)
         self.window, self.min_samples, self.tolerance = window, min_samples, tolerance
         self._launches: deque[_Launch] = deque()
-        self._log_ratio = dict.fromkeys(KINDS, 0.0)  # moving average of log(measured / price)
+        self._log_ratio = dict.fromkeys(KINDS, 0.0)  # moving average of log(measured / price), all batch sizes
         self.samples = dict.fromkeys(KINDS, 0)
-        self.scales = dict.fromkeys(KINDS, 1.0)  # the price multipliers in force
+        # Per (kind, batch-size bucket): the same average, its samples, and the price multiplier in force.
+        self._bucket_log: dict[tuple[str, int], float] = {}
+        self._bucket_samples: dict[tuple[str, int], int] = {}
+        self.scales: dict[int, dict[str, float]] = {}  # bucket -> kind -> multiplier (absent: 1.0, the table's)
 
     def launch(self, num_requests: int, num_tokens: int, prefill: bool) -> None:
         """A decoding step's verify of ``num_tokens`` tokens of ``num_requests`` requests is being launched (after
@@ -95,7 +110,8 @@ class CostMonitor:
             stamp = time.perf_counter()
         plain = num_tokens == num_requests
         price = self.cost.verify_time(num_tokens, num_requests)
-        self._launches.append(_Launch(stamp, "plain" if plain else "speculative", price, prefill))
+        self._launches.append(_Launch(stamp, "plain" if plain else "speculative", price, prefill,
+                                      request_bucket(num_requests)))
 
     def drafted(self, num_requests: int) -> None:
         """The drafter was launched for ``num_requests`` requests after the last launched verify: that step is
@@ -110,9 +126,13 @@ class CostMonitor:
         """The engine has no work left: the next launch starts afresh (no sample spans the idle time)."""
         self._launches.clear()
 
-    def update(self) -> dict[str, float] | None:
-        """Take the samples whose end has completed; return the new scales if a kind's ratio left the tolerance
-        around its scale in force (else None)."""
+    def scales_at(self, num_requests: int) -> dict[str, float]:
+        """The price multipliers in force for a step of ``num_requests`` requests, per kind."""
+        return {**dict.fromkeys(KINDS, 1.0), **self.scales.get(request_bucket(num_requests), {})}
+
+    def update(self) -> dict[int, dict[str, float]] | None:
+        """Take the samples whose end has completed; return every batch-size bucket's scales (bucket -> kind ->
+        multiplier) if one (kind, bucket) ratio left the tolerance around its scale in force (else None)."""
         while len(self._launches) >= 2:
             first, second = self._launches[0], self._launches[1]
             if isinstance(second.stamp, torch.cuda.Event):
@@ -124,23 +144,29 @@ class CostMonitor:
             self._launches.popleft()
             if second.prefill or first.price_s <= 0 or measured <= 0:
                 continue
-            self._observe(first.kind, measured / first.price_s)
+            self._observe(first.kind, first.bucket, measured / first.price_s)
         changed = False
-        for kind in KINDS:
-            if self.samples[kind] < self.min_samples:
+        for (kind, bucket), n in self._bucket_samples.items():
+            if n < self.min_samples:
                 continue
-            ratio = math.exp(self._log_ratio[kind])
-            if abs(ratio / self.scales[kind] - 1.0) > self.tolerance:
-                log.info("%s steps cost %.2fx the table's prices over the last ~%d of them: pricing them at that",
-                         kind, ratio, min(self.samples[kind], self.window))
-                self.scales[kind] = ratio
+            ratio = math.exp(self._bucket_log[(kind, bucket)])
+            in_force = self.scales.get(bucket, {}).get(kind, 1.0)
+            if abs(ratio / in_force - 1.0) > self.tolerance:
+                log.info("%s steps of %d-%d requests cost %.2fx the table's prices over the last ~%d of them: pricing "
+                         "them at that", kind, bucket, 2 * bucket - 1, ratio, min(n, self.window))
+                self.scales.setdefault(bucket, {})[kind] = ratio
                 changed = True
-        return dict(self.scales) if changed else None
+        return {b: dict(k) for b, k in self.scales.items()} if changed else None
 
-    def _observe(self, kind: str, ratio: float) -> None:
+    def _observe(self, kind: str, bucket: int, ratio: float) -> None:
+        x = math.log(ratio)
         n = self.samples[kind] = self.samples[kind] + 1
         weight = 1.0 / min(n, self.window)  # a plain mean until the window is full, then a moving average
-        self._log_ratio[kind] += weight * (math.log(ratio) - self._log_ratio[kind])
+        self._log_ratio[kind] += weight * (x - self._log_ratio[kind])
+        key = (kind, bucket)
+        n = self._bucket_samples[key] = self._bucket_samples.get(key, 0) + 1
+        before = self._bucket_log.get(key, 0.0)
+        self._bucket_log[key] = before + (x - before) / min(n, self.window)
 
     @property
     def drift(self) -> dict[str, float | None]:

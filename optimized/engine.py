@@ -30,7 +30,7 @@ import torch
 from optimized.acceptance_monitor import SAMPLE_EVERY, AcceptanceMonitor
 from optimized.config import EngineConfig
 from optimized.cost_monitor import CostMonitor
-from optimized.runner import LaunchedVerify, ModelRunner, StageOutput
+from optimized.runner import LaunchedPrefill, LaunchedVerify, ModelRunner, StageOutput
 from optimized.scheduler import Scheduler, StepPlan
 from optimized.sequence import SamplingParams, Sequence, Status, StepOutput, StepStats
 from reference.config import SchedulerConfig, SchedulingMode
@@ -81,6 +81,7 @@ class Engine:
                             and not self.runner.host_proposals else None)
         if cost is not None:
             self._watch(cost)
+        self._priced_requests = 1  # decoding requests of the last step launched (price_scales reports their bucket)
         self._drafted_ahead: tuple[list[Sequence], torch.Tensor] | None = None  # this step's early draft, if any
         # One step ahead (EngineConfig.async_decode): the launched verify whose tokens are unread, the most tokens it
         # can emit per request (keyed by id(seq)), and the block drafted behind it whose survivals are not recorded.
@@ -177,9 +178,10 @@ class Engine:
 
     @property
     def price_scales(self) -> dict[str, float]:
-        """The multipliers of the table's prices the draft gate uses now (1.0: the table's own)."""
-        p = self.scheduler.planner
-        return {"plain": p.plain_scale, "speculative": p.speculative_scale}
+        """The multipliers of the table's prices the draft gate uses now, at the batch size of the last decoding step
+        (1.0: the table's own; ``EngineConfig.cost_feedback`` measures them per batch-size bucket)."""
+        plain, speculative = self.scheduler.planner.scales(self._priced_requests)
+        return {"plain": plain, "speculative": speculative}
 
     def set_scheduler(self, sched: SchedulerConfig) -> None:
         """Switch the verify-length policy between runs, keeping caches and graphs (benchmarks of every mode)."""
@@ -293,7 +295,9 @@ class Engine:
         t0 = time.perf_counter()
         plan = self._schedule(exclude=self._done_in_flight(), unrecorded=len(self._pending))
         t1 = time.perf_counter()
-        outputs = self._prefill(plan)  # its read waits for the step in flight too (one stream)
+        # The prompt chunks first, their first tokens read only after this step's verify is launched behind them: a
+        # read here would leave the device idle while the host commits them and launches the verify.
+        prefilled = self._launch_prefill(plan)
         launched = None
         if plan.decoding:
             self._monitor_launch(plan)
@@ -301,7 +305,8 @@ class Engine:
         previous, reach_before = self._in_flight, self._reach
         self._in_flight = (plan, launched) if launched is not None else None
         self._reach = self._reach_of(plan) if launched is not None else {}
-        drafters = self._draft_early(reach_before)
+        drafters = self._draft_early(reach_before, [] if prefilled is None else prefilled.seqs)
+        outputs = []
         if previous is not None:
             done_plan, done = previous
             out = self.runner.collect_verify(done)
@@ -309,6 +314,8 @@ class Engine:
             self._verified = out
             self._survivals = [s.survivals[-1] if done_plan.mode.drafts and s.survivals else None for s in out.seqs]
             outputs += self._commit(out)
+        if prefilled is not None:
+            outputs += self._collect_prefill(prefilled)
         self._record_pending(keep_last=int(bool(drafters)))
         drafted = bool(drafters)
         self.stats["draft_ahead_steps"] += drafted  # drafted before the token read
@@ -320,18 +327,22 @@ class Engine:
                       drafted)
         return outputs
 
-    def _draft_early(self, reach_before: dict[int, int]) -> list[Sequence] | None:
+    def _draft_early(self, reach_before: dict[int, int], starting: list[Sequence]) -> list[Sequence] | None:
         """One step ahead, before the read: the draft gate on the requests decoding now (the tokens committed so far)
         and, if they draft, their next block launched behind the verify just launched. Returns who drafted ([] when
         the gate said no), or None when a block might not fit a slot after the two steps in flight (each emits up to
         ℓ + 1 tokens): then the draft waits for the read (:meth:`_draft_late`), and so does the gate.
 
-        The drafters are this step's requests and those that start decoding with it (their prompt ended in this
-        call); not those the step in flight surely finishes, which this step left out."""
+        The drafters are this step's requests and those that start decoding with it (``starting``: their prompt ended
+        in this call, and its first token, on the device already, is read after this); not those the step in flight
+        surely finishes, which this step left out."""
         if not self.sched_config.mode.drafts:
             return []
         reach = self._reach
         seqs = [s for s in self.scheduler.decoding() if id(s) in reach or id(s) not in reach_before]
+        if starting:  # their anchor is the first token, one position past the prompt the host knows of
+            seqs += [s for s in starting if s.params.max_new_tokens > 1]
+            reach_before = {**reach_before, **dict.fromkeys(map(id, starting), 1)}
         if (self._near_slot_end(seqs, max(reach_before.values(), default=0) + max(reach.values(), default=0))
                 and any(self.scheduler.slot_full(s.anchor_pos + reach_before.get(id(s), 0) + reach.get(id(s), 0))
                         for s in seqs)):
@@ -449,11 +460,22 @@ class Engine:
         return self.scheduler.schedule(exclude, ahead=unrecorded)
 
     def _prefill(self, plan: StepPlan) -> list[StepOutput]:
+        prefilled = self._launch_prefill(plan)
+        return [] if prefilled is None else self._collect_prefill(prefilled)
+
+    def _launch_prefill(self, plan: StepPlan) -> LaunchedPrefill | None:
+        """Launch the plan's prompt chunks (None when it has none); :meth:`_collect_prefill` reads and commits them."""
         if not plan.prefill:
-            return []
+            return None
         t0 = time.perf_counter()
-        out = self.runner.prefill(plan.prefill)
+        prefilled = self.runner.launch_prefill(plan.prefill)
         self.stats["prefill_steps"] += 1
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        return prefilled
+
+    def _collect_prefill(self, prefilled: LaunchedPrefill) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        out = self.runner.collect_prefill(prefilled)
         self.stats["prefill_s"] += time.perf_counter() - t0
         return self.scheduler.postprocess(out.seqs, out.tokens, out.logprobs, top_logprobs=out.top_logprobs)
 
@@ -539,6 +561,7 @@ class Engine:
 
     def _monitor_launch(self, plan: StepPlan) -> None:
         """Stamp the launch of this step's verify for the cost monitor (``EngineConfig.cost_feedback``)."""
+        self._priced_requests = len(plan.decoding)
         if self._monitor is not None:
             self._monitor.launch(len(plan.decoding), plan.num_verify_tokens, bool(plan.prefill))
 
@@ -546,7 +569,7 @@ class Engine:
         if self._monitor is not None:  # steps whose end has been reached: measured against the table
             scales = self._monitor.update()
             if scales is not None:
-                self.scheduler.set_price_scales(scales["plain"], scales["speculative"])
+                self.scheduler.set_price_scales(scales)
             if not self.has_unfinished():
                 self._monitor.idle()
         step_s = time.perf_counter() - t0

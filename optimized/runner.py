@@ -97,6 +97,17 @@ class LaunchedVerify:
     num_tokens: int  # N = R + Σℓ
 
 
+@dataclass
+class LaunchedPrefill:
+    """A prefill stage whose forward, first-token draws and their copy to the host are queued, unread by the host."""
+
+    seqs: list[Sequence]  # the requests whose prompt these chunks complete (they get their first token)
+    first: torch.Tensor | None  # [M] their first tokens, on the host once ``copied`` has completed
+    logp: torch.Tensor | None  # [M] log p_t of those tokens, likewise
+    top: list | None  # their top alternatives, already on the host (read at launch: only when a request asked)
+    copied: torch.cuda.Event | None  # recorded after the copies (CUDA); None on the CPU, where they are done
+
+
 def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype, device=device)`` without waiting for the device.
 
@@ -341,12 +352,19 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------------ stages
 
     def prefill(self, chunks: list[PrefillChunk]) -> StageOutput:
-        """Run prompt chunks; sequences whose prompt completes get their first token (a bonus draw).
+        """Run prompt chunks; sequences whose prompt completes get their first token (a bonus draw), read at once.
 
         A sequence's first chunk loads its sampling parameters into its slot. Chunks run in groups that fit the
         prefill graphs (``PREFILL_GRAPH_ROWS`` chunks, ``EngineConfig.prefill_graph_tokens`` tokens); a chunk longer
         than that runs eagerly on its own, and with ``prefill_graph_tokens=0`` all of them in one eager forward.
         """
+        return self.collect_prefill(self.launch_prefill(chunks))
+
+    def launch_prefill(self, chunks: list[PrefillChunk]) -> LaunchedPrefill:
+        """:meth:`prefill` without its read: the forward, the first tokens (written to the completed requests' anchors
+        on the device, where their first verify reads them) and their copy to the host are queued, and
+        :meth:`collect_prefill` reads them. An engine one step ahead launches the step's verify in between, so that the
+        device does not wait for the host's read of the first tokens (the read waits for the copy only)."""
         dev = self.device
         for seq, start, _ in chunks:
             if start == 0:
@@ -360,7 +378,7 @@ class ModelRunner:
                 # a graph's logits buffer is rewritten by the next group's replay: keep this group's rows
                 logits.append(group_logits.clone() if len(groups) > 1 else group_logits)
         if not done:
-            return StageOutput([], [], None)
+            return LaunchedPrefill([], None, None, None, None)
         logits = logits[0] if len(logits) == 1 else torch.cat(logits)  # [M, V] the completed prompts' last rows
         done_slots = upload([s.slot for s in done], torch.long, dev)
         # The reference op only where a request filters: its input checks are device→host syncs, each a pipeline
@@ -377,11 +395,25 @@ class ModelRunner:
             logp, top = extra_logprobs(done, want, logits[idx][:, None], p_t[idx][:, None], first[:, None], logp)
         self.anchor[done_slots] = first
         self.anchor_pos[done_slots] = positions_first
-        # sync: the first token is streamed and checked for EOS on the host.
-        first_host, logp_host = first.tolist(), logp[:, 0].tolist()  # sync: first tokens (prefill step only)
+        first_host = first.to("cpu", non_blocking=True)  # sync: none (a pinned copy, waited for by collect_prefill)
+        logp_host = logp[:, 0].to("cpu", non_blocking=True)  # sync: none (likewise)
+        copied = None
+        if dev.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
         top_host = top_to_host(done, want, top)  # sync: only when a request asked for top logprobs
-        return StageOutput(done, [[t] for t in first_host], [[lp] for lp in logp_host],
-                           top_logprobs=[t[:1] if t else None for t in top_host])
+        return LaunchedPrefill(done, first_host, logp_host, top_host, copied)
+
+    def collect_prefill(self, launched: LaunchedPrefill) -> StageOutput:
+        """Wait for a launched prefill's copy of the first tokens (not for anything queued after it) and return them:
+        the first token is streamed and checked for EOS on the host."""
+        if not launched.seqs:
+            return StageOutput([], [], None)
+        if launched.copied is not None:
+            launched.copied.synchronize()  # sync: the first tokens' copy only
+        first, logp = launched.first.tolist(), launched.logp.tolist()  # sync: host tensors already
+        return StageOutput(launched.seqs, [[t] for t in first], [[lp] for lp in logp],
+                           top_logprobs=[t[:1] if t else None for t in launched.top])
 
     def _prefill_groups(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
         """The step's chunks in launch order: groups that fit the prefill buffers (a chunk longer than they hold alone),

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from optimized.cost_monitor import request_bucket
 from optimized.sequence import Sequence, Status, StepOutput
 from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import CostTable
@@ -113,8 +114,10 @@ class BudgetPlanner:
     def __init__(self, cost: CostTable | None) -> None:
         self.cost = cost  # and empty caches (the setter)
         # Multipliers of the table's prices of plain and of speculative steps, from the engine's measurements
-        # (optimized/cost_monitor.py); 1.0 is the table as it is (the reference's twin: a product with 1.0 is exact).
+        # (optimized/cost_monitor.py): per batch-size bucket (request_bucket) in ``price_scales``, these two for a
+        # bucket without its own; 1.0 is the table as it is (the reference's twin: a product with 1.0 is exact).
         self.plain_scale = self.speculative_scale = 1.0
+        self.price_scales: dict[int, tuple[float, float]] = {}  # bucket -> (plain, speculative)
         # Per-slot factors of the survivals from the drafts that survived (optimized/acceptance_monitor.py): Θ is
         # computed on min(1, a_k · factor_k), non-increasing again. None: the survivals as they are (the reference's).
         self.survival_scale: np.ndarray | None = None
@@ -183,6 +186,10 @@ class BudgetPlanner:
         and filled either way."""
         return self._best(self._theta(a_stale, num_anchor_tokens, num_requests, check))[0]
 
+    def scales(self, num_requests: int) -> tuple[float, float]:
+        """The (plain, speculative) price multipliers for a step of ``num_requests`` requests."""
+        return self.price_scales.get(request_bucket(num_requests), (self.plain_scale, self.speculative_scale))
+
     def speculation_pays(self, a_latest: np.ndarray | torch.Tensor, num_anchor_tokens: int,
                          num_requests: int | None = None, margin: float = 0.0, *, check: bool = True) -> bool:
         """The twin of ``reference.scheduler.speculation_pays`` (the draft gate): same Θ values, same comparison.
@@ -192,7 +199,8 @@ class BudgetPlanner:
         theta_plain = n_s / plain if plain > 0 else 0.0
         theta = self._theta(a_latest, num_anchor_tokens, num_requests, check)
         # Θ_plain and every Θ(B) at the measured prices: Θ(B) / s_spec against Θ_plain / s_plain (both 1: the table's).
-        scale = (1.0 + margin) * self.plain_scale / self.speculative_scale
+        s_plain, s_spec = self.scales(a_latest.shape[0])
+        scale = (1.0 + margin) * s_plain / s_spec
         if isinstance(theta, np.ndarray) or scale <= 0:
             return scale * self._best(theta)[1] >= theta_plain
         # Θ on Python floats, one budget at a time: the first that pays answers. The same boolean as with the best
@@ -205,7 +213,8 @@ class BudgetPlanner:
         r = a_latest.shape[0]
         plain = self.verify_time(num_anchor_tokens, r)
         best = self._best(self._theta(a_latest, num_anchor_tokens, None, check=False))[1]
-        return best * self.plain_scale / self.speculative_scale, (r / plain if plain > 0 else 0.0)
+        s_plain, s_spec = self.scales(r)
+        return best * s_plain / s_spec, (r / plain if plain > 0 else 0.0)
 
     def finish_estimate(self, a_latest: np.ndarray, remaining: list[int]) -> FinishEstimate:
         """``reference.scheduler.finish_estimate`` at this planner's prices (the survivals scaled as the budget sees
@@ -216,8 +225,9 @@ class BudgetPlanner:
                              1.0).astype(np.float32)
         r = arr.shape[0]
         budget = self._best(self._theta(arr, r, r, check=False))[0]
+        # the measured multipliers per batch size, in the prices (each step of the estimate has its own batch)
         return finish_estimate(torch.from_numpy(arr), torch.tensor(remaining, dtype=torch.float64), _Prices(self),
-                               budget, plain_scale=self.plain_scale, speculative_scale=self.speculative_scale)
+                               budget)
 
     @staticmethod
     def _best(theta: Iterator[float] | np.ndarray) -> tuple[int, float]:
@@ -285,19 +295,20 @@ class BudgetPlanner:
 
 class _Prices:
     """The two lookups ``finish_estimate`` makes of a cost table, through the planner's caches (the table's own
-    lookups sort its sizes: tens of µs each, and an estimate makes a hundred)."""
+    lookups sort its sizes: tens of µs each, and an estimate makes a hundred), at the planner's measured multipliers
+    for each batch size: ``verify_time`` prices the plain steps, ``step_time`` the drafting ones."""
 
     def __init__(self, planner: BudgetPlanner) -> None:
         self.planner = planner
 
-    def verify_time(self, num_tokens: int, num_requests: int | None = None) -> float:
-        return self.planner.verify_time(num_tokens, num_requests)
+    def verify_time(self, num_tokens: int, num_requests: int) -> float:
+        return self.planner.scales(num_requests)[0] * self.planner.verify_time(num_tokens, num_requests)
 
     def step_time(self, num_tokens: int, num_requests: int) -> float:
         draft = self.planner._draft_times.get(num_requests)
         if draft is None:
             draft = self.planner._draft_times[num_requests] = self.planner.cost.draft_time(num_requests)
-        return self.planner.verify_time(num_tokens, num_requests) + draft
+        return self.planner.scales(num_requests)[1] * (self.planner.verify_time(num_tokens, num_requests) + draft)
 
 
 def step_time_curve(cost: CostTable, first: int, count: int, num_requests: int) -> np.ndarray:
@@ -562,14 +573,20 @@ class Scheduler:
         self.policy = self._policy()
         self.gate.reset(config, self.planner)
 
-    def set_price_scales(self, plain: float, speculative: float) -> None:
-        """Price plain and speculative steps at these multiples of the cost table's prices (the engine's measured
-        ratios, ``optimized/cost_monitor.py``): the draft gate weighs Θ_plain / ``plain`` against Θ(B) /
-        ``speculative``. The budget is unchanged by them (every Θ(B) scales alike); the gate's cached verdict is
-        dropped, its plain-step count kept."""
-        if not (plain > 0 and speculative > 0):
-            raise ValueError(f"price scales must be positive, got {plain} and {speculative}")
-        self.planner.plain_scale, self.planner.speculative_scale = float(plain), float(speculative)
+    def set_price_scales(self, scales: dict[int, dict[str, float]]) -> None:
+        """Price plain and speculative steps at these multiples of the cost table's prices, per batch-size bucket
+        (``optimized.cost_monitor.request_bucket`` -> ``{"plain": s_plain, "speculative": s_spec}``, a kind left out
+        at 1.0; the engine's measured ratios, ``optimized/cost_monitor.py``): at R requests the draft gate weighs
+        Θ_plain / s_plain against Θ(B) / s_spec of R's bucket, and a bucket left out is priced at the table's. The
+        budget is unchanged by them (every Θ(B) scales alike); the gate's cached verdict is dropped, its plain-step
+        count kept."""
+        table = {}
+        for bucket, kinds in scales.items():
+            plain, speculative = kinds.get("plain", 1.0), kinds.get("speculative", 1.0)
+            if not (plain > 0 and speculative > 0):
+                raise ValueError(f"price scales must be positive, got {plain} and {speculative} at {bucket} requests")
+            table[request_bucket(bucket)] = (float(plain), float(speculative))
+        self.planner.price_scales = table
         self.gate.forget_verdict()
 
     def set_survival_scale(self, factors: np.ndarray | None) -> None:

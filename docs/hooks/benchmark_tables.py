@@ -131,6 +131,11 @@ def _base(label: str) -> str:
     return label.partition("+")[0]
 
 
+def _adaptive(label: str) -> bool:
+    """Whether a label is a variant of the adaptive mode (``adaptive+async``, ``adaptive:finish+async``, ...)."""
+    return _base(label).partition(":")[0] == "adaptive"
+
+
 def frontier(data: dict) -> list[dict]:
     """Per batch: plain decoding at its best (``none`` or a pipelined variant), the best speculative policy, and the
     verdict (ratios inside 1 ± SPREAD tie); ``adaptive`` is its best variant."""
@@ -145,7 +150,7 @@ def frontier(data: dict) -> list[dict]:
         ratio = spec[best] / none
         verdict = ("speculation helps" if ratio > 1 + SPREAD else
                    "plain decoding is faster" if ratio < 1 - SPREAD else "a tie (within the spread)")
-        adaptive = max((v for lab, v in spec.items() if _base(lab) == "adaptive"), default=float("nan"))
+        adaptive = max((v for lab, v in spec.items() if _adaptive(lab)), default=float("nan"))
         out.append({"batch": b, "none": none, "none_label": none_label, "best": best, "best_tps": spec[best],
                     "ratio": ratio, "adaptive": adaptive / none, "verdict": verdict})
     return out
@@ -549,8 +554,8 @@ def _engine_quantity(data: dict, batch: int, q: str) -> float:
         return row["adaptive"]
     if q == "adaptive-vs-best":
         tps = data["summary"][str(batch)]["tokens_per_s"]
-        mine = max(v for lab, v in tps.items() if _base(lab) == "adaptive")
-        return mine / max(v for lab, v in tps.items() if _base(lab) != "adaptive" and lab != "hf")
+        mine = max(v for lab, v in tps.items() if _adaptive(lab))
+        return mine / max(v for lab, v in tps.items() if not _adaptive(lab) and lab != "hf")
     raise ValueError(f"benchmark values: unknown engine quantity {q!r}")
 
 

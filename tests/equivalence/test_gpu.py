@@ -156,6 +156,38 @@ def test_decoding_steps_one_ahead_never_wait_for_the_stream(mode):
     assert all(len(engine.sequence(i).output_ids) > 6 for i in range(len(PROMPTS)))
 
 
+@pytest.mark.parametrize("mode", ["none", "adaptive"])
+def test_prompts_joining_one_ahead_never_wait_for_the_stream(mode):
+    """A prompt that arrives while others decode one step ahead: its prefill, its first token and the step's verify
+    are launched back to back, and the first token is read after the verify is launched, by its own event. Neither
+    that step nor the next synchronise the stream (``set_sync_debug_mode("error")``), and the tokens are those of
+    the synchronous engine."""
+    target, drafter = _cuda_models("llama")
+    outputs = {}
+    for one_ahead in (False, True):
+        cfg = EngineConfig(max_num_seqs=len(PROMPTS) + 1, seed=99, kernel_backend="triton", device="cuda",
+                           dtype=torch.float32, async_decode=one_ahead)
+        engine = Engine(target, None if mode == "none" else drafter, cfg, SchedulerConfig(mode=mode), _cost())
+        params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(prompt, params, request_id=i)
+        while not all(engine.sequence(i).output_ids for i in range(len(PROMPTS))):
+            engine.step()
+        engine.step()
+        engine.add_request([11, 12, 13, 14, 15], params, request_id=len(PROMPTS))
+        if one_ahead:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        while engine.has_unfinished():
+            engine.step()
+        outputs[one_ahead] = [engine.sequence(i).output_ids for i in range(len(PROMPTS) + 1)]
+    assert outputs[True] == outputs[False]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_invariant_target_logits_on_cuda(dtype):
     """Compiled on the GPU: with the row-invariant kernels (``EngineConfig.batch_invariant``) a tiny target gives 8

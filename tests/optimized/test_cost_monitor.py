@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import optimized.cost_monitor as cm
-from optimized.cost_monitor import CostMonitor
+from optimized.cost_monitor import CostMonitor, request_bucket
 from optimized.engine import Engine, EngineConfig, SamplingParams
-from optimized.scheduler import BudgetPlanner
+from optimized.scheduler import BudgetPlanner, Scheduler
 from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
 from reference.target import Target
@@ -58,14 +58,28 @@ def test_ratio_per_kind_and_the_rescale(clock):
     assert monitor.update() is None and monitor.drift == {"plain": None, "speculative": None}
     _steps(monitor, clock, 3, 2.0 * plain)
     scales = monitor.update()  # five samples ≥ min_samples: the ratio 2 is 100 % off the scale 1
-    assert scales["plain"] == pytest.approx(2.0) and scales["speculative"] == 1.0
+    assert scales == {4: {"plain": pytest.approx(2.0)}}  # 4 requests: the bucket of 4-7
+    assert monitor.scales_at(5) == {"plain": pytest.approx(2.0), "speculative": 1.0}
     assert monitor.drift["plain"] == pytest.approx(1.0)
     _steps(monitor, clock, 6, 0.5 * spec, tokens=20, drafted=4)  # speculative steps at half their price
     scales = monitor.update()
     # the first of these samples is the last plain step (its end is the first speculative launch)
     assert monitor.samples == {"plain": 6, "speculative": 5}
-    assert scales["speculative"] == pytest.approx(0.5)
+    assert scales[4]["speculative"] == pytest.approx(0.5)
     assert monitor.update() is None, "nothing new: no rescale"
+
+
+def test_each_batch_size_is_priced_on_its_own_steps(clock):
+    """Steps of 4 requests at twice their price rescale the bucket of 4-7 only: a batch of 64 is still priced at
+    the table's until its own steps say otherwise (at 0.9 of the price: inside the tolerance, no rescale)."""
+    table = _table()
+    monitor = CostMonitor(table, "cpu", window=8, min_samples=4, tolerance=0.1)
+    _steps(monitor, clock, 6, 2.0 * table.verify_time(4, 4))
+    _steps(monitor, clock, 6, 0.9 * table.verify_time(64, 64), requests=64, tokens=64)
+    scales = monitor.update()
+    assert set(scales) == {4} and monitor.scales_at(64) == {"plain": 1.0, "speculative": 1.0}
+    assert monitor.scales_at(7)["plain"] == pytest.approx(2.0) and monitor.scales_at(8)["plain"] == 1.0
+    assert [request_bucket(n) for n in (1, 2, 3, 4, 7, 8, 255, 256, 300)] == [1, 2, 2, 4, 4, 8, 128, 256, 256]
 
 
 def test_hysteresis_and_the_moving_average(clock):
@@ -73,11 +87,11 @@ def test_hysteresis_and_the_moving_average(clock):
     monitor = CostMonitor(table, "cpu", window=4, min_samples=2, tolerance=0.1)
     plain = table.verify_time(4, 4)
     _steps(monitor, clock, 4, 1.05 * plain)  # 5 % off: inside the tolerance, the table's prices stay
-    assert monitor.update() is None and monitor.scales["plain"] == 1.0
+    assert monitor.update() is None and monitor.scales_at(4)["plain"] == 1.0
     assert monitor.drift["plain"] == pytest.approx(0.05)
     _steps(monitor, clock, 12, 3.0 * plain)  # a shared GPU: the window forgets the old steps
     scales = monitor.update()
-    assert scales is not None and math.isclose(scales["plain"], 3.0, rel_tol=0.05)
+    assert scales is not None and math.isclose(scales[4]["plain"], 3.0, rel_tol=0.05)
 
 
 def test_prefill_and_idle_are_not_sampled(clock):
@@ -116,6 +130,14 @@ def test_price_scales_move_the_gate_not_the_budget():
     assert planner.budget(a, 4, 4) == budget
     planner.plain_scale = 3.0  # and plain ones too: back to the table's verdict
     assert planner.speculation_pays(a, 4, 4)
+    # per batch size, as the engine sets them: the bucket of 4-7 requests has its own, other sizes the defaults
+    sched = Scheduler(SchedulerConfig(mode="adaptive"), gamma=4, max_num_seqs=8, max_seq_len=64, prefill_chunk=8,
+                      cost=table)
+    sched.set_price_scales({4: {"speculative": 3.0}})
+    assert not sched.planner.speculation_pays(a, 4, 4) and sched.planner.speculation_pays(a[:2], 2, 2)
+    assert sched.planner.scales(6) == (1.0, 3.0) and sched.planner.scales(8) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="positive"):
+        sched.set_price_scales({4: {"plain": 0.0}})
 
 
 def test_engine_feedback_rescales_and_reports_drift():
