@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--acceptance-feedback", action="store_true",
                         help="plan the adaptive mode with the survivals scaled by how often drafts survived "
                              "(EngineConfig.acceptance_feedback; default: off)")
+    parser.add_argument("--finish-time-gate", action="store_true",
+                        help="once every prompt has a slot, let the adaptive mode's draft gate weigh the time to "
+                             "finish the batch, drafting against plain decoding (EngineConfig.finish_time_gate; "
+                             "default: off)")
     args = parser.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target, drafter, gen, sched, prompts = setup_from_args(args, device=args.device, dtype=dtype, forward=False)
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs or len(prompts), device=args.device, dtype=dtype,
                        enforce_eager=args.enforce_eager, seed=gen.seed, async_decode=args.async_decode,
                        cost_feedback=args.cost_feedback, batch_invariant=args.batch_invariant,
-                       acceptance_feedback=args.acceptance_feedback)
+                       acceptance_feedback=args.acceptance_feedback, finish_time_gate=args.finish_time_gate)
     t0 = time.perf_counter()
     results = generate(target, drafter, prompts, gen, sched, cost, engine_config=cfg, warmup=True)
     print_results(results, args.json, time.perf_counter() - t0, sched.mode)

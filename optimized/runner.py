@@ -366,9 +366,7 @@ class ModelRunner:
         :meth:`collect_prefill` reads them. An engine one step ahead launches the step's verify in between, so that the
         device does not wait for the host's read of the first tokens (the read waits for the copy only)."""
         dev = self.device
-        for seq, start, _ in chunks:
-            if start == 0:
-                self._bind(seq)
+        self._bind([seq for seq, start, _ in chunks if start == 0])
         groups = self._prefill_groups(chunks)
         done, logits = [], []
         for group in groups:
@@ -783,16 +781,23 @@ class ModelRunner:
             x = x + w * torch.nn.functional.logsigmoid(z)
         return torch.cumprod(torch.sigmoid(x), dim=1)
 
-    def _bind(self, seq: Sequence) -> None:
-        """Give ``seq``'s slot its request id and sampling parameters."""
-        p, s = seq.params, seq.slot
-        self._owner[s] = seq
-        self._lag[s] = 0  # the previous owner's parked features are never appended
+    def _bind(self, seqs: list[Sequence]) -> None:
+        """Give each of ``seqs``' slots its request id and sampling parameters: one non-blocking upload per field for
+        all of them (a Python number written into a CUDA tensor element is a blocking copy, which waits for the whole
+        queue: with steps one ahead, a request's arrival would drain the pipeline)."""
+        if not seqs:
+            return
+        dev = self.device
+        for seq in seqs:
+            self._owner[seq.slot] = seq
+            self._lag[seq.slot] = 0  # the previous owner's parked features are never appended
+        slots = upload([seq.slot for seq in seqs], torch.long, dev)  # [n]
         # The request word of the random-number contract: the request id, or the request's own seed.
-        self.request_id[s] = seq.request_id if p.seed is None else p.seed
-        self.temperature[s] = p.temperature
-        self.top_p[s] = p.top_p
-        self.top_k[s] = p.top_k
+        self.request_id[slots] = upload([s.request_id if s.params.seed is None else s.params.seed for s in seqs],
+                                        self.request_id.dtype, dev)
+        self.temperature[slots] = upload([s.params.temperature for s in seqs], self.temperature.dtype, dev)
+        self.top_p[slots] = upload([s.params.top_p for s in seqs], self.top_p.dtype, dev)
+        self.top_k[slots] = upload([s.params.top_k for s in seqs], self.top_k.dtype, dev)
 
     # ------------------------------------------------------------------------------------------------ dummy steps
 
@@ -912,7 +917,7 @@ class ModelRunner:
         seqs = self._placeholders_cache[1][:count]
         for s in seqs:
             s.params.temperature = temperature
-            self._bind(s)
+        self._bind(seqs)
         return seqs
 
     def _placeholder_decoding(self, count: int, context_len: int, temperature: float) -> list[Sequence]:

@@ -248,9 +248,13 @@ def finish_estimate(a_latest: Tensor, remaining: Tensor, cost: CostTable, budget
     sigma = (n * (second - mean**2).clamp_min(0.0) / rate**3).sqrt()  # [R]
     per_request = budget / R  # drafts verified per request and step
 
+    prices: dict[int, float] = {}  # drafting-step price by requests left (a step count has few distinct values)
+
     def drafting_step(live: float) -> float:
         k = max(1, round(live))
-        return speculative_scale * cost.step_time(k + round(k * per_request), k)
+        if k not in prices:
+            prices[k] = speculative_scale * cost.step_time(k + round(k * per_request), k)
+        return prices[k]
 
     def plain_step(live: int) -> float:
         return plain_scale * cost.verify_time(live, live)

@@ -597,6 +597,9 @@ def value(name: str, args: list[str], page_dir: Path) -> str:
     if name == "engine-step":  # one policy's step time over another's at one batch size (label=fixed:7 over=none)
         step = {r["label"]: r["step_ms"] for r in data["results"] if r.get("batch_size") == int(opt["batch"])}
         return f"{step[opt['label']] / step[opt['over']]:.2f}×"
+    if name == "engine-ratio":  # one policy's tokens/s over another's at one batch size (label=… over=…)
+        tps = data["summary"][opt["batch"]]["tokens_per_s"]
+        return f"{tps[opt['label']] / tps[opt['over']]:.2f}×"
     if name == "engine-tau":  # mean accepted length of one policy, over the batch sizes named (default all)
         taus = [r["mean_accepted_length"] for r in data["results"] if r.get("label") == opt["label"]
                 and ("batch" not in opt or r["batch_size"] in {int(b) for b in opt["batch"].split(",")})]

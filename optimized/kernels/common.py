@@ -88,7 +88,10 @@ def split_seed(seed: int) -> tuple[int, int]:
 
 
 def per_row_words(x: int | Tensor, R: int, device: torch.device, name: str) -> Tensor:
-    """An int or ``[R]`` integer tensor as a contiguous ``[R]`` int64 device tensor (no sync)."""
+    """An int or ``[R]`` integer tensor as a contiguous ``[R]`` int64 device tensor (no sync: an int is filled in on
+    the device, where ``torch.as_tensor(int, device=cuda)`` would be a blocking copy that waits for the queue)."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return torch.full((R,), x, dtype=torch.int64, device=device)
     t = torch.as_tensor(x, device=device)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name} must be an int or an integer tensor, got dtype {t.dtype}")

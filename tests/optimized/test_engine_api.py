@@ -160,3 +160,25 @@ def test_bad_engine_settings_name_the_problem():
     with pytest.raises(ValueError, match="kernel_backend"):
         EngineConfig(kernel_backend="cuda")
     assert EngineConfig(batch_invariant=True).batch_invariant
+
+
+def test_generate_cli_passes_the_finish_time_gate(monkeypatch, capsys):
+    """``python -m optimized.generate --finish-time-gate`` builds the engine with EngineConfig.finish_time_gate (off
+    without the flag)."""
+    import optimized.generate as og
+    from reference.target import Target
+    from reference.testing import tiny_hf_model
+
+    target = Target.from_model(tiny_hf_model("llama"))
+    monkeypatch.setattr(Target, "load", classmethod(lambda cls, *a, **k: target))
+    monkeypatch.setattr(Target, "encode", lambda self, p, chat_template=True: [ord(c) % 90 + 2 for c in p])
+    seen, real = [], og.generate
+
+    def spy(*args, engine_config=None, **kwargs):
+        seen.append(engine_config.finish_time_gate)
+        return real(*args, engine_config=engine_config, **kwargs)
+
+    monkeypatch.setattr(og, "generate", spy)
+    for extra in ([], ["--finish-time-gate"]):
+        assert og.main(["--prompt", "abc", "--mode", "none", "--max-new-tokens", "3", "--json", *extra]) == 0
+    assert seen == [False, True]
