@@ -147,13 +147,19 @@ def test_decoding_steps_one_ahead_never_wait_for_the_stream(mode):
     while not all(engine.sequence(i).output_ids for i in range(len(PROMPTS))):  # the prefills (they read tokens)
         engine.step()
     engine.step()
-    torch.cuda.set_sync_debug_mode("error")
+    _step(engine, 6, strict=True)
+    assert all(len(engine.sequence(i).output_ids) > 6 for i in range(len(PROMPTS)))
+
+
+def _step(engine: Engine, steps: int, strict: bool) -> None:
+    """``steps`` engine steps, with any stream synchronisation raising an error if ``strict``."""
+    if strict:
+        torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(6):
+        for _ in range(steps):
             engine.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert all(len(engine.sequence(i).output_ids) > 6 for i in range(len(PROMPTS)))
 
 
 @pytest.mark.parametrize("mode", ["none", "adaptive"])
@@ -175,13 +181,7 @@ def test_prompts_joining_one_ahead_never_wait_for_the_stream(mode):
             engine.step()
         engine.step()
         engine.add_request([11, 12, 13, 14, 15], params, request_id=len(PROMPTS))
-        if one_ahead:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(3):
-                engine.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        _step(engine, 3, strict=one_ahead)
         while engine.has_unfinished():
             engine.step()
         outputs[one_ahead] = [engine.sequence(i).output_ids for i in range(len(PROMPTS) + 1)]
