@@ -183,6 +183,12 @@ class Engine:
         plain, speculative = self.scheduler.planner.scales(self._priced_requests)
         return {"plain": plain, "speculative": speculative}
 
+    @property
+    def price_scales_by_batch(self) -> dict[int, dict[str, float]]:
+        """Every batch-size bucket's measured price multipliers (``EngineConfig.cost_feedback``; empty when off or
+        before any bucket drifted): the smallest request count of the bucket -> kind -> multiplier."""
+        return {b: dict(k) for b, k in self._monitor.scales.items()} if self._monitor is not None else {}
+
     def set_scheduler(self, sched: SchedulerConfig) -> None:
         """Switch the verify-length policy between runs, keeping caches and graphs (benchmarks of every mode)."""
         if self.has_unfinished():

@@ -437,6 +437,8 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
             if cfg.cost_feedback and engine.cost_drift is not None:  # where the step prices ended up
                 row["cost_drift"] = {k: None if v is None else round(v, 4) for k, v in engine.cost_drift.items()}
                 row["price_scales"] = {k: round(v, 4) for k, v in engine.price_scales.items()}
+                row["price_scales_by_batch"] = {str(b): {k: round(v, 4) for k, v in kinds.items()}
+                                                for b, kinds in sorted(engine.price_scales_by_batch.items())}
             if cfg.acceptance_feedback and mode.drafts:  # the survival factors the planner ended with (None: 1)
                 scale = engine.survival_scale
                 row["survival_scale"] = None if scale is None else [round(x, 4) for x in scale]

@@ -157,5 +157,7 @@ def test_engine_feedback_rescales_and_reports_drift():
             drift = engine.cost_drift
             assert drift["speculative"] is not None and drift["speculative"] > 10, "CPU steps cost far more"
             assert engine.price_scales["speculative"] > 10
+            assert any(kinds.get("speculative", 1.0) > 10 for kinds in engine.price_scales_by_batch.values())
         else:
             assert engine.cost_drift is None and engine.price_scales == {"plain": 1.0, "speculative": 1.0}
+            assert engine.price_scales_by_batch == {}

@@ -166,6 +166,7 @@ def test_bench_engine_feedback_runs_the_engines_as_the_server_does(models, tmp_p
     row = next(r for r in report["results"] if r["label"] == "adaptive" and r["batch_size"] == 2)
     assert set(row["cost_drift"]) == {"plain", "speculative"} and set(row["price_scales"]) == {"plain", "speculative"}
     assert all(v > 0 for v in row["price_scales"].values())
+    assert all(int(b) >= 1 and all(v > 0 for v in kinds.values()) for b, kinds in row["price_scales_by_batch"].items())
     # --acceptance-feedback: drafting rows say which survival factors the planner ended with (None: too few trials)
     plain = next(r for r in report["results"] if r["label"] == "none")
     assert "survival_scale" in row and "survival_scale" not in plain
