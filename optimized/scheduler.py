@@ -428,6 +428,7 @@ class DraftGate:
         if self.finishing and verdict is not None:
             # Finishing an offline batch: the verdict holds for as long as it says. Nothing probes: the requests'
             # survivals can only go stale with their contexts, and the estimate already priced every step to the end.
+            # (Before every request has drafted gate_window times, the verdict is the ordinary gate's.)
             drafts = verdict
         else:
             # The reference's ``draft_forced(...) or verdict`` in the other order (the same boolean): a paying verdict
@@ -452,13 +453,17 @@ class DraftGate:
         if self._cache is None or self._cache[0] != key:
             recent = self.recent_survivals(seqs)  # [R, γ] host float32, or None
             margin = gate_margin(self.config, len(seqs))
+            # A batch's finish time is judged on a few drafts of every request (the moving average's window): one
+            # draft's survivals are noisy, and a finishing batch's plain verdict stands until the batch changes.
+            finishing = self.finishing and recent is not None and min(
+                self._count[s.slot] for s in seqs) >= self.config.gate_window
             if recent is None:
                 verdict = None
-            elif self.finishing:
+            elif finishing:
                 verdict = self._finish_verdict(seqs, recent, margin)
             else:
                 verdict = self.planner.speculation_pays(recent, len(seqs), None, margin, check=False)
-            if self.trace is not None and recent is not None and not self.finishing:
+            if self.trace is not None and recent is not None and not finishing:
                 best, plain = self.planner.gate_estimates(recent, len(seqs))
                 self.trace.append((len(seqs), best, plain, margin, bool(verdict)))
             self._cache = (key, recent, verdict)

@@ -152,9 +152,9 @@ def _finishing(survival_rows: list[float], waiting: int = 0) -> tuple[Scheduler,
     for s in seqs:
         sched.add(s)
     sched.schedule()
-    for s, p in zip(seqs, survival_rows):
+    for s, p in zip(seqs, survival_rows):  # gate_window drafts each: the finish-time gate decides from then on
         s.status, s.num_prefilled = Status.DECODE, 3
-        s.survivals = [np.cumprod(np.full(GAMMA, p, dtype=np.float32))]
+        s.survivals = [np.cumprod(np.full(GAMMA, p, dtype=np.float32))] * sched.config.gate_window
     return sched, seqs[:r]
 
 
@@ -175,3 +175,8 @@ def test_the_finish_time_gate_weighs_the_slowest_request():
 
     sched, seqs = _finishing([0.95, 0.95, 0.95, 0.05], waiting=1)
     assert sched.drafters() == seqs and not sched.gate.finishing
+
+    sched, seqs = _finishing([0.95, 0.95, 0.95, 0.05])  # one draft fewer than the window: the ordinary gate
+    for s in seqs:
+        s.survivals = s.survivals[1:]
+    assert sched.drafters() == seqs
