@@ -466,11 +466,12 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
 
 
 def finish_trace_summary(trace: list[tuple[int, FinishEstimate, float, bool]]) -> dict[str, Any]:
-    """What the finish-time gate estimated over a configuration's runs (warm-up included): its first estimates of
-    each run's batch (the largest R) and every later one, by R: the expected time to finish drafting over plainly,
-    the expected steps drafting against the plain steps left, and whether it drafted."""
+    """What the finish-time gate estimated over a configuration's runs (warm-up included): how often it estimated
+    and drafted, and its first 64 estimates in order, each with R, the expected time to finish drafting over plainly,
+    the expected steps drafting against the plain steps left, the margin and whether it drafted."""
     return {"evaluations": len(trace), "drafted": sum(v for *_, v in trace),
-            "estimates": [{"requests": r, "speculative_over_plain": round(e.speculative_s / e.plain_s, 4),
+            "estimates": [{"requests": r, "speculative_over_plain": (round(e.speculative_s / e.plain_s, 4)
+                                                                      if e.plain_s > 0 else None),
                            "speculative_steps": round(e.speculative_steps, 1), "plain_steps": e.plain_steps,
                            "margin": round(m, 4), "drafted": v} for r, e, m, v in trace[:64]]}
 
