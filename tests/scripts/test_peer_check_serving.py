@@ -29,12 +29,18 @@ json.dump(report, open(scenario["outputs"][0]["path"], "w"))
 """
 
 
-def test_both_clients_get_one_workload_and_the_report_puts_them_side_by_side(tmp_path, monkeypatch):
+def _fake_guidellm_and_prompts(tmp_path):
+    """The fake GuideLLM executable and a five-prompt JSONL file, in ``tmp_path``."""
     guidellm = tmp_path / "guidellm"
     guidellm.write_text(FAKE_GUIDELLM.format(python=sys.executable))
     guidellm.chmod(guidellm.stat().st_mode | stat.S_IEXEC)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(5)))
+    return guidellm, prompts
+
+
+def test_both_clients_get_one_workload_and_the_report_puts_them_side_by_side(tmp_path, monkeypatch):
+    guidellm, prompts = _fake_guidellm_and_prompts(tmp_path)
     seen = []
 
     def ours(args, c, n, prompts_path, work):  # our client, stubbed: what it was asked to send
@@ -104,11 +110,7 @@ def test_annotate_adds_the_engine_alone_at_each_level_against_its_fastest_mode(t
 def test_a_live_run_adds_the_engine_alone_once_its_levels_are_measured(tmp_path, monkeypatch):
     """With --engine-report the measured report gets the engine alone at the levels the engine report has; an
     unreadable engine report fails before either client runs."""
-    guidellm = tmp_path / "guidellm"
-    guidellm.write_text(FAKE_GUIDELLM.format(python=sys.executable))
-    guidellm.chmod(guidellm.stat().st_mode | stat.S_IEXEC)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(5)))
+    guidellm, prompts = _fake_guidellm_and_prompts(tmp_path)
     ran = []
 
     def ours(args, c, n, prompts_path, work):
