@@ -220,14 +220,19 @@ class BudgetPlanner:
         """``reference.scheduler.finish_estimate`` at this planner's prices (the survivals scaled as the budget sees
         them, the measured price multipliers, the budget it would plan), its table lookups cached. Host only."""
         arr = np.asarray(a_latest, dtype=np.float32)  # [R, γ]
-        if self.survival_scale is not None:
-            arr = np.minimum(np.minimum.accumulate(arr * self.survival_scale[:arr.shape[1]], axis=1),
-                             1.0).astype(np.float32)
         r = arr.shape[0]
-        budget = self._best(self._theta(arr, r, r, check=False))[0]
+        budget = self._best(self._theta(arr, r, r, check=False))[0]  # _theta scales the survivals itself
         # the measured multipliers per batch size, in the prices (each step of the estimate has its own batch)
-        return finish_estimate(torch.from_numpy(arr), torch.tensor(remaining, dtype=torch.float64), _Prices(self),
-                               budget)
+        return finish_estimate(torch.from_numpy(self._scaled(arr)), torch.tensor(remaining, dtype=torch.float64),
+                               _Prices(self), budget)
+
+    def _scaled(self, arr: np.ndarray) -> np.ndarray:
+        """``arr`` ``[R, γ]`` float32 times the per-slot ``survival_scale``, capped at 1 and non-increasing again (NaN
+        rows stay NaN); ``arr`` itself without a scale."""
+        if self.survival_scale is None:
+            return arr
+        return np.minimum(np.minimum.accumulate(arr * self.survival_scale[:arr.shape[1]], axis=1),
+                          1.0).astype(np.float32)  # [R, γ] in [0, 1], non-increasing
 
     @staticmethod
     def _best(theta: Iterator[float] | np.ndarray) -> tuple[int, float]:
@@ -248,9 +253,7 @@ class BudgetPlanner:
         arr = np.asarray(a_stale, dtype=np.float32)  # [R, γ] (no copy if it is float32 already)
         if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0:
             raise ValueError(f"a_stale must be a non-empty [R, γ] matrix, got {tuple(arr.shape)}")
-        if self.survival_scale is not None:  # what the drafts' outcomes say of the forecasts (NaN rows stay NaN)
-            arr = np.minimum(np.minimum.accumulate(arr * self.survival_scale[:arr.shape[1]], axis=1),
-                             1.0).astype(np.float32)  # [R, γ] in [0, 1], non-increasing
+        arr = self._scaled(arr)  # what the drafts' outcomes say of the forecasts (acceptance feedback), if anything
         r, g = arr.shape
         n_s = r if num_requests is None else num_requests
         step, step_list = self._step_times(num_anchor_tokens, r, r * g)  # [R·γ + 1] each

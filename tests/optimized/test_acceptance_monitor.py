@@ -101,3 +101,22 @@ def test_engine_feedback_sets_the_factors_and_keeps_greedy_tokens(async_decode):
         else:
             assert engine._acceptance is None and engine.survival_scale is None
     assert out[True] == out[False]
+
+
+def test_the_finish_estimate_scales_the_survivals_once():
+    """With acceptance feedback the finish-time estimate runs on the scaled survivals, at the budget the planner plans
+    from them (scaled once, as for the budget itself): the reference's estimate on those inputs."""
+    import torch
+
+    from reference.scheduler import finish_estimate
+
+    table = CostTable.affine(fixed_ms=5.0, per_token_ms=0.3, draft_fixed_ms=2.0, sizes=list(range(1, 129)))
+    planner = BudgetPlanner(table)
+    planner.survival_scale = np.array([0.8, 0.7, 0.6, 0.5])
+    a = np.tile(np.array([0.9, 0.8, 0.7, 0.6], dtype=np.float32), (3, 1))  # [R, γ]
+    scaled = np.minimum(np.minimum.accumulate(a * planner.survival_scale, axis=1), 1.0).astype(np.float32)
+    want = finish_estimate(torch.from_numpy(scaled), torch.tensor([20.0, 30.0, 40.0]), table, planner.budget(a, 3, 3))
+    got = planner.finish_estimate(a, [20, 30, 40])
+    assert got.speculative_steps == pytest.approx(want.speculative_steps, rel=1e-9)
+    assert got.speculative_s == pytest.approx(want.speculative_s, rel=1e-9)
+    assert got.plain_s == pytest.approx(want.plain_s)
