@@ -25,10 +25,12 @@ Each program owns ``BLOCK_N`` output columns and walks the input dimension ``K``
   product is latency-bound, and a loop of dependent 64-wide tiles ran 2–4× slower than cuBLAS. The rows run one
   after another, though: on the H200 eight rows cost 2.4× one;
 - ``tl.dot`` tiles of 16 rows (``_norm_linear_kernel``) for more rows: the same two passes over ``[16, BLOCK_K]``
-  tiles, faster from four rows on. Its tiles do not depend on the number of rows either, so with
+  tiles, faster than cuBLAS from four rows on. Its tiles do not depend on the number of rows either, so with
   ``row_invariant=True`` every step takes it, one row included, and a row's bits do not depend on how many rows
   share the step (tests/equivalence/test_row_invariance.py): what would change them is the switch between the two
-  kernels.
+  kernels. For three to :data:`BCAST_MAX_ROWS` rows the same kernel can sum the broadcast product
+  ``[BLOCK_M, BLOCK_N, BLOCK_K]`` instead of calling ``tl.dot`` (``kernel="bcast"``): every row at once, no padding
+  to 16 rows, and two to eight output columns a program (more programs in flight).
 
 With ``GATED`` the weight is ``[gate | up]`` (``[2N, K]``, the engine's fused gate/up matrix) and the program
 accumulates the gate and up columns of the same outputs, then writes ``silu(gate) · up`` with HF's rounding (each
@@ -63,6 +65,13 @@ FUSED_MAX_ROWS = 2
 # The row loop's rows run one after another: on the H200 its chain costs 14.5 / 15.0 / 21.4 / 34.3 / 73.2 µs a layer
 # at 1 / 2 / 4 / 8 / 16 rows against cuBLAS's ~22 (docs/benchmarks/linear-row-loop-h200.json).
 ROW_LOOP_ROWS = 2
+
+# From ROW_LOOP_ROWS + 1 up to this many rows the default kernel is the broadcast product (``kernel="bcast"``): the
+# rows of a small verify block (batch 1 or 2 with γ = 7: 8 or 16 rows) at once, without padding them to a 16-row
+# tl.dot tile, and with fewer output columns a program than tl.dot's 16, hence more programs streaming the weights.
+# Only steps the engine fuses reach it (FUSED_MAX_ROWS, or a larger ``--linear-rows``). Not yet measured against the
+# tl.dot tiles on a GPU: scripts/bench_linear.py sweeps both (scripts/reproduce/batch1_step_h200.sh).
+BCAST_MAX_ROWS = 16
 
 
 def fused_rows(n: int, limit: int | None = None) -> bool:
@@ -138,7 +147,12 @@ if HAS_TRITON:
         stride_xm, stride_rm, stride_wn, stride_ym, stride_sm,
         NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        USE_DOT: tl.constexpr,
     ):
+        """``[BLOCK_M, BLOCK_K]`` input tiles against ``[BLOCK_N, BLOCK_K]`` weight tiles, walking K: with ``USE_DOT``
+        each pair is one ``tl.dot`` (matrix instructions, 16 rows a tile at least); without it, the broadcast product
+        ``[BLOCK_M, BLOCK_N, BLOCK_K]`` summed over K in float32 (every row of the tile at once, for a few rows: no
+        padding to 16, and as few output columns a program as keep the product in registers)."""
         pid_n = tl.program_id(0)
         rows = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rmask = rows < M
@@ -159,10 +173,17 @@ if HAS_TRITON:
                 h = (gain[None, :] * normed.to(tl.float32)).to(h.dtype)
             wmask = omask[:, None] & kmask[None, :]
             w = tl.load(w_ptr + outs[:, None] * stride_wn + cols[None, :], mask=wmask, other=0.0)  # [BLOCK_N, BLOCK_K]
-            acc += tl.dot(h, tl.trans(w), input_precision=DOT_PRECISION)
             if GATED:
                 w_up = tl.load(w_ptr + (outs[:, None] + N) * stride_wn + cols[None, :], mask=wmask, other=0.0)
-                acc_up += tl.dot(h, tl.trans(w_up), input_precision=DOT_PRECISION)
+            if USE_DOT:
+                acc += tl.dot(h, tl.trans(w), input_precision=DOT_PRECISION)
+                if GATED:
+                    acc_up += tl.dot(h, tl.trans(w_up), input_precision=DOT_PRECISION)
+            else:  # [BLOCK_M, 1, BLOCK_K] · [1, BLOCK_N, BLOCK_K], summed over K
+                hf = h.to(tl.float32)[:, None, :]
+                acc += tl.sum(hf * w.to(tl.float32)[None, :, :], axis=2)
+                if GATED:
+                    acc_up += tl.sum(hf * w_up.to(tl.float32)[None, :, :], axis=2)
         _store_output(acc, acc_up, b_ptr, y_ptr, rows, rmask, outs, omask, stride_ym, HAS_BIAS, GATED)
 
     @triton.jit
@@ -230,8 +251,9 @@ def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = Fal
     (``BLOCK_K`` = K rounded up to a power of two, up to 2048), so that every weight load of a program is in flight
     at once, and as few output columns a program as keep its weight tile at ~2048 values: one to four columns,
     hundreds of programs. A one-row step is latency-bound, and this was the fastest shape of the sweep on the H200
-    (scripts/bench_linear.py: 2–4× faster than 64-wide K tiles walked in a loop). More rows: ``tl.dot`` tiles of 16
-    rows (``kernel="dot"``), faster from four rows on.
+    (scripts/bench_linear.py: 2–4× faster than 64-wide K tiles walked in a loop). Up to :data:`BCAST_MAX_ROWS` rows:
+    the broadcast product of every row of the block against ``[BLOCK_N, 256]`` weight tiles (``kernel="bcast"``, two
+    to eight columns a program). More rows: ``tl.dot`` tiles of 16 rows (``kernel="dot"``).
 
     With ``row_invariant`` every ``m`` takes the one ``tl.dot`` configuration: a row's products are summed over the
     same ``BLOCK_K`` tiles in the same order, by the same matrix instructions, whether its tile holds 1 or 16 real
@@ -242,6 +264,10 @@ def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = Fal
     """
     if row_invariant:  # 32 columns a program for every op: the best single tile of the H200's sweep over 1..512 rows
         return dict(kernel="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=min(256, triton.next_power_of_2(k)), num_warps=4)
+    if m <= BCAST_MAX_ROWS and m > ROW_LOOP_ROWS:  # every row at once, ~8192 products a program in registers
+        block_m, block_k = triton.next_power_of_2(m), min(256, triton.next_power_of_2(k))
+        return dict(kernel="bcast", BLOCK_M=block_m, BLOCK_N=max(1, 8192 // (block_m * block_k)), BLOCK_K=block_k,
+                    num_warps=4)
     if m > ROW_LOOP_ROWS:
         return dict(kernel="dot", BLOCK_M=16, BLOCK_N=32 if gated else 16, BLOCK_K=min(256, triton.next_power_of_2(k)),
                     num_warps=4)
@@ -267,8 +293,8 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
         norm_weight: ``[K]`` RMSNorm gain, or ``None`` for no norm (then ``residual`` must be ``None``).
         residual: ``[M, K]`` added to ``x`` before the norm, or ``None``.
         gated: return ``silu(x̂ W_gateᵀ) · (x̂ W_upᵀ)`` ``[M, N]`` instead of the projection.
-        config: the kernel (``kernel``: ``"rows"`` or ``"dot"``) and its tile sizes (``BLOCK_M``, ``BLOCK_N``,
-            ``BLOCK_K``, ``num_warps``), default :func:`kernel_config` (the benchmark sweeps them).
+        config: the kernel (``kernel``: ``"rows"``, ``"bcast"`` or ``"dot"``) and its tile sizes (``BLOCK_M``,
+            ``BLOCK_N``, ``BLOCK_K``, ``num_warps``), default :func:`kernel_config` (the benchmark sweeps them).
         row_invariant: compute every row with the one ``tl.dot`` configuration at any size, so that a row's output
             does not depend on the other rows of the step (slower than the row loop at one or two rows).
 
@@ -304,13 +330,14 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
         cfg = dict(kernel_config(m, n, k, gated, row_invariant) if config is None else config)
         block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
         kind = cfg.pop("kernel", "rows" if block_m < 16 else "dot")
-        if kind == "dot":
+        if kind in ("dot", "bcast"):
             kernel = _norm_linear_kernel
             cfg["DOT_PRECISION"] = "ieee" if x.dtype == torch.float32 else "tf32"
+            cfg["USE_DOT"] = kind == "dot"
         elif kind == "rows":
             kernel = _norm_linear_rows_kernel
         else:
-            raise ValueError(f"config['kernel'] must be 'rows' or 'dot', got {kind!r}")
+            raise ValueError(f"config['kernel'] must be 'rows', 'bcast' or 'dot', got {kind!r}")
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
         dummy = x  # stands in for absent pointers (never read: the flags compile the accesses away)
         res = residual if residual is not None else x

@@ -17,7 +17,15 @@ import pytest
 import torch
 
 from optimized.kernels.layer_ops import HAS_TRITON
-from optimized.kernels.linear import FUSED_MAX_ROWS, ROW_LOOP_ROWS, fused_rows, kernel_config, linear, norm_linear
+from optimized.kernels.linear import (
+    BCAST_MAX_ROWS,
+    FUSED_MAX_ROWS,
+    ROW_LOOP_ROWS,
+    fused_rows,
+    kernel_config,
+    linear,
+    norm_linear,
+)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
@@ -59,7 +67,7 @@ def run_both(kw, gated, config=None):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 16, 21])  # the row loop (3: masked rows), tl.dot tiles (21: masked rows)
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 21])  # row loop, broadcast product (3: masked rows), tl.dot (21: masked)
 @pytest.mark.parametrize("gated", [False, True])
 def test_norm_linear_matches_torch(dtype, m, gated):
     if dtype == torch.bfloat16 and kernel_config(m, 40, 72, gated)["kernel"] == "dot":
@@ -83,7 +91,9 @@ def test_flags_and_bias(norm, residual, m):
 @pytest.mark.parametrize("config", [dict(kernel="rows", BLOCK_M=1, BLOCK_N=4, BLOCK_K=16, num_warps=1),
                                     dict(kernel="rows", BLOCK_M=4, BLOCK_N=8, BLOCK_K=32, num_warps=2),
                                     dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=32, num_warps=2),  # rows: BLOCK_M < 16
-                                    dict(kernel="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4)])
+                                    dict(kernel="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4),
+                                    dict(kernel="bcast", BLOCK_M=4, BLOCK_N=8, BLOCK_K=16, num_warps=4),
+                                    dict(kernel="bcast", BLOCK_M=8, BLOCK_N=2, BLOCK_K=64, num_warps=2)])
 def test_any_tiling_gives_the_same_result(config):
     """Tiles smaller than every dimension: several programs over rows and columns, several K steps."""
     kw = case(5, 50, 36, torch.float32, gated=True)
@@ -146,6 +156,9 @@ def test_row_limit_and_configs():
             if m <= ROW_LOOP_ROWS:
                 assert {key: cfg[key] for key in same_tile} == {key: one[key] for key in same_tile}
                 assert cfg["kernel"] == "rows" and cfg["BLOCK_M"] >= m and cfg["BLOCK_N"] * cfg["BLOCK_K"] <= 2048
+            elif m <= BCAST_MAX_ROWS:  # every row of the block at once, ~8192 products a program
+                assert cfg["kernel"] == "bcast" and m <= cfg["BLOCK_M"] < 2 * m and cfg["BLOCK_K"] == 256
+                assert cfg["BLOCK_M"] * cfg["BLOCK_N"] * cfg["BLOCK_K"] == 8192
             else:
                 assert cfg["kernel"] == "dot" and cfg["BLOCK_M"] == invariant["BLOCK_M"] == 16
 
@@ -166,13 +179,13 @@ def test_gpu_bfloat16_bits(m, gated, dtype, _):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("m,row_invariant", [(1, False), (2, False), (8, True)])
+@pytest.mark.parametrize("m,row_invariant", [(1, False), (2, False), (8, False), (8, True)])
 @pytest.mark.parametrize("op", ["qkv", "o", "gate_up", "down"])
 def test_default_tiles_at_smollm2_widths(m, row_invariant, op):
     """The engine's own tiles at SmolLM2's input widths: the row loop's (one to four columns a program, the whole row
-    of 576 or 1536 in one tile) for the steps the engine fuses, and the tl.dot tiles of an 8-row verify block with row
-    invariance (few output columns: the tiles depend on K, and the interpreter is slow; the full shapes run compiled
-    in test_gpu_bfloat16_bits)."""
+    of 576 or 1536 in one tile) for the steps the engine fuses, the broadcast tiles of an 8-row verify block, and its
+    tl.dot tiles with row invariance (few output columns: the tiles depend on K, and the interpreter is slow; the full
+    shapes run compiled in test_gpu_bfloat16_bits)."""
     k, n, gated, norm = {"qkv": (576, 15, False, True), "o": (576, 9, False, False),
                          "gate_up": (576, 12, True, True), "down": (1536, 9, False, False)}[op]
     kw = case(m, k, n, torch.float32, gated=gated, norm=norm, residual=norm)
