@@ -151,31 +151,47 @@ def sweep_configs(rows: int, k_max: int) -> list[dict]:
     return configs
 
 
+def _tensors(outputs: list) -> list[torch.Tensor]:
+    """The tensors of one op's per-layer outputs (``norm_linear`` returns ``(y, x̂)``, ``linear`` ``y``)."""
+    return [t for out in outputs for t in (out if isinstance(out, tuple) else (out,))]
+
+
 def invariant_configs(k_max: int) -> list[dict]:
-    """The tl.dot tiles the row-invariant sweep tries (one tile for every step size: rows and columns per program)."""
+    """The tl.dot tiles the row-invariant sweep tries (rows, columns and K columns a program; four or eight warps)."""
     widest = 1 << (k_max - 1).bit_length()
-    return [dict(kernel="dot", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4) for bm in (16, 32, 64)
-            for bn in (16, 32, 64) for bk in (128, 256) if bk <= widest]
+    return [dict(kernel="dot", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bm in (16, 32, 64, 128)
+            for bn in (16, 32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)
+            if bk <= widest and bm * bn <= 8192 and (w == 4 or bm * bn >= 4096)]
 
 
 def invariant_sweep(rows: list[int], layers: list[dict], hidden: int, inter: int, device, dtype, backend: str,
-                    repeats: int, iters: int, graphs: bool, gen: torch.Generator) -> list[dict]:
-    """Each op over :func:`invariant_configs` at every row count; per op the tiles ranked by the geometric mean over
-    the row counts of (time / the best time at that row count), the default row-invariant tile included."""
+                    repeats: int, iters: int, graphs: bool, gen: torch.Generator,
+                    max_configs: int | None = None) -> list[dict]:
+    """Each op over :func:`invariant_configs` at every row count, each tile's output compared bit for bit with the
+    first tile of ``INVARIANT_TILES`` on the same rows (``identical``: every row count agrees; only such tiles may
+    share a row-invariant table with it). Per op: the tiles ranked by the geometric mean over the row counts of
+    (time / the best time at that row count), and ``table``: the fastest identical tile at each row count."""
     results = []
     for op in ("qkv", "o", "gate_up", "down"):
         k, n = (inter, hidden) if op == "down" else (hidden, {"qkv": layers[0]["qkv"].shape[0], "o": hidden,
                                                               "gate_up": inter}[op])
-        default = kernel_config(1, n, k, op == "gate_up", row_invariant=True)
+        base = kernel_config(1, n, k, op == "gate_up", row_invariant=True)  # the table's first tile
         grid = invariant_configs(k)
-        if default not in grid:
-            grid.append(default)
+        if max_configs and len(grid) > max_configs:
+            step = len(grid) / max_configs
+            grid = [grid[int(i * step)] for i in range(max_configs)]
+        if base not in grid:
+            grid.insert(0, base)
         times: dict[int, list[float | None]] = {}
+        identical = [True] * len(grid)
         for m in rows:
             x = torch.randn(m, hidden, generator=gen).to(device=device, dtype=dtype)
+            reference = [t.clone() for t in _tensors(one_op(op, x, layers[:2], base, backend)())]
             row_times = []
-            for cfg in tqdm(grid, desc=f"invariant sweep {op} M={m}", disable=None):
+            for i, cfg in enumerate(tqdm(grid, desc=f"invariant sweep {op} M={m}", disable=None)):
                 try:
+                    got = _tensors(one_op(op, x, layers[:2], cfg, backend)())
+                    identical[i] &= all(torch.equal(a, b) for a, b in zip(got, reference, strict=True))
                     row_times.append(timed(one_op(op, x, layers, cfg, backend), device, repeats, iters, graphs)
                                      / len(layers))
                 except Exception as e:  # a tile that does not compile (shared memory, registers) is skipped
@@ -189,15 +205,52 @@ def invariant_sweep(rows: list[int], layers: list[dict], hidden: int, inter: int
                 continue
             slowdown = statistics.geometric_mean([per_row[m] / min(t for t in times[m] if t is not None)
                                                   for m in rows])
-            ranked.append({"config": cfg, "default": cfg == default, "us": {str(m): round(t, 3)
-                                                                           for m, t in per_row.items()},
-                           "slowdown": round(slowdown, 4)})
+            ranked.append({"config": cfg, "default": cfg == base, "identical": identical[i],
+                           "us": {str(m): round(t, 3) for m, t in per_row.items()}, "slowdown": round(slowdown, 4)})
         ranked.sort(key=lambda r: r["slowdown"])
+        table = []
+        for m in rows:  # the fastest tile at m among those identical to the base
+            best = min((r for r in ranked if r["identical"]), key=lambda r: r["us"][str(m)])
+            table.append({"rows": m, "config": best["config"], "us": best["us"][str(m)],
+                          "base_us": next(r for r in ranked if r["default"])["us"][str(m)]})
         best, dflt = ranked[0], next(r for r in ranked if r["default"])
-        log.info("invariant sweep %-8s best %s (×%.3f), default ×%.3f", op, best["config"], best["slowdown"],
-                 dflt["slowdown"])
-        results.append({"op": op, "row_counts": rows, "ranked": ranked})
+        log.info("invariant sweep %-8s best %s (×%.3f, identical %s), default ×%.3f; %d of %d tiles identical", op,
+                 best["config"], best["slowdown"], best["identical"], dflt["slowdown"],
+                 sum(r["identical"] for r in ranked), len(ranked))
+        for row in table:
+            log.info("  M=%4d fastest identical %s %.2f µs (base %.2f µs)", row["rows"], row["config"], row["us"],
+                     row["base_us"])
+        results.append({"op": op, "k": k, "row_counts": rows, "ranked": ranked, "table": table})
     return results
+
+
+def proposed_invariant_tiles(sweep: list[dict]) -> list[dict]:
+    """One row-invariant table for every op (``optimized.kernels.linear.INVARIANT_TILES``'s format, for
+    ``set_invariant_tiles`` or ``scripts/exactness.py --invariant-tiles``): at each swept row count the tile identical
+    to the base in every op with the least time summed over the ops; each entry serves up to its row count, the last
+    any size, equal neighbours merged."""
+    rows = sweep[0]["row_counts"]
+
+    def key(cfg: dict, k: int) -> tuple:  # BLOCK_K as kernel_config caps it for an input of k columns
+        return cfg["BLOCK_M"], cfg["BLOCK_N"], min(cfg["BLOCK_K"], 1 << (k - 1).bit_length()), cfg["num_warps"]
+
+    by_op = [({key(r["config"], op["k"]): r for r in op["ranked"]}, op["k"]) for op in sweep]
+    widest_k = max(op["k"] for op in sweep)
+    candidates = [r["config"] for r in next(op for op in sweep if op["k"] == widest_k)["ranked"]]
+    common = [c for c in candidates
+              if all(key(c, k) in ranks and ranks[key(c, k)]["identical"] for ranks, k in by_op)]
+    if not common:
+        raise ValueError("no tile is identical to the base tile in every op")
+    tiles: list[dict] = []
+    for i, m in enumerate(rows):
+        cfg = min(common, key=lambda c: sum(ranks[key(c, k)]["us"][str(m)] for ranks, k in by_op))
+        tile = {"max_rows": m if i < len(rows) - 1 else None,
+                **{name: cfg[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps")}}
+        if tiles and all(tiles[-1][name] == tile[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps")):
+            tiles[-1]["max_rows"] = tile["max_rows"]  # the same tile as the smaller size's: one entry
+        else:
+            tiles.append(tile)
+    return tiles
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -217,9 +270,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--sweep", action="store_true", help="also time each fused op over a grid of tile sizes")
     p.add_argument("--sweep-rows", default="1,8", help="row counts of the sweep")
     p.add_argument("--invariant-sweep", default="",
-                   help="comma list of row counts: time each op over a grid of tl.dot tiles at every one of them, and "
-                        "rank the tiles by their geometric-mean slowdown against each size's best (row_invariant "
-                        "takes one tile at every size; empty: no such sweep)")
+                   help="comma list of row counts: time each op over a grid of tl.dot tiles at every one of them, "
+                        "compare each tile's bits with the first row-invariant tile's, rank the tiles by their "
+                        "geometric-mean slowdown against each size's best, and propose the fastest identical tile per "
+                        "size (empty: no such sweep)")
     p.add_argument("--sweep-max-configs", type=int, default=None,
                    help="try at most this many tiles per op, evenly spaced over the grid (default: all)")
     p.add_argument("--repeats", type=int, default=7,
@@ -298,7 +352,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     inv_rows = [int(r) for r in args.invariant_sweep.split(",") if r]
     if inv_rows:
         report["invariant_sweep"] = invariant_sweep(inv_rows, layers, hidden, inter, device, dtype, backend,
-                                                    args.repeats, iters, graphs, gen)
+                                                    args.repeats, iters, graphs, gen, args.sweep_max_configs)
+        report["proposed_invariant_tiles"] = proposed_invariant_tiles(report["invariant_sweep"])
+        log.info("proposed row-invariant tiles (scripts/exactness.py --invariant-tiles): %s",
+                 json.dumps(report["proposed_invariant_tiles"]))
         out.write_text(json.dumps(report, indent=2) + "\n")
     save_plot(plot, report, out.with_suffix(".png"), log)
     log.info("wrote %s", out)

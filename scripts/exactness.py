@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
 from optimized.engine import Engine, EngineConfig, SamplingParams
+from optimized.kernels import linear as linear_kernels
 from reference.cli import DEFAULT_DRAFTER, LOG_FORMAT, load_or_init_drafter
 from reference.config import SchedulerConfig
 from reference.cost_model import CostTable, hardware_name
@@ -93,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "triton", "torch"],
                    help="the engine's kernels (auto: Triton on CUDA or under TRITON_INTERPRET=1)")
     p.add_argument("--seed", type=int, default=0, help="EngineConfig.seed")
+    p.add_argument("--invariant-tiles", default=None,
+                   help="a table of row-invariant tl.dot tiles for the invariant setting, as JSON or a JSON file "
+                        "(optimized.kernels.linear.INVARIANT_TILES's format), or the JSON report of "
+                        "scripts/bench_linear.py --invariant-sweep (its proposed table): a trial of larger tiles for "
+                        "large steps, whose bits this run checks (default: the table in the code)")
     p.add_argument("--json", default=None, help="output JSON (default docs/benchmarks/exactness-<tag>.json)")
     add_engine_source_args(p)
     return p
@@ -106,6 +112,27 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     if not settings or any(s not in SETTINGS for s in settings):
         raise SystemExit(f"--settings takes {', '.join(SETTINGS)}, got {args.settings!r}")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    tiles = None
+    if args.invariant_tiles:
+        text = args.invariant_tiles
+        if not text.lstrip().startswith("["):
+            text = Path(text).read_text()
+        try:
+            tiles = json.loads(text)
+            if isinstance(tiles, dict):  # a scripts/bench_linear.py report: its proposal
+                if "proposed_invariant_tiles" not in tiles:
+                    raise ValueError("the report has no proposed_invariant_tiles (run bench_linear --invariant-sweep)")
+                tiles = tiles["proposed_invariant_tiles"]
+            with linear_kernels.invariant_tiles(tiles):  # checks it now, before any model is loaded
+                pass
+        except (json.JSONDecodeError, TypeError, KeyError, ValueError, AttributeError) as err:
+            raise SystemExit(f"--invariant-tiles: {err}") from err
+    with linear_kernels.invariant_tiles(tiles):
+        return _run(args, settings, batch_sizes, target, drafter, prompt_ids, cost, argv)
+
+
+def _run(args: argparse.Namespace, settings: list[str], batch_sizes: list[int], target: Target | None, drafter,
+         prompt_ids: list[list[int]] | None, cost: CostTable | None, argv: list[str] | None) -> dict[str, Any]:
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if target is None:
         target = Target.load(args.model, device=args.device, dtype=getattr(torch, dtype_name))
@@ -127,7 +154,8 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
         "command": "python -m scripts.exactness " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                         else sys.argv[1:])),
         "model": target.name or args.model, "drafter": args.drafter or str(DEFAULT_DRAFTER),
-        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "results": [], "throughput_ratio": [],
+        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "invariant_tiles": [dict(t) for t in linear_kernels.INVARIANT_TILES], "results": [], "throughput_ratio": [],
     }
     max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + 2 * gamma + 8
     tokens_per_s: dict[tuple[str, int, str], float] = {}

@@ -43,6 +43,9 @@ float32 sums (the RMS and the dot products), i.e. by about one output ulp where 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -72,6 +75,49 @@ ROW_LOOP_ROWS = 2
 # Only steps the engine fuses reach it (FUSED_MAX_ROWS, or a larger ``--linear-rows``). Not yet measured against the
 # tl.dot tiles on a GPU: scripts/bench_linear.py sweeps both (scripts/reproduce/batch1_step_h200.sh).
 BCAST_MAX_ROWS = 16
+
+# The row-invariant tl.dot tiles by step size, smallest first: each entry serves steps of up to ``max_rows`` rows
+# (None: any). Several entries let a large step take larger tiles — but only tiles that give every row the bits the
+# first entry gives it, or a token's bits would depend on its step again. Whether two tiles agree is the GPU's
+# matrix instructions' business (16- and 32-row tiles run mma.sync on sm_90, 64-row tiles may run wgmma), so it is
+# measured, not assumed: ``scripts/bench_linear.py --invariant-sweep`` marks each tile it times ``identical`` or not
+# against this table's first entry and proposes a table of the fastest identical ones, which
+# ``set_invariant_tiles`` (``scripts/exactness.py --invariant-tiles``) installs for a trial and
+# tests/equivalence/test_linear.py checks on the device. One entry (the best single tile of the H200's sweep over
+# 1..512 rows) until such a sweep has run.
+INVARIANT_TILES: tuple[dict, ...] = (dict(max_rows=None, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4),)
+
+
+def set_invariant_tiles(tiles: list[dict]) -> None:
+    """Install a table of row-invariant tiles (:data:`INVARIANT_TILES`'s format), checked for shape: ``max_rows``
+    increasing and the last None, tile sizes powers of two, BLOCK_M ≥ 16 (tl.dot's smallest tile)."""
+    global INVARIANT_TILES
+    keys = {"max_rows", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"}
+    if not tiles or tiles[-1].get("max_rows", 0) is not None:
+        raise ValueError("the last row-invariant tile must serve any step size (max_rows None)")
+    bounds = [t.get("max_rows") for t in tiles[:-1]]
+    if any(b is None or b < 1 for b in bounds) or bounds != sorted(set(bounds)):
+        raise ValueError(f"row-invariant tiles' max_rows must increase, the last None, got {bounds + [None]}")
+    for t in tiles:
+        if set(t) != keys:
+            raise ValueError(f"a row-invariant tile has exactly the keys {sorted(keys)}, got {sorted(t)}")
+        sizes = [t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"], t["num_warps"]]
+        if any(not isinstance(v, int) or v < 1 or v & (v - 1) for v in sizes) or min(sizes[:3]) < 16:
+            raise ValueError(f"tile sizes must be powers of two, BLOCK_M/N/K ≥ 16: {t}")
+    INVARIANT_TILES = tuple(dict(t) for t in tiles)
+
+
+@contextlib.contextmanager
+def invariant_tiles(tiles: list[dict] | None) -> Iterator[None]:
+    """:func:`set_invariant_tiles` for the duration of a ``with`` block (None: the table in force), then the table
+    before it again."""
+    previous = INVARIANT_TILES
+    if tiles is not None:
+        set_invariant_tiles(tiles)
+    try:
+        yield
+    finally:
+        set_invariant_tiles(list(previous))
 
 
 def fused_rows(n: int, limit: int | None = None) -> bool:
@@ -175,10 +221,10 @@ if HAS_TRITON:
             w = tl.load(w_ptr + outs[:, None] * stride_wn + cols[None, :], mask=wmask, other=0.0)  # [BLOCK_N, BLOCK_K]
             if GATED:
                 w_up = tl.load(w_ptr + (outs[:, None] + N) * stride_wn + cols[None, :], mask=wmask, other=0.0)
-            if USE_DOT:
-                acc += tl.dot(h, tl.trans(w), input_precision=DOT_PRECISION)
+            if USE_DOT:  # into the accumulator: each row's products summed in K order, whatever BLOCK_K
+                acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
                 if GATED:
-                    acc_up += tl.dot(h, tl.trans(w_up), input_precision=DOT_PRECISION)
+                    acc_up = tl.dot(h, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
             else:  # [BLOCK_M, 1, BLOCK_K] · [1, BLOCK_N, BLOCK_K], summed over K
                 hf = h.to(tl.float32)[:, None, :]
                 acc += tl.sum(hf * w.to(tl.float32)[None, :, :], axis=2)
@@ -255,15 +301,18 @@ def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = Fal
     the broadcast product of every row of the block against ``[BLOCK_N, 256]`` weight tiles (``kernel="bcast"``, two
     to eight columns a program). More rows: ``tl.dot`` tiles of 16 rows (``kernel="dot"``).
 
-    With ``row_invariant`` every ``m`` takes the one ``tl.dot`` configuration: a row's products are summed over the
-    same ``BLOCK_K`` tiles in the same order, by the same matrix instructions, whether its tile holds 1 or 16 real
-    rows (padding rows are zeros that no real row reads) — no split of ``K``, nothing chosen from ``m``. Either kernel
+    With ``row_invariant`` every ``m`` takes a ``tl.dot`` tile of :data:`INVARIANT_TILES` (one tile until a GPU
+    sweep finds larger ones that agree bit for bit): a row's products are summed into its accumulator in K order by
+    the same matrix instructions, whether its tile holds 1 or 16 real rows (padding rows are zeros that no real row
+    reads) — no split of ``K``. Either kernel
     alone is row-invariant; switching between them at ``ROW_LOOP_ROWS`` is what makes a token's bits depend on its
     step, so the invariant mode gives up the row loop's one-row speed for the dot tiles' many-row speed (the row loop
     runs its rows one after another: an engine with every step on it ran 7× slower than the default at batch 64).
     """
-    if row_invariant:  # 32 columns a program for every op: the best single tile of the H200's sweep over 1..512 rows
-        return dict(kernel="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=min(256, triton.next_power_of_2(k)), num_warps=4)
+    if row_invariant:  # the first tile of INVARIANT_TILES that serves m rows
+        tile = next(t for t in INVARIANT_TILES if t["max_rows"] is None or m <= t["max_rows"])
+        return dict(kernel="dot", BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"],
+                    BLOCK_K=min(tile["BLOCK_K"], triton.next_power_of_2(k)), num_warps=tile["num_warps"])
     if m <= BCAST_MAX_ROWS and m > ROW_LOOP_ROWS:  # every row at once, ~8192 products a program in registers
         block_m, block_k = triton.next_power_of_2(m), min(256, triton.next_power_of_2(k))
         return dict(kernel="bcast", BLOCK_M=block_m, BLOCK_N=max(1, 8192 // (block_m * block_k)), BLOCK_K=block_k,

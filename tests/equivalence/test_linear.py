@@ -201,16 +201,64 @@ def test_default_tiles_at_smollm2_widths(m, row_invariant, op):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("_", [pytest.param(None, marks=on_gpu)])
 def test_gpu_projection_is_row_invariant(gated, dtype, _):
-    """Compiled on the device at SmolLM2's widths, with ``row_invariant``: every row of a 2-, 8-, 16- or 40-row step
-    has the bits it has alone (the CPU twin is tests/equivalence/test_row_invariance.py, under the interpreter)."""
-    kw = case(40, 576, 1536 if gated else 960, dtype, gated=gated, device="cuda")
+    """Compiled on the device at SmolLM2's widths, with ``row_invariant``: every row of a 2-, 8-, 16- or 40-row step,
+    and of a step at either side of each bound of ``INVARIANT_TILES`` (another tile), has the bits it has alone (the
+    CPU twin is tests/equivalence/test_row_invariance.py, under the interpreter)."""
+    from optimized.kernels.linear import INVARIANT_TILES
+
+    bounds = [t["max_rows"] for t in INVARIANT_TILES[:-1]]  # each tile of the table against a row alone (the first)
+    kw = case(max([40] + [b + 1 for b in bounds]), 576, 1536 if gated else 960, dtype, gated=gated, device="cuda")
 
     def project(rows: slice):
         return norm_linear(**{key: v if v is None or v.dim() < 2 or key == "weight" else v[rows]
                               for key, v in kw.items()}, eps=EPS, gated=gated, backend="triton", row_invariant=True)
 
-    for block in (2, 8, 16, 40):
+    for block in sorted({2, 8, 16, 40} | set(bounds) | {b + 1 for b in bounds}):
         together, total = project(slice(0, block))
         for j in range(block):
             alone, alone_total = project(slice(j, j + 1))
             assert torch.equal(together[j], alone[0]) and torch.equal(total[j], alone_total[0]), (block, j)
+
+
+def test_invariant_tile_table_picks_by_step_size_and_checks_its_shape():
+    """A row-invariant table of several tiles serves each step size from the first entry that covers it; a table that
+    could leave a size unserved, or names tiles tl.dot cannot run, fails at once; the context restores the table."""
+    from optimized.kernels import linear as lin
+
+    before = lin.INVARIANT_TILES
+    table = [dict(max_rows=64, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4),
+             dict(max_rows=None, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8)]
+    with lin.invariant_tiles(table):
+        small, large = kernel_config(64, 960, 576, False, True), kernel_config(65, 960, 576, False, True)
+        assert (small["BLOCK_M"], small["BLOCK_N"], small["BLOCK_K"]) == (16, 32, 256)
+        assert (large["BLOCK_M"], large["BLOCK_N"], large["BLOCK_K"], large["num_warps"]) == (64, 64, 64, 8)
+        assert kernel_config(1, 40, 48, True, True)["BLOCK_K"] == 64  # capped at the row's width, as ever
+    assert lin.INVARIANT_TILES == before
+    bad = [[],  # nothing serves any size
+           [dict(max_rows=8, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4)],  # nothing past 8 rows
+           [dict(max_rows=64, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4),
+            dict(max_rows=8, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4),
+            dict(max_rows=None, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4)],  # bounds not increasing
+           [dict(max_rows=None, BLOCK_M=8, BLOCK_N=32, BLOCK_K=256, num_warps=4)],  # below tl.dot's 16
+           [dict(max_rows=None, BLOCK_M=16, BLOCK_N=48, BLOCK_K=256, num_warps=4)],  # not a power of two
+           [dict(max_rows=None, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256)]]  # a key missing
+    for table in bad:
+        with pytest.raises(ValueError):
+            lin.set_invariant_tiles(table)
+        assert lin.INVARIANT_TILES == before
+
+
+@needs_interpreter
+def test_a_two_tile_table_computes_the_same_projection():
+    """Each tile of a two-entry table computes the projection (the interpreter's tl.dot need not sum in the GPU's
+    order, so the bits across tiles are the device's to check: test_gpu_projection_is_row_invariant)."""
+    from optimized.kernels import linear as lin
+
+    table = [dict(max_rows=4, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4),
+             dict(max_rows=None, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4)]
+    with lin.invariant_tiles(table):
+        for m in (3, 9):
+            kw = case(m, 50, 36, torch.float32, gated=True)
+            y, total = norm_linear(**kw, eps=EPS, gated=True, backend="triton", row_invariant=True)
+            y_ref, total_ref = norm_linear(**kw, eps=EPS, gated=True, backend="torch")
+            check(torch.float32, y, y_ref, total, total_ref)

@@ -428,3 +428,35 @@ def test_bench_linear_under_the_interpreter(tmp_path):
     assert {e["op"] for e in summary} == {"qkv", "o", "gate_up", "down"}
     assert all(e["best_us"] <= e["us"] for e in summary)
     assert out.with_suffix(".png").is_file()
+
+
+def test_proposed_invariant_tiles_take_the_fastest_tile_identical_in_every_op():
+    """The table bench_linear proposes: at each swept size the tile identical to the base in every op with the least
+    summed time (a faster tile that changes bits in one op is passed over), neighbours merged, the last for any size;
+    an op's narrower input caps BLOCK_K as kernel_config does."""
+    from optimized.kernels.linear import invariant_tiles
+    from scripts.bench_linear import proposed_invariant_tiles
+
+    def tile(bm, bn, bk):
+        return dict(kernel="dot", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+
+    def ranked(k, entries):
+        return {"op": "x", "k": k, "row_counts": [1, 64, 512],
+                "ranked": [{"config": cfg, "identical": same, "us": dict(zip(("1", "64", "512"), us))}
+                           for cfg, same, us in entries]}
+
+    base, wide, tall, odd = tile(16, 32, 256), tile(16, 64, 256), tile(64, 64, 256), tile(32, 32, 256)
+    sweep = [ranked(576, [(base, True, (5, 6, 30)), (wide, True, (6, 6.5, 20)), (tall, True, (9, 9, 10)),
+                          (odd, False, (1, 1, 1))]),  # fastest everywhere, but not the base's bits in this op
+             ranked(1536, [(base, True, (5, 6, 30)), (wide, True, (6, 5, 20)), (tall, True, (9, 9, 10)),
+                           (odd, True, (1, 1, 1))]),
+             ranked(96, [(tile(16, 32, 128), True, (5, 6, 30)), (tile(16, 64, 128), True, (6, 6, 20)),
+                         (tile(64, 64, 128), True, (9, 9, 10)), (tile(32, 32, 128), True, (1, 1, 1))])]
+    tiles = proposed_invariant_tiles(sweep)
+    assert tiles == [dict(max_rows=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4),
+                     dict(max_rows=64, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4),
+                     dict(max_rows=None, BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4)]
+    with invariant_tiles(tiles):  # a table the kernels accept
+        pass
+    sweep[0]["ranked"] = [dict(r, identical=r["config"] == base) for r in sweep[0]["ranked"]]
+    assert proposed_invariant_tiles(sweep) == [dict(max_rows=None, **{k: base[k] for k in tiles[0] if k in base})]
