@@ -17,6 +17,14 @@ draws it, and the output would lean towards A. An earlier draft's survivals are 
 random numbers are never reused (the contract keys them by position and slot, and anchors only move forward), so
 given the choice the current block is still an exact sample of its ``p_d``.
 
+A greedy request could read the current draft's survivals (its tokens are the target's argmax whatever block is
+verified), and every request reads the earlier draft's all the same: on the CPU (float32, 105 prompts of
+``docs/benchmarks/eval_tasks.jsonl``, 256 tokens, the shipped drafter) choosing a greedy request's block on the current
+draft's survivals gave τ 2.906 against 2.929, with context QA 2.52 against 2.69 and translation 3.29 against 3.39
+(``docs/benchmarks/proposers-tasks-cpu.json``). The n-gram blocks it took were accepted less (τ 2.97 against 3.67
+on context QA, 2.22 against 2.87 on chat): a weak earlier draft marks a stretch the answer copies from its input,
+where the lookup is right; a weak current draft more often marks text new to both.
+
 **The n-gram side.** The lookup of ``reference/ngram.py`` (longest recurring suffix, ``min_n ≤ n ≤ max_n``) proposes
 ``x_1..x_m`` (``m ≤ γ``). Its survivals are estimated online from the request's own verifications of earlier n-gram
 blocks, bucketed by the match length ``n`` and the slot ``k``: ``N_{n,k}`` counts the blocks of match length ``n``
