@@ -1,17 +1,19 @@
 """How well the finish-time estimate predicts a closed batch: its expected drafting steps against the steps taken.
 
 ``reference.scheduler.finish_estimate`` (the finish-time gate of an offline batch, ``EngineConfig.finish_time_gate``)
-models each request's steps to finish from its survivals. This script checks the model where it matters, the number
-of steps a closed batch of B requests takes while drafting every step: it runs the adaptive mode with the draft gate
-off (every step drafts, at the planned budget) on B prompts at a time, and after the requests' 1st, 4th and 8th
-draft asks the estimate for the expected steps still to go, from the same moving averages of the survivals the gate
-reads. Steps do not depend on the hardware (the tokens do not depend on the schedule either), so the default is the
-CPU in float32; the prices are a synthetic table, which only the budget, not the step count, reads.
+models each request's steps to finish from its survivals. This script checks the model where it matters, the number of
+steps a closed batch of B requests takes while drafting every step: it runs the adaptive mode with the draft gate off
+(every step drafts, at the planned budget) on B prompts at a time, and after the requests' 1st, 4th and 8th draft asks
+the estimate for the expected steps still to go. Steps do not depend on the hardware (the tokens do not depend on the
+schedule either), so the default is the CPU in float32; the prices are a synthetic table, which only the budget, not the
+step count, reads. Two estimates at each checkpoint: from the survivals the finish-time gate reads (each request's mean
+over all its drafts, pooled towards the batch's: ``reference.scheduler.finish_survivals``) and, for comparison, from the
+draft gate's moving averages of the last few drafts, which the estimate read before.
 
-Writes one JSON: per batch size and prompt group, the steps the batch took, the estimate after each checkpoint and
-its ratio to the steps that were left, the τ the survivals forecast then (whole blocks verified) against the τ the
-batch reached, and the mean and largest verify steps of a request (the mean is set by τ, the largest is the batch's
-tail).
+Writes one JSON: per batch size and prompt group, the steps the batch took, both estimates after each checkpoint and
+their ratios to the steps that were left (``expected_over_taken``, ``recent_over_taken``), the τ the survivals forecast
+then (whole blocks verified) against the τ the batch reached, and the mean and largest verify steps of a request (the
+mean is set by τ, the largest is the batch's tail).
 
 Example::
 
@@ -65,16 +67,20 @@ def check_batch(target: Target, drafter: DSparkDrafter, prompts: list[list[int]]
         seqs = engine.scheduler.decoding()
         held = {len(s.survivals) for s in seqs}
         if len(held) == 1 and (n := held.pop()) in CHECKPOINTS and n not in estimates:
-            recent = engine.scheduler.gate.recent_survivals(seqs)  # the draft gate's view: [R, γ] moving averages
+            gate = engine.scheduler.gate
+            recent = gate.recent_survivals(seqs)  # the draft gate's view: [R, γ] moving averages (folds the drafts)
             left = [max(1, s.params.max_new_tokens - len(s.output_ids)) for s in seqs]
-            est = engine.scheduler.planner.finish_estimate(recent, left)
+            est = engine.scheduler.planner.finish_estimate(gate.finish_survivals(seqs), left)  # the finish gate's
+            est_recent = engine.scheduler.planner.finish_estimate(recent, left)  # from the moving averages instead
             estimates[n] = {"after_step": steps, "requests": len(seqs),
                             "expected_steps": round(est.speculative_steps, 2),
+                            "expected_steps_recent": round(est_recent.speculative_steps, 2),
                             # τ if every request verified its whole block: 1 + Σ_k a_k, averaged over the batch
                             "forecast_tau": round(1.0 + float(recent.sum(axis=1).mean()), 3)}
     for e in estimates.values():
         e["steps_left"] = steps - e["after_step"]
         e["expected_over_taken"] = round(e["expected_steps"] / max(e["steps_left"], 1), 3)
+        e["recent_over_taken"] = round(e["expected_steps_recent"] / max(e["steps_left"], 1), 3)
     verify_steps = [len(engine.sequence(i).verify_lengths) for i in range(r)]
     return {"steps": steps, "estimates": {str(k): v for k, v in sorted(estimates.items())},
             "request_steps_mean": round(sum(verify_steps) / r, 2), "request_steps_max": max(verify_steps),
@@ -123,9 +129,10 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
             offset += b
             row = {"batch_size": b, "group": g, **check_batch(target, drafter, group, args.max_new_tokens,
                                                               args.device, dtype)}
-            log.info("batch %d group %d: %d steps (requests %.1f mean, %d max); expected/taken %s", b, g,
-                     row["steps"], row["request_steps_mean"], row["request_steps_max"],
-                     {k: e["expected_over_taken"] for k, e in row["estimates"].items()})
+            log.info("batch %d group %d: %d steps (requests %.1f mean, %d max); expected/taken %s (moving averages "
+                     "%s)", b, g, row["steps"], row["request_steps_mean"], row["request_steps_max"],
+                     {k: e["expected_over_taken"] for k, e in row["estimates"].items()},
+                     {k: e["recent_over_taken"] for k, e in row["estimates"].items()})
             report["results"].append(row)
     report["total_s"] = round(time.time() - start, 1)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -13,7 +13,7 @@ from optimized.sequence import SamplingParams, Sequence, Status
 from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import CostTable
 from reference.scheduler import Scheduler as Policy
-from reference.scheduler import stale_budget
+from reference.scheduler import finish_survivals, stale_budget
 
 GAMMA = 4
 
@@ -156,6 +156,29 @@ def _finishing(survival_rows: list[float], waiting: int = 0) -> tuple[Scheduler,
         s.status, s.num_prefilled = Status.DECODE, 3
         s.survivals = [np.cumprod(np.full(GAMMA, p, dtype=np.float32))] * sched.config.gate_window
     return sched, seqs[:r]
+
+
+def test_the_finish_time_gate_reads_each_requests_pooled_mean():
+    """The gate keeps, per slot, the sum and the sum of squares of every draft it folds: the finish-time estimate's
+    rows are reference.scheduler.finish_survivals of each request's mean and variance over all its drafts (not the
+    moving average of the last few); a slot that changes hands starts again."""
+    sched, seqs = _finishing([0.9, 0.7, 0.5, 0.2])
+    rng = np.random.default_rng(0)
+    for s in seqs:  # drafts that vary from one to the next
+        s.survivals = [np.cumprod(np.clip(rng.normal(s.survivals[0][0], 0.1, GAMMA), 0.01, 1.0)).astype(np.float32)
+                       for _ in range(7)]
+    gate = sched.gate
+    gate.recent_survivals(seqs)  # folds every draft
+    hist = [np.array(s.survivals, dtype=np.float64) for s in seqs]  # [n, γ] each
+    want = finish_survivals(torch.tensor(np.stack([h.mean(0) for h in hist])),
+                            torch.tensor(np.stack([h.var(0, ddof=1) for h in hist])), torch.tensor([7] * 4))
+    np.testing.assert_allclose(gate.finish_survivals(seqs), want.numpy(), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(gate.finish_survivals(seqs), gate.recent_survivals(seqs))
+    newcomer = Sequence(request_id=99, prompt_ids=[2], params=SamplingParams(max_new_tokens=8), slot=seqs[0].slot)
+    newcomer.survivals = [np.full(GAMMA, 0.5, dtype=np.float32)] * 2
+    gate.recent_survivals([newcomer] + seqs[1:])  # its two drafts only, not the slot's previous owner's seven
+    assert gate._count[newcomer.slot] == 2 and np.allclose(gate._sum[newcomer.slot], 1.0)
+    assert np.allclose(gate._sumsq[newcomer.slot], 0.5)
 
 
 def test_the_finish_time_gate_weighs_the_slowest_request():

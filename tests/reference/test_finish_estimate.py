@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from reference.cost_model import CostTable
-from reference.scheduler import allocate_top_b, best_budget, finish_estimate, finish_pays, prefix_survival
+from reference.scheduler import (
+    allocate_top_b,
+    best_budget,
+    finish_estimate,
+    finish_pays,
+    finish_survivals,
+    prefix_survival,
+)
 
 TABLE = CostTable.affine(fixed_ms=1.0, per_token_ms=0.01, draft_fixed_ms=0.3, draft_per_request_ms=0.004,
                          sizes=list(range(1, 2049)), request_counts=range(1, 257))
@@ -105,3 +112,24 @@ def test_bad_remaining_counts_fail_fast():
         finish_estimate(a, torch.tensor([3]), TABLE)
     with pytest.raises(ValueError, match="remaining"):
         finish_estimate(a, torch.tensor([3, 0]), TABLE)
+
+
+def test_finish_survivals_pool_as_much_spread_as_the_noise_explains():
+    """James–Stein per slot: no noise keeps every request's mean, noise as large as the spread pools every row into
+    the batch's mean, and in between each row moves towards it by 1 − noise / spread; a single request, or requests
+    with one draft each (no noise known), keep their means; rows stay non-increasing and in [0, 1]."""
+    mean = torch.tensor([[0.9, 0.6], [0.5, 0.4], [0.1, 0.05]], dtype=torch.float64)
+    count = torch.tensor([4, 4, 4])
+    centre, spread = mean.mean(0), mean.var(0)
+    assert torch.allclose(finish_survivals(mean, torch.zeros_like(mean), count).double(), mean, atol=1e-7)
+    loud = torch.full_like(mean, 1.0)  # per-draft variance 1: noise 0.25 ≥ the spread of either slot
+    assert torch.allclose(finish_survivals(mean, loud, count).double(), centre.expand(3, 2), atol=1e-7)
+    var = torch.tensor([[0.04, 0.02], [0.08, 0.02], [0.0, 0.02]], dtype=torch.float64)
+    w = 1 - (var / 4).mean(0) / spread  # per slot
+    want = torch.cummin((centre + w * (mean - centre)).clamp(0, 1), dim=1).values
+    assert torch.allclose(finish_survivals(mean, var, count).double(), want, atol=1e-7)
+    assert torch.allclose(finish_survivals(mean, var, torch.tensor([1, 1, 1])).double(), mean, atol=1e-7)
+    assert torch.equal(finish_survivals(mean[:1], var[:1], count[:1]), mean[:1].float())
+    rising = torch.tensor([[0.2, 0.9], [0.3, 0.1]], dtype=torch.float64)  # pooled rows are made non-increasing
+    out = finish_survivals(rising, torch.zeros_like(rising), torch.tensor([2, 2]))
+    assert out.dtype == torch.float32 and bool((out[:, 1] <= out[:, 0]).all()) and bool(((out >= 0) & (out <= 1)).all())
