@@ -394,10 +394,12 @@ class DraftGate:
         self._clean = [False] * max_num_seqs
         self._count = [0] * max_num_seqs
         self._owner: list[Sequence | None] = [None] * max_num_seqs
-        # Per slot: the sum and the sum of squares of every draft's survivals folded so far (float64), for the
-        # finish-time estimate's per-request means and their noise (reference.scheduler.finish_survivals).
-        self._sum = np.zeros((max_num_seqs, gamma))  # [S, γ]
-        self._sumsq = np.zeros((max_num_seqs, gamma))  # [S, γ]
+        # With ``track`` (the finish-time gate on): per slot, the sum and the sum of squares of every draft's
+        # survivals folded since, and their count, [S, 2γ + 1] float64, for the finish-time estimate's per-request
+        # means and their noise (reference.scheduler.finish_survivals). Off, the fold skips it (one indexed add of
+        # [R, 2γ + 1] a step: ~18 µs at R = 256 on the project's CPU).
+        self.track = False
+        self._moments = np.zeros((max_num_seqs, 2 * gamma + 1))
         # When a list: every fresh verdict appends (R, best Θ, Θ_plain, margin, verdict) — a diagnostic for
         # benchmarks (scripts/bench_engine.py --gate-trace), computed only then.
         self.trace: list[tuple[int, float, float, float, bool]] | None = None
@@ -485,21 +487,25 @@ class DraftGate:
             self._finish = (r, self._finish[1], self._finish[2] - 1)
             return self._finish[1]
         remaining = [max(1, s.params.max_new_tokens - len(s.output_ids)) for s in seqs]
-        estimate = self.planner.finish_estimate(self.finish_survivals(seqs), remaining)
+        estimate = self.planner.finish_estimate(self.finish_survivals(seqs, recent), remaining)
         verdict = finish_pays(estimate, margin)
         if self.finish_trace is not None:
             self.finish_trace.append((r, estimate, margin, verdict))
         self._finish = (r, verdict, self.FINISH_REUSE - 1)
         return verdict
 
-    def finish_survivals(self, seqs: list[Sequence]) -> np.ndarray:
-        """The survivals the finish-time estimate reads for ``seqs`` (each has drafted, and :meth:`recent_survivals`
-        has folded its drafts): each request's mean over all its drafts, pooled towards the batch's by
-        ``reference.scheduler.finish_survivals``. ``[R, γ]`` float32."""
-        slots = [s.slot for s in seqs]
-        n = np.array([self._count[i] for i in slots], dtype=np.float64)  # [R] ≥ 1
-        mean = self._sum[slots] / n[:, None]  # [R, γ]
-        var = (self._sumsq[slots] - n[:, None] * mean * mean) / np.maximum(n - 1.0, 1.0)[:, None]  # [R, γ] ddof 1
+    def finish_survivals(self, seqs: list[Sequence], recent: np.ndarray) -> np.ndarray:
+        """The survivals the finish-time estimate reads for ``seqs``, whose moving averages :meth:`recent_survivals`
+        has just returned as ``recent``: each request's mean over all its drafts since ``track`` was set, pooled
+        towards the batch's by ``reference.scheduler.finish_survivals``; ``recent`` itself while a request has none
+        tracked. ``[R, γ]`` float32."""
+        g = self.gamma
+        moments = self._moments[np.array([s.slot for s in seqs], dtype=np.intp)]  # [R, 2γ + 1]
+        n = moments[:, 2 * g]  # [R] drafts summed
+        if not self.track or (n < 1).any():
+            return recent
+        mean = moments[:, :g] / n[:, None]  # [R, γ]
+        var = (moments[:, g:2 * g] - n[:, None] * mean * mean) / np.maximum(n - 1.0, 1.0)[:, None]  # [R, γ] ddof 1
         rows = finish_survivals(torch.from_numpy(mean), torch.from_numpy(np.maximum(var, 0.0)), torch.from_numpy(n))
         return rows.numpy()
 
@@ -513,7 +519,7 @@ class DraftGate:
             if self._owner[s.slot] is not s:
                 self._owner[s.slot], self._count[s.slot] = s, 0
                 self._recent[s.slot], self._clean[s.slot] = self._none, False
-                self._sum[s.slot], self._sumsq[s.slot] = 0.0, 0.0
+                self._moments[s.slot] = 0.0
         folded, passes, everybody = None, 0, False
         while True:  # normally one pass: a request drafts at most once between two gates
             todo = [s for s in seqs if self._count[s.slot] < len(s.survivals)]
@@ -533,9 +539,10 @@ class DraftGate:
             for s, row in zip(todo, folded):
                 self._recent[s.slot], self._clean[s.slot] = row, clean
                 self._count[s.slot] += 1
-            wide = new.astype(np.float64)  # [n, γ] (the rows are distinct slots: one fold each)
-            self._sum[rows] += wide
-            self._sumsq[rows] += wide * wide
+            if self.track:  # the rows are distinct slots: one indexed add
+                wide = new.astype(np.float64)  # [n, γ]
+                self._moments[np.array(rows, dtype=np.intp)] += np.concatenate(
+                    [wide, wide * wide, np.ones((len(rows), 1))], axis=1)
             everybody, passes = passes == 0 and len(todo) == len(seqs), passes + 1
         if passes == 1 and everybody:  # the usual step: every request folded one draft, in order
             return folded  # [R, γ] the very rows asked for
@@ -577,6 +584,16 @@ class Scheduler:
         # An offline batch (EngineConfig.finish_time_gate): once no request waits, the draft gate weighs the time to
         # finish the running requests instead of one step's throughput (DraftGate.finishing).
         self.finish_time_gate = False
+
+    @property
+    def finish_time_gate(self) -> bool:
+        """Whether the draft gate weighs an offline batch's finish time once no request waits (and, from when it is
+        set, keeps the statistics of every draft that the estimate reads: ``DraftGate.track``)."""
+        return self.gate.track
+
+    @finish_time_gate.setter
+    def finish_time_gate(self, on: bool) -> None:
+        self.gate.track = bool(on)
 
     # ------------------------------------------------------------------------------------------------ configuration
 

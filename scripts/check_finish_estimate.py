@@ -58,6 +58,7 @@ def check_batch(target: Target, drafter: DSparkDrafter, prompts: list[list[int]]
     engine = Engine(target, drafter, EngineConfig(max_num_seqs=r, max_seq_len=longest + max_new_tokens + 32,
                                                   device=device, dtype=dtype, seed=0, async_decode=False),
                     SchedulerConfig(mode="adaptive", draft_gate=False), table)
+    engine.scheduler.gate.track = True  # keep every draft's statistics, as the finish-time gate does
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True), request_id=i)
     steps, estimates = 0, {}
@@ -70,7 +71,7 @@ def check_batch(target: Target, drafter: DSparkDrafter, prompts: list[list[int]]
             gate = engine.scheduler.gate
             recent = gate.recent_survivals(seqs)  # the draft gate's view: [R, γ] moving averages (folds the drafts)
             left = [max(1, s.params.max_new_tokens - len(s.output_ids)) for s in seqs]
-            est = engine.scheduler.planner.finish_estimate(gate.finish_survivals(seqs), left)  # the finish gate's
+            est = engine.scheduler.planner.finish_estimate(gate.finish_survivals(seqs, recent), left)  # the gate's
             est_recent = engine.scheduler.planner.finish_estimate(recent, left)  # from the moving averages instead
             estimates[n] = {"after_step": steps, "requests": len(seqs),
                             "expected_steps": round(est.speculative_steps, 2),

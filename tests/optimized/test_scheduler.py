@@ -168,17 +168,21 @@ def test_the_finish_time_gate_reads_each_requests_pooled_mean():
         s.survivals = [np.cumprod(np.clip(rng.normal(s.survivals[0][0], 0.1, GAMMA), 0.01, 1.0)).astype(np.float32)
                        for _ in range(7)]
     gate = sched.gate
-    gate.recent_survivals(seqs)  # folds every draft
+    assert gate.track  # the finish-time gate keeps the statistics
+    recent = gate.recent_survivals(seqs)  # folds every draft
     hist = [np.array(s.survivals, dtype=np.float64) for s in seqs]  # [n, γ] each
     want = finish_survivals(torch.tensor(np.stack([h.mean(0) for h in hist])),
                             torch.tensor(np.stack([h.var(0, ddof=1) for h in hist])), torch.tensor([7] * 4))
-    np.testing.assert_allclose(gate.finish_survivals(seqs), want.numpy(), rtol=1e-5, atol=1e-6)
-    assert not np.allclose(gate.finish_survivals(seqs), gate.recent_survivals(seqs))
+    np.testing.assert_allclose(gate.finish_survivals(seqs, recent), want.numpy(), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(gate.finish_survivals(seqs, recent), recent)
     newcomer = Sequence(request_id=99, prompt_ids=[2], params=SamplingParams(max_new_tokens=8), slot=seqs[0].slot)
     newcomer.survivals = [np.full(GAMMA, 0.5, dtype=np.float32)] * 2
     gate.recent_survivals([newcomer] + seqs[1:])  # its two drafts only, not the slot's previous owner's seven
-    assert gate._count[newcomer.slot] == 2 and np.allclose(gate._sum[newcomer.slot], 1.0)
-    assert np.allclose(gate._sumsq[newcomer.slot], 0.5)
+    moments = gate._moments[newcomer.slot]  # [Σ a | Σ a² | n]
+    assert gate._count[newcomer.slot] == 2 and moments[2 * GAMMA] == 2
+    assert np.allclose(moments[:GAMMA], 1.0) and np.allclose(moments[GAMMA:2 * GAMMA], 0.5)
+    sched.finish_time_gate = False  # off: nothing is kept, and the estimate would read the moving averages
+    assert not gate.track and gate.finish_survivals(seqs, recent) is recent
 
 
 def test_the_finish_time_gate_weighs_the_slowest_request():
