@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "forward has run by then, so it is moved, not hidden)")
     p.add_argument("--tag", default="cpu", help="output name host-<tag>.json")
     p.add_argument("--out", default=None,
-                   help="write the results as JSON to this path (none: print only) (default: %(default)s)")
+                   help="the JSON path (default: docs/benchmarks/host-<tag>.json, with a PNG beside it)")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     if args.repeats < 1 or args.steps < 1 or args.warmup < 3:

@@ -115,17 +115,16 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     tiles = None
     if args.invariant_tiles:
         text = args.invariant_tiles
-        if not text.lstrip().startswith("["):
-            text = Path(text).read_text()
         try:
+            if not text.lstrip().startswith("["):  # a file: the table, or a bench_linear report
+                text = Path(text).read_text()
             tiles = json.loads(text)
             if isinstance(tiles, dict):  # a scripts/bench_linear.py report: its proposal
                 if "proposed_invariant_tiles" not in tiles:
                     raise ValueError("the report has no proposed_invariant_tiles (run bench_linear --invariant-sweep)")
                 tiles = tiles["proposed_invariant_tiles"]
-            with linear_kernels.invariant_tiles(tiles):  # checks it now, before any model is loaded
-                pass
-        except (json.JSONDecodeError, TypeError, KeyError, ValueError, AttributeError) as err:
+            linear_kernels.check_invariant_tiles(tiles)  # now, before any model is loaded
+        except (OSError, ValueError) as err:  # an unreadable file, bad JSON (a ValueError), a malformed table
             raise SystemExit(f"--invariant-tiles: {err}") from err
     with linear_kernels.invariant_tiles(tiles):
         return _run(args, settings, batch_sizes, target, drafter, prompt_ids, cost, argv)

@@ -88,23 +88,32 @@ BCAST_MAX_ROWS = 16
 INVARIANT_TILES: tuple[dict, ...] = (dict(max_rows=None, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4),)
 
 
-def set_invariant_tiles(tiles: list[dict]) -> None:
-    """Install a table of row-invariant tiles (:data:`INVARIANT_TILES`'s format), checked for shape: ``max_rows``
-    increasing and the last None, tile sizes powers of two, BLOCK_M ≥ 16 (tl.dot's smallest tile)."""
-    global INVARIANT_TILES
+def check_invariant_tiles(tiles: list[dict]) -> tuple[dict, ...]:
+    """``tiles`` as a table in :data:`INVARIANT_TILES`'s format, or a ValueError naming what is wrong with it: a list
+    of dicts with exactly the keys ``max_rows``, ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``; ``max_rows``
+    increasing and the last None; tile sizes powers of two, BLOCK_M/N/K ≥ 16 (tl.dot's smallest tile)."""
     keys = {"max_rows", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"}
-    if not tiles or tiles[-1].get("max_rows", 0) is not None:
-        raise ValueError("the last row-invariant tile must serve any step size (max_rows None)")
-    bounds = [t.get("max_rows") for t in tiles[:-1]]
-    if any(b is None or b < 1 for b in bounds) or bounds != sorted(set(bounds)):
-        raise ValueError(f"row-invariant tiles' max_rows must increase, the last None, got {bounds + [None]}")
+    if not isinstance(tiles, (list, tuple)) or not tiles or not all(isinstance(t, dict) for t in tiles):
+        raise ValueError(f"a row-invariant tile table is a non-empty list of dicts, got {tiles!r}")
     for t in tiles:
         if set(t) != keys:
             raise ValueError(f"a row-invariant tile has exactly the keys {sorted(keys)}, got {sorted(t)}")
         sizes = [t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"], t["num_warps"]]
         if any(not isinstance(v, int) or v < 1 or v & (v - 1) for v in sizes) or min(sizes[:3]) < 16:
             raise ValueError(f"tile sizes must be powers of two, BLOCK_M/N/K ≥ 16: {t}")
-    INVARIANT_TILES = tuple(dict(t) for t in tiles)
+    bounds = [t["max_rows"] for t in tiles]
+    if bounds[-1] is not None:
+        raise ValueError("the last row-invariant tile must serve any step size (max_rows None)")
+    inner = bounds[:-1]
+    if any(not isinstance(b, int) or b < 1 for b in inner) or inner != sorted(set(inner)):
+        raise ValueError(f"row-invariant tiles' max_rows must increase, the last None, got {bounds}")
+    return tuple(dict(t) for t in tiles)
+
+
+def set_invariant_tiles(tiles: list[dict]) -> None:
+    """Install a table of row-invariant tiles (:func:`check_invariant_tiles` first)."""
+    global INVARIANT_TILES
+    INVARIANT_TILES = check_invariant_tiles(tiles)
 
 
 @contextlib.contextmanager
@@ -313,7 +322,7 @@ def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = Fal
         tile = next(t for t in INVARIANT_TILES if t["max_rows"] is None or m <= t["max_rows"])
         return dict(kernel="dot", BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"],
                     BLOCK_K=min(tile["BLOCK_K"], triton.next_power_of_2(k)), num_warps=tile["num_warps"])
-    if m <= BCAST_MAX_ROWS and m > ROW_LOOP_ROWS:  # every row at once, ~8192 products a program in registers
+    if ROW_LOOP_ROWS < m <= BCAST_MAX_ROWS:  # every row at once, ~8192 products a program in registers
         block_m, block_k = triton.next_power_of_2(m), min(256, triton.next_power_of_2(k))
         return dict(kernel="bcast", BLOCK_M=block_m, BLOCK_N=max(1, 8192 // (block_m * block_k)), BLOCK_K=block_k,
                     num_warps=4)

@@ -241,7 +241,10 @@ def test_invariant_tile_table_picks_by_step_size_and_checks_its_shape():
             dict(max_rows=None, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4)],  # bounds not increasing
            [dict(max_rows=None, BLOCK_M=8, BLOCK_N=32, BLOCK_K=256, num_warps=4)],  # below tl.dot's 16
            [dict(max_rows=None, BLOCK_M=16, BLOCK_N=48, BLOCK_K=256, num_warps=4)],  # not a power of two
-           [dict(max_rows=None, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256)]]  # a key missing
+           [dict(max_rows=None, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256)],  # a key missing
+           "16x32", [16, 32],  # not a list of tiles
+           [dict(max_rows="64", BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4),
+            dict(max_rows=None, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4)]]  # a bound that is no count
     for table in bad:
         with pytest.raises(ValueError):
             lin.set_invariant_tiles(table)

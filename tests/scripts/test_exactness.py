@@ -68,4 +68,7 @@ def test_exactness_takes_a_trial_table_of_invariant_tiles(tmp_path):
     assert lin.INVARIANT_TILES == before
     with pytest.raises(SystemExit, match="invariant-tiles"):
         exactness.main(["--invariant-tiles", json.dumps(table[1:] + table[:1])], target=target, drafter=drafter)
+    for bad in (str(tmp_path / "missing.json"), "[not json"):  # an unreadable file, malformed JSON
+        with pytest.raises(SystemExit, match="invariant-tiles"):
+            exactness.main(["--invariant-tiles", bad], target=target, drafter=drafter)
     assert lin.INVARIANT_TILES == before
