@@ -210,8 +210,8 @@ def invariant_sweep(rows: list[int], layers: list[dict], hidden: int, inter: int
         ranked.sort(key=lambda r: r["slowdown"])
         table = []
         for m in rows:  # the fastest tile at m among those identical to the base
-            best = min((r for r in ranked if r["identical"]), key=lambda r: r["us"][str(m)])
-            table.append({"rows": m, "config": best["config"], "us": best["us"][str(m)],
+            fastest = min((r for r in ranked if r["identical"]), key=lambda r: r["us"][str(m)])
+            table.append({"rows": m, "config": fastest["config"], "us": fastest["us"][str(m)],
                           "base_us": next(r for r in ranked if r["default"])["us"][str(m)]})
         best, dflt = ranked[0], next(r for r in ranked if r["default"])
         log.info("invariant sweep %-8s best %s (×%.3f, identical %s), default ×%.3f; %d of %d tiles identical", op,
@@ -366,9 +366,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if inv_rows:
         report["invariant_sweep"] = invariant_sweep(inv_rows, layers, hidden, inter, device, dtype, backend,
                                                     args.repeats, iters, graphs, gen, args.sweep_max_configs)
-        report["proposed_invariant_tiles"] = proposed_invariant_tiles(report["invariant_sweep"])
-        log.info("proposed row-invariant tiles (scripts/exactness.py --invariant-tiles): %s",
-                 json.dumps(report["proposed_invariant_tiles"]))
+        out.write_text(json.dumps(report, indent=2) + "\n")  # the sweep is kept whatever the proposal finds
+        try:
+            report["proposed_invariant_tiles"] = proposed_invariant_tiles(report["invariant_sweep"])
+            log.info("proposed row-invariant tiles (scripts/exactness.py --invariant-tiles): %s",
+                     json.dumps(report["proposed_invariant_tiles"]))
+        except ValueError as err:  # no tile gave the base tile's bits in every op: nothing to propose
+            log.warning("no row-invariant table proposed: %s", err)
         out.write_text(json.dumps(report, indent=2) + "\n")
     save_plot(plot, report, out.with_suffix(".png"), log)
     log.info("wrote %s", out)

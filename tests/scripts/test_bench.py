@@ -496,3 +496,26 @@ def test_bench_linear_goes_on_past_a_tile_that_fails(tmp_path, monkeypatch):
     qkv = next(e for e in report["sweep"] if e["config"] == "default" and e["op"] == "qkv")
     assert qkv["us"] is None and qkv["best"] is not None and qkv["best_us"] > 0
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernels on the CPU need TRITON_INTERPRET=1 (the CI command sets it)")
+def test_bench_linear_invariant_sweep_checks_bits_and_proposes_a_table(tmp_path):
+    """The row-invariant sweep end to end (tiny shapes, interpreted): every op ranks its tiles with an ``identical``
+    flag (the base tile is identical to itself), a per-size table of identical tiles, and a proposed table that the
+    kernels accept."""
+    from optimized.kernels.linear import check_invariant_tiles
+    from scripts import bench_linear
+
+    out = tmp_path / "linear-invariant.json"
+    report = bench_linear.main(["--rows", "1", "--invariant-sweep", "1,3", "--sweep-max-configs", "2",
+                                "--repeats", "1", "--out", str(out)])
+    sweep = report["invariant_sweep"]
+    assert [op["op"] for op in sweep] == ["qkv", "o", "gate_up", "down"]
+    for op in sweep:
+        base = next(r for r in op["ranked"] if r["default"])
+        assert base["identical"] and set(base["us"]) == {"1", "3"}
+        assert [t["rows"] for t in op["table"]] == [1, 3]
+        assert all(next(r for r in op["ranked"] if r["config"] == t["config"])["identical"] for t in op["table"])
+    check_invariant_tiles(report["proposed_invariant_tiles"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
