@@ -67,8 +67,14 @@ def build_engine(target: Target, drafter: DSparkDrafter | None, mode: Scheduling
                  batch_size: int, max_seq_len: int, enforce_eager: bool, context_len: int, cost_cache_dir: str | None,
                  seed: int, layer_backend: str | None = None, draft_ahead: bool = False,
                  async_decode: bool = False, prefill_graph_tokens: int = EngineConfig.prefill_graph_tokens,
-                 linear_rows: int | None = None, batch_invariant: bool = False) -> Engine:
-    """An engine sized for ``batch_size`` slots in one policy; adaptive policies get a profiled cost table."""
+                 linear_rows: int | None = None, batch_invariant: bool = False, keep_drafter: bool = False) -> Engine:
+    """An engine sized for ``batch_size`` slots in one policy; adaptive policies get a profiled cost table. The
+    drafter is attached only to a mode that drafts; ``keep_drafter`` with mode none builds a drafting engine (fixed
+    K = γ) whose draft gate never opens, so every step is plain as a drafting engine runs it while its gate is closed:
+    the target alone, its features parked for the drafter's context."""
+    closed = keep_drafter and not mode.drafts  # plain decoding on a drafting engine: fixed K = γ, its gate shut
+    if closed:
+        mode, k = SchedulingMode.FIXED, drafter.config.gamma
     sched = SchedulerConfig(mode=mode) if k is None else SchedulerConfig(mode=mode, k=k)
     cfg = EngineConfig(max_num_seqs=batch_size, max_seq_len=max_seq_len, device=str(target.device),
                        dtype=target.dtype, enforce_eager=enforce_eager, seed=seed, layer_backend=layer_backend,
@@ -76,6 +82,8 @@ def build_engine(target: Target, drafter: DSparkDrafter | None, mode: Scheduling
                        prefill_graph_tokens=prefill_graph_tokens, linear_rows=linear_rows,
                        batch_invariant=batch_invariant)
     engine = Engine(target, drafter if mode.drafts else None, cfg, sched)
+    if closed:  # every step plain: the target alone, features parked (EngineConfig.draft_context_lag)
+        engine.scheduler.gate.decide = lambda seqs: False
     if mode.needs_cost_table:
         engine.set_cost_table(cached_profile(engine.runner, cache_dir=cost_cache_dir, context_len=context_len))
     return engine
@@ -183,8 +191,8 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
                 command: str) -> dict[str, Any]:
     """Build, admit, warm up, time, profile; returns the report (also written to ``args.out`` if given)."""
     mode, k = parse_mode(args.mode, drafter.config.block_size if drafter is not None else None)
-    if mode.drafts and drafter is None:
-        raise SystemExit(f"mode {args.mode!r} needs a drafter")
+    if (mode.drafts or args.keep_drafter) and drafter is None:
+        raise SystemExit(f"mode {args.mode!r}{' with --keep-drafter' if args.keep_drafter else ''} needs a drafter")
     batch = [prompts[i % len(prompts)] for i in range(args.batch_size)]
     gamma = drafter.config.block_size if drafter is not None else 0
     # Enough room for every step this run can take: each step emits at most γ + 1 tokens per request (a closed
@@ -195,7 +203,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
     engine = build_engine(target, drafter, mode, k, args.batch_size, max(max_seq_len, args.context_len + 2 * gamma + 8),
                           args.enforce_eager, args.context_len, args.cost_cache_dir, args.seed, args.layer_backend,
                           args.draft_ahead, args.async_decode, args.prefill_graph_tokens, args.linear_rows,
-                          args.batch_invariant)
+                          args.batch_invariant, args.keep_drafter)
     refill = None
     if args.refill:
         refill = Refill(engine, prompts, args.batch_size, args.refill, args.temperature, args.seed,
@@ -231,7 +239,7 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
                      "linear_rows": engine.runner.target.linear_rows,
                      "batch_invariant": engine.runner.target.row_invariant,
                      "draft_head_in_graph": engine.runner.head_in_graph, "draft_ahead": args.draft_ahead,
-                     "async_decode": args.async_decode, "refill": args.refill,
+                     "async_decode": args.async_decode, "refill": args.refill, "keep_drafter": args.keep_drafter,
                      "dtype": str(target.dtype), "prefill_steps": prefill_steps, "gamma": gamma},
         "step_ms_median": statistics.median(timed) if timed else None,
         "step_ms_all": [round(t, 3) for t in timed],
@@ -286,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--draft-ahead", action="store_true",
                    help="EngineConfig.draft_ahead: the next block drafted before the token read")
+    p.add_argument("--keep-drafter", action="store_true",
+                   help="attach the drafter to a mode that does not draft (--mode none): the plain steps of a drafting "
+                        "engine whose gate is closed (the target alone, its features parked for the drafter)")
     p.add_argument("--refill", type=int, default=0, metavar="TOKENS",
                    help="a server's steady state: requests of seeded lengths in [TOKENS/2, TOKENS], the waiting queue "
                         "topped up to --batch-size before every step (0: one closed batch)")
@@ -313,7 +324,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     if target is None:
         dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
         target = Target.load(args.model, device=args.device, dtype=getattr(torch, dtype))
-    if drafter is None and parse_mode(args.mode, None)[0].drafts:
+    if drafter is None and (parse_mode(args.mode, None)[0].drafts or args.keep_drafter):
         drafter = load_or_init_drafter(args.drafter or str(DEFAULT_DRAFTER), target, None, args.seed)
     if prompt_ids is None:
         prompt_ids = load_prompts(args, target, 4 * args.batch_size if args.refill else args.batch_size)

@@ -66,3 +66,21 @@ def test_profile_refill_splits_the_steps_that_prefill(models, tmp_path):
     assert report["mean_accepted_length"] >= 1.0
     with pytest.raises(SystemExit):
         profile_engine.main(["--refill", "-1"], target=target, drafter=drafter, prompt_ids=PROMPTS)
+
+
+def test_profile_keep_drafter_runs_plain_steps_of_a_drafting_engine(models, tmp_path, monkeypatch):
+    """--keep-drafter with mode none: the drafter is attached, every step is plain and parks its features for the
+    drafter's context (the steps a drafting engine takes while its gate is closed); without it, no drafter."""
+    target, drafter = models
+    built = []
+    real = profile_engine.build_engine
+    monkeypatch.setattr(profile_engine, "build_engine", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    args = ["--mode", "none", "--batch-size", "2", "--steps", "3", "--warmup", "1", "--context-len", "16",
+            "--cost-cache-dir", str(tmp_path / "cost")]
+    report = profile_engine.main(args + ["--keep-drafter"], target=target, drafter=drafter, prompt_ids=PROMPTS)
+    runner = built[-1].runner
+    assert report["settings"]["keep_drafter"] and runner.drafter is not None
+    assert runner.context_lag and any(runner._lag)  # plain steps parked their features
+    assert report["mean_accepted_length"] == 1.0
+    profile_engine.main(args, target=target, drafter=drafter, prompt_ids=PROMPTS)
+    assert built[-1].runner.drafter is None
