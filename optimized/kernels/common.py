@@ -180,8 +180,10 @@ def race_winner(score_ptr, index_ptr, row, nb, BLOCK_NB: tl.constexpr):
     """
     blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
     valid = blocks < nb
-    scores = tl.load(score_ptr + row * nb + blocks, mask=valid, other=-2.0)  # real partials are >= -1
-    indices = tl.load(index_ptr + row * nb + blocks, mask=valid, other=0)  # [BLOCK_NB] int64
+    # From L2 (.cg): a fused reduction reads partials other programs of the running launch wrote
+    scores = tl.load(score_ptr + row * nb + blocks, mask=valid, other=-2.0,
+                     cache_modifier=".cg")  # real partials are >= -1
+    indices = tl.load(index_ptr + row * nb + blocks, mask=valid, other=0, cache_modifier=".cg")  # [BLOCK_NB] int64
     best = tl.max(scores, axis=0)
     return tl.min(tl.where(valid & (scores == best), indices, BIG_INDEX), axis=0).to(tl.int64)
 

@@ -132,6 +132,11 @@ SPLIT_MAX_R = 128
 # tie at 16 and the gain at 64) up to SPLIT_MAX_R, where the one-program kernel takes over; None picks by R.
 SPLIT_ROWS: int | None = None
 SPLIT_ROWS_FROM = 32
+# The split variant's per-row reductions (launches S and W) done instead by the last program of each row to finish the
+# launch before them (an arrival counter per row: an atomic add with release/acquire order, the partials then read from
+# L2), so a slot takes two launches instead of four: 14 instead of 28 a draft at γ = 7, a node each in the draft graph.
+# Off until measured on a GPU (scripts/bench_kernels.py --op draft_head, the engine at batch 1).
+FUSED_REDUCTIONS = False
 
 
 @triton.jit
@@ -314,6 +319,9 @@ def _draft_split_logits_kernel(
     block_sum_ptr,  # [R, NB] fp32 out: sum of exp(x - block max) over the block
     arg_value_ptr,  # [R, NB] fp32 out: the block's greedy maximum of the (untempered) logits
     arg_index_ptr,  # [R, NB] int64 out: its lowest index
+    row_max_ptr,  # [R] fp32 out (FUSED): the stats of a sampled row, as the stats launch writes them
+    row_sum_ptr,  # [R] fp32 out (FUSED)
+    counter_ptr,  # [R] int32 (FUSED): the row's programs done so far, zero before and after the launch
     j,  # slot index k - 1
     gamma,  # γ
     V,  # vocabulary lanes (Vd with a draft vocabulary)
@@ -323,15 +331,22 @@ def _draft_split_logits_kernel(
     nb,  # NB, vocabulary blocks per row
     HAS_ROWS: tl.constexpr,  # probs rows come from probs_rows_ptr (else request i writes probs row i)
     HAS_VOCAB: tl.constexpr,  # lanes are a draft vocabulary's (column vocab[lane] of probs)
+    FUSED: tl.constexpr,  # the row's last program does the stats launch's work (no S launch)
     BLOCK_V: tl.constexpr,  # vocabulary block of one program
     BLOCK_D: tl.constexpr,  # hidden tile
     BLOCK_R: tl.constexpr,  # next power of two >= r
+    BLOCK_NB: tl.constexpr,  # next power of two >= NB (FUSED)
 ):
-    """Launch A_k, one program per (request, vocabulary block): ``z_k`` (block 0) and the block's partials."""
+    """Launch A_k, one program per (request, vocabulary block): ``z_k`` (block 0) and the block's partials; with
+    ``FUSED``, the last of the row's programs also combines them (launch S's work)."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     dest = _dest_row(probs_rows_ptr, row, HAS_ROWS)
-    if dest >= 0:  # a padding row writes nothing here: the stats launch stores its zeros
+    if dest < 0:  # a padding row's zeros: from the stats launch, or here when it is fused away
+        if FUSED and blk == 0:
+            tl.store(tokens_ptr + row * gamma + j, 0)
+            tl.store(conf_ptr + row * gamma + j, 0.0)
+    else:
         if j == 0:
             prev = tl.load(anchor_ids_ptr + row)
         else:  # x_{k-1}, reduced once for the row by slot k-1's stats (greedy) or winner (sampled) launch
@@ -376,6 +391,10 @@ def _draft_split_logits_kernel(
         tl.store(block_sum_ptr + part, x_sum)
         tl.store(arg_value_ptr + part, best)
         tl.store(arg_index_ptr + part, best_index.to(tl.int64))
+        if FUSED:
+            if _last_of(counter_ptr + row, nb):
+                _row_stats(row, tokens_ptr, temperature_ptr, block_max_ptr, block_sum_ptr, arg_value_ptr,
+                           arg_index_ptr, row_max_ptr, row_sum_ptr, vocab_ptr, j, gamma, nb, HAS_VOCAB, BLOCK_NB)
 
 
 @triton.jit(do_not_specialize=["j"])
@@ -384,15 +403,19 @@ def _draft_split_logits_rows_kernel(
     base_ptr, stride_br, stride_bk, h_ptr, stride_hr, stride_hk, anchor_ids_ptr, temperature_ptr,
     w1_ptr, w2_ptr, conf_w_ptr, conf_b_ptr, vocab_ptr,
     block_max_ptr, block_sum_ptr, arg_value_ptr, arg_index_ptr,  # [R, NB] out
+    row_max_ptr, row_sum_ptr,  # [R] out (FUSED)
+    counter_ptr,  # [cdiv(R, BLOCK_M)] int32 (FUSED): per group of BLOCK_M requests, as in _draft_split_logits_kernel
     j, gamma,
     R,  # requests (the last program's rows past R are masked out)
     V, V_out, d, r, nb,
     HAS_ROWS: tl.constexpr,
     HAS_VOCAB: tl.constexpr,
+    FUSED: tl.constexpr,  # the group's last program does the stats launch's work for its BLOCK_M requests
     BLOCK_M: tl.constexpr,  # requests per program (>= 16: the tl.dot minimum)
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,  # next power of two >= max(r, 16)
+    BLOCK_NB: tl.constexpr,  # next power of two >= NB (FUSED)
 ):
     """:func:`_draft_split_logits_kernel` for BLOCK_M requests at once (grid ``(cdiv(R, BLOCK_M), NB)``): the
     block's W2 tile is loaded once and ``B_k = W1[prev] · W2ᵀ`` is one ``[BLOCK_M, r] × [r, BLOCK_V]`` product
@@ -452,6 +475,63 @@ def _draft_split_logits_rows_kernel(
     tl.store(block_sum_ptr + part, x_sum, mask=live)
     tl.store(arg_value_ptr + part, best, mask=live)
     tl.store(arg_index_ptr + part, best_index.to(tl.int64), mask=live)
+    if FUSED:
+        if _last_of(counter_ptr + tl.program_id(0), nb):  # the group's rows, one by one, as the stats launch does
+            for i in range(0, BLOCK_M):
+                row = tl.program_id(0).to(tl.int64) * BLOCK_M + i
+                if row < R:
+                    if _dest_row(probs_rows_ptr, row, HAS_ROWS) < 0:
+                        tl.store(tokens_ptr + row * gamma + j, 0)
+                        tl.store(conf_ptr + row * gamma + j, 0.0)
+                    else:
+                        _row_stats(row, tokens_ptr, temperature_ptr, block_max_ptr, block_sum_ptr, arg_value_ptr,
+                                   arg_index_ptr, row_max_ptr, row_sum_ptr, vocab_ptr, j, gamma, nb, HAS_VOCAB,
+                                   BLOCK_NB)
+
+
+@triton.jit
+def _row_stats(row, tokens_ptr, temperature_ptr, block_max_ptr, block_sum_ptr, arg_value_ptr, arg_index_ptr,
+               row_max_ptr, row_sum_ptr, vocab_ptr, j, gamma, nb, HAS_VOCAB: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """Launch S_k's work on one live row: its NB partials of launch A combined once, in one fixed order — a greedy row's
+    argmax into ``tokens`` (its ``x_k``), a sampled row's softmax max and sum into ``row_max`` / ``row_sum``. The
+    partials are read from L2 (``.cg``): with fused reductions they were written by other programs of the running
+    launch, and this SM's L1 may hold older lines of them."""
+    blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
+    valid = blocks < nb
+    if tl.load(temperature_ptr + row) == 0.0:
+        # A greedy row's p_d is the one-hot of its argmax, and a race over a one-hot returns its hot lane (its score
+        # 1 / E is positive and finite, every other lane scores 0): x_k is the argmax, no race needed.
+        values = tl.load(arg_value_ptr + row * nb + blocks, mask=valid, other=-float("inf"),
+                         cache_modifier=".cg")  # [BLOCK_NB]
+        indices = tl.load(arg_index_ptr + row * nb + blocks, mask=valid, other=0,
+                          cache_modifier=".cg")  # [BLOCK_NB] int64
+        best = tl.max(values, axis=0)
+        # Lowest index among the blocks holding the maximum: blocks cover ascending lanes and each reports its lowest
+        # maximal lane, so this is the serial argmax's first maximum.
+        best_index = tl.min(tl.where(valid & (values == best), indices, BIG_INDEX), axis=0)
+        tl.store(tokens_ptr + row * gamma + j, _vocab_token(vocab_ptr, best_index, HAS_VOCAB))
+    else:
+        maxes = tl.load(block_max_ptr + row * nb + blocks, mask=valid, other=-float("inf"),
+                        cache_modifier=".cg")  # [BLOCK_NB]
+        sums = tl.load(block_sum_ptr + row * nb + blocks, mask=valid, other=0.0, cache_modifier=".cg")  # [BLOCK_NB]
+        run_max = tl.max(maxes, axis=0)
+        run_sum = tl.sum(tl.where(maxes > -float("inf"), sums * tl.exp(maxes - run_max), 0.0), axis=0)
+        tl.store(row_max_ptr + row, run_max)
+        tl.store(row_sum_ptr + row, run_sum)
+
+
+@triton.jit
+def _last_of(counter_ptr, nb):
+    """Whether this program is the last of the ``nb`` programs sharing ``counter_ptr`` to get here (fused reductions:
+    that one reduces what all of them wrote). Every thread's stores are ordered before the ticket (the barrier, then
+    the atomic's release); the last program's acquire orders its reads of them after it. The last resets the counter
+    for the next launch."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = ticket == nb - 1
+    if last:
+        tl.store(counter_ptr, 0)
+    return last
 
 
 @triton.jit(do_not_specialize=["j"])
@@ -480,30 +560,13 @@ def _draft_split_stats_kernel(
         tl.store(tokens_ptr + row * gamma + j, 0)
         tl.store(conf_ptr + row * gamma + j, 0.0)
     else:
-        blocks = tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
-        valid = blocks < nb
-        if tl.load(temperature_ptr + row) == 0.0:
-            # A greedy row's p_d is the one-hot of its argmax, and a race over a one-hot returns its hot lane (its
-            # score 1 / E is positive and finite, every other lane scores 0): x_k is the argmax, no race needed.
-            values = tl.load(arg_value_ptr + row * nb + blocks, mask=valid, other=-float("inf"))  # [BLOCK_NB]
-            indices = tl.load(arg_index_ptr + row * nb + blocks, mask=valid, other=0)  # [BLOCK_NB] int64
-            best = tl.max(values, axis=0)
-            # Lowest index among the blocks holding the maximum: blocks cover ascending lanes and each reports its
-            # lowest maximal lane, so this is the serial argmax's first maximum.
-            best_index = tl.min(tl.where(valid & (values == best), indices, BIG_INDEX), axis=0)
-            tl.store(tokens_ptr + row * gamma + j, _vocab_token(vocab_ptr, best_index, HAS_VOCAB))
-        else:
-            maxes = tl.load(block_max_ptr + row * nb + blocks, mask=valid, other=-float("inf"))  # [BLOCK_NB]
-            sums = tl.load(block_sum_ptr + row * nb + blocks, mask=valid, other=0.0)  # [BLOCK_NB]
-            run_max = tl.max(maxes, axis=0)
-            run_sum = tl.sum(tl.where(maxes > -float("inf"), sums * tl.exp(maxes - run_max), 0.0), axis=0)
-            tl.store(row_max_ptr + row, run_max)
-            tl.store(row_sum_ptr + row, run_sum)
+        _row_stats(row, tokens_ptr, temperature_ptr, block_max_ptr, block_sum_ptr, arg_value_ptr, arg_index_ptr,
+                   row_max_ptr, row_sum_ptr, vocab_ptr, j, gamma, nb, HAS_VOCAB, BLOCK_NB)
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "j"])
 def _draft_split_race_kernel(
-    tokens_ptr,  # [R, γ] int64 in: x_k of a greedy row (read if STORE_GREEDY)
+    tokens_ptr,  # [R, γ] int64 in: x_k of a greedy row (read if STORE_GREEDY); out (FUSED): x_k of a sampled row
     probs_ptr,  # [R or S, γ, V] fp32 in: tempered logits of slot k; out: p_d
     probs_rows_ptr,  # [R] int32/int64: the probs row of each request, negative for padding (read if HAS_ROWS)
     anchor_pos_ptr,  # [R] int64 P
@@ -513,6 +576,7 @@ def _draft_split_race_kernel(
     row_sum_ptr,  # [R] fp32 in: its sum
     race_score_ptr,  # [R, NB] fp32 out: the block's best p_d / E
     race_index_ptr,  # [R, NB] int64 out: its lowest index
+    counter_ptr,  # [R] int32 (FUSED): the row's programs done so far, zero before and after the launch
     vocab_ptr,  # [V] int64 token id of each lane (read if HAS_VOCAB)
     seed_lo,  # low 32 bits of the seed
     seed_hi,  # high 32 bits of the seed
@@ -524,9 +588,12 @@ def _draft_split_race_kernel(
     HAS_ROWS: tl.constexpr,  # probs rows come from probs_rows_ptr (else request i writes probs row i)
     STORE_GREEDY: tl.constexpr,  # a greedy row writes its one-hot p_d (else it writes no probs at all)
     HAS_VOCAB: tl.constexpr,  # lanes are a draft vocabulary's (column vocab[lane] of probs)
+    FUSED: tl.constexpr,  # the row's last program picks the race winner (launch W's work; no W launch)
     BLOCK_V: tl.constexpr,  # vocabulary block of one program
+    BLOCK_NB: tl.constexpr,  # next power of two >= NB (FUSED)
 ):
-    """Launch B_k, one program per (request, vocabulary block): the block's ``p_d`` and its part of the race."""
+    """Launch B_k, one program per (request, vocabulary block): the block's ``p_d`` and its part of the race; with
+    ``FUSED``, the last of a sampled row's programs also picks the winner (launch W's work)."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     dest = _dest_row(probs_rows_ptr, row, HAS_ROWS)
@@ -554,6 +621,10 @@ def _draft_split_race_kernel(
             race_score, race_index = race_update(-1.0, 0, p, exponential_at(key, lanes), lanes, mask)
             tl.store(race_score_ptr + row * nb + blk, race_score)
             tl.store(race_index_ptr + row * nb + blk, race_index.to(tl.int64))
+            if FUSED:
+                if _last_of(counter_ptr + row, nb):
+                    lane = race_winner(race_score_ptr, race_index_ptr, row, nb, BLOCK_NB)
+                    tl.store(tokens_ptr + row * gamma + j, _vocab_token(vocab_ptr, lane, HAS_VOCAB))
 
 
 @triton.jit(do_not_specialize=["j"])
@@ -643,6 +714,7 @@ def sample_draft_block(
     probs_rows: Tensor | None = None,
     store_greedy: bool = True,
     vocab: Tensor | None = None,
+    fused_reductions: bool | None = None,
 ) -> DraftOutput:
     """Sample a Markov-head block and its confidence logits (the loop in the module docstring).
 
@@ -685,6 +757,9 @@ def sample_draft_block(
             stays ``[V, r]`` (indexed by token id), lane ``j`` of the draw is token ``vocab[j]``, and ``p_d`` is
             written into full ``[.., V]`` rows at columns ``vocab`` only: the other columns of ``probs_out`` are
             never written (the engine's buffer is zero there, so ``p_d`` is 0 outside the vocabulary).
+        fused_reductions: the split variant's per-row reductions done by the last program of each row in the logits
+            and race launches (2γ launches instead of 4γ; the same arithmetic in the same order, so the same bits);
+            ``None``: ``FUSED_REDUCTIONS``.
 
     Returns:
         :class:`reference.drafter.DraftOutput`: tokens ``[R, γ]`` int64, probs ``[R, γ, V]`` fp32 (with
@@ -773,7 +848,8 @@ def sample_draft_block(
         if rows != 1 and (rows < 16 or rows & (rows - 1)):
             raise ValueError(f"split_rows must be 1 or a power of two >= 16, got {rows}")
         _launch_split(out, base_logits, h, anchor_ids, anchor_pos, temperature, rid, w1, w2, conf_w, conf_b,
-                      lo, hi, block_r, block_d, rows, probs_rows, store_greedy, vocab)
+                      lo, hi, block_r, block_d, rows, probs_rows, store_greedy, vocab,
+                      FUSED_REDUCTIONS if fused_reductions is None else fused_reductions)
         return out
     block_v = max(16, min(MAX_BLOCK_V, W2_TILE_ELEMENTS // block_r, triton.next_power_of_2(V)))
     _sample_draft_block_kernel[(R,)](
@@ -793,9 +869,10 @@ def sample_draft_block(
 def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: Tensor, anchor_pos: Tensor,
                   temperature: Tensor, rid: Tensor, w1: Tensor, w2: Tensor, conf_w: Tensor, conf_b: Tensor,
                   lo: int, hi: int, block_r: int, block_d: int, rows: int = 1,
-                  probs_rows: Tensor | None = None, store_greedy: bool = True, vocab: Tensor | None = None) -> None:
-    """The split-vocabulary variant into ``out``: 4γ launches (A, S, B, W per slot), no host syncs (CUDA-graph
-    capturable).
+                  probs_rows: Tensor | None = None, store_greedy: bool = True, vocab: Tensor | None = None,
+                  fused: bool = False) -> None:
+    """The split-vocabulary variant into ``out``: 4γ launches (A, S, B, W per slot), or with ``fused`` 2γ and one
+    memset (the last program of a row in A and B does S's and W's work), no host syncs (CUDA-graph capturable).
 
     Inputs as :func:`sample_draft_block` after its checks (contiguous weights, fp32 ``temperature``); ``out.probs``
     is ``[S, γ, V]`` when ``probs_rows`` is given. Only the race launch writes greedy rows' ``p_d`` (the logits
@@ -817,6 +894,9 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
     row_max, row_sum = torch.empty(2, R, dtype=torch.float32, device=dev)
     has_rows = probs_rows is not None
     dest = out.probs if probs_rows is None else probs_rows  # [R]; any pointer when unread (HAS_ROWS=False)
+    # Fused reductions: one arrival counter per row (per group of `rows` requests in the logits launch), zero between
+    # launches (the last arrival resets it); one memset a draft instead of 2γ reduction launches.
+    counter = torch.zeros(R, dtype=torch.int32, device=dev) if fused else row_max  # any pointer when unread
     for j in range(gamma):
         if rows > 1:
             _draft_split_logits_rows_kernel[(triton.cdiv(R, rows), nb)](
@@ -824,10 +904,10 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
                 base_logits, base_logits.stride(0), base_logits.stride(1),
                 h, h.stride(0), h.stride(1),
                 anchor_ids, temperature, w1, w2, conf_w, conf_b, lane_ids,
-                block_max, block_sum, arg_value, arg_index,
+                block_max, block_sum, arg_value, arg_index, row_max, row_sum, counter,
                 j, gamma, R, V, v_out, d, r, nb,
-                HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, BLOCK_M=rows, BLOCK_V=block_v, BLOCK_D=block_d,
-                BLOCK_R=max(16, block_r),
+                HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, FUSED=fused, BLOCK_M=rows, BLOCK_V=block_v,
+                BLOCK_D=block_d, BLOCK_R=max(16, block_r), BLOCK_NB=block_nb,
                 num_warps=SPLIT_NUM_WARPS,
             )
         else:
@@ -836,28 +916,32 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
                 base_logits, base_logits.stride(0), base_logits.stride(1),
                 h, h.stride(0), h.stride(1),
                 anchor_ids, temperature, w1, w2, conf_w, conf_b, lane_ids,
-                block_max, block_sum, arg_value, arg_index,
+                block_max, block_sum, arg_value, arg_index, row_max, row_sum, counter,
                 j, gamma, V, v_out, d, r, nb,
-                HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, BLOCK_V=block_v, BLOCK_D=block_d, BLOCK_R=block_r,
+                HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, FUSED=fused, BLOCK_V=block_v, BLOCK_D=block_d,
+                BLOCK_R=block_r, BLOCK_NB=block_nb,
                 num_warps=SPLIT_NUM_WARPS,
             )
-        # SPLIT_NUM_WARPS as the race launch had when it combined the sums itself: the same reduction tree over the
-        # same [BLOCK_NB] layout, so the softmax sum keeps its bits.
-        _draft_split_stats_kernel[(R,)](
-            out.tokens, out.conf_logits, dest, temperature, block_max, block_sum, arg_value, arg_index,
-            row_max, row_sum, lane_ids, j, gamma, nb,
-            HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, BLOCK_NB=block_nb, num_warps=SPLIT_NUM_WARPS,
-        )
+        if not fused:
+            # SPLIT_NUM_WARPS as the race launch had when it combined the sums itself: the same reduction tree over
+            # the same [BLOCK_NB] layout, so the softmax sum keeps its bits (the fused reduction runs in the logits
+            # launch, at SPLIT_NUM_WARPS too).
+            _draft_split_stats_kernel[(R,)](
+                out.tokens, out.conf_logits, dest, temperature, block_max, block_sum, arg_value, arg_index,
+                row_max, row_sum, lane_ids, j, gamma, nb,
+                HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, BLOCK_NB=block_nb, num_warps=SPLIT_NUM_WARPS,
+            )
         _draft_split_race_kernel[(R, nb)](
             out.tokens, out.probs, dest, anchor_pos, temperature, rid, row_max, row_sum, race_score, race_index,
-            lane_ids, lo, hi, j, gamma, V, v_out, nb,
-            HAS_ROWS=has_rows, STORE_GREEDY=store_greedy, HAS_VOCAB=has_vocab, BLOCK_V=block_v,
-            num_warps=SPLIT_NUM_WARPS,
+            counter, lane_ids, lo, hi, j, gamma, V, v_out, nb,
+            HAS_ROWS=has_rows, STORE_GREEDY=store_greedy, HAS_VOCAB=has_vocab, FUSED=fused, BLOCK_V=block_v,
+            BLOCK_NB=block_nb, num_warps=SPLIT_NUM_WARPS,
         )
-        # One warp: a max and a min over NB partials, exact in any order.
-        _draft_split_winner_kernel[(R,)](out.tokens, dest, temperature, race_score, race_index, lane_ids, j, gamma,
-                                         nb, HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, BLOCK_NB=block_nb,
-                                         num_warps=1)
+        if not fused:
+            # One warp: a max and a min over NB partials, exact in any order.
+            _draft_split_winner_kernel[(R,)](out.tokens, dest, temperature, race_score, race_index, lane_ids, j,
+                                             gamma, nb, HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, BLOCK_NB=block_nb,
+                                             num_warps=1)
 
 
 @torch.no_grad()
@@ -876,6 +960,7 @@ def sample_block(
     probs_out: Tensor | None = None,
     probs_rows: Tensor | None = None,
     store_greedy: bool = True,
+    fused_reductions: bool | None = None,
 ) -> DraftOutput:
     """``drafter.sample_block`` with the Markov head fused; the RNN and "none" heads run the reference loop.
 
@@ -890,6 +975,7 @@ def sample_block(
             (Markov head only; the other heads reject it).
         store_greedy: ``False``: greedy rows write no ``p_d``, as :func:`sample_draft_block` (Markov head; the other
             heads return every row's ``p_d`` regardless).
+        fused_reductions: the split variant's reductions in 2γ launches, as :func:`sample_draft_block`.
     """
     if drafter.config.head != "markov":
         if probs_out is not None or probs_rows is not None:
@@ -905,4 +991,5 @@ def sample_block(
     return sample_draft_block(base, h, anchor_ids, anchor_pos, temperature, seed, request_ids,
                               w1, w2, drafter.conf_head.weight, drafter.conf_head.bias,
                               backend=backend, split=split, split_rows=split_rows, probs_out=probs_out,
-                              probs_rows=probs_rows, store_greedy=store_greedy, vocab=vocab)
+                              probs_rows=probs_rows, store_greedy=store_greedy, vocab=vocab,
+                              fused_reductions=fused_reductions)

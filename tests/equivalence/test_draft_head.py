@@ -379,6 +379,49 @@ def test_split_reductions_match_one_program(monkeypatch, split_rows, R, mode):
 
 
 @needs_triton
+@pytest.mark.parametrize("split_rows", [1, 16])
+@pytest.mark.parametrize("R,mode", [(1, "greedy"), (3, "mixed"), (17, "sampled"), (33, "mixed")])
+def test_fused_reductions_same_bits(monkeypatch, split_rows, R, mode):
+    """The split variant with its per-row reductions fused into the logits and race launches (the last program of a
+    row, or of a group of 16 rows, reduces; 2γ launches instead of 4γ) against the separate reduction launches:
+    the same tokens, ``p_d`` and ``z_k`` bit for bit — with and without ``probs_rows`` (padding rows: zeros) and
+    ``store_greedy``, with a draft vocabulary — and calling twice gives the same bits (the arrival counters are back
+    at zero after every launch)."""
+    monkeypatch.setattr(fast, "SPLIT_TILE_ELEMENTS", SMALL_SPLIT_TILE)  # NB = 3 blocks (V = 40), 7 with V = 97
+    gamma, V, d, r = 3, 40, 32, 8
+    gen = torch.Generator().manual_seed(R + split_rows)
+    h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(R, gamma, V, d=d, seed=R)
+    if mode != "mixed":
+        temperature = torch.full((R,), 0.0 if mode == "greedy" else 0.9)
+    base = torch.randn(R, gamma, V, generator=gen) * 2
+    w1, w2 = torch.randn(V, r, generator=gen), torch.randn(V, r, generator=gen)
+    conf_w, conf_b = torch.randn(d + r, generator=gen), torch.tensor([-0.2])
+    args, rest = to_device(base, h, anchor_ids, anchor_pos, temperature), to_device(request_ids, w1, w2, conf_w, conf_b)
+    split = dict(backend="triton", split=True, split_rows=split_rows)
+    dest = torch.randperm(R + 2, generator=gen)[:R].to(DEVICE)  # [R] slots of an [R + 2, γ, V] buffer
+    dest[1::3] = -1
+    for extra in ({}, {"probs_rows": dest.to(torch.int32), "store_greedy": False},
+                  {"probs_rows": dest, "store_greedy": True}):
+        outs = []
+        for fused in (False, True, True):
+            kw = dict(extra)
+            if "probs_rows" in kw:
+                kw["probs_out"] = torch.full((R + 2, gamma, V), SENTINEL, device=DEVICE)
+            out = fast.sample_draft_block(*args, 7, *rest, **split, **kw, fused_reductions=fused)
+            outs.append((out.tokens.clone(), out.probs.clone(), out.conf_logits.clone()))
+        for got in outs[1:]:
+            for a, b in zip(outs[0], got):
+                assert torch.equal(a.nan_to_num(nan=-7.0), b.nan_to_num(nan=-7.0))
+    if split_rows == 1:  # a draft vocabulary: lanes map to token ids
+        drafter, vocab = restricted_drafter(97, gamma, r, 60, seed=R)
+        inputs = to_device(h, anchor_ids, anchor_pos, temperature)
+        plain, fused = (fast.sample_block(on_device(drafter), *inputs, 5, request_ids.to(DEVICE), **split,
+                                          fused_reductions=f) for f in (False, True))
+        assert torch.equal(plain.tokens, fused.tokens) and torch.equal(plain.probs, fused.probs)
+        assert torch.equal(plain.conf_logits, fused.conf_logits)
+
+
+@needs_triton
 @pytest.mark.parametrize("rows", [16, 32])
 def test_split_rows_over_several_row_blocks(monkeypatch, rows):
     """The rows kernel with more requests than one program holds (37: full blocks and a partial one), a rank that
