@@ -131,9 +131,8 @@ def timed(fn: Callable[[], Any], device: torch.device, repeats: int, iters: int,
 
 def sweep_configs(rows: int, k_max: int) -> list[dict]:
     """Tile grid of the sweep for inputs of at most ``k_max`` columns: up to two rows, row-loop tiles of 256 columns up
-    to the whole row (a weight tile of at most 8192 values in registers); from three to 16 rows, broadcast-product
-    tiles (``kernel="bcast"``: 2048 to 16384 products a program); from two rows on, ``tl.dot`` tiles of 16 rows.
-    Tiles wider than the row are left out."""
+    to the whole row (a weight tile of at most 8192 values in registers); from two rows on, ``tl.dot`` tiles of 16
+    rows. Tiles wider than the row are left out."""
     widest = 1 << (k_max - 1).bit_length()
     configs = []
     block_m = 1 << (rows - 1).bit_length()
@@ -141,10 +140,6 @@ def sweep_configs(rows: int, k_max: int) -> list[dict]:
         for bn, bk, warps in itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048), (1, 2, 4, 8)):
             if bn * bk <= 8192 and min(256, widest) <= bk <= max(256, widest):
                 configs.append(dict(kernel="rows", BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps))
-    elif rows <= 16:
-        for bn, bk, warps in itertools.product((1, 2, 4, 8), (128, 256, 512), (4, 8)):
-            if 2048 <= block_m * bn * bk <= 16384 and bk <= widest:
-                configs.append(dict(kernel="bcast", BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps))
     if rows > 1:
         configs += [dict(kernel="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (16, 32)
                     for bk in (64, 128, 256, 512) if bk <= widest for w in (4, 8)]

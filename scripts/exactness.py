@@ -154,7 +154,10 @@ def _run(args: argparse.Namespace, settings: list[str], batch_sizes: list[int], 
                                                                                         else sys.argv[1:])),
         "model": target.name or args.model, "drafter": args.drafter or str(DEFAULT_DRAFTER),
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "invariant_tiles": [dict(t) for t in linear_kernels.INVARIANT_TILES], "results": [], "throughput_ratio": [],
+        # the row-invariant tiles in force on this device (a table is used only where it was verified)
+        "invariant_tiles": [dict(t) for t in linear_kernels.invariant_tile_table(
+            torch.cuda.get_device_capability(device) if device.type == "cuda" else None)],
+        "results": [], "throughput_ratio": [],
     }
     max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + 2 * gamma + 8
     tokens_per_s: dict[tuple[str, int, str], float] = {}

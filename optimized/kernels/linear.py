@@ -28,9 +28,9 @@ Each program owns ``BLOCK_N`` output columns and walks the input dimension ``K``
   tiles, faster than cuBLAS from four rows on. Its tiles do not depend on the number of rows either, so with
   ``row_invariant=True`` every step takes it, one row included, and a row's bits do not depend on how many rows
   share the step (tests/equivalence/test_row_invariance.py): what would change them is the switch between the two
-  kernels. For three to :data:`BCAST_MAX_ROWS` rows the same kernel can sum the broadcast product
-  ``[BLOCK_M, BLOCK_N, BLOCK_K]`` instead of calling ``tl.dot`` (``kernel="bcast"``): every row at once, no padding
-  to 16 rows, and two to eight output columns a program (more programs in flight).
+  kernels. (A variant summing the broadcast product ``[BLOCK_M, BLOCK_N, BLOCK_K]`` instead of ``tl.dot``, to
+  avoid padding three to 16 rows to a 16-row tile, ran 2–3× slower than the ``tl.dot`` tiles at 4, 8 and 16 rows
+  on the H200 and was removed: docs/benchmarks/linear-small-rows-h200.json.)
 
 With ``GATED`` the weight is ``[gate | up]`` (``[2N, K]``, the engine's fused gate/up matrix) and the program
 accumulates the gate and up columns of the same outputs, then writes ``silu(gate) · up`` with HF's rounding (each
@@ -59,8 +59,10 @@ if HAS_TRITON:
 # Up to this many token rows the projections run as the fused Triton kernels of this module; above it, cuBLAS
 # (with the separate norm and SiLU·up kernels of layer_ops): plain decoding at batch 1 and 2. On the H200 the fused
 # chain is 1.72× / 1.42× cuBLAS's at one / two rows and 0.95× at four (scripts/bench_linear.py,
-# docs/benchmarks/linear-h200.json); the best 16-row tl.dot tiles of the sweep would win ~15 % at eight rows, which
-# this limit does not take yet. Tuned on sm_90; the kernels are portable Triton.
+# docs/benchmarks/linear-h200.json). At eight rows (batch 1 verifying seven drafts) the 16-row tl.dot tiles cost
+# ~20 µs a layer against cuBLAS's ~22 (docs/benchmarks/linear-small-rows-h200.json); whether that pays in the engine
+# is measured with --linear-rows 16 (scripts/bench_engine.py), so this limit does not take it yet. Tuned on sm_90;
+# the kernels are portable Triton.
 FUSED_MAX_ROWS = 2
 
 # Up to this many rows the default kernel loops over the rows against each weight tile (_norm_linear_rows_kernel);
@@ -69,23 +71,22 @@ FUSED_MAX_ROWS = 2
 # at 1 / 2 / 4 / 8 / 16 rows against cuBLAS's ~22 (docs/benchmarks/linear-row-loop-h200.json).
 ROW_LOOP_ROWS = 2
 
-# From ROW_LOOP_ROWS + 1 up to this many rows the default kernel is the broadcast product (``kernel="bcast"``): the
-# rows of a small verify block (batch 1 or 2 with γ = 7: 8 or 16 rows) at once, without padding them to a 16-row
-# tl.dot tile, and with fewer output columns a program than tl.dot's 16, hence more programs streaming the weights.
-# Only steps the engine fuses reach it (FUSED_MAX_ROWS, or a larger ``--linear-rows``). Not yet measured against the
-# tl.dot tiles on a GPU: scripts/bench_linear.py sweeps both (scripts/reproduce/batch1_step_h200.sh).
-BCAST_MAX_ROWS = 16
-
 # The row-invariant tl.dot tiles by step size, smallest first: each entry serves steps of up to ``max_rows`` rows
 # (None: any). Several entries let a large step take larger tiles — but only tiles that give every row the bits the
 # first entry gives it, or a token's bits would depend on its step again. Whether two tiles agree is the GPU's
-# matrix instructions' business (16- and 32-row tiles run mma.sync on sm_90, 64-row tiles may run wgmma), so it is
-# measured, not assumed: ``scripts/bench_linear.py --invariant-sweep`` marks each tile it times ``identical`` or not
-# against this table's first entry and proposes a table of the fastest identical ones, which
-# ``set_invariant_tiles`` (``scripts/exactness.py --invariant-tiles``) installs for a trial and
-# tests/equivalence/test_linear.py checks on the device. One entry (the best single tile of the H200's sweep over
-# 1..512 rows) until such a sweep has run.
-INVARIANT_TILES: tuple[dict, ...] = (dict(max_rows=None, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4),)
+# matrix instructions' business, so it is measured, not assumed: ``scripts/bench_linear.py --invariant-sweep`` marks
+# each tile it times ``identical`` or not against this table's first entry and proposes a table of the fastest
+# identical ones, which ``set_invariant_tiles`` (``scripts/exactness.py --invariant-tiles``) installs for a trial and
+# tests/equivalence/test_linear.py checks on the device. On the H200 every projection's 32 × 64 tile gave the 16 × 32
+# tile's bits at 1..2048 rows and ran 1.2–1.6× faster at 512 and 2048 rows (docs/benchmarks/linear-invariant-h200.json);
+# with this table the exactness benchmark's greedy tokens stayed identical to plain decoding at batch 1 in every mode
+# and batch size (docs/benchmarks/exactness-h200.json).
+INVARIANT_TILES: tuple[dict, ...] = (dict(max_rows=64, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4),
+                                     dict(max_rows=None, BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, num_warps=4))
+# The GPUs (compute capability) on which the table's tiles were found bit-identical; on any other the first tile
+# serves every step (one tile for every size: invariant by construction), until a sweep there says otherwise. None:
+# every GPU (a table installed with set_invariant_tiles is taken as given).
+INVARIANT_TILES_ARCHS: frozenset[tuple[int, int]] | None = frozenset({(9, 0)})
 
 
 def check_invariant_tiles(tiles: list[dict]) -> tuple[dict, ...]:
@@ -110,23 +111,33 @@ def check_invariant_tiles(tiles: list[dict]) -> tuple[dict, ...]:
     return tuple(dict(t) for t in tiles)
 
 
-def set_invariant_tiles(tiles: list[dict]) -> None:
-    """Install a table of row-invariant tiles (:func:`check_invariant_tiles` first)."""
-    global INVARIANT_TILES
-    INVARIANT_TILES = check_invariant_tiles(tiles)
+def set_invariant_tiles(tiles: list[dict], archs: frozenset[tuple[int, int]] | None = None) -> None:
+    """Install a table of row-invariant tiles (:func:`check_invariant_tiles` first), for the GPUs of ``archs`` (None:
+    every GPU)."""
+    global INVARIANT_TILES, INVARIANT_TILES_ARCHS
+    INVARIANT_TILES, INVARIANT_TILES_ARCHS = check_invariant_tiles(tiles), archs
 
 
 @contextlib.contextmanager
 def invariant_tiles(tiles: list[dict] | None) -> Iterator[None]:
     """:func:`set_invariant_tiles` for the duration of a ``with`` block (None: the table in force), then the table
     before it again."""
-    previous = INVARIANT_TILES
+    previous = INVARIANT_TILES, INVARIANT_TILES_ARCHS
     if tiles is not None:
         set_invariant_tiles(tiles)
     try:
         yield
     finally:
-        set_invariant_tiles(list(previous))
+        set_invariant_tiles(list(previous[0]), previous[1])
+
+
+def invariant_tile_table(arch: tuple[int, int] | None = None) -> tuple[dict, ...]:
+    """The row-invariant tiles in force on a GPU of compute capability ``arch`` (None: not a GPU, e.g. the Triton
+    interpreter, whose tl.dot sums in an order of its own): :data:`INVARIANT_TILES`, or its first tile alone where
+    the table was not verified."""
+    if INVARIANT_TILES_ARCHS is None or arch in INVARIANT_TILES_ARCHS:
+        return INVARIANT_TILES
+    return (dict(INVARIANT_TILES[0], max_rows=None),)
 
 
 def fused_rows(n: int, limit: int | None = None) -> bool:
@@ -202,12 +213,9 @@ if HAS_TRITON:
         stride_xm, stride_rm, stride_wn, stride_ym, stride_sm,
         NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        USE_DOT: tl.constexpr,
     ):
-        """``[BLOCK_M, BLOCK_K]`` input tiles against ``[BLOCK_N, BLOCK_K]`` weight tiles, walking K: with ``USE_DOT``
-        each pair is one ``tl.dot`` (matrix instructions, 16 rows a tile at least); without it, the broadcast product
-        ``[BLOCK_M, BLOCK_N, BLOCK_K]`` summed over K in float32 (every row of the tile at once, for a few rows: no
-        padding to 16, and as few output columns a program as keep the product in registers)."""
+        """``[BLOCK_M, BLOCK_K]`` input tiles against ``[BLOCK_N, BLOCK_K]`` weight tiles, walking K, each pair one
+        ``tl.dot`` (matrix instructions, 16 rows a tile at least)."""
         pid_n = tl.program_id(0)
         rows = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rmask = rows < M
@@ -230,15 +238,10 @@ if HAS_TRITON:
             w = tl.load(w_ptr + outs[:, None] * stride_wn + cols[None, :], mask=wmask, other=0.0)  # [BLOCK_N, BLOCK_K]
             if GATED:
                 w_up = tl.load(w_ptr + (outs[:, None] + N) * stride_wn + cols[None, :], mask=wmask, other=0.0)
-            if USE_DOT:  # into the accumulator: each row's products summed in K order, whatever BLOCK_K
-                acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
-                if GATED:
-                    acc_up = tl.dot(h, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
-            else:  # [BLOCK_M, 1, BLOCK_K] · [1, BLOCK_N, BLOCK_K], summed over K
-                hf = h.to(tl.float32)[:, None, :]
-                acc += tl.sum(hf * w.to(tl.float32)[None, :, :], axis=2)
-                if GATED:
-                    acc_up += tl.sum(hf * w_up.to(tl.float32)[None, :, :], axis=2)
+            # into the accumulator: each row's products summed in K order, whatever BLOCK_K
+            acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            if GATED:
+                acc_up = tl.dot(h, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
         _store_output(acc, acc_up, b_ptr, y_ptr, rows, rmask, outs, omask, stride_ym, HAS_BIAS, GATED)
 
     @triton.jit
@@ -299,33 +302,31 @@ if HAS_TRITON:
         _store_output(acc, acc_up, b_ptr, y_ptr, rows, rows < M, outs, omask, stride_ym, HAS_BIAS, GATED)
 
 
-def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = False) -> dict:
+def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = False,
+                  arch: tuple[int, int] | None = None) -> dict:
     """Kernel, tile sizes and warps for an ``[m, k] · [n, k]ᵀ`` step (``n`` output columns, gate and up counted once).
 
     Up to :data:`ROW_LOOP_ROWS` rows: the row loop (``kernel="rows"``), with the whole input row in one tile
     (``BLOCK_K`` = K rounded up to a power of two, up to 2048), so that every weight load of a program is in flight
     at once, and as few output columns a program as keep its weight tile at ~2048 values: one to four columns,
     hundreds of programs. A one-row step is latency-bound, and this was the fastest shape of the sweep on the H200
-    (scripts/bench_linear.py: 2–4× faster than 64-wide K tiles walked in a loop). Up to :data:`BCAST_MAX_ROWS` rows:
-    the broadcast product of every row of the block against ``[BLOCK_N, 256]`` weight tiles (``kernel="bcast"``, two
-    to eight columns a program). More rows: ``tl.dot`` tiles of 16 rows (``kernel="dot"``).
+    (scripts/bench_linear.py: 2–4× faster than 64-wide K tiles walked in a loop). More rows: ``tl.dot`` tiles of 16
+    rows (``kernel="dot"``); on the H200 at 8 rows its chain costs ~20 µs a layer against cuBLAS's ~22 with the
+    separate norm and SiLU kernels (docs/benchmarks/linear-small-rows-h200.json).
 
-    With ``row_invariant`` every ``m`` takes a ``tl.dot`` tile of :data:`INVARIANT_TILES` (one tile until a GPU
-    sweep finds larger ones that agree bit for bit): a row's products are summed into its accumulator in K order by
-    the same matrix instructions, whether its tile holds 1 or 16 real rows (padding rows are zeros that no real row
-    reads) — no split of ``K``. Either kernel
+    With ``row_invariant`` every ``m`` takes a ``tl.dot`` tile of :data:`INVARIANT_TILES` by step size, on a GPU of
+    compute capability ``arch`` the table verified there (:func:`invariant_tile_table`; elsewhere its first tile
+    alone): a row's products are summed into its accumulator in K order by matrix instructions that give it the same
+    bits whether its tile holds 1 or 16 real rows (padding rows are zeros that no real row reads) — no split of
+    ``K``. Either kernel
     alone is row-invariant; switching between them at ``ROW_LOOP_ROWS`` is what makes a token's bits depend on its
     step, so the invariant mode gives up the row loop's one-row speed for the dot tiles' many-row speed (the row loop
     runs its rows one after another: an engine with every step on it ran 7× slower than the default at batch 64).
     """
-    if row_invariant:  # the first tile of INVARIANT_TILES that serves m rows
-        tile = next(t for t in INVARIANT_TILES if t["max_rows"] is None or m <= t["max_rows"])
+    if row_invariant:  # the first tile of the table in force on this GPU that serves m rows
+        tile = next(t for t in invariant_tile_table(arch) if t["max_rows"] is None or m <= t["max_rows"])
         return dict(kernel="dot", BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"],
                     BLOCK_K=min(tile["BLOCK_K"], triton.next_power_of_2(k)), num_warps=tile["num_warps"])
-    if ROW_LOOP_ROWS < m <= BCAST_MAX_ROWS:  # every row at once, ~8192 products a program in registers
-        block_m, block_k = triton.next_power_of_2(m), min(256, triton.next_power_of_2(k))
-        return dict(kernel="bcast", BLOCK_M=block_m, BLOCK_N=max(1, 8192 // (block_m * block_k)), BLOCK_K=block_k,
-                    num_warps=4)
     if m > ROW_LOOP_ROWS:
         return dict(kernel="dot", BLOCK_M=16, BLOCK_N=32 if gated else 16, BLOCK_K=min(256, triton.next_power_of_2(k)),
                     num_warps=4)
@@ -351,8 +352,8 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
         norm_weight: ``[K]`` RMSNorm gain, or ``None`` for no norm (then ``residual`` must be ``None``).
         residual: ``[M, K]`` added to ``x`` before the norm, or ``None``.
         gated: return ``silu(x̂ W_gateᵀ) · (x̂ W_upᵀ)`` ``[M, N]`` instead of the projection.
-        config: the kernel (``kernel``: ``"rows"``, ``"bcast"`` or ``"dot"``) and its tile sizes (``BLOCK_M``,
-            ``BLOCK_N``, ``BLOCK_K``, ``num_warps``), default :func:`kernel_config` (the benchmark sweeps them).
+        config: the kernel (``kernel``: ``"rows"`` or ``"dot"``) and its tile sizes (``BLOCK_M``, ``BLOCK_N``,
+            ``BLOCK_K``, ``num_warps``), default :func:`kernel_config` (the benchmark sweeps them).
         row_invariant: compute every row with the one ``tl.dot`` configuration at any size, so that a row's output
             does not depend on the other rows of the step (slower than the row loop at one or two rows).
 
@@ -385,17 +386,17 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     total = x if residual is None else torch.empty_like(x)
     if m:
-        cfg = dict(kernel_config(m, n, k, gated, row_invariant) if config is None else config)
+        arch = torch.cuda.get_device_capability(x.device) if x.is_cuda and row_invariant else None
+        cfg = dict(kernel_config(m, n, k, gated, row_invariant, arch) if config is None else config)
         block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
         kind = cfg.pop("kernel", "rows" if block_m < 16 else "dot")
-        if kind in ("dot", "bcast"):
+        if kind == "dot":
             kernel = _norm_linear_kernel
             cfg["DOT_PRECISION"] = "ieee" if x.dtype == torch.float32 else "tf32"
-            cfg["USE_DOT"] = kind == "dot"
         elif kind == "rows":
             kernel = _norm_linear_rows_kernel
         else:
-            raise ValueError(f"config['kernel'] must be 'rows', 'bcast' or 'dot', got {kind!r}")
+            raise ValueError(f"config['kernel'] must be 'rows' or 'dot', got {kind!r}")
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
         dummy = x  # stands in for absent pointers (never read: the flags compile the accesses away)
         res = residual if residual is not None else x

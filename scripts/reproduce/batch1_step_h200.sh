@@ -2,8 +2,8 @@
 # The small-batch step on one H200 (~10 min): the fused projections (optimized/kernels/linear.py) against cuBLAS.
 #   1. the linear kernels' GPU tests: compiled equivalence with the torch twin, and row invariance up to 16 rows
 #   2. scripts/bench_linear.py: one layer's projection chain in a CUDA graph, unfused and fused, at 1..32 token rows
-#      (fused: the row loop up to 2 rows, the broadcast product 3..16, tl.dot tiles above), and the tile sweep of
-#      each fused op at 8 and 16 rows (broadcast and tl.dot tiles)     -> docs/benchmarks/linear-h200.json
+#      (fused: the row loop up to 2 rows, tl.dot tiles above), and the tile sweep of each fused op at 8 and 16 rows
+#                                                                       -> docs/benchmarks/linear-small-rows-h200.json
 #   3. scripts/bench_engine.py at batch 1, 2 and 4, plain decoding and fixed K = 7, with the fused projections up to
 #      2 rows and up to 16 rows (--linear-rows), one run each        -> engine-lr2.json, engine-lr16.json
 #   4. scripts/profile_engine.py of fixed K = 7 at batch 1 with both limits -> profile-h200-fixed7-b1-lr{2,16}.json
@@ -22,7 +22,7 @@ SRC=(--model "$MODEL" --drafter "$DRAFTER" --sharegpt-file "$SHAREGPT")
 
 run tests-linear timeout 120 python -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_linear.py
 run linear timeout 300 python -m scripts.bench_linear --rows 1,2,4,8,16,32 --sweep --sweep-rows 8,16 \
-  --sweep-max-configs 24 --out "$RES/linear-h200.json"
+  --sweep-max-configs 24 --out "$RES/linear-small-rows-h200.json"
 for LR in 2 16; do
   run "engine-lr$LR" timeout 150 python -m scripts.bench_engine "${SRC[@]}" --batch-sizes 1,2,4 --min-requests 16 \
     --modes none+async,fixed:7,fixed:7+async --repeats 3 --hf-max-batch 0 --linear-rows "$LR" \

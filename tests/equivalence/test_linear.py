@@ -18,7 +18,6 @@ import torch
 
 from optimized.kernels.layer_ops import HAS_TRITON
 from optimized.kernels.linear import (
-    BCAST_MAX_ROWS,
     FUSED_MAX_ROWS,
     ROW_LOOP_ROWS,
     fused_rows,
@@ -67,7 +66,7 @@ def run_both(kw, gated, config=None):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 16, 21])  # row loop, broadcast product (3: masked rows), tl.dot (21: masked)
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 21])  # row loop, tl.dot (3 and 21: masked rows)
 @pytest.mark.parametrize("gated", [False, True])
 def test_norm_linear_matches_torch(dtype, m, gated):
     if dtype == torch.bfloat16 and kernel_config(m, 40, 72, gated)["kernel"] == "dot":
@@ -91,9 +90,7 @@ def test_flags_and_bias(norm, residual, m):
 @pytest.mark.parametrize("config", [dict(kernel="rows", BLOCK_M=1, BLOCK_N=4, BLOCK_K=16, num_warps=1),
                                     dict(kernel="rows", BLOCK_M=4, BLOCK_N=8, BLOCK_K=32, num_warps=2),
                                     dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=32, num_warps=2),  # rows: BLOCK_M < 16
-                                    dict(kernel="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4),
-                                    dict(kernel="bcast", BLOCK_M=4, BLOCK_N=8, BLOCK_K=16, num_warps=4),
-                                    dict(kernel="bcast", BLOCK_M=8, BLOCK_N=2, BLOCK_K=64, num_warps=2)])
+                                    dict(kernel="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4)])
 def test_any_tiling_gives_the_same_result(config):
     """Tiles smaller than every dimension: several programs over rows and columns, several K steps."""
     kw = case(5, 50, 36, torch.float32, gated=True)
@@ -156,9 +153,6 @@ def test_row_limit_and_configs():
             if m <= ROW_LOOP_ROWS:
                 assert {key: cfg[key] for key in same_tile} == {key: one[key] for key in same_tile}
                 assert cfg["kernel"] == "rows" and cfg["BLOCK_M"] >= m and cfg["BLOCK_N"] * cfg["BLOCK_K"] <= 2048
-            elif m <= BCAST_MAX_ROWS:  # every row of the block at once, ~8192 products a program
-                assert cfg["kernel"] == "bcast" and m <= cfg["BLOCK_M"] < 2 * m and cfg["BLOCK_K"] == 256
-                assert cfg["BLOCK_M"] * cfg["BLOCK_N"] * cfg["BLOCK_K"] == 8192
             else:
                 assert cfg["kernel"] == "dot" and cfg["BLOCK_M"] == invariant["BLOCK_M"] == 16
 
@@ -204,9 +198,10 @@ def test_gpu_projection_is_row_invariant(gated, dtype, _):
     """Compiled on the device at SmolLM2's widths, with ``row_invariant``: every row of a 2-, 8-, 16- or 40-row step,
     and of a step at either side of each bound of ``INVARIANT_TILES`` (another tile), has the bits it has alone (the
     CPU twin is tests/equivalence/test_row_invariance.py, under the interpreter)."""
-    from optimized.kernels.linear import INVARIANT_TILES
+    from optimized.kernels.linear import invariant_tile_table
 
-    bounds = [t["max_rows"] for t in INVARIANT_TILES[:-1]]  # each tile of the table against a row alone (the first)
+    table = invariant_tile_table(torch.cuda.get_device_capability())  # the table in force on this GPU
+    bounds = [t["max_rows"] for t in table[:-1]]  # each tile of the table against a row alone (the first)
     kw = case(max([40] + [b + 1 for b in bounds]), 576, 1536 if gated else 960, dtype, gated=gated, device="cuda")
 
     def project(rows: slice):
@@ -249,6 +244,31 @@ def test_invariant_tile_table_picks_by_step_size_and_checks_its_shape():
         with pytest.raises(ValueError):
             lin.set_invariant_tiles(table)
         assert lin.INVARIANT_TILES == before
+
+
+def test_the_tile_table_is_used_only_on_the_gpus_it_was_verified_on():
+    """The shipped table serves a GPU of a verified compute capability; any other GPU, and the interpreter (arch None),
+    take the table's first tile for every step size, which is invariant by construction. A table installed by hand
+    serves every device until the context restores the shipped one and its list of GPUs."""
+    from optimized.kernels import linear as lin
+
+    verified = next(iter(lin.INVARIANT_TILES_ARCHS))
+    first = lin.INVARIANT_TILES[0]
+    for arch in (None, verified, (99, 0)):
+        tiles = lin.invariant_tile_table(arch)
+        assert tiles == lin.INVARIANT_TILES if arch == verified else tiles == (dict(first, max_rows=None),)
+        for m in (1, 64, 65, 2048):
+            cfg = kernel_config(m, 960, 576, False, True, arch)
+            want = first if arch != verified else next(t for t in lin.INVARIANT_TILES
+                                                       if t["max_rows"] is None or m <= t["max_rows"])
+            assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) == (want["BLOCK_M"], want["BLOCK_N"],
+                                                                         want["num_warps"])
+    before = lin.INVARIANT_TILES, lin.INVARIANT_TILES_ARCHS
+    table = [dict(max_rows=8, BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4),
+             dict(max_rows=None, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8)]
+    with lin.invariant_tiles(table):
+        assert lin.invariant_tile_table((99, 0)) == lin.check_invariant_tiles(table)
+    assert (lin.INVARIANT_TILES, lin.INVARIANT_TILES_ARCHS) == before
 
 
 @needs_interpreter
