@@ -233,6 +233,8 @@ class ModelRunner:
         self.anchor = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] x_0 of each slot
         self.anchor_pos = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] its absolute position
         self.draft_tokens = torch.zeros(slots, g, dtype=torch.long, device=dev)  # [S, γ]
+        # [S, 1] an engine without a drafter verifies through greedy_verify too, with one slot no row ever verifies
+        self.no_drafts = torch.zeros(slots, 1, dtype=torch.long, device=dev) if not g else None
         self.draft_probs = torch.zeros(slots, g, self.vocab, dtype=torch.float32, device=dev)  # [S, γ, V]
         # [S] p_d of the slot's drafts is the one-hot of its own tokens (greedy drafts, n-gram proposals), implicit:
         # its draft_probs rows are neither written nor read (rejection_sample's draft_onehot).
@@ -526,15 +528,15 @@ class ModelRunner:
             # Every request greedy: p_t is the one-hot of the argmax, with which rejection sampling accepts a draft
             # iff it is the argmax and otherwise draws the argmax (uniforms lie in (0, 1)), and log p_t of every
             # emitted token is log 1 = 0. Verify from the logits directly: no softmax, no one-hot, the same tokens.
-            if g:  # read in place from the packed rows (row (r, j) is packed row cu[r] + j); the anchors move in
-                # the same kernel
-                moved = True
-                result = greedy_verify(self.draft_tokens[rows], lens, logits, backend=self.config.kernel_backend,
-                                       row_starts=b.cu[: r + 1], anchors=(self.anchor, self.anchor_pos, rows))
-                emitted, n_emitted = result.tokens, result.num_emitted
-            else:
-                emitted = logits[packed_rows()[:, 0]].argmax(dim=-1, keepdim=True)  # [R, 1] lowest index on ties
-                n_emitted = torch.ones(r, dtype=torch.long, device=dev)
+            # Read in place from the packed rows (row (r, j) is packed row cu[r] + j); the anchors move in the same
+            # kernel. Without a drafter every ℓ is 0: each row's argmax, through the same kernel (a dozen eager
+            # launches fewer than index, argmax and the anchors' update, host work that bounds plain decoding one
+            # step ahead at large batches).
+            moved = True
+            drafts = self.draft_tokens[rows] if g else self.no_drafts[:r]  # [R, γ] ([R, 1], never read, without γ)
+            result = greedy_verify(drafts, lens, logits, backend=self.config.kernel_backend, row_starts=b.cu[: r + 1],
+                                   anchors=(self.anchor, self.anchor_pos, rows))
+            emitted, n_emitted = result.tokens, result.num_emitted
             if asked:
                 logp = torch.zeros(emitted.shape, dtype=torch.float32, device=dev)  # [R, E]
         else:
