@@ -156,7 +156,7 @@ def _run(args: argparse.Namespace, settings: list[str], batch_sizes: list[int], 
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         # the row-invariant tiles in force on this device (a table is used only where it was verified)
         "invariant_tiles": [dict(t) for t in linear_kernels.invariant_tile_table(
-            torch.cuda.get_device_capability(device) if device.type == "cuda" else None)],
+            torch.cuda.get_device_capability(device) if device.type == "cuda" else None, target.dtype)],
         "results": [], "throughput_ratio": [],
     }
     max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + 2 * gamma + 8

@@ -83,10 +83,12 @@ ROW_LOOP_ROWS = 2
 # and batch size (docs/benchmarks/exactness-h200.json).
 INVARIANT_TILES: tuple[dict, ...] = (dict(max_rows=64, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4),
                                      dict(max_rows=None, BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, num_warps=4))
-# The GPUs (compute capability) on which the table's tiles were found bit-identical; on any other the first tile
-# serves every step (one tile for every size: invariant by construction), until a sweep there says otherwise. None:
-# every GPU (a table installed with set_invariant_tiles is taken as given).
+# The GPUs (compute capability) and input dtypes for which the table's tiles were found bit-identical (the H200's
+# sweep ran in bfloat16; in float32 a 32 × 64 tile of 256 columns does not even fit the H200's shared memory); on any
+# other GPU or dtype the first tile serves every step (one tile for every size: invariant by construction), until a
+# sweep there says otherwise. None: every GPU and dtype (a table installed with set_invariant_tiles is taken as given).
 INVARIANT_TILES_ARCHS: frozenset[tuple[int, int]] | None = frozenset({(9, 0)})
+INVARIANT_TILES_DTYPES: frozenset[torch.dtype] | None = frozenset({torch.bfloat16})
 
 
 def check_invariant_tiles(tiles: list[dict]) -> tuple[dict, ...]:
@@ -111,31 +113,33 @@ def check_invariant_tiles(tiles: list[dict]) -> tuple[dict, ...]:
     return tuple(dict(t) for t in tiles)
 
 
-def set_invariant_tiles(tiles: list[dict], archs: frozenset[tuple[int, int]] | None = None) -> None:
-    """Install a table of row-invariant tiles (:func:`check_invariant_tiles` first), for the GPUs of ``archs`` (None:
-    every GPU)."""
-    global INVARIANT_TILES, INVARIANT_TILES_ARCHS
-    INVARIANT_TILES, INVARIANT_TILES_ARCHS = check_invariant_tiles(tiles), archs
+def set_invariant_tiles(tiles: list[dict], archs: frozenset[tuple[int, int]] | None = None,
+                        dtypes: frozenset[torch.dtype] | None = None) -> None:
+    """Install a table of row-invariant tiles (:func:`check_invariant_tiles` first), for the GPUs of ``archs`` and
+    the input dtypes of ``dtypes`` (None: all)."""
+    global INVARIANT_TILES, INVARIANT_TILES_ARCHS, INVARIANT_TILES_DTYPES
+    INVARIANT_TILES, INVARIANT_TILES_ARCHS, INVARIANT_TILES_DTYPES = check_invariant_tiles(tiles), archs, dtypes
 
 
 @contextlib.contextmanager
 def invariant_tiles(tiles: list[dict] | None) -> Iterator[None]:
     """:func:`set_invariant_tiles` for the duration of a ``with`` block (None: the table in force), then the table
     before it again."""
-    previous = INVARIANT_TILES, INVARIANT_TILES_ARCHS
+    previous = INVARIANT_TILES, INVARIANT_TILES_ARCHS, INVARIANT_TILES_DTYPES
     if tiles is not None:
         set_invariant_tiles(tiles)
     try:
         yield
     finally:
-        set_invariant_tiles(list(previous[0]), previous[1])
+        set_invariant_tiles(list(previous[0]), previous[1], previous[2])
 
 
-def invariant_tile_table(arch: tuple[int, int] | None = None) -> tuple[dict, ...]:
+def invariant_tile_table(arch: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> tuple[dict, ...]:
     """The row-invariant tiles in force on a GPU of compute capability ``arch`` (None: not a GPU, e.g. the Triton
-    interpreter, whose tl.dot sums in an order of its own): :data:`INVARIANT_TILES`, or its first tile alone where
-    the table was not verified."""
-    if INVARIANT_TILES_ARCHS is None or arch in INVARIANT_TILES_ARCHS:
+    interpreter, whose tl.dot sums in an order of its own) for inputs of ``dtype``: :data:`INVARIANT_TILES`, or its
+    first tile alone where the table was not verified."""
+    if ((INVARIANT_TILES_ARCHS is None or arch in INVARIANT_TILES_ARCHS)
+            and (INVARIANT_TILES_DTYPES is None or dtype in INVARIANT_TILES_DTYPES)):
         return INVARIANT_TILES
     return (dict(INVARIANT_TILES[0], max_rows=None),)
 
@@ -303,7 +307,7 @@ if HAS_TRITON:
 
 
 def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = False,
-                  arch: tuple[int, int] | None = None) -> dict:
+                  arch: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> dict:
     """Kernel, tile sizes and warps for an ``[m, k] · [n, k]ᵀ`` step (``n`` output columns, gate and up counted once).
 
     Up to :data:`ROW_LOOP_ROWS` rows: the row loop (``kernel="rows"``), with the whole input row in one tile
@@ -315,16 +319,16 @@ def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = Fal
     separate norm and SiLU kernels (docs/benchmarks/linear-small-rows-h200.json).
 
     With ``row_invariant`` every ``m`` takes a ``tl.dot`` tile of :data:`INVARIANT_TILES` by step size, on a GPU of
-    compute capability ``arch`` the table verified there (:func:`invariant_tile_table`; elsewhere its first tile
-    alone): a row's products are summed into its accumulator in K order by matrix instructions that give it the same
-    bits whether its tile holds 1 or 16 real rows (padding rows are zeros that no real row reads) — no split of
-    ``K``. Either kernel
-    alone is row-invariant; switching between them at ``ROW_LOOP_ROWS`` is what makes a token's bits depend on its
-    step, so the invariant mode gives up the row loop's one-row speed for the dot tiles' many-row speed (the row loop
-    runs its rows one after another: an engine with every step on it ran 7× slower than the default at batch 64).
+    compute capability ``arch`` for inputs of ``dtype`` the table verified there (:func:`invariant_tile_table`;
+    elsewhere its first tile alone): a row's products are summed into its accumulator in K order by matrix
+    instructions that give it the same bits whether its tile holds 1 or 16 real rows (padding rows are zeros that no
+    real row reads) — no split of ``K``. Either kernel alone is row-invariant; switching between them at
+    ``ROW_LOOP_ROWS`` is what makes a token's bits depend on its step, so the invariant mode gives up the row loop's
+    one-row speed for the dot tiles' many-row speed (the row loop runs its rows one after another: an engine with
+    every step on it ran 7× slower than the default at batch 64).
     """
     if row_invariant:  # the first tile of the table in force on this GPU that serves m rows
-        tile = next(t for t in invariant_tile_table(arch) if t["max_rows"] is None or m <= t["max_rows"])
+        tile = next(t for t in invariant_tile_table(arch, dtype) if t["max_rows"] is None or m <= t["max_rows"])
         return dict(kernel="dot", BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"],
                     BLOCK_K=min(tile["BLOCK_K"], triton.next_power_of_2(k)), num_warps=tile["num_warps"])
     if m > ROW_LOOP_ROWS:
@@ -387,7 +391,7 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
     total = x if residual is None else torch.empty_like(x)
     if m:
         arch = torch.cuda.get_device_capability(x.device) if x.is_cuda and row_invariant else None
-        cfg = dict(kernel_config(m, n, k, gated, row_invariant, arch) if config is None else config)
+        cfg = dict(kernel_config(m, n, k, gated, row_invariant, arch, x.dtype) if config is None else config)
         block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
         kind = cfg.pop("kernel", "rows" if block_m < 16 else "dot")
         if kind == "dot":

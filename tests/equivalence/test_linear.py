@@ -200,7 +200,7 @@ def test_gpu_projection_is_row_invariant(gated, dtype, _):
     CPU twin is tests/equivalence/test_row_invariance.py, under the interpreter)."""
     from optimized.kernels.linear import invariant_tile_table
 
-    table = invariant_tile_table(torch.cuda.get_device_capability())  # the table in force on this GPU
+    table = invariant_tile_table(torch.cuda.get_device_capability(), dtype)  # the table in force on this GPU
     bounds = [t["max_rows"] for t in table[:-1]]  # each tile of the table against a row alone (the first)
     kw = case(max([40] + [b + 1 for b in bounds]), 576, 1536 if gated else 960, dtype, gated=gated, device="cuda")
 
@@ -247,28 +247,30 @@ def test_invariant_tile_table_picks_by_step_size_and_checks_its_shape():
 
 
 def test_the_tile_table_is_used_only_on_the_gpus_it_was_verified_on():
-    """The shipped table serves a GPU of a verified compute capability; any other GPU, and the interpreter (arch None),
-    take the table's first tile for every step size, which is invariant by construction. A table installed by hand
-    serves every device until the context restores the shipped one and its list of GPUs."""
+    """The shipped table serves a GPU of a verified compute capability with inputs of a verified dtype; any other GPU
+    or dtype, and the interpreter (arch None), take the table's first tile for every step size, which is invariant by
+    construction. A table installed by hand serves every device and dtype until the context restores the shipped one
+    and its lists."""
     from optimized.kernels import linear as lin
 
-    verified = next(iter(lin.INVARIANT_TILES_ARCHS))
+    arch, dtype = next(iter(lin.INVARIANT_TILES_ARCHS)), next(iter(lin.INVARIANT_TILES_DTYPES))
     first = lin.INVARIANT_TILES[0]
-    for arch in (None, verified, (99, 0)):
-        tiles = lin.invariant_tile_table(arch)
-        assert tiles == lin.INVARIANT_TILES if arch == verified else tiles == (dict(first, max_rows=None),)
+    for where in [(arch, dtype), (None, dtype), ((99, 0), dtype), (arch, torch.float32), (arch, None)]:
+        verified = where == (arch, dtype)
+        tiles = lin.invariant_tile_table(*where)
+        assert tiles == lin.INVARIANT_TILES if verified else tiles == (dict(first, max_rows=None),)
         for m in (1, 64, 65, 2048):
-            cfg = kernel_config(m, 960, 576, False, True, arch)
-            want = first if arch != verified else next(t for t in lin.INVARIANT_TILES
-                                                       if t["max_rows"] is None or m <= t["max_rows"])
+            cfg = kernel_config(m, 960, 576, False, True, *where)
+            want = first if not verified else next(t for t in lin.INVARIANT_TILES
+                                                   if t["max_rows"] is None or m <= t["max_rows"])
             assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) == (want["BLOCK_M"], want["BLOCK_N"],
                                                                          want["num_warps"])
-    before = lin.INVARIANT_TILES, lin.INVARIANT_TILES_ARCHS
+    before = lin.INVARIANT_TILES, lin.INVARIANT_TILES_ARCHS, lin.INVARIANT_TILES_DTYPES
     table = [dict(max_rows=8, BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4),
              dict(max_rows=None, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8)]
     with lin.invariant_tiles(table):
-        assert lin.invariant_tile_table((99, 0)) == lin.check_invariant_tiles(table)
-    assert (lin.INVARIANT_TILES, lin.INVARIANT_TILES_ARCHS) == before
+        assert lin.invariant_tile_table((99, 0), torch.float16) == lin.check_invariant_tiles(table)
+    assert (lin.INVARIANT_TILES, lin.INVARIANT_TILES_ARCHS, lin.INVARIANT_TILES_DTYPES) == before
 
 
 @needs_interpreter
