@@ -308,9 +308,11 @@ def recheck_table(runner: ModelRunner, table: CostTable, *, tolerance: float | N
     Noise is told from drift in three ways. Each reading is the median of ``repeats`` timed calls, so an outlier call
     does not count. A size off in the first round is timed again, up to ``rounds`` rounds, ``RECHECK_PAUSE_S`` apart,
     and any round within the tolerance clears it: a busy moment of the host passes, a drift does not. And the rounds
-    must agree: all beyond the tolerance on the same side, their ratios to the cached time within a factor of
-    1 + ``RECHECK_AGREEMENT`` · ``tolerance`` of one another (load slows calls by random amounts; a new clock or
-    setting by a steady one). ``tolerance`` None: ``RECHECK_TOLERANCE`` of the runner's device type."""
+    must agree: all beyond the tolerance on the same side, and, when slower, their ratios to the cached time within a
+    factor of 1 + ``RECHECK_AGREEMENT`` · ``tolerance`` of one another (load slows calls by random amounts; a new clock
+    or setting by a steady one). Rounds all faster than the table are drift however they scatter: load never makes a
+    call faster (a table measured on a slower machine reads 100× too slow here, in rounds that scatter by 2× on a busy
+    2-core CI host). ``tolerance`` None: ``RECHECK_TOLERANCE`` of the runner's device type."""
     if tolerance is None:
         tolerance = RECHECK_TOLERANCE.get(runner.device.type, RECHECK_TOLERANCE["cuda"])
     if repeats < 1 or rounds < 1:
@@ -329,10 +331,11 @@ def recheck_table(runner: ModelRunner, table: CostTable, *, tolerance: float | N
             if max(now / then, then / now) <= 1.0 + tolerance:  # within the factor either way: this size is fine
                 break
         else:
-            same_side = all(x > 1 for x in ratios) or all(x < 1 for x in ratios)
+            faster = all(x < 1 for x in ratios)
+            same_side = faster or all(x > 1 for x in ratios)
             steady = max(ratios) / min(ratios) <= 1.0 + RECHECK_AGREEMENT * tolerance
             seen = "/".join(f"{x * then:.3f}" for x in ratios)
-            if same_side and steady:
+            if same_side and (steady or faster):  # load slows calls, never speeds them up: faster rounds are drift
                 log.warning("cached cost table is stale: verify(%d) took %s ms now vs %.3f ms cached (beyond %.0f%% "
                             "in %d rounds); re-profiling", n, seen, then, 100 * tolerance, rounds)
                 return False
