@@ -44,6 +44,7 @@ float32 sums (the RMS and the dot products), i.e. by about one output ulp where 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -306,6 +307,13 @@ if HAS_TRITON:
         _store_output(acc, acc_up, b_ptr, y_ptr, rows, rows < M, outs, omask, stride_ym, HAS_BIAS, GATED)
 
 
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    """The compute capability of CUDA device ``index`` (None: the current one), read once per device: a row-invariant
+    projection asks on every call, and eager steps make hundreds of calls."""
+    return torch.cuda.get_device_capability(index)
+
+
 def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = False,
                   arch: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> dict:
     """Kernel, tile sizes and warps for an ``[m, k] · [n, k]ᵀ`` step (``n`` output columns, gate and up counted once).
@@ -390,7 +398,7 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     total = x if residual is None else torch.empty_like(x)
     if m:
-        arch = torch.cuda.get_device_capability(x.device) if x.is_cuda and row_invariant else None
+        arch = _capability(x.device.index) if x.is_cuda and row_invariant else None
         cfg = dict(kernel_config(m, n, k, gated, row_invariant, arch, x.dtype) if config is None else config)
         block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
         kind = cfg.pop("kernel", "rows" if block_m < 16 else "dot")
