@@ -21,6 +21,7 @@ code.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -108,14 +109,25 @@ class GraphRunner:
         warmed = warmup_sizes(self.sizes)
         self._warm_up(warmed)
         warm = time.perf_counter() - t0
-        for s in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool blocks
-            try:
-                self.graphs[s] = self._capture_one(s)
-            except RuntimeError as err:
-                # A failed capture leaves the allocator recording into the pool: no second attempt can follow.
-                skipped = "" if s in warmed else " (a size the warm-up skipped)"
-                raise RuntimeError(f"capturing the {self.name} graph of {s} failed{skipped}: {err}. Serve with "
-                                   "--enforce-eager (no CUDA graphs) and report it") from err
+        # No garbage collection inside a capture: a collection there that frees another engine's graphs (an engine
+        # dropped in a reference cycle, then a new one built) destroys graph executables while the stream captures,
+        # which CUDA forbids, and the capture fails. So the garbage goes first, and the collector waits until the
+        # last graph is captured.
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for s in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool blocks
+                try:
+                    self.graphs[s] = self._capture_one(s)
+                except RuntimeError as err:
+                    # A failed capture leaves the allocator recording into the pool: no second attempt can follow.
+                    skipped = "" if s in warmed else " (a size the warm-up skipped)"
+                    raise RuntimeError(f"capturing the {self.name} graph of {s} failed{skipped}: {err}. Serve with "
+                                       "--enforce-eager (no CUDA graphs) and report it") from err
+        finally:
+            if was_enabled:
+                gc.enable()
         torch.cuda.synchronize()  # sync: start-up capture, off the step loop
         log.info("captured %d %s graphs (%s..%s) in %.2f s (warm-up of %d sizes %.2f s), %.1f MiB of graph memory",
                  len(self.graphs), self.name, self.sizes[0], self.sizes[-1], time.perf_counter() - t0, len(warmed),

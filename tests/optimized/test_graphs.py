@@ -3,6 +3,8 @@ result (on CUDA), including a bucket whose first call cannot be captured."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -74,3 +76,35 @@ def test_a_capture_that_fails_names_the_bucket_and_the_way_out():
     expected = r"(?s)test graph of 56 failed \(a size the warm-up skipped\).*--enforce-eager"
     with pytest.raises(RuntimeError, match=expected):
         GraphRunner("test", fn, sizes, enabled=True).capture()
+
+
+@pytest.mark.gpu
+@gpu
+def test_garbage_collection_waits_for_the_capture():
+    """An engine dropped in a reference cycle (its graphs freed only by the garbage collector) while another captures:
+    a collection inside the capture would destroy graphs while the stream captures, which CUDA forbids. The garbage
+    appears mid-capture here, with the collector as eager as it goes (threshold 1): the capture must hold it off."""
+    x = torch.arange(4096, dtype=torch.float32, device="cuda")
+    doomed = [GraphRunner("old", lambda n: (x[:n] * 2,), [16, 32], enabled=True)]
+    doomed[0].capture()
+
+    def fn(n: int):
+        if doomed and torch.cuda.is_current_stream_capturing():
+            holder = {"runner": doomed.pop()}
+            holder["self"] = holder  # a cycle: refcounting alone never frees it
+            del holder
+            junk = [[i] for i in range(64)]  # allocations, on which the collector runs
+            del junk
+        return (x[:n] * 2,)
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        new = GraphRunner("new", fn, bucket_sizes(512), enabled=True)
+        new.capture()
+    finally:
+        gc.set_threshold(*thresholds)
+    assert not doomed and gc.isenabled()
+    gc.collect()  # the dropped runner's graphs go now, outside any capture
+    for s in new.sizes:
+        torch.testing.assert_close(new.run(s)[0], x[:s] * 2, rtol=0, atol=0)
