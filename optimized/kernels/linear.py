@@ -58,16 +58,16 @@ if HAS_TRITON:
     import triton.language as tl
 
 # Up to this many token rows the projections run as the fused Triton kernels of this module; above it, cuBLAS
-# (with the separate norm and SiLU·up kernels of layer_ops): plain decoding up to batch 16, and the verify steps of
-# batch 1 and 2 with seven drafts (8 and 16 rows). On the H200 the fused chain is 1.72× / 1.42× cuBLAS's at one / two
-# rows (scripts/bench_linear.py, docs/benchmarks/linear-h200.json), and at eight and sixteen rows the 16-row tl.dot
-# tiles cost ~20 / ~21 µs a layer against cuBLAS's ~22 (docs/benchmarks/linear-small-rows-h200.json). In the engine on
-# an H100 (scripts/bench_engine.py --linear-rows 2 against 16, docs/benchmarks/engine-h100-linear-rows-*.json), the
-# fixed K = 7 step one step ahead took 1.29 / 1.35 ms at batch 1 / 2 with this limit at 16 against 1.47 / 1.51 ms at 2,
-# while the plain step, the same kernels in both runs at one and two rows, drifted 0.75 → 0.70 and 0.82 → 0.76 ms
-# between them: net, ~5% off a batch-1 speculative step's price relative to a plain one. Tuned on sm_90; the kernels
-# are portable Triton.
-FUSED_MAX_ROWS = 16
+# (with the separate norm and SiLU·up kernels of layer_ops): plain decoding at batch 1 and 2. On the H200 the fused
+# chain is 1.72× / 1.42× cuBLAS's at one / two rows (scripts/bench_linear.py, docs/benchmarks/linear-h200.json);
+# at eight and sixteen rows the 16-row tl.dot tiles cost ~20 / ~21 µs a layer against cuBLAS's ~22
+# (docs/benchmarks/linear-small-rows-h200.json). In the engine on an H100 (scripts/bench_engine.py --linear-rows 2
+# against 16, docs/benchmarks/engine-h100-linear-rows-*.json) the fixed K = 7 step one step ahead took 1.29 / 1.35 ms
+# at batch 1 / 2 with the limit at 16 against 1.47 / 1.51 ms at 2, while the plain step (the same kernels in both
+# runs) drifted 0.75 → 0.70 and 0.82 → 0.76 ms between them: net ~5% off a batch-1 speculative step relative to a
+# plain one; `--linear-rows 16` takes it. The default stays at 2 until the CPU suite, which interprets these kernels,
+# has run at 16. Tuned on sm_90; the kernels are portable Triton.
+FUSED_MAX_ROWS = 2
 
 # Up to this many rows the default kernel loops over the rows against each weight tile (_norm_linear_rows_kernel);
 # more rows, and every step of a caller that asks for row invariance, take 16-row tl.dot tiles (_norm_linear_kernel).
