@@ -111,9 +111,8 @@ class GraphRunner:
         warm = time.perf_counter() - t0
         # No garbage collection inside a capture: a collection there that frees another engine's graphs (an engine
         # dropped in a reference cycle, then a new one built) destroys graph executables while the stream captures,
-        # which CUDA forbids, and the capture fails. So the garbage goes first, and the collector waits until the
-        # last graph is captured.
-        gc.collect()
+        # which CUDA forbids, and the capture fails. The collector waits until the last graph is captured; garbage
+        # goes at its next run, outside any capture.
         was_enabled = gc.isenabled()
         gc.disable()
         try:
