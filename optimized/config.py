@@ -28,7 +28,7 @@ class EngineConfig:
     # The element-wise layer ops (RMSNorm, RoPE + KV append, SiLU·up; optimized/kernels/layer_ops.py): None follows
     # kernel_backend; "torch" keeps the unfused HF-rounding ops on CUDA too (to measure what the fusion buys).
     layer_backend: str | None = None
-    # Steps of at most this many tokens (a decode or verify step of a few requests, the drafter's block of one or two)
+    # Steps of at most this many tokens (a decode step of up to 16 requests, a verify block of eight tokens at batch 1 or 2, the drafter's block)
     # run each layer's projections as fused small-batch Triton kernels with the norms and SiLU·up folded in
     # (optimized/kernels/linear.py), six kernels a layer instead of nine. None: that module's FUSED_MAX_ROWS; 0: never
     # (cuBLAS at every size, to measure what the fusion buys). Only where the layer ops run on Triton.

@@ -65,9 +65,9 @@ if HAS_TRITON:
 # against 16, docs/benchmarks/engine-h100-linear-rows-*.json) the fixed K = 7 step one step ahead took 1.29 / 1.35 ms
 # at batch 1 / 2 with the limit at 16 against 1.47 / 1.51 ms at 2, while the plain step (the same kernels in both
 # runs) drifted 0.75 → 0.70 and 0.82 → 0.76 ms between them: net ~5% off a batch-1 speculative step relative to a
-# plain one; `--linear-rows 16` takes it. 16 is not the default yet: the CPU test suite, which interprets these
-# kernels, has not been run at that limit. Tuned on sm_90; the kernels are portable Triton.
-FUSED_MAX_ROWS = 2
+# plain one, so the limit is 16 (a fixed K = 7 block of eight rows at batch 1 and 2 takes the fused tiles). Tuned on
+# sm_90; the kernels are portable Triton.
+FUSED_MAX_ROWS = 16
 
 # Up to this many rows the default kernel loops over the rows against each weight tile (_norm_linear_rows_kernel);
 # more rows, and every step of a caller that asks for row invariance, take 16-row tl.dot tiles (_norm_linear_kernel).
