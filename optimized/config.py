@@ -28,10 +28,11 @@ class EngineConfig:
     # The element-wise layer ops (RMSNorm, RoPE + KV append, SiLU·up; optimized/kernels/layer_ops.py): None follows
     # kernel_backend; "torch" keeps the unfused HF-rounding ops on CUDA too (to measure what the fusion buys).
     layer_backend: str | None = None
-    # Steps of at most this many tokens (a decode step of up to 16 requests, a verify block of eight tokens at batch 1 or 2, the drafter's block)
-    # run each layer's projections as fused small-batch Triton kernels with the norms and SiLU·up folded in
-    # (optimized/kernels/linear.py), six kernels a layer instead of nine. None: that module's FUSED_MAX_ROWS; 0: never
-    # (cuBLAS at every size, to measure what the fusion buys). Only where the layer ops run on Triton.
+    # Steps of at most this many tokens (a decode step of up to 16 requests, a verify block of eight tokens at batch 1
+    # or 2, the drafter's block) run each layer's projections as fused small-batch Triton kernels with the norms and
+    # SiLU·up folded in (optimized/kernels/linear.py), six kernels a layer instead of nine. None: that module's
+    # FUSED_MAX_ROWS; 0: never (cuBLAS at every size, to measure what the fusion buys). Only where the layer ops run
+    # on Triton.
     linear_rows: int | None = None
     # Every target step, whatever its size, runs each kernel on one tile shape (row_invariant: the projections and
     # LM head on optimized/kernels/linear.py's tl.dot tiles, the attention on one query tile): a token's logits are
