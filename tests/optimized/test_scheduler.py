@@ -207,3 +207,29 @@ def test_the_finish_time_gate_weighs_the_slowest_request():
     for s in seqs:
         s.survivals = s.survivals[1:]
     assert sched.drafters() == seqs
+
+
+def test_a_finish_time_verdict_stands_while_the_batch_keeps_most_of_its_requests():
+    """One estimate answers up to FINISH_REUSE evaluations while the batch keeps all but 1/FINISH_BAND of the requests
+    it was estimated for (all of them below FINISH_BAND requests); fewer, or more, re-estimate at once."""
+    sched, seqs = _finishing([0.9] * 64)
+    gate, calls = sched.gate, []
+    estimate = sched.planner.finish_estimate
+    sched.planner.finish_estimate = lambda a, remaining: calls.append(len(remaining)) or estimate(a, remaining)
+    band = 64 // gate.FINISH_BAND
+    for r in (64, 63, 60, 64 - band, 64 - band - 1, 64, 60):
+        sched.drafters(seqs[:r])
+    assert calls == [64, 64 - band - 1, 64]  # 63, 60, 56 reuse the first; 55 and 64 (grown) do not; 60 reuses the third
+    for _ in range(gate.FINISH_REUSE):  # at most FINISH_REUSE evaluations per estimate (each after a new draft:
+        for s in seqs:  # the same drafts again would reuse the cached verdict without evaluating)
+            s.survivals = s.survivals + s.survivals[-1:]
+        sched.drafters(seqs[:60])
+    assert calls[3:] == [60]
+
+    sched, seqs = _finishing([0.9] * 6)  # below FINISH_BAND requests: any change re-estimates
+    calls = []
+    estimate = sched.planner.finish_estimate
+    sched.planner.finish_estimate = lambda a, remaining: calls.append(len(remaining)) or estimate(a, remaining)
+    for r in (6, 6, 5, 5, 4):
+        sched.drafters(seqs[:r])
+    assert calls == [6, 5, 4]
