@@ -311,6 +311,7 @@ class Engine:
         previous, reach_before = self._in_flight, self._reach
         self._in_flight = (plan, launched) if launched is not None else None
         self._reach = self._reach_of(plan) if launched is not None else {}
+        self._gate_s = 0.0
         drafters = self._draft_early(reach_before, [] if prefilled is None else prefilled.seqs)
         outputs = []
         if previous is not None:
@@ -329,8 +330,8 @@ class Engine:
             drafted, drained = self._draft_late()
             outputs += drained
         # The statistics describe the step whose tokens were read (none: only this step's prefill, if any).
-        self._account(done_plan if previous is not None else StepPlan(plan.prefill, [], plan.mode), t0, t1 - t0,
-                      drafted)
+        self._account(done_plan if previous is not None else StepPlan(plan.prefill, [], plan.mode), t0,
+                      (t1 - t0) + self._gate_s, drafted)
         return outputs
 
     def _draft_early(self, reach_before: dict[int, int], starting: list[Sequence]) -> list[Sequence] | None:
@@ -344,6 +345,7 @@ class Engine:
         surely finishes, which this step left out."""
         if not self.sched_config.mode.drafts:
             return []
+        t0 = time.perf_counter()
         reach = self._reach
         seqs = [s for s in self.scheduler.decoding() if id(s) in reach or id(s) not in reach_before]
         if starting:  # their anchor is the first token, one position past the prompt the host knows of
@@ -354,6 +356,7 @@ class Engine:
                         for s in seqs)):
             return None
         drafters = self.scheduler.drafters(seqs)
+        self._gate_s = time.perf_counter() - t0  # host planning on the critical path, as the schedule's
         if drafters:
             self._launch_pending(drafters)
         return drafters
