@@ -292,20 +292,20 @@ def test_serving_table_compares_adaptive_with_the_best_other_mode():
 
 def test_speculation_claim_matches_the_committed_benchmark():
     """when-speculation-helps.md says plainly where speculation pays on the H200 with the shipped drafter: ahead in
-    closed batches up to 16, level (within the run-to-run spread) from 64 up, and under a server's load (requests
-    arriving) ahead or level at every batch size, ahead at some. If a new engine benchmark says otherwise, this
-    fails: update the page's warning."""
+    closed batches up to 16, level (within the run-to-run spread) or behind from 64 up, and under a server's load
+    (requests arriving) ahead or level at every batch size, ahead at some. If a new engine benchmark says otherwise,
+    this fails: update the page's warning."""
     hook = _hook("benchmark_tables")
     closed = json.loads((ROOT / "docs" / "benchmarks" / "engine-h200.json").read_text())
     steady = json.loads((ROOT / "docs" / "benchmarks" / "engine-h200-steady.json").read_text())
     page = (ROOT / "docs" / "when-speculation-helps.md").read_text()
-    assert "speculation is ahead in closed batches up to 16, level beyond, ahead or level under load" in page
+    assert "speculation is ahead in closed batches up to 16, level or behind beyond, ahead or level under load" in page
     assert "benchmarks/engine-h200.json" in page and "benchmarks/engine-h200-steady.json" in page
     for row in hook.frontier(closed):
         if row["batch"] <= 16:
             assert row["ratio"] > 1 + hook.SPREAD, f"closed batch {row['batch']}: speculation no longer pays: {row}"
         else:
-            assert row["verdict"].startswith("a tie"), f"closed batch {row['batch']}: no longer level: {row}"
+            assert row["ratio"] < 1 + hook.SPREAD, f"closed batch {row['batch']}: speculation now pays: {row}"
     for row in hook.frontier(steady):
         assert row["ratio"] > 1 - hook.SPREAD, f"under load at batch {row['batch']} plain decoding is faster: {row}"
     assert any(row["verdict"] == "speculation helps" for row in hook.frontier(steady)), "under load: no batch helps"

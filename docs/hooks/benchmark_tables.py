@@ -536,7 +536,9 @@ def _and(items: list[str]) -> str:
 
 
 def _range(xs: list[float], digits: int = 2, unit: str = "×") -> str:
-    """``1.17×`` for one value (or several that round alike), ``1.17–1.40×`` for a range."""
+    """``1.17×`` for one value (or several that round alike), ``1.17–1.40×`` for a range, ``none`` for no value."""
+    if not xs:
+        return "none"
     lo, hi = f"{min(xs):.{digits}f}", f"{max(xs):.{digits}f}"
     return (lo if lo == hi else f"{lo}–{hi}") + unit
 

@@ -5,8 +5,8 @@ Why: at batch 1 a verify step of SmolLM2-135M is ~1,200 tiny kernels (30 layers 
 element-wise launches — cast, square, mean, add ε, rsqrt, multiply, cast, scale), and a kernel inside a CUDA graph
 still costs a few microseconds however little it does. Fused, a layer is nine launches: add+norm, qkv matmul,
 RoPE+append, attention, o matmul, add+norm, gate/up matmul, SiLU·up, down matmul (the residual add rides on the next
-norm). Steps of one or two tokens fold the norms and SiLU·up into the matmuls too (``optimized/kernels/linear.py``):
-six launches.
+norm). Steps of up to 16 tokens (a decode step of up to 16 requests, a verify block of eight at batch 1 or 2) fold
+the norms and SiLU·up into the matmuls too (``optimized/kernels/linear.py``): six launches.
 
 Each op has a torch path (the readable definition, written to round exactly like HF Llama/Qwen, and the reference
 twin of the Triton kernel) and a Triton path with the same signature:
