@@ -387,11 +387,9 @@ class DraftGate:
         self.steps_without_draft = 0  # consecutive steps, up to now, that did not draft
         self._window = np.float32(config.gate_window)  # the moving average's window, as the float32 it divides by
         self._cache = None  # (requests and their draft counts, recent survivals, verdict) of the last evaluation
-        # Per slot: the moving average (a [γ] row of an earlier fold; NaN before the first draft), whether it is free
-        # of NaN, how many of the slot's drafts it holds, and whose drafts they are.
-        self._none = np.full(gamma, np.nan, dtype=np.float32)  # [γ]
-        self._recent: list[np.ndarray] = [self._none] * max_num_seqs  # [S] × [γ]
-        self._clean = [False] * max_num_seqs
+        # Per slot: the moving average (NaN before the first draft), how many of the slot's drafts it holds, and whose
+        # drafts they are.
+        self._recent = np.full((max_num_seqs, gamma), np.nan, dtype=np.float32)  # [S, γ]
         self._count = [0] * max_num_seqs
         self._owner: list[Sequence | None] = [None] * max_num_seqs
         # With ``track`` (the finish-time gate on): per slot, the sum and the sum of squares of every draft's
@@ -452,8 +450,8 @@ class DraftGate:
             drafts = verdict or draft_forced(self.config, None if recent is None else torch.from_numpy(recent),
                                              self.steps_without_draft)
         if drafts and self.steps_without_draft:  # a draft after plain steps restarts the moving averages (as
-            for s in seqs:  # reference.generate.step): every recorded draft is folded, the next one folds as the first
-                self._recent[s.slot], self._clean[s.slot] = self._none, False
+            # reference.generate.step): every recorded draft is folded, the next one folds as the first
+            self._recent[[s.slot for s in seqs]] = np.nan
         self.steps_without_draft = 0 if drafts else self.steps_without_draft + 1
         return drafts
 
@@ -519,44 +517,49 @@ class DraftGate:
 
     def recent_survivals(self, seqs: list[Sequence]) -> np.ndarray | None:
         """Each request's moving average of its drafts' survivals (``reference.scheduler.fold_recent``), kept per slot
-        and folded for all requests with a new draft at once: ``[R, γ]`` float32 (read only: its rows may be the
-        slots' averages themselves), or None when none has drafted. NumPy float32: the same IEEE operations as the
-        reference's torch ones. The rows folded here were copied to the host by earlier steps' drafts, and this
-        step's token read has synchronised since, so they have landed."""
-        for s in seqs:  # a slot that changed hands starts afresh
-            if self._owner[s.slot] is not s:
-                self._owner[s.slot], self._count[s.slot] = s, 0
-                self._recent[s.slot], self._clean[s.slot] = self._none, False
-                self._moments[s.slot] = 0.0
-        folded, passes, everybody = None, 0, False
-        while True:  # normally one pass: a request drafts at most once between two gates
-            todo = [s for s in seqs if self._count[s.slot] < len(s.survivals)]
-            if not todo:
-                break
-            rows = [s.slot for s in todo]
-            new = np.array([s.survivals[self._count[s.slot]] for s in todo])  # [n, γ] float32
-            old = np.array([self._recent[i] for i in rows])  # [n, γ]
-            folded = old + (new - old) / self._window  # [n, γ]
-            if not all(self._clean[i] for i in rows):  # fold_recent's where: NaN (no average yet) takes the draft
-                folded = np.where(np.isnan(old), new, folded)
-            # Whether the new averages are free of NaN (then the next fold needs no where): their sum is NaN if one
-            # is not (or, harmlessly, if +∞ and -∞ meet: the where then runs for nothing). Python's sum of the list:
-            # cheaper here than a NumPy reduction. (Measured: always running the where made a whole step's host
-            # planning 50-90 µs slower at R = 1 and 16 on the project's 2-core CPU, scripts/bench_host.py.)
-            clean = not math.isnan(sum(folded.ravel().tolist()))  # sync: none, host NumPy
-            for s, row in zip(todo, folded):
-                self._recent[s.slot], self._clean[s.slot] = row, clean
-                self._count[s.slot] += 1
-            if self.track:  # the rows are distinct slots: one indexed add
+        and folded for all requests with a new draft at once in one ``[S, γ]`` array: ``[R, γ]`` float32 (a fresh
+        array), or None when none has drafted. NumPy float32: the same IEEE operations as the reference's torch
+        ones. The rows folded here were copied to the host by earlier steps' drafts, and this step's token read has
+        synchronised since, so they have landed. (Per-slot rows in Python lists cost 280 µs a step at R = 256 on
+        the project's CPU, ``scripts/bench_host.py``; the array, one pass over the requests and one fold, less.)"""
+        owner, count, recent = self._owner, self._count, self._recent
+        # One pass over the requests (at R = 256 each pass of Python over them costs tens of µs): a slot that changed
+        # hands starts afresh, and each request's next unfolded draft is picked up.
+        slots, todo, new_rows = [], [], []
+        for s in seqs:
+            slot = s.slot
+            if owner[slot] is not s:
+                owner[slot], count[slot] = s, 0
+                recent[slot] = np.nan
+                self._moments[slot] = 0.0
+            slots.append(slot)
+            if count[slot] < len(s.survivals):
+                todo.append(s)
+                new_rows.append(s.survivals[count[slot]])
+        everybody, passes, folded = len(todo) == len(seqs), 0, None
+        while todo:  # normally one pass: a request drafts at most once between two gates
+            rows = np.array([s.slot for s in todo], dtype=np.intp)  # [n] distinct slots
+            new = np.array(new_rows)  # [n, γ] float32
+            old = recent[rows]  # [n, γ]
+            # fold_recent: the draft itself where there is no average yet (NaN), else old + (new - old) / window
+            folded = np.where(np.isnan(old), new, old + (new - old) / self._window)  # [n, γ] float32
+            recent[rows] = folded
+            if self.track:  # one indexed add
                 wide = new.astype(np.float64)  # [n, γ]
-                self._moments[np.array(rows, dtype=np.intp)] += np.concatenate(
-                    [wide, wide * wide, np.ones((len(rows), 1))], axis=1)
-            everybody, passes = passes == 0 and len(todo) == len(seqs), passes + 1
+                self._moments[rows] += np.concatenate([wide, wide * wide, np.ones((len(rows), 1))], axis=1)
+            passes += 1
+            later, new_rows = [], []
+            for s in todo:
+                count[s.slot] += 1
+                if count[s.slot] < len(s.survivals):
+                    later.append(s)
+                    new_rows.append(s.survivals[count[s.slot]])
+            todo = later
         if passes == 1 and everybody:  # the usual step: every request folded one draft, in order
             return folded  # [R, γ] the very rows asked for
-        if all(self._count[s.slot] == 0 for s in seqs):
+        if all(count[slot] == 0 for slot in slots):
             return None
-        return np.array([self._recent[s.slot] for s in seqs])  # [R, γ]
+        return recent[np.array(slots, dtype=np.intp)]  # [R, γ] a copy
 
 
 class Scheduler:
