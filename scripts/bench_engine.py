@@ -86,7 +86,6 @@ from reference.scheduler import FinishEstimate
 from reference.target import Target
 from scripts.benchmarking import (
     add_engine_source_args,
-    apply_kernel_args,
     default_tag,
     load_prompts,
     parse_config,
@@ -120,7 +119,6 @@ class BenchConfig:
     prefill_graph_tokens: int = EngineConfig.prefill_graph_tokens  # 0: every prefill eager (the A/B of prefill graphs)
     layer_backend: str | None = None  # EngineConfig.layer_backend (None: fused Triton layer ops on CUDA)
     linear_rows: int | None = None  # EngineConfig.linear_rows (None: the fused projections' default; 0: cuBLAS)
-    small_rows_kernel: str = "dot"  # the fused projections' kernel for 3-16 rows in force (--small-rows-kernel)
     batch_invariant: bool = False  # EngineConfig.batch_invariant (exact greedy in bfloat16, one tile shape a kernel)
     context_len: int = DEFAULT_CONTEXT_LEN  # KV length the cost table is profiled at
     cost_cache_dir: str | None = None  # default $DSPARK_CACHE/cost or ~/.cache/dspark/cost
@@ -738,7 +736,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
                       hf_max_batch=args.hf_max_batch, hf_repeats=args.hf_repeats, time_budget_s=args.time_budget_s,
                       enforce_eager=args.enforce_eager, prefill_graph_tokens=args.prefill_graph_tokens,
                       layer_backend=args.layer_backend, linear_rows=args.linear_rows, context_len=args.context_len,
-                      batch_invariant=args.batch_invariant, small_rows_kernel=apply_kernel_args(args),
+                      batch_invariant=args.batch_invariant,
                       cost_cache_dir=args.cost_cache_dir, seed=args.seed, ngram_gamma=args.ngram_gamma,
                       ngram_max_n=args.ngram_max_n, ngram_min_n=args.ngram_min_n,
                       hybrid_prior_accept=args.hybrid_prior_accept,

@@ -45,7 +45,7 @@ from optimized.kernels.layer_ops import rms_norm, silu_mul
 from optimized.kernels.linear import FUSED_MAX_ROWS, kernel_config, linear, norm_linear
 from reference.cli import LOG_FORMAT
 from reference.cost_model import hardware_name
-from scripts.benchmarking import apply_kernel_args, default_tag, save_plot
+from scripts.benchmarking import default_tag, save_plot
 
 log = logging.getLogger("dspark.bench_linear")
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,8 +132,7 @@ def timed(fn: Callable[[], Any], device: torch.device, repeats: int, iters: int,
 def sweep_configs(rows: int, k_max: int) -> list[dict]:
     """Tile grid of the sweep for inputs of at most ``k_max`` columns: up to two rows, row-loop tiles of 256 columns up
     to the whole row (a weight tile of at most 8192 values in registers); from two rows on, ``tl.dot`` tiles of 16
-    rows walking K; at every row count, the one-pass ``tl.dot`` tiles of the whole row (``kernel="wide"``). Tiles
-    wider than the row are left out."""
+    rows. Tiles wider than the row are left out."""
     widest = 1 << (k_max - 1).bit_length()
     configs = []
     block_m = 1 << (rows - 1).bit_length()
@@ -144,8 +143,6 @@ def sweep_configs(rows: int, k_max: int) -> list[dict]:
     if rows > 1:
         configs += [dict(kernel="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (16, 32)
                     for bk in (64, 128, 256, 512) if bk <= widest for w in (4, 8)]
-    configs += [dict(kernel="wide", BLOCK_M=max(16, block_m), BLOCK_N=bn, BLOCK_K=widest, num_warps=w)
-                for bn in (16, 32, 64) for w in (2, 4, 8) if max(16, block_m) * bn <= 1024]
     return configs
 
 
@@ -267,10 +264,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tiny", action="store_true", help="miniature shapes (default on the CPU)")
     p.add_argument("--sweep", action="store_true", help="also time each fused op over a grid of tile sizes")
     p.add_argument("--sweep-rows", default="1,8", help="row counts of the sweep")
-    p.add_argument("--small-rows-kernel", default=None, choices=["dot", "wide"],
-                   help="the chain's kernel for 3 to 16 rows (default optimized/kernels/linear.py's SMALL_ROWS_KERNEL)")
-    p.add_argument("--sweep-kernels", default="rows,dot,wide",
-                   help="which kernels' tiles the sweep times (comma list of rows, dot, wide)")
     p.add_argument("--invariant-sweep", default="",
                    help="comma list of row counts: time each op over a grid of tl.dot tiles at every one of them, "
                         "compare each tile's bits with the first row-invariant tile's, rank the tiles by their "
@@ -297,9 +290,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     num_layers = args.layers or (2 if tiny else 30)
     rows = [int(r) for r in args.rows.split(",")] if args.rows else ([1, 3] if tiny else [1, 2, 4, 8, 16, 32, 64])
     sweep_rows = [int(r) for r in args.sweep_rows.split(",")] if args.sweep else []
-    sweep_kernels = {k for k in args.sweep_kernels.split(",") if k}
-    if not sweep_kernels <= {"rows", "dot", "wide"}:
-        raise SystemExit(f"--sweep-kernels takes rows, dot and wide, got {args.sweep_kernels!r}")
     iters = args.iters or (20 if graphs else 1)
     out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"linear-{default_tag(device)}.json"
     command = "python -m scripts.bench_linear " + " ".join(shlex.quote(a) for a in (argv if argv is not None
@@ -312,8 +302,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "triton": "compiled" if graphs else "interpreter", "dtype": str(dtype).removeprefix("torch."),
         "shape": {"layers": num_layers, "hidden": hidden, "qkv": qkv, "intermediate": inter,
                   "weight_mb": round(weight_mb, 1)},
-        "fused_max_rows": FUSED_MAX_ROWS, "small_rows_kernel": apply_kernel_args(args), "repeats": args.repeats,
-        "iters": iters, "chain": [], "sweep": [],
+        "fused_max_rows": FUSED_MAX_ROWS, "repeats": args.repeats, "iters": iters, "chain": [], "sweep": [],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device="cpu").manual_seed(1)
@@ -350,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 log.warning("M=%d %s default tile failed: %s", m, op, str(e).splitlines()[0][:200])
                 default = float("inf")
             best = (default, None)
-            grid = [c for c in sweep_configs(m, inter if op == "down" else hidden) if c["kernel"] in sweep_kernels]
+            grid = sweep_configs(m, inter if op == "down" else hidden)
             if args.sweep_max_configs and len(grid) > args.sweep_max_configs:
                 step = len(grid) / args.sweep_max_configs
                 grid = [grid[int(i * step)] for i in range(args.sweep_max_configs)]

@@ -90,19 +90,6 @@ def add_engine_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="every kernel on one tile shape at every step size (EngineConfig.batch_invariant): exact "
                         "greedy tokens in bfloat16, at some speed")
-    p.add_argument("--small-rows-kernel", default=None, choices=["dot", "wide"],
-                   help="the fused projections' kernel for steps of 3 to 16 rows, for this process (default "
-                        "optimized/kernels/linear.py's SMALL_ROWS_KERNEL): dot = 16-row tiles walking K, wide = the "
-                        "whole row in one tile, one pass")
-
-
-def apply_kernel_args(args: argparse.Namespace) -> str:
-    """Install ``--small-rows-kernel`` (if given) for this process; returns the small-rows kernel in force."""
-    from optimized.kernels import linear
-
-    if getattr(args, "small_rows_kernel", None):
-        linear.SMALL_ROWS_KERNEL = args.small_rows_kernel
-    return linear.SMALL_ROWS_KERNEL
 
 
 def load_prompts(args: argparse.Namespace, target: Target, needed: int) -> list[list[int]]:

@@ -47,20 +47,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
 from optimized.engine import Engine, EngineConfig, SamplingParams
-from optimized.kernels import linear as linear_kernels
 from reference.cli import DEFAULT_DRAFTER, LOG_FORMAT, load_or_init_drafter
 from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import hardware_name
 from reference.drafter import DSparkDrafter
 from reference.target import Target
-from scripts.benchmarking import (
-    add_engine_source_args,
-    apply_kernel_args,
-    load_prompts,
-    parse_mode,
-    request_lengths,
-    sync,
-)
+from scripts.benchmarking import add_engine_source_args, load_prompts, parse_mode, request_lengths, sync
 
 log = logging.getLogger("dspark.profile_engine")
 
@@ -246,7 +238,6 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
                      "layer_backend": args.layer_backend or "default",
                      "linear_rows": engine.runner.target.linear_rows,
                      "batch_invariant": engine.runner.target.row_invariant,
-                     "small_rows_kernel": linear_kernels.SMALL_ROWS_KERNEL,
                      "draft_head_in_graph": engine.runner.head_in_graph, "draft_ahead": args.draft_ahead,
                      "async_decode": args.async_decode, "refill": args.refill, "keep_drafter": args.keep_drafter,
                      "dtype": str(target.dtype), "prefill_steps": prefill_steps, "gamma": gamma},
@@ -328,7 +319,6 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     """Command line; tests pass an already-built ``target``/``drafter`` and tokenised ``prompt_ids``."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     args = build_parser().parse_args(argv)
-    apply_kernel_args(args)
     if args.batch_size < 1 or args.steps < 1 or args.warmup < 0 or args.refill < 0:
         raise SystemExit("need --batch-size ≥ 1, --steps ≥ 1, --warmup ≥ 0 and --refill ≥ 0")
     if target is None:

@@ -30,7 +30,10 @@ Each program owns ``BLOCK_N`` output columns and walks the input dimension ``K``
   share the step (tests/equivalence/test_row_invariance.py): what would change them is the switch between the two
   kernels. (A variant summing the broadcast product ``[BLOCK_M, BLOCK_N, BLOCK_K]`` instead of ``tl.dot``, to
   avoid padding three to 16 rows to a 16-row tile, ran 2–3× slower than the ``tl.dot`` tiles at 4, 8 and 16 rows
-  on the H200 and was removed: docs/benchmarks/linear-small-rows-h200.json.)
+  on the H200 and was removed: docs/benchmarks/linear-small-rows-h200.json. So was a one-pass variant with the
+  whole row in one tile — the weight loads issued first, the norm computed from the input tile in registers, one
+  ``tl.dot`` and no loop over K: its fastest tiles summed to 27.1 µs a layer at eight rows on an H100 against these
+  tiles' 20.5, docs/benchmarks/linear-wide-h100.json.)
 
 With ``GATED`` the weight is ``[gate | up]`` (``[2N, K]``, the engine's fused gate/up matrix) and the program
 accumulates the gate and up columns of the same outputs, then writes ``silu(gate) · up`` with HF's rounding (each
@@ -74,11 +77,6 @@ FUSED_MAX_ROWS = 16
 # The row loop's rows run one after another: on the H200 its chain costs 14.5 / 15.0 / 21.4 / 34.3 / 73.2 µs a layer
 # at 1 / 2 / 4 / 8 / 16 rows against cuBLAS's ~22 (docs/benchmarks/linear-row-loop-h200.json).
 ROW_LOOP_ROWS = 2
-
-# Above ROW_LOOP_ROWS (up to FUSED_MAX_ROWS), the kernel of a default step: "dot" (16-row tl.dot tiles walking K in
-# 256-column tiles, the norm in a pass of its own) or "wide" (_norm_linear_wide_kernel: the whole row in one tile, one
-# pass, the weight tile's loads issued first; 16-bit inputs of at most 2048 columns, whose tiles fit in shared memory).
-SMALL_ROWS_KERNEL = "dot"
 
 # The row-invariant tl.dot tiles by step size, smallest first: each entry serves steps of up to ``max_rows`` rows
 # (None: any). Several entries let a large step take larger tiles — but only tiles that give every row the bits the
@@ -315,47 +313,6 @@ if HAS_TRITON:
         _store_output(acc, acc_up, b_ptr, y_ptr, rows, rows < M, outs, omask, stride_ym, HAS_BIAS, GATED)
 
 
-    @triton.jit
-    def _norm_linear_wide_kernel(
-        x_ptr, res_ptr, gain_ptr, w_ptr, b_ptr, y_ptr, sum_ptr,  # x, res, sum [M, K]; w [N or 2N, K]; y [M, N]
-        M, N, K, eps,
-        stride_xm, stride_rm, stride_wn, stride_ym, stride_sm,
-        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ):
-        """The whole input row in one tile (``BLOCK_K ≥ K``), in one pass: the weight tile's loads are issued first,
-        then the input's; the norm is computed from the input tile already in registers, and one ``tl.dot`` (16
-        rows a tile at least) multiplies it in. No loop over ``K``, so a program waits for memory once: what a step
-        of a few rows is bound by is that wait and the launch, not the arithmetic."""
-        pid_n = tl.program_id(0)
-        rows = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        rmask = rows < M
-        outs = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        omask = outs < N
-        cols = tl.arange(0, BLOCK_K)
-        kmask = cols < K
-        wmask = omask[:, None] & kmask[None, :]
-        w = tl.load(w_ptr + outs[:, None] * stride_wn + cols[None, :], mask=wmask, other=0.0)  # [BLOCK_N, BLOCK_K]
-        if GATED:
-            w_up = tl.load(w_ptr + (outs[:, None] + N) * stride_wn + cols[None, :], mask=wmask, other=0.0)
-        h = _input_tile(x_ptr, res_ptr, rows, rmask, cols, kmask, stride_xm, stride_rm, HAS_RESIDUAL)
-        if NORM:
-            if HAS_RESIDUAL:
-                if pid_n == 0:  # the residual sum, stored once
-                    tl.store(sum_ptr + rows[:, None] * stride_sm + cols[None, :], h,
-                             mask=rmask[:, None] & kmask[None, :])
-            hf = h.to(tl.float32)
-            inv_rms = tl.math.rsqrt(tl.sum(hf * hf, axis=1) / K + eps)
-            normed = (hf * inv_rms[:, None]).to(h.dtype)  # HF casts back before the gain
-            gain = tl.load(gain_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
-            h = (gain[None, :] * normed.to(tl.float32)).to(h.dtype)
-        acc = tl.dot(h, tl.trans(w), input_precision=DOT_PRECISION)
-        acc_up = acc
-        if GATED:
-            acc_up = tl.dot(h, tl.trans(w_up), input_precision=DOT_PRECISION)
-        _store_output(acc, acc_up, b_ptr, y_ptr, rows, rmask, outs, omask, stride_ym, HAS_BIAS, GATED)
-
-
 @functools.cache
 def _capability(index: int | None) -> tuple[int, int]:
     """The compute capability of CUDA device ``index`` (None: the current one), read once per device: a row-invariant
@@ -389,8 +346,6 @@ def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = Fal
         return dict(kernel="dot", BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"],
                     BLOCK_K=min(tile["BLOCK_K"], triton.next_power_of_2(k)), num_warps=tile["num_warps"])
     if m > ROW_LOOP_ROWS:
-        if SMALL_ROWS_KERNEL == "wide" and m <= 16 and k <= 2048 and (dtype is None or dtype.itemsize <= 2):
-            return dict(kernel="wide", BLOCK_M=16, BLOCK_N=16, BLOCK_K=triton.next_power_of_2(k), num_warps=4)
         return dict(kernel="dot", BLOCK_M=16, BLOCK_N=32 if gated else 16, BLOCK_K=min(256, triton.next_power_of_2(k)),
                     num_warps=4)
     block_k = min(triton.next_power_of_2(k), 2048)
@@ -453,15 +408,13 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
         cfg = dict(kernel_config(m, n, k, gated, row_invariant, arch, x.dtype) if config is None else config)
         block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
         kind = cfg.pop("kernel", "rows" if block_m < 16 else "dot")
-        if kind in ("dot", "wide"):
-            kernel = _norm_linear_kernel if kind == "dot" else _norm_linear_wide_kernel
+        if kind == "dot":
+            kernel = _norm_linear_kernel
             cfg["DOT_PRECISION"] = "ieee" if x.dtype == torch.float32 else "tf32"
-            if kind == "wide" and cfg["BLOCK_K"] < k:
-                raise ValueError(f"the 'wide' kernel takes the whole row in one tile: BLOCK_K {cfg['BLOCK_K']} < K {k}")
         elif kind == "rows":
             kernel = _norm_linear_rows_kernel
         else:
-            raise ValueError(f"config['kernel'] must be 'rows', 'dot' or 'wide', got {kind!r}")
+            raise ValueError(f"config['kernel'] must be 'rows' or 'dot', got {kind!r}")
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
         dummy = x  # stands in for absent pointers (never read: the flags compile the accesses away)
         res = residual if residual is not None else x

@@ -519,20 +519,3 @@ def test_bench_linear_invariant_sweep_checks_bits_and_proposes_a_table(tmp_path)
         assert all(next(r for r in op["ranked"] if r["config"] == t["config"])["identical"] for t in op["table"])
     check_invariant_tiles(report["proposed_invariant_tiles"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the Triton kernels on the CPU need TRITON_INTERPRET=1 (the CI command sets it)")
-def test_bench_linear_sweeps_only_the_kernels_asked_for(tmp_path):
-    """``--sweep-kernels wide``: the tiles timed are the one-pass kernel's alone, with the whole row in one tile, and
-    an unknown kernel name is refused."""
-    from scripts import bench_linear
-
-    out = tmp_path / "linear-wide.json"
-    report = bench_linear.main(["--rows", "3", "--sweep", "--sweep-rows", "3", "--sweep-kernels", "wide",
-                                "--sweep-max-configs", "2", "--repeats", "1", "--out", str(out)])
-    tried = [e for e in report["sweep"] if e["config"] != "default"]
-    assert tried and all(e["config"]["kernel"] == "wide" for e in tried)
-    assert all(e["config"]["BLOCK_K"] >= (128 if e["op"] == "down" else 64) for e in tried)
-    with pytest.raises(SystemExit, match="sweep-kernels"):
-        bench_linear.main(["--sweep", "--sweep-kernels", "gemv", "--out", str(out)])
