@@ -124,8 +124,7 @@ def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match="bias"):
         norm_linear(kw["x"], torch.ones(8, 8), torch.ones(8), gated=True)
     if HAS_TRITON and (INTERPRETED or torch.cuda.is_available()):  # the Triton path runs: its config is checked
-        if not INTERPRETED:
-            kw = {name: t.cuda() for name, t in kw.items() if t is not None}
+        kw = case(2, 8, 4, torch.float32, device="cpu" if INTERPRETED else "cuda")
         with pytest.raises(ValueError, match="kernel"):
             norm_linear(kw["x"], kw["weight"], backend="triton",
                         config=dict(kernel="gemv", BLOCK_M=2, BLOCK_N=4, BLOCK_K=8, num_warps=1))
