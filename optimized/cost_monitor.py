@@ -32,6 +32,14 @@ the scheduler then prices that kind's steps at that batch size at the measured r
 (``optimized.scheduler.Scheduler.set_price_scales``); a batch size not measured yet keeps the table's prices. The
 scale of speculative steps multiplies every budget's step time alike, so it moves the gate's verdict, never the
 budget itself.
+
+Switches. The gate weighs what a run of plain steps costs against a run of speculative ones, so only a step between
+two steps of its own kind is sampled (``steady_only``, the default). A step next to a switch of kind is not what
+either run costs: the draft gate closes and opens at the moments a batch changes (requests finishing, a gate
+re-estimated), and in an engine one step ahead such a step's interval also holds the pipeline's refill. Priced on
+those, plain steps ran well over their price in an adaptive engine at batch 128-256 while plain decoding's own
+steps did not, and the gate kept drafting where plain decoding was faster. ``trace`` keeps every sample with its
+neighbours' kinds (``scripts/bench_engine.py --gate-trace --cost-feedback``: ``cost_samples``).
 """
 
 from __future__ import annotations
@@ -66,6 +74,21 @@ def request_bucket(num_requests: int) -> int:
     return 1 << (max(int(num_requests), 1).bit_length() - 1)
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One step measured (``CostMonitor.trace``): its kind and batch-size bucket, what it cost and the table's price
+    (seconds), the kinds of the steps launched just before and after it (``before`` None: the first after idle), and
+    whether prompt chunks ran before it in the same call."""
+
+    kind: str
+    bucket: int
+    measured_s: float
+    price_s: float
+    before: str | None
+    after: str
+    prefill: bool
+
+
 @dataclass
 class _Launch:
     """One decoding step as launched: when, and what the table prices it at."""
@@ -86,12 +109,14 @@ class CostMonitor:
     """
 
     def __init__(self, cost: CostTable, device: torch.device, *, window: int = WINDOW,
-                 min_samples: int = MIN_SAMPLES, tolerance: float = TOLERANCE) -> None:
+                 min_samples: int = MIN_SAMPLES, tolerance: float = TOLERANCE, steady_only: bool = True) -> None:
         if window < 1 or min_samples < 1 or not tolerance > 0:
             raise ValueError(f"need window ≥ 1, min_samples ≥ 1 and tolerance > 0, got {window}, {min_samples}, "
                              f"{tolerance}")
         self.cost, self.device = cost, torch.device(device)
         self.window, self.min_samples, self.tolerance = window, min_samples, tolerance
+        # Sample only steps between two of their own kind (see the module docstring, "Switches").
+        self.steady_only = steady_only
         self._launches: deque[_Launch] = deque()
         self._log_ratio = dict.fromkeys(KINDS, 0.0)  # moving average of log(measured / price), all batch sizes
         self.samples = dict.fromkeys(KINDS, 0)
@@ -99,6 +124,10 @@ class CostMonitor:
         self._bucket_log: dict[tuple[str, int], float] = {}
         self._bucket_samples: dict[tuple[str, int], int] = {}
         self.scales: dict[int, dict[str, float]] = {}  # bucket -> kind -> multiplier (absent: 1.0, the table's)
+        # When a list: every sample taken appends a :class:`Sample` (the step's kind and neighbours, what it cost and
+        # its price), for a benchmark to see which steps set a scale. None (the default) keeps nothing.
+        self.trace: list[Sample] | None = None
+        self._before: str | None = None  # the kind of the step launched before the oldest one waiting
 
     def launch(self, num_requests: int, num_tokens: int, prefill: bool) -> None:
         """A decoding step's verify of ``num_tokens`` tokens of ``num_requests`` requests is being launched (after
@@ -125,6 +154,7 @@ class CostMonitor:
     def idle(self) -> None:
         """The engine has no work left: the next launch starts afresh (no sample spans the idle time)."""
         self._launches.clear()
+        self._before = None
 
     def scales_at(self, num_requests: int) -> dict[str, float]:
         """The price multipliers in force for a step of ``num_requests`` requests, per kind."""
@@ -142,8 +172,14 @@ class CostMonitor:
             else:
                 measured = second.stamp - first.stamp
             self._launches.popleft()
+            before, self._before = self._before, first.kind
             if second.prefill or first.price_s <= 0 or measured <= 0:
                 continue
+            if self.trace is not None:
+                self.trace.append(Sample(first.kind, first.bucket, measured, first.price_s, before, second.kind,
+                                         first.prefill))
+            if self.steady_only and not before == first.kind == second.kind:
+                continue  # a switch between kinds: not what a run of either kind costs
             self._observe(first.kind, first.bucket, measured / first.price_s)
         changed = False
         for (kind, bucket), n in self._bucket_samples.items():

@@ -164,6 +164,11 @@ class Engine:
         self._monitor = CostMonitor(cost, self.runner.device) if self._feedback_on else None
 
     @property
+    def cost_monitor(self) -> CostMonitor | None:
+        """The check of measured steps against the cost table (``EngineConfig.cost_feedback``), or None when off."""
+        return self._monitor
+
+    @property
     def cost_drift(self) -> dict[str, float | None] | None:
         """Per kind of step (``plain``, ``speculative``): measured time over the cost table's price, minus one (None
         until enough steps of that kind ran), or None without a cost table or with ``cost_feedback`` off."""

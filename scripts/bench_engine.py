@@ -75,6 +75,7 @@ import torch
 from tqdm.auto import tqdm
 
 from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
+from optimized.cost_monitor import Sample
 from optimized.engine import Engine, EngineConfig, SamplingParams
 from reference.cli import DEFAULT_DRAFTER, LOG_FORMAT, add_hybrid_args, load_or_init_drafter
 from reference.config import HybridConfig, NgramConfig, ProposerKind, SchedulerConfig, SchedulingMode
@@ -134,6 +135,9 @@ class BenchConfig:
     cost_feedback: bool = False  # EngineConfig.cost_feedback for every engine (the server's CUDA default): the draft
     # gate prices steps at their measured times once they drift from the cost table; rows record the final drift
     acceptance_feedback: bool = False  # EngineConfig.acceptance_feedback: survivals scaled by their measured outcomes
+    # With cost_feedback: which steps the monitor prices from, "steady" (between two of their own kind, the engine's
+    # default) or "all" (switches between kinds too; CostMonitor.steady_only off)
+    cost_samples: str = "steady"
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
@@ -144,6 +148,8 @@ class BenchConfig:
                              "requests_per_slot ≥ 1 and min_requests ≥ 1")
         if not 0.0 <= self.output_len_spread < 1.0:
             raise ValueError(f"output_len_spread must lie in [0, 1), got {self.output_len_spread}")
+        if self.cost_samples not in ("steady", "all"):
+            raise ValueError(f"cost_samples must be 'steady' or 'all', got {self.cost_samples!r}")
         NgramConfig(self.ngram_gamma, self.ngram_max_n, self.ngram_min_n)  # validates the n-gram fields
         HybridConfig(max_n=self.ngram_max_n, min_n=self.ngram_min_n, prior_accept=self.hybrid_prior_accept,
                      prior_accept_sampling=self.hybrid_prior_accept_sampling,
@@ -391,6 +397,9 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
             table = cached_profile(engines["hybrid"].runner, cache_dir=cfg.cost_cache_dir, context_len=cfg.context_len)
             report["cost_table"] = table.to_dict()
         engines["hybrid"].set_cost_table(table)
+    for engine in engines.values():
+        if engine.cost_monitor is not None:
+            engine.cost_monitor.steady_only = cfg.cost_samples == "steady"
     report["engine_build_s"] = round(time.perf_counter() - t_build, 2)
     save()
 
@@ -422,6 +431,9 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
             gate.trace = [] if cfg.gate_trace and gate.active else None
             gate.finish_trace = [] if gate.trace is not None and engine.scheduler.finish_time_gate else None
             forecast = {} if cfg.gate_trace and mode.drafts else None
+            monitor = engine.cost_monitor
+            if monitor is not None:
+                monitor.trace = [] if cfg.gate_trace else None
             row = _measure(lambda e=engine, p=workload, n=lengths, c=b, f=forecast: run_engine(e, p, n, c, f),
                            cfg.warmup, cfg.repeats)
             row = {"engine": "optimized", "proposer": kind if mode.drafts else None, "mode": mode, "label": label,
@@ -434,6 +446,9 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
                 gate.finish_trace = None
             if forecast:
                 row["forecast"] = forecast_summary(forecast)
+            if monitor is not None and monitor.trace is not None:
+                row["cost_samples"] = cost_samples_summary(monitor.trace)
+                monitor.trace = None
             if cfg.cost_feedback and engine.cost_drift is not None:  # where the step prices ended up
                 row["cost_drift"] = {k: None if v is None else round(v, 4) for k, v in engine.cost_drift.items()}
                 row["price_scales"] = {k: round(v, 4) for k, v in engine.price_scales.items()}
@@ -474,6 +489,24 @@ def finish_trace_summary(trace: list[tuple[int, FinishEstimate, float, bool]]) -
                                                                       if e.plain_s > 0 else None),
                            "speculative_steps": round(e.speculative_steps, 1), "plain_steps": e.plain_steps,
                            "margin": round(m, 4), "drafted": v} for r, e, m, v in trace[:64]]}
+
+
+def cost_samples_summary(samples: list[Sample]) -> list[dict[str, Any]]:
+    """The steps the cost monitor measured over a configuration's runs (warm-up included), grouped by kind, batch-size
+    bucket and the kinds of the steps before and after: how many, and the medians of measured over priced, of the
+    measured time and of the price (ms). Which steps set a kind's price scale, and whether a switch between kinds
+    costs what a run of one kind does."""
+    groups: dict[tuple[str, int, str, str], list[Sample]] = {}
+    for s in samples:
+        groups.setdefault((s.kind, s.bucket, s.before or "idle", s.after), []).append(s)
+    rows = []
+    for (kind, bucket, before, after), group in sorted(groups.items()):
+        rows.append({"kind": kind, "bucket": bucket, "before": before, "after": after, "samples": len(group),
+                     "measured_over_price": round(statistics.median(s.measured_s / s.price_s for s in group), 4),
+                     "measured_ms": round(1e3 * statistics.median(s.measured_s for s in group), 4),
+                     "price_ms": round(1e3 * statistics.median(s.price_s for s in group), 4),
+                     "after_prefill": sum(s.prefill for s in group)})
+    return rows
 
 
 def gate_trace_summary(trace: list[tuple[int, float, float, float, bool]]) -> dict[str, Any]:
@@ -700,12 +733,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gate-trace", action="store_true",
                    help="adaptive rows also summarise the draft gate's estimates: best Θ over Θ_plain by batch size, "
                         "how often it said draft (gate_trace_summary), and every drafting row the accepted drafts "
-                        "expected from the confidence head against those accepted (forecast); costs host time, so "
-                        "not for timing runs")
+                        "expected from the confidence head against those accepted (forecast), and, with "
+                        "--cost-feedback, the steps the cost monitor measured by kind and neighbours (cost_samples); "
+                        "costs host time, so not for timing runs")
     p.add_argument("--cost-feedback", action="store_true",
                    help="run every engine with EngineConfig.cost_feedback, as python -m optimized.serve does on CUDA: "
                         "the draft gate prices steps at their measured times once they drift more than 10%% from the "
                         "cost table (rows record cost_drift and price_scales)")
+    p.add_argument("--cost-samples", choices=("steady", "all"), default="steady",
+                   help="with --cost-feedback, the steps the monitor prices from: 'steady' (between two steps of their "
+                        "own kind, the engine's default) or 'all' (the switches between plain and speculative too)")
     p.add_argument("--acceptance-feedback", action="store_true",
                    help="run every engine with EngineConfig.acceptance_feedback: the adaptive planner scales each "
                         "slot's forecast survivals by the measured ratio of drafts that survived (rows record "
@@ -742,7 +779,8 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
                       hybrid_prior_accept=args.hybrid_prior_accept,
                       hybrid_prior_accept_sampling=args.hybrid_prior_accept_sampling,
                       hybrid_prior_strength=args.hybrid_prior_strength, gate_trace=args.gate_trace,
-                      cost_feedback=args.cost_feedback, acceptance_feedback=args.acceptance_feedback)
+                      cost_feedback=args.cost_feedback, acceptance_feedback=args.acceptance_feedback,
+                      cost_samples=args.cost_samples)
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if target is None:
         target = Target.load(args.model, device=args.device, dtype=getattr(torch, dtype_name))

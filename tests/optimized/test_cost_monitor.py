@@ -54,17 +54,18 @@ def test_ratio_per_kind_and_the_rescale(clock):
     monitor = CostMonitor(table, "cpu", window=8, min_samples=4, tolerance=0.1)
     plain = table.verify_time(4, 4)
     spec = table.verify_time(20, 4) + table.draft_time(4)
-    _steps(monitor, clock, 3, 2.0 * plain)  # three plain steps at twice the price: two complete samples
+    # three plain steps at twice the price: two complete, of which the first has no step before it (not a sample)
+    _steps(monitor, clock, 3, 2.0 * plain)
     assert monitor.update() is None and monitor.drift == {"plain": None, "speculative": None}
     _steps(monitor, clock, 3, 2.0 * plain)
-    scales = monitor.update()  # five samples ≥ min_samples: the ratio 2 is 100 % off the scale 1
+    scales = monitor.update()  # four samples ≥ min_samples: the ratio 2 is 100 % off the scale 1
     assert scales == {4: {"plain": pytest.approx(2.0)}}  # 4 requests: the bucket of 4-7
     assert monitor.scales_at(5) == {"plain": pytest.approx(2.0), "speculative": 1.0}
     assert monitor.drift["plain"] == pytest.approx(1.0)
     _steps(monitor, clock, 6, 0.5 * spec, tokens=20, drafted=4)  # speculative steps at half their price
     scales = monitor.update()
-    # the first of these samples is the last plain step (its end is the first speculative launch)
-    assert monitor.samples == {"plain": 6, "speculative": 5}
+    # the switch is no sample: neither the last plain step (a speculative one follows) nor the first speculative one
+    assert monitor.samples == {"plain": 4, "speculative": 4}
     assert scales[4]["speculative"] == pytest.approx(0.5)
     assert monitor.update() is None, "nothing new: no rescale"
 
@@ -106,11 +107,52 @@ def test_prefill_and_idle_are_not_sampled(clock):
     assert monitor.samples["plain"] == 0, "a step followed by a prefill is not a sample"
     monitor.idle()
     clock.now += 100.0  # nothing to do for a while
-    monitor.launch(4, 4, prefill=False)
-    clock.now += plain
-    monitor.launch(4, 4, prefill=False)
+    _steps(monitor, clock, 3, plain)  # the first after idle has no step before it: the second is the sample
     monitor.update()
     assert monitor.samples["plain"] == 1 and monitor.drift["plain"] == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("steady_only", [True, False])
+def test_switches_between_kinds_set_no_price(clock, steady_only):
+    """An engine that alternates plain and speculative steps, each switch costing a refill (3x the price): with
+    ``steady_only`` (the default) only the steps inside a run of one kind are priced, so the plain steps keep the
+    table's price; with every step sampled, the switches make plain steps look 1.44x dearer than they are."""
+    table = _table()
+    monitor = CostMonitor(table, "cpu", window=32, min_samples=4, tolerance=0.1, steady_only=steady_only)
+    plain = table.verify_time(4, 4)
+    spec = table.verify_time(20, 4) + table.draft_time(4)
+    for _ in range(6):
+        _steps(monitor, clock, 2, plain)
+        _steps(monitor, clock, 1, 3 * plain)  # the last plain step before the switch
+        _steps(monitor, clock, 4, spec, tokens=20, drafted=4)
+    monitor.update()
+    if steady_only:
+        assert monitor.scales_at(4) == {"plain": 1.0, "speculative": 1.0}
+        assert monitor.drift["plain"] == pytest.approx(0.0, abs=1e-9)
+    else:
+        assert monitor.scales_at(4)["plain"] == pytest.approx(3 ** (1 / 3), rel=1e-6)  # geometric mean of 1, 1, 3
+
+
+def test_the_trace_names_each_sample_and_its_neighbours(clock):
+    """With a trace list, every sample taken is kept with the kinds of the steps launched before and after it, so a
+    benchmark can tell a run of one kind from the switches between kinds."""
+    table = _table()
+    monitor = CostMonitor(table, "cpu", window=8, min_samples=1, tolerance=0.1)
+    monitor.trace = []
+    plain = table.verify_time(4, 4)
+    _steps(monitor, clock, 2, plain)  # plain, plain
+    _steps(monitor, clock, 2, 3 * plain, tokens=20, drafted=4)  # speculative, speculative
+    _steps(monitor, clock, 1, 2 * plain)  # plain again (its own end is not launched yet: no sample)
+    monitor.update()
+    got = [(s.kind, s.before, s.after, round(s.measured_s / plain, 6)) for s in monitor.trace]
+    assert got == [("plain", None, "plain", 1.0), ("plain", "plain", "speculative", 1.0),
+                   ("speculative", "plain", "speculative", 3.0), ("speculative", "speculative", "plain", 3.0)]
+    assert all(s.bucket == 4 and not s.prefill for s in monitor.trace)
+    assert monitor.trace[2].price_s == pytest.approx(table.verify_time(20, 4) + table.draft_time(4))
+    monitor.idle()  # after idle the next step has no neighbour before it
+    _steps(monitor, clock, 2, plain)
+    monitor.update()
+    assert monitor.trace[-1].before is None
 
 
 def test_bad_settings_fail_fast():

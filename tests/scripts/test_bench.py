@@ -102,9 +102,15 @@ def test_bench_engine_one_step_ahead_variants(models, tmp_path):
 def test_bench_engine_gate_trace_summarises_the_gates_estimates(models, tmp_path):
     """--gate-trace: adaptive rows say how often the draft gate evaluated and drafted, and by batch size the
     quartiles of best Θ over Θ_plain (the planner's own numbers) and the margin; other rows carry nothing."""
-    report, _ = _run(models, tmp_path, "--gate-trace", "--hf-max-batch", "0")
+    report, _ = _run(models, tmp_path, "--gate-trace", "--hf-max-batch", "0", "--cost-feedback")
     rows = {(r["label"], r["batch_size"]): r for r in report["results"]}
     assert all("gate_trace_summary" not in rows[(m, b)] for m in ("none", "fixed:2") for b in (1, 2))
+    # With --cost-feedback, the rows of an engine with a cost table also list the steps its monitor measured.
+    samples = rows[("fixed:2", 2)]["cost_samples"]
+    assert samples and sum(s["samples"] for s in samples) > 0
+    for s in samples:
+        assert s["kind"] in ("plain", "speculative") and s["before"] in ("idle", "plain", "speculative")
+        assert s["measured_ms"] > 0 and s["price_ms"] > 0 and s["bucket"] in (1, 2)
     trace = rows[("adaptive", 2)]["gate_trace_summary"]
     assert trace["evaluations"] > 0 and 0 <= trace["drafted"] <= trace["evaluations"]
     for bucket, row in trace["by_batch"].items():
