@@ -28,9 +28,14 @@ measured on the model runner of the engine that will serve (``engine.runner``):
   argues against speculation.
 * **Priced the way the engine runs.** An engine one step ahead of its token reads (``EngineConfig.async_decode``, the
   CUDA default) overlaps a stage's host work with the previous stage's device work, so a sample there launches the
-  stage ``PIPELINE_DEPTH`` times back to back, reads only the last one's tokens, and divides: the larger of the host's
-  launches and the device's work, not their sum. A synchronous engine's sample is one stage, launch to read. While
-  serving, ``optimized/cost_monitor.py`` compares the table with measured steps and rescales its prices if they drift.
+  stage ``PIPELINE_DEPTH`` times back to back, reads only the last one's tokens, and takes the difference with one
+  stage launched alone, per extra stage: the larger of the host's launches and the device's work, not their sum, and
+  without the pipeline's fill and drain, which a serving engine pays once and not every few steps. (Divided instead,
+  the fill and drain of four stages added about 0.25 ms to each: on an H100 the table priced a plain step of 64
+  requests at 1.48 ms while plain decoding one step ahead ran them at 1.20 ms, and speculative steps ran at 0.92-0.95
+  of their prices, so the draft gate saw plain decoding dearer than it was.) A synchronous engine's sample is one
+  stage, launch to read. While serving, ``optimized/cost_monitor.py`` compares the table with measured steps and
+  rescales its prices if they drift.
 * **Median of repeats**, with a CUDA synchronisation around each timed call on CUDA (a verify sample ends
   with a host read anyway; the drafter's does not).
 * **Every bucket on the GPU with graphs**; eagerly (CPU, ``--enforce-eager``) the step time is dominated by
@@ -88,7 +93,7 @@ RECHECK_PAUSE_S = 0.5
 # (half the tolerance, e.g. 1.5× on a CPU); readings that scatter wider are load, not a new steady cost.
 RECHECK_AGREEMENT = 0.5
 EAGER_MAX_SIZES = {"cpu": 8, "cuda": 16}  # sizes per curve without graphs: smooth curves, short start-up
-FINGERPRINT_VERSION = 6  # bump when the profiling method changes, so old cached tables stop matching
+FINGERPRINT_VERSION = 7  # bump when the profiling method changes, so old cached tables stop matching
 # Stages per timed sample of an engine that runs one step ahead of its reads (ModelRunner.pipelined): launched back to
 # back, only the last one's tokens read, so that each stage's price is what it costs in the pipeline (the larger of
 # its host launches and its device work) rather than launch + device + read in series. Four amortise the one read
@@ -145,7 +150,7 @@ def profile_engine(runner: ModelRunner, *, context_len: int = DEFAULT_CONTEXT_LE
         token_counts, request_counts, repeats=repeats, warmup=warmup, synchronize=sync,
         hardware=hardware_name(runner.device), graph_max_tokens=max(token_counts), progress=progress,
         verify_requests_fn=lambda r, n: runner.prepare_dummy_verify(n, context_len, num_requests=r, repeat=depth),
-        tokens_by_requests=tokens_by_requests, steps_per_call=depth)
+        tokens_by_requests=tokens_by_requests, steps_per_call=depth, marginal=depth > 1)
     table.meta.update({
         "context_len": context_len, "max_num_seqs": runner.config.max_num_seqs, "gamma": runner.gamma,
         "cuda_graphs": graphs, "dtype": str(runner.target.dtype), "torch": torch.__version__,
@@ -153,7 +158,8 @@ def profile_engine(runner: ModelRunner, *, context_len: int = DEFAULT_CONTEXT_LE
                   "over r requests",
         "verify_stage": "layout + verify graph + p_t + rejection sampling + token read",
         "draft_stage": "backbone graph + fused sequential head + STS",
-        "pipelined": depth > 1,  # stages launched back to back, the price per stage (PIPELINE_DEPTH a sample)
+        # stages launched back to back, priced at what one more adds (PIPELINE_DEPTH against one, a sample)
+        "pipelined": depth > 1,
         "profile_s": round(time.perf_counter() - t0, 3),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
@@ -319,6 +325,7 @@ def recheck_table(runner: ModelRunner, table: CostTable, *, tolerance: float | N
         raise ValueError(f"need repeats ≥ 1 and rounds ≥ 1, got repeats={repeats}, rounds={rounds}")
     context_len = int(table.meta.get("context_len", DEFAULT_CONTEXT_LEN))
     depth = int(table.meta.get("steps_per_call", 1))  # timed the way the table was
+    marginal = bool(table.meta.get("marginal", False))
     sizes = sorted(table.verify_ms)
     for n in (sizes[0], sizes[-1]):
         runner.prepare_dummy_verify(n, context_len, repeat=depth)()  # warm-up
@@ -326,7 +333,7 @@ def recheck_table(runner: ModelRunner, table: CostTable, *, tolerance: float | N
         for r in range(rounds):
             if r:
                 time.sleep(RECHECK_PAUSE_S)
-            now = statistics.median(time_verify(runner, n, context_len, depth) for _ in range(repeats))
+            now = statistics.median(time_verify(runner, n, context_len, depth, marginal) for _ in range(repeats))
             ratios.append(now / then)
             if max(now / then, then / now) <= 1.0 + tolerance:  # within the factor either way: this size is fine
                 break
@@ -344,16 +351,25 @@ def recheck_table(runner: ModelRunner, table: CostTable, *, tolerance: float | N
     return True
 
 
-def time_verify(runner: ModelRunner, n: int, context_len: int, depth: int) -> float:
+def time_verify(runner: ModelRunner, n: int, context_len: int, depth: int, marginal: bool = False) -> float:
     """Milliseconds per stage of one timed dummy verify stage of ``n`` tokens (``depth`` stages back to back), its
-    placeholders' set-up untimed; the re-check's one clock reading."""
+    placeholders' set-up untimed; the re-check's one clock reading. ``marginal``: what ``depth`` stages take beyond
+    one, per stage (the table's ``meta["marginal"]``, ``reference.cost_model.measure_cost_table``)."""
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)  # sync: profiling only
-    step = runner.prepare_dummy_verify(n, context_len, repeat=depth)
-    sync()
-    start = time.perf_counter()
-    step()
-    sync()
-    return (time.perf_counter() - start) * 1e3 / depth
+
+    def once(steps: int) -> float:
+        step = runner.prepare_dummy_verify(n, context_len, repeat=depth)
+        sync()
+        start = time.perf_counter()
+        step(steps)
+        sync()
+        return (time.perf_counter() - start) * 1e3
+
+    if not marginal or depth < 2:
+        return once(depth) / depth
+    one, many = once(1), once(depth)
+    extra = (many - one) / (depth - 1)
+    return extra if extra > 0 else many / depth
 
 
 # ---------------------------------------------------------------------------------------------------------

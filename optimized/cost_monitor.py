@@ -23,7 +23,8 @@ step after the engine went idle (its successor starts with a prefill).
 
 Per kind, the monitor keeps an exponential moving average of ``log(measured / price)`` over ``window`` samples;
 ``drift = exp(average) − 1`` (the engine's metric). The prices are rescaled per kind **and per batch size** (request
-counts in powers of two, :func:`request_bucket`): how far a table is off depends on the batch (on an H200 the
+counts in powers of two, :func:`request_bucket`), at the median ratio of that pair's last ``window`` samples (a few
+steps that waited for the host do not move a price): how far a table is off depends on the batch (on an H200 the
 table's speculative steps ran 16 % under their price at batch 1-16 and 3 % at 256 in one run), and a scale learned
 at small batches would misprice a large one. Once a (kind, batch size) pair has ``min_samples`` samples and its
 ratio differs from the scale in force by more than ``tolerance`` (relative), :meth:`CostMonitor.update` returns the
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -120,8 +122,9 @@ class CostMonitor:
         self._launches: deque[_Launch] = deque()
         self._log_ratio = dict.fromkeys(KINDS, 0.0)  # moving average of log(measured / price), all batch sizes
         self.samples = dict.fromkeys(KINDS, 0)
-        # Per (kind, batch-size bucket): the same average, its samples, and the price multiplier in force.
-        self._bucket_log: dict[tuple[str, int], float] = {}
+        # Per (kind, batch-size bucket): the last ``window`` log ratios (their median sets the price multiplier: one
+        # step that waited for the host, a collection or a switch must not move a price) and the samples seen.
+        self._bucket_log: dict[tuple[str, int], deque[float]] = {}
         self._bucket_samples: dict[tuple[str, int], int] = {}
         self.scales: dict[int, dict[str, float]] = {}  # bucket -> kind -> multiplier (absent: 1.0, the table's)
         # When a list: every sample taken appends a :class:`Sample` (the step's kind and neighbours, what it cost and
@@ -185,7 +188,7 @@ class CostMonitor:
         for (kind, bucket), n in self._bucket_samples.items():
             if n < self.min_samples:
                 continue
-            ratio = math.exp(self._bucket_log[(kind, bucket)])
+            ratio = math.exp(statistics.median(self._bucket_log[(kind, bucket)]))
             in_force = self.scales.get(bucket, {}).get(kind, 1.0)
             if abs(ratio / in_force - 1.0) > self.tolerance:
                 log.info("%s steps of %d-%d requests cost %.2fx the table's prices over the last ~%d of them: pricing "
@@ -200,9 +203,8 @@ class CostMonitor:
         weight = 1.0 / min(n, self.window)  # a plain mean until the window is full, then a moving average
         self._log_ratio[kind] += weight * (x - self._log_ratio[kind])
         key = (kind, bucket)
-        n = self._bucket_samples[key] = self._bucket_samples.get(key, 0) + 1
-        before = self._bucket_log.get(key, 0.0)
-        self._bucket_log[key] = before + (x - before) / min(n, self.window)
+        self._bucket_samples[key] = self._bucket_samples.get(key, 0) + 1
+        self._bucket_log.setdefault(key, deque(maxlen=self.window)).append(x)
 
     @property
     def drift(self) -> dict[str, float | None]:

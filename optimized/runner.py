@@ -822,7 +822,8 @@ class ModelRunner:
 
         ``repeat`` > 1: the stage launched that many times back to back and only the last one's tokens read, as an
         engine one step ahead runs it (:attr:`pipelined`); each launch moves the anchors on by what it emits, so the
-        context must leave room for ``repeat - 1`` more blocks."""
+        context must leave room for ``repeat - 1`` more blocks. The returned stage takes an optional count
+        (1..``repeat``) to launch fewer (a marginal price is the difference of two counts)."""
         if repeat < 1 or context_len + (repeat - 1) * (self.gamma + 1) > self.config.max_seq_len - 2 * self.gamma - 4:
             raise ValueError(f"{repeat} verify stages from context {context_len} do not fit max_seq_len "
                              f"{self.config.max_seq_len} (γ = {self.gamma})")
@@ -839,8 +840,10 @@ class ModelRunner:
             plan = StepPlan([], seqs, SchedulingMode.NONE, lengths=[0] * r)
 
         @torch.inference_mode()
-        def stage() -> None:
-            for _ in range(repeat - 1):
+        def stage(steps: int = repeat) -> None:
+            if not 1 <= steps <= repeat:
+                raise ValueError(f"this stage was prepared for 1..{repeat} launches, got {steps}")
+            for _ in range(steps - 1):
                 self.launch_verify(plan)
             self.verify(plan)
 
@@ -855,7 +858,8 @@ class ModelRunner:
     def prepare_dummy_draft(self, num_requests: int, context_len: int, temperature: float = 0.0,
                             repeat: int = 1) -> Callable[[], None]:
         """:meth:`dummy_draft` in two parts: the placeholders' slot set-up now, the drafter stage returned (``repeat``
-        > 1: launched that many times back to back, the last survivals' copy waited for, as :attr:`pipelined`)."""
+        > 1: launched that many times back to back, the last survivals' copy waited for, as :attr:`pipelined`; the
+        returned stage takes an optional count, 1..``repeat``, as :meth:`prepare_dummy_verify`'s)."""
         if self.drafter is None:
             raise RuntimeError("this runner has no drafter (mode none)")
         if not 1 <= num_requests <= self.config.max_num_seqs:
@@ -864,11 +868,13 @@ class ModelRunner:
             raise ValueError(f"repeat must be ≥ 1, got {repeat}")
         seqs = self._placeholder_decoding(num_requests, context_len, temperature)
         if repeat == 1:
-            return torch.inference_mode()(lambda: self.draft(seqs))
+            return torch.inference_mode()(lambda steps=1: self.draft(seqs))
 
         @torch.inference_mode()
-        def stage() -> None:
-            for _ in range(repeat):
+        def stage(steps: int = repeat) -> None:
+            if not 1 <= steps <= repeat:
+                raise ValueError(f"this stage was prepared for 1..{repeat} launches, got {steps}")
+            for _ in range(steps):
                 self.draft(seqs, blocking=False)
             self.wait_for_drafts()
 

@@ -304,7 +304,7 @@ def measure_cost_table(verify_fn: Callable[[int], Callable[[], None] | None],
                        graph_max_tokens: int | None = None, progress: bool = True,
                        verify_requests_fn: Callable[[int, int], Callable[[], None] | None] | None = None,
                        tokens_by_requests: dict[int, Sequence[int]] | None = None,
-                       steps_per_call: int = 1) -> CostTable:
+                       steps_per_call: int = 1, marginal: bool = False) -> CostTable:
     """Profile dummy steps and return a monotone cost table.
 
     Each size is run ``warmup`` times untimed (allocator, autotuning, lazy graph capture), then ``repeats``
@@ -331,28 +331,45 @@ def measure_cost_table(verify_fn: Callable[[int], Callable[[], None] | None],
         tokens_by_requests: request count ``r`` -> the token counts (each ≥ r) to measure it at.
         steps_per_call: how many steps one timed call runs (steps launched back to back, as an engine that runs
             ahead of its reads does); each sample is the call's time divided by it.
+        marginal: with ``steps_per_call`` > 1, price a step at what one more step adds: each sample times the
+            prepared step run once and run ``steps_per_call`` times (the preparations return steps that take how
+            many to run back to back), and is their difference over ``steps_per_call - 1``. A call's fixed part —
+            the first launch before the device starts, the last read after it stops — is then not charged to each
+            step: a pipeline that never drains pays it once, not every ``steps_per_call`` steps, and it weighs most
+            on the cheapest steps. (A sample the noise makes non-positive falls back to the call's time divided.)
     """
     if repeats < 1 or warmup < 0 or steps_per_call < 1:
         raise ValueError(f"need repeats ≥ 1, warmup ≥ 0 and steps_per_call ≥ 1, got repeats={repeats}, "
                          f"warmup={warmup}, steps_per_call={steps_per_call}")
+    marginal = marginal and steps_per_call > 1
     sync = synchronize or (lambda: None)
 
-    def median_ms(fn: Callable[[int], Callable[[], None] | None], size: int) -> float:
+    def timed_ms(fn: Callable[[int], Callable[..., None] | None], size: int, steps: int | None) -> float:
+        """One timed call: the whole step, or its preparation (untimed) and then the step it returns (``steps``
+        of them back to back when given)."""
+        sync()
+        start = time.perf_counter()
+        step = fn(size)
+        if callable(step):
+            sync()
+            start = time.perf_counter()
+            step() if steps is None else step(steps)
+        sync()
+        return (time.perf_counter() - start) * 1e3
+
+    def median_ms(fn: Callable[[int], Callable[..., None] | None], size: int) -> float:
         for _ in range(warmup):
             step = fn(size)
             if callable(step):
                 step()
         samples = []
         for _ in range(repeats):
-            sync()
-            start = time.perf_counter()
-            step = fn(size)  # the whole step, or its preparation (untimed) returning the step
-            if callable(step):
-                sync()
-                start = time.perf_counter()
-                step()
-            sync()
-            samples.append((time.perf_counter() - start) * 1e3 / steps_per_call)
+            if marginal:
+                one, many = timed_ms(fn, size, 1), timed_ms(fn, size, steps_per_call)
+                extra = (many - one) / (steps_per_call - 1)
+                samples.append(extra if extra > 0 else many / steps_per_call)
+            else:
+                samples.append(timed_ms(fn, size, None) / steps_per_call)
         return statistics.median(samples)
 
     tokens_by_requests = tokens_by_requests or {}
@@ -366,7 +383,7 @@ def measure_cost_table(verify_fn: Callable[[int], Callable[[], None] | None],
              for r in sorted(tokens_by_requests) for n in tokens_by_requests[r]]
     for curve, fn, size in tqdm(jobs, desc="profiling step costs", disable=not progress):
         curve[size] = median_ms(fn, size)
-    meta = {"repeats": repeats, "warmup": warmup, "steps_per_call": steps_per_call}
+    meta = {"repeats": repeats, "warmup": warmup, "steps_per_call": steps_per_call, "marginal": marginal}
     return CostTable(verify, draft, graph_max_tokens, hardware, meta, by_requests).monotone()
 
 

@@ -184,7 +184,7 @@ def cached_table(models, tmp_path, monkeypatch):
     def recheck(clock) -> bool:
         calls, profiled = [], []
 
-        def timed(runner, n, context_len, depth):
+        def timed(runner, n, context_len, depth, marginal=False):
             calls.append(n)
             return table.verify_ms[n] * clock(n, len(calls) - 1)
 
@@ -276,6 +276,7 @@ def test_pipelined_engine_is_priced_back_to_back(models):
     assert engine.runner.pipelined and engine.pipelining["async_decode"]
     table = profile_engine(engine.runner, context_len=8, repeats=1, warmup=0, max_sizes=2, progress=False)
     assert table.meta["pipelined"] and table.meta["steps_per_call"] == cost_model.PIPELINE_DEPTH
+    assert table.meta["marginal"], "priced at what one more stage adds, not the call divided"
     assert fingerprint(engine.runner, 8)[0] != fingerprint(_engine(models, max_num_seqs=2).runner, 8)[0]
     runner = engine.runner
     stage = runner.prepare_dummy_verify(2 * (GAMMA + 1), 8, repeat=cost_model.PIPELINE_DEPTH)
@@ -284,3 +285,9 @@ def test_pipelined_engine_is_priced_back_to_back(models):
                for p in runner.anchor_pos[:2].tolist())
     with pytest.raises(ValueError, match="do not fit"):
         runner.prepare_dummy_verify(2, 60, repeat=cost_model.PIPELINE_DEPTH)
+    one = runner.prepare_dummy_verify(2, 8, repeat=cost_model.PIPELINE_DEPTH)
+    one(1)  # a single launch of a stage prepared for four: one verify, one token each
+    assert runner.anchor_pos[:2].tolist() == [9, 9]
+    with pytest.raises(ValueError, match="prepared for"):
+        one(cost_model.PIPELINE_DEPTH + 1)
+    assert cost_model.time_verify(runner, 2, 8, cost_model.PIPELINE_DEPTH, marginal=True) > 0

@@ -114,15 +114,16 @@ def test_prefill_and_idle_are_not_sampled(clock):
 
 @pytest.mark.parametrize("steady_only", [True, False])
 def test_switches_between_kinds_set_no_price(clock, steady_only):
-    """An engine that alternates plain and speculative steps, each switch costing a refill (3x the price): with
-    ``steady_only`` (the default) only the steps inside a run of one kind are priced, so the plain steps keep the
-    table's price; with every step sampled, the switches make plain steps look 1.44x dearer than they are."""
+    """An engine that alternates short runs of plain and speculative steps, the plain steps next to a switch costing
+    3x their price: with ``steady_only`` (the default) only the steps inside a run of one kind are priced, so plain
+    steps keep the table's price; with every step sampled, the switches make them look 3x dearer than they are."""
     table = _table()
     monitor = CostMonitor(table, "cpu", window=32, min_samples=4, tolerance=0.1, steady_only=steady_only)
     plain = table.verify_time(4, 4)
     spec = table.verify_time(20, 4) + table.draft_time(4)
     for _ in range(6):
-        _steps(monitor, clock, 2, plain)
+        _steps(monitor, clock, 1, 3 * plain)  # the first plain step after a switch
+        _steps(monitor, clock, 1, plain)
         _steps(monitor, clock, 1, 3 * plain)  # the last plain step before the switch
         _steps(monitor, clock, 4, spec, tokens=20, drafted=4)
     monitor.update()
@@ -130,7 +131,20 @@ def test_switches_between_kinds_set_no_price(clock, steady_only):
         assert monitor.scales_at(4) == {"plain": 1.0, "speculative": 1.0}
         assert monitor.drift["plain"] == pytest.approx(0.0, abs=1e-9)
     else:
-        assert monitor.scales_at(4)["plain"] == pytest.approx(3 ** (1 / 3), rel=1e-6)  # geometric mean of 1, 1, 3
+        assert monitor.scales_at(4)["plain"] == pytest.approx(3.0, rel=1e-6)  # the median of 3, 1, 3, 3, 1, 3, ...
+
+
+def test_a_few_slow_steps_do_not_move_a_price(clock):
+    """Steps that waited for the host (a collection, a burst of requests) are outliers: the price multiplier is the
+    median of the window, so a few of them leave it, while a lasting change moves it."""
+    table = _table()
+    monitor = CostMonitor(table, "cpu", window=16, min_samples=4, tolerance=0.1)
+    plain = table.verify_time(4, 4)
+    for i in range(17):
+        _steps(monitor, clock, 1, (20.0 if i % 4 == 3 else 1.0) * plain)  # every fourth step 20x its price
+    assert monitor.update() is None and monitor.scales_at(4)["plain"] == 1.0
+    _steps(monitor, clock, 12, 2.0 * plain)  # now most of the window: the price follows
+    assert monitor.update()[4]["plain"] == pytest.approx(2.0)
 
 
 def test_the_trace_names_each_sample_and_its_neighbours(clock):

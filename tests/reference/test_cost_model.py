@@ -188,6 +188,39 @@ def test_measure_cost_table_times_only_the_step_a_preparation_returns(monkeypatc
     assert sorted(steps) == sorted([1] * 4 + [8] * 4 + [1] * 4 + [4] * 4)  # warm-up + timed, each step run once
 
 
+def test_measure_cost_table_marginal_leaves_the_pipelines_fill_out(monkeypatch):
+    """Steps launched back to back cost a fixed fill and drain per call plus the steady price per step: divided over
+    the call's steps, the fill is charged to every step (most to the cheapest); ``marginal`` prices the steady step
+    alone, from the call run once and ``steps_per_call`` times."""
+    clock, runs = [0.0], []
+    fill = 1.0  # ms a call pays whatever its length
+
+    def prepare(per_step):
+        def fn(size):
+            def step(steps=4):
+                runs.append(steps)
+                clock[0] += (fill + steps * per_step(size)) / 1e3
+            return step
+        return fn
+
+    monkeypatch.setattr(cost_model.time, "perf_counter", lambda: clock[0])
+    kwargs = dict(repeats=3, warmup=1, progress=False, steps_per_call=4)
+    divided = measure_cost_table(prepare(lambda n: 1.0 + 0.1 * n), prepare(lambda r: 0.5), [1, 8], [1], **kwargs)
+    assert divided.verify_ms == pytest.approx({1: 1.35, 8: 2.05}, rel=1e-9)  # 1.1 and 1.8, each + fill / 4
+    assert divided.meta["marginal"] is False
+    runs.clear()
+    table = measure_cost_table(prepare(lambda n: 1.0 + 0.1 * n), prepare(lambda r: 0.5), [1, 8], [1],
+                               marginal=True, **kwargs)
+    assert table.verify_ms == pytest.approx({1: 1.1, 8: 1.8}, rel=1e-9)
+    assert table.draft_ms == pytest.approx({1: 0.5}, rel=1e-9)
+    assert table.meta["marginal"] is True and table.meta["steps_per_call"] == 4
+    assert sorted(set(runs)) == [1, 4] and runs.count(1) == 3 * 3  # each timed sample: once, then four
+    # one step per call: nothing to difference, the call's time is the price
+    single = measure_cost_table(prepare(lambda n: 1.0), lambda r: None, [1], [], repeats=1, warmup=0,
+                                progress=False, marginal=True)
+    assert single.verify_ms == pytest.approx({1: 5.0}) and single.meta["marginal"] is False
+
+
 def test_measure_cost_table_forces_monotone(monkeypatch):
     clock = [0.0]
     cost = {1: 5.0, 2: 4.0, 4: 6.0}
