@@ -36,11 +36,11 @@ budget itself.
 
 Switches. The gate weighs what a run of plain steps costs against a run of speculative ones, so only a step between
 two steps of its own kind is sampled (``steady_only``, the default). A step next to a switch of kind is not what
-either run costs: the draft gate closes and opens at the moments a batch changes (requests finishing, a gate
-re-estimated), and in an engine one step ahead such a step's interval also holds the pipeline's refill. Priced on
-those, plain steps ran well over their price in an adaptive engine at batch 128-256 while plain decoding's own
-steps did not, and the gate kept drafting where plain decoding was faster. ``trace`` keeps every sample with its
-neighbours' kinds (``scripts/bench_engine.py --gate-trace --cost-feedback``: ``cost_samples``).
+either run costs: the first speculative step after plain ones also catches up the drafter's context for the tokens
+decoded plainly (on an H100 at 128-255 requests, up to 2.1x its price against 0.91-0.96x for a run of speculative
+steps: docs/benchmarks/gate-trace-all-h100.json), and in an engine one step ahead a step next to a switch may hold
+the pipeline's refill. ``trace`` keeps every sample with its neighbours' kinds (``scripts/bench_engine.py
+--gate-trace --cost-feedback``: ``cost_samples``).
 """
 
 from __future__ import annotations
