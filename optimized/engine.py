@@ -44,6 +44,12 @@ from reference.target import Target
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "Sequence", "Status", "StepOutput", "StepStats"]
 
 
+def _longest_context(seqs: list[Sequence]) -> int:
+    """The longest context among ``seqs`` (prompt and output tokens; the anchor position of that request + 1), 0 for
+    none: one pass of Python over the requests, done once a step."""
+    return max([len(s.prompt_ids) + len(s.output_ids) for s in seqs], default=0)
+
+
 class Engine:
     """``add_request`` / ``step`` / ``abort`` over a fixed set of slots."""
 
@@ -250,9 +256,12 @@ class Engine:
         that nobody kept: the gate closed once some requests had finished), seconds of step, of host planning on the
         critical path (``host_schedule_s``) and of planning done while the device verified (``host_ahead_s``), steps
         that ran prompt chunks (``prefill_steps``) and the seconds of their prefill stage (``prefill_s``: launch to
-        the read of the first tokens, which waits for the prefill's device work when a prompt completes)."""
+        the read of the first tokens, which waits for the prefill's device work when a prompt completes), and the
+        seconds of committing the decoding requests' tokens on the host once read (``host_commit_s``: per request,
+        stop checks and outputs; at R = 256 much of a small target's plain step)."""
         self.stats = {"steps": 0, "draft_steps": 0, "draft_ahead_steps": 0, "drafts_dropped": 0,
-                      "host_schedule_s": 0.0, "host_ahead_s": 0.0, "step_s": 0.0, "prefill_steps": 0, "prefill_s": 0.0}
+                      "host_schedule_s": 0.0, "host_ahead_s": 0.0, "step_s": 0.0, "prefill_steps": 0, "prefill_s": 0.0,
+                      "host_commit_s": 0.0}
 
     # ------------------------------------------------------------------------------------------------------
     # One step
@@ -273,8 +282,11 @@ class Engine:
 
         One step ahead where the mode allows it (:meth:`_step_one_ahead`); synchronously otherwise, and for as long
         as a decoding request is near the end of its slot (the read must then come first: :meth:`_room_ahead`)."""
-        if self._one_ahead and self._room_ahead():
-            return self._step_one_ahead()
+        if self._one_ahead:
+            seqs = self.scheduler.decoding()  # the requests decoding now: nothing before the read changes who they are
+            longest = _longest_context(seqs)
+            if self._room_ahead(seqs, longest):
+                return self._step_one_ahead(seqs, longest)
         outputs = self._drain()  # a step left in flight by the pipeline: read it before stepping synchronously
         t0 = time.perf_counter()
         plan = self._schedule()
@@ -290,7 +302,7 @@ class Engine:
         self._account(plan, t0, (t1 - t0) + (t3 - t2), bool(drafters))
         return outputs
 
-    def _step_one_ahead(self) -> list[StepOutput]:
+    def _step_one_ahead(self, decoding: list[Sequence], longest: int) -> list[StepOutput]:
         """A step launched before the previous step's tokens are read: plan and launch this step's verify (each
         request's anchor and its drafts are on the device already), let the draft gate decide on the tokens committed
         so far and launch the next block's draft behind the verify, then read and commit the previous step's tokens
@@ -302,7 +314,8 @@ class Engine:
         still on its way to the host: ``Scheduler.schedule(ahead=1)``). Requests the step in flight surely finishes by
         length are left out. A request whose next block might not fit its slot after the steps in flight drafts after
         the read instead (:meth:`_draft_late`). Plain decoding (``none``, or a gate that stays closed) is this same
-        loop without the draft."""
+        loop without the draft. ``decoding`` are the requests decoding now and ``longest`` the longest context among
+        them (:func:`_longest_context`), found once for the step."""
         t0 = time.perf_counter()
         plan = self._schedule(exclude=self._done_in_flight(), unrecorded=len(self._pending))
         t1 = time.perf_counter()
@@ -317,7 +330,7 @@ class Engine:
         self._in_flight = (plan, launched) if launched is not None else None
         self._reach = self._reach_of(plan) if launched is not None else {}
         self._gate_s = 0.0
-        drafters = self._draft_early(reach_before, [] if prefilled is None else prefilled.seqs)
+        drafters = self._draft_early(decoding, longest, reach_before, [] if prefilled is None else prefilled.seqs)
         outputs = []
         if previous is not None:
             done_plan, done = previous
@@ -339,7 +352,8 @@ class Engine:
                       (t1 - t0) + self._gate_s, drafted)
         return outputs
 
-    def _draft_early(self, reach_before: dict[int, int], starting: list[Sequence]) -> list[Sequence] | None:
+    def _draft_early(self, decoding: list[Sequence], longest: int, reach_before: dict[int, int],
+                     starting: list[Sequence]) -> list[Sequence] | None:
         """One step ahead, before the read: the draft gate on the requests decoding now (the tokens committed so far)
         and, if they draft, their next block launched behind the verify just launched. Returns who drafted ([] when
         the gate said no), or None when a block might not fit a slot after the two steps in flight (each emits up to
@@ -347,16 +361,19 @@ class Engine:
 
         The drafters are this step's requests and those that start decoding with it (``starting``: their prompt ended
         in this call, and its first token, on the device already, is read after this); not those the step in flight
-        surely finishes, which this step left out."""
+        surely finishes, which this step left out. ``decoding`` and ``longest``: as :meth:`_step_one_ahead` got them
+        (the requests decoding now; the prompts ending in this call have not started decoding yet)."""
         if not self.sched_config.mode.drafts:
             return []
         t0 = time.perf_counter()
         reach = self._reach
-        seqs = [s for s in self.scheduler.decoding() if id(s) in reach or id(s) not in reach_before]
+        seqs = [s for s in decoding if id(s) in reach or id(s) not in reach_before]
         if starting:  # their anchor is the first token, one position past the prompt the host knows of
             seqs += [s for s in starting if s.params.max_new_tokens > 1]
             reach_before = {**reach_before, **dict.fromkeys(map(id, starting), 1)}
-        if (self._near_slot_end(seqs, max(reach_before.values(), default=0) + max(reach.values(), default=0))
+            longest = max(longest, _longest_context(starting))
+        ahead = max(reach_before.values(), default=0) + max(reach.values(), default=0)
+        if (self.scheduler.slot_full(longest - 1 + ahead)
                 and any(self.scheduler.slot_full(s.anchor_pos + reach_before.get(id(s), 0) + reach.get(id(s), 0))
                         for s in seqs)):
             return None
@@ -412,20 +429,27 @@ class Engine:
     def _commit(self, out: StageOutput) -> list[StepOutput]:
         """Commit a step read one step late: rows of requests that finished (or were aborted) since its launch are
         dropped."""
-        live = [i for i, s in enumerate(out.seqs) if not s.finished]
+        t0 = time.perf_counter()
+        finished = Status.FINISHED
+        live = [i for i, s in enumerate(out.seqs) if s.status is not finished]
+        if len(live) == len(out.seqs):  # the usual step: nobody finished since the launch
+            outputs = self.scheduler.postprocess(out.seqs, out.tokens, out.logprobs, out.verified, out.top_logprobs)
+        else:
+            def pick(rows: list | None) -> list | None:
+                return None if rows is None else [rows[i] for i in live]
 
-        def pick(rows: list | None) -> list | None:
-            return None if rows is None else [rows[i] for i in live]
-
-        return self.scheduler.postprocess([out.seqs[i] for i in live], pick(out.tokens), pick(out.logprobs),
-                                          pick(out.verified), pick(out.top_logprobs))
+            outputs = self.scheduler.postprocess([out.seqs[i] for i in live], pick(out.tokens), pick(out.logprobs),
+                                                 pick(out.verified), pick(out.top_logprobs))
+        self.stats["host_commit_s"] += time.perf_counter() - t0
+        return outputs
 
     def _reach_of(self, plan: StepPlan) -> dict[int, int]:
         """The most tokens the step of ``plan`` can emit for each of its requests (ℓ + 1), keyed by ``id(seq)``."""
         if plan.budget is not None:  # top-B: each request gets at most min(γ, B) drafts
             return dict.fromkeys(map(id, plan.decoding), min(self.gamma, plan.budget) + 1)
-        lengths = plan.lengths or [0] * len(plan.decoding)
-        return {id(s): n + 1 for s, n in zip(plan.decoding, lengths)}
+        if not plan.lengths or not any(plan.lengths):  # plain decoding: one token each
+            return dict.fromkeys(map(id, plan.decoding), 1)
+        return {id(s): n + 1 for s, n in zip(plan.decoding, plan.lengths)}
 
     def _surely_done(self, seq: Sequence) -> bool:
         """Whether the step in flight surely finishes ``seq`` by length — it emits at least one token: the request's
@@ -444,27 +468,20 @@ class Engine:
         return {id(s) for s in self._in_flight[0].decoding
                 if len(s.output_ids) + 1 >= s.params.max_new_tokens or len(s.prompt_ids) + len(s.output_ids) >= room}
 
-    def _room_ahead(self) -> bool:
-        """Whether every decoding request can be verified before the step in flight is read: after that step its
-        anchor lies up to ℓ + 1 positions further, and the block verified from there must still fit its slot (near
-        the end of a slot, the synchronous engine's rule — finish when the next block would not fit — needs the
-        exact anchor). Requests that step surely finishes are left out anyway."""
+    def _room_ahead(self, seqs: list[Sequence], longest: int) -> bool:
+        """Whether every decoding request (``seqs``, whose longest context is ``longest``) can be verified before the
+        step in flight is read: after that step its anchor lies up to ℓ + 1 positions further, and the block verified
+        from there must still fit its slot (near the end of a slot, the synchronous engine's rule — finish when the
+        next block would not fit — needs the exact anchor). Requests that step surely finishes are left out anyway.
+
+        The longest context bounds every request's anchor, so the exact per-request checks (a third of a millisecond
+        of host time a step at batch 256) run only when that bound says some slot might fill."""
         reach = self._reach
-        seqs = self.scheduler.decoding()
-        if not self._near_slot_end(seqs, max(reach.values(), default=0)):
+        if not seqs or not self.scheduler.slot_full(longest - 1 + max(reach.values(), default=0)):
             return True
         full = self.scheduler.slot_full
         return not any(reach.get(id(s), 0) > 1 and full(s.anchor_pos + reach[id(s)]) and not self._surely_done(s)
                        for s in seqs)
-
-    def _near_slot_end(self, seqs: list[Sequence], ahead: int) -> bool:
-        """Whether some request of ``seqs`` might fill its slot with its anchor ``ahead`` positions further: a bound
-        from the longest request, one pass without per-request calls (the exact checks cost a third of a millisecond
-        of host time a step at batch 256); False means no ``slot_full`` check can be true."""
-        if not seqs:
-            return False
-        longest = max([len(s.prompt_ids) + len(s.output_ids) for s in seqs])  # anchor_pos + 1 of the longest
-        return self.scheduler.slot_full(longest - 1 + ahead)
 
     def _schedule(self, exclude: set[int] | None = None, unrecorded: int = 0) -> StepPlan:
         if not self.scheduler.ready:
@@ -508,7 +525,10 @@ class Engine:
         if self.runner.hybrid is not None:  # each verified n-gram block's outcome joins its request's counts
             for seq, source in zip(out.seqs, self.runner.observe_hybrid(out)):
                 seq.proposal_sources.append(source)
-        return self.scheduler.postprocess(out.seqs, out.tokens, out.logprobs, out.verified, out.top_logprobs)
+        t0 = time.perf_counter()
+        outputs = self.scheduler.postprocess(out.seqs, out.tokens, out.logprobs, out.verified, out.top_logprobs)
+        self.stats["host_commit_s"] += time.perf_counter() - t0
+        return outputs
 
     def _plan_ahead(self) -> None:
         """While the device verifies: the next step's planning (``Scheduler.plan_ahead``), once the last draft's

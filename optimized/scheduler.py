@@ -685,7 +685,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def decoding(self) -> list[Sequence]:
-        return [s for s in self.running if s.status is Status.DECODE]
+        decode = Status.DECODE  # a local: the comprehension runs over every running request
+        return [s for s in self.running if s.status is decode]
 
     # ------------------------------------------------------------------------------------------------ planning
 
@@ -780,28 +781,52 @@ class Scheduler:
     def postprocess(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list[list[float]] | None,
                     verified: list[int] | None = None,
                     top_logprobs: list[list[list[tuple[int, float]]] | None] | None = None) -> list[StepOutput]:
-        """Commit each sequence's emitted tokens (and, for a verify step, its ℓ and accepted count)."""
+        """Commit each sequence's emitted tokens (and, for a verify step, its ℓ and accepted count).
+
+        A request without logprobs or stop strings (the common case) is committed at once, inline, to the same effect
+        as :meth:`_emit_each`'s token-by-token loop: at R = 256 this loop is a large part of a plain step's host time
+        (two calls a request cost about a third more), and a plain step of a small target there waits for its host."""
         outputs = []
+        append = outputs.append
+        decode, eos, stops = Status.DECODE, self.eos, self.tokenizer is not None
+        room = self.max_seq_len - self.gamma - 1  # the anchor after the k-th token must stay below this (slot_full)
         for i, seq in enumerate(seqs):
+            new = tokens[i]
             if verified is None:  # the first token after the prompt: the sequence starts decoding
-                seq.status = Status.DECODE
+                seq.status = decode
             else:
                 seq.verify_lengths.append(verified[i])
-                seq.accepted_lengths.append(len(tokens[i]) - 1)
-            outputs.append(self._emit(seq, tokens[i], logprobs[i] if logprobs is not None else [],
-                                      top_logprobs[i] if top_logprobs is not None else None))
+                seq.accepted_lengths.append(len(new) - 1)
+            lp = logprobs[i] if logprobs is not None else []
+            top = top_logprobs[i] if top_logprobs is not None else None
+            params = seq.params
+            if lp or top or (params.stop and stops):
+                append(self._emit_each(seq, new, lp, top))
+                continue
+            # At once: the first token that finishes the request is the last kept (EOS, then the length limit — the
+            # k-th token for k ≥ limit: len(out) + k ≥ max_new_tokens, or the anchor len(prompt) + len(out) + k - 1
+            # fills the slot — as _emit_each checks them; EOS at the same token wins).
+            out = seq.output_ids
+            cut, reason = len(new), None
+            limit = min(params.max_new_tokens - len(out), room - len(seq.prompt_ids) - len(out))
+            if limit < 1:
+                limit = 1
+            if not params.ignore_eos and eos and not eos.isdisjoint(new):
+                cut, reason = next(j for j, t in enumerate(new) if t in eos) + 1, "stop"
+            if limit < cut or (reason is None and limit == cut):
+                cut, reason = limit, "length"
+            new = new[:cut]
+            out.extend(new)
+            if reason is not None:
+                self.finish(seq, reason)
+            append(StepOutput(seq.request_id, new, seq.status is Status.FINISHED, seq.finish_reason, [], []))
         return outputs
-
-    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[float],
-              top: list[list[tuple[int, float]]] | None = None) -> StepOutput:
-        """Append emitted tokens; stop at EOS (later tokens dropped), the length limit or a stop string."""
-        if not logprobs and not top and not (seq.params.stop and self.tokenizer is not None):
-            return self._emit_plain(seq, tokens)
-        return self._emit_each(seq, tokens, logprobs, top)
 
     def _emit_each(self, seq: Sequence, tokens: list[int], logprobs: list[float],
                    top: list[list[tuple[int, float]]] | None = None) -> StepOutput:
-        """:meth:`_emit` token by token (logprobs to keep, stop strings to look for)."""
+        """Append one request's emitted tokens one by one (logprobs to keep, stop strings to look for), stopping at the
+        first that finishes it: EOS (later tokens dropped), then the length limit, then the end of the slot, then a stop
+        string. :meth:`postprocess` commits a request without logprobs or stop strings at once, to the same effect."""
         new, new_lp, new_top = [], [], []
         for i, tok in enumerate(tokens):
             seq.output_ids.append(tok)
@@ -825,26 +850,6 @@ class Scheduler:
                 self.finish(seq, reason)
                 break
         return StepOutput(seq.request_id, new, seq.finished, seq.finish_reason, new_lp, new_top)
-
-    def _emit_plain(self, seq: Sequence, tokens: list[int]) -> StepOutput:
-        """:meth:`_emit` for a request without logprobs or stop strings, the tokens appended at once (a per-token loop
-        over 256 requests cost a large share of a step's host time): the first token that finishes the request — EOS,
-        then the length limit, then the end of the slot, in :meth:`_emit`'s order of checks — is the last kept."""
-        out, n = seq.output_ids, len(tokens)
-        # The length limit is reached with the k-th token for k ≥ limit: len(out) + k ≥ max_new_tokens, or the anchor
-        # len(prompt) + len(out) + k - 1 fills the slot; EOS at the same token wins (it is checked first).
-        limit = max(1, min(seq.params.max_new_tokens - len(out),
-                           self.max_seq_len - self.gamma - 1 - len(seq.prompt_ids) - len(out)))
-        cut, reason = n, None  # tokens kept, and why the request finished
-        if not seq.params.ignore_eos and self.eos and not self.eos.isdisjoint(tokens):
-            cut, reason = next(i for i, t in enumerate(tokens) if t in self.eos) + 1, "stop"
-        if limit < cut or (reason is None and limit == cut):
-            cut, reason = limit, "length"
-        new = tokens[:cut]
-        out.extend(new)
-        if reason is not None:
-            self.finish(seq, reason)
-        return StepOutput(seq.request_id, new, seq.finished, seq.finish_reason, [], [])
 
     def slot_full(self, anchor_pos: int) -> bool:
         """Whether a request whose anchor sits at ``anchor_pos`` is finished by its slot: the next block (the anchor and

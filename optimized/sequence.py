@@ -89,9 +89,9 @@ class Sequence:
         return self.status is Status.FINISHED
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
-    """What one step produced for one request (for streaming)."""
+    """What one step produced for one request (for streaming). Slotted: the engine makes one per request a step."""
 
     request_id: int
     new_token_ids: list[int]

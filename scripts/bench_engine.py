@@ -227,6 +227,9 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int | l
         "engine_steps": stats["steps"], "step_ms": 1e3 * stats["step_s"] / max(stats["steps"], 1),
         "host_schedule_ms": 1e3 * stats["host_schedule_s"] / max(stats["steps"], 1),
         "host_schedule_fraction": stats["host_schedule_s"] / stats["step_s"] if stats["step_s"] else 0.0,
+        # the host's commit of the read tokens (stop checks, outputs): with planning, what a step one ahead of its
+        # reads waits for once the host is slower than the device
+        "host_commit_ms": 1e3 * stats["host_commit_s"] / max(stats["steps"], 1),
         # planning done while the device verified (EngineConfig.plan_ahead, on CUDA): off the critical path
         "host_ahead_ms": 1e3 * stats["host_ahead_s"] / max(stats["steps"], 1),
         # steps that ran the drafter (the adaptive draft gate skips some); 0 for no speculation

@@ -23,9 +23,14 @@ random models of ``reference.testing`` on the CPU, at R = 1, 4, 16, 64, 256 deco
   is wrong).
 
 The cost table is synthetic (``CostTable.affine``, every size 1..``--max-tokens``) with a drafter cheap enough that the
-gate stays open, so every timed step plans a budget and evaluates the gate: the adaptive step's full host work.
-Times on a loaded machine are noisy: compare numbers from one run, or runs on the same idle machine. JSON goes to
-``docs/benchmarks/host-<tag>.json`` (``--out`` elsewhere) with one PNG next to it when matplotlib is installed.
+gate stays open, so every timed step plans a budget and evaluates the gate: the adaptive step's full host work
+(``--draft-ms 50`` prices the drafter out: the gate stays closed, the adaptive engine's plain steps). Every row also
+has ``commit_us``, the host's commit of the read tokens per step (``stats["host_commit_s"]``), and with
+``--plain-baseline`` the same numbers of plain decoding (no drafter) at that R, measured in the same run; with
+``--async-decode`` both run one step ahead of their reads, as on CUDA (the reference twins replay the synchronous
+engine, so they are skipped then). Times on a loaded machine are noisy: compare numbers from one run, or runs on the
+same idle machine. JSON goes to ``docs/benchmarks/host-<tag>.json`` (``--out`` elsewhere) with one PNG next to it
+when matplotlib is installed.
 
     python -m scripts.bench_host --out /tmp/host-cpu.json
 """
@@ -124,11 +129,11 @@ def measure(target: Target, drafter, r: int, args: argparse.Namespace) -> dict[s
                             sizes=list(range(1, args.max_tokens + 1)))
     max_seq_len = PROMPT_LEN + (args.warmup + args.steps + 2) * (args.gamma + 1) + args.gamma + 2
     engine = Engine(target, drafter, EngineConfig(max_num_seqs=r, max_seq_len=max_seq_len, kernel_backend="torch",
-                                                  seed=0, plan_ahead=args.plan_ahead),
+                                                  seed=0, plan_ahead=args.plan_ahead, async_decode=args.async_decode),
                     SchedulerConfig(mode="adaptive"), cost)
     params = SamplingParams(max_new_tokens=max_seq_len, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(r)
-    host_us, ahead_us, step_us, ref_us, drafted, agree, steps = [], [], [], [], 0, 0, 0
+    host_us, ahead_us, step_us, commit_us, ref_us, drafted, agree, steps = [], [], [], [], [], 0, 0, 0
     for _ in range(args.repeats):
         rids = [engine.add_request(torch.randint(2, target.vocab_size, (PROMPT_LEN,), generator=gen).tolist(), params)
                 for _ in range(r)]
@@ -146,7 +151,14 @@ def measure(target: Target, drafter, r: int, args: argparse.Namespace) -> dict[s
         host_us.append(1e6 * stats["host_schedule_s"] / stats["steps"])
         ahead_us.append(1e6 * stats["host_ahead_s"] / stats["steps"])
         step_us.append(1e6 * stats["step_s"] / stats["steps"])
+        commit_us.append(1e6 * stats["host_commit_s"] / stats["steps"])
         drafted += stats["draft_steps"]
+        if args.async_decode:  # the twins replay the synchronous engine's inputs: nothing to compare one step ahead
+            steps += args.steps
+            for rid in rids:
+                engine.abort(rid)
+                engine.release(rid)
+            continue
         twin, ref_s = ReferenceTwin(engine, cost), 0.0
         for i, (plans, before, after, st) in enumerate(history):
             budget, budget_s = twin.budget(before) if plans else (None, 0.0)
@@ -159,16 +171,47 @@ def measure(target: Target, drafter, r: int, args: argparse.Namespace) -> dict[s
         for rid in rids:
             engine.abort(rid)
             engine.release(rid)
-    if agree != steps:
+    if ref_us and agree != steps:
         log.warning("R=%d: the engine's decisions differ from the reference's at %d of %d steps", r, steps - agree,
                      steps)
-    host, ref = statistics.median(host_us), statistics.median(ref_us)
+    host = statistics.median(host_us)
+    ref = statistics.median(ref_us) if ref_us else None
     return {"R": r, "host_us": round(host, 1), "host_us_min": round(min(host_us), 1),
             "host_us_max": round(max(host_us), 1), "ahead_us": round(statistics.median(ahead_us), 1),
-            "reference_us": round(ref, 1),
-            "speedup_vs_reference": round(ref / host, 2), "step_us": round(statistics.median(step_us), 1),
+            "reference_us": None if ref is None else round(ref, 1),
+            "speedup_vs_reference": None if ref is None else round(ref / host, 2),
+            "step_us": round(statistics.median(step_us), 1),
             "host_share_pct": round(100 * host / statistics.median(step_us), 2),
-            "drafted_steps": drafted, "steps": steps, "agree": agree, "runs_host_us": [round(x, 1) for x in host_us]}
+            "commit_us": round(statistics.median(commit_us), 1),
+            "drafted_steps": drafted, "steps": steps, "agree": agree if ref_us else None,
+            "runs_host_us": [round(x, 1) for x in host_us]}
+
+
+def measure_plain(target: Target, r: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The same-run baseline at ``max_num_seqs = r``: plain decoding (no drafter), as many runs and steps; its host
+    planning (``host_us``) and commit (``commit_us``) per step."""
+    max_seq_len = PROMPT_LEN + (args.warmup + args.steps + 2) * (args.gamma + 1) + args.gamma + 2
+    engine = Engine(target, None, EngineConfig(max_num_seqs=r, max_seq_len=max_seq_len, kernel_backend="torch",
+                                               seed=0, async_decode=args.async_decode), SchedulerConfig(mode="none"))
+    params = SamplingParams(max_new_tokens=max_seq_len, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(r)
+    host_us, commit_us, step_us = [], [], []
+    for _ in range(args.repeats):
+        rids = [engine.add_request(torch.randint(2, target.vocab_size, (PROMPT_LEN,), generator=gen).tolist(), params)
+                for _ in range(r)]
+        for i in range(args.warmup + args.steps):
+            if i == args.warmup:
+                engine.reset_stats()
+            engine.step()
+        stats = engine.stats
+        host_us.append(1e6 * stats["host_schedule_s"] / stats["steps"])
+        commit_us.append(1e6 * stats["host_commit_s"] / stats["steps"])
+        step_us.append(1e6 * stats["step_s"] / stats["steps"])
+        for rid in rids:
+            engine.abort(rid)
+            engine.release(rid)
+    return {"host_us": round(statistics.median(host_us), 1), "commit_us": round(statistics.median(commit_us), 1),
+            "step_us": round(statistics.median(step_us), 1)}
 
 
 def run(args: argparse.Namespace, out: Path, command: str) -> dict[str, Any]:
@@ -181,7 +224,8 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict[str, Any]:
         "software": {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__},
         "settings": {"gamma": args.gamma, "repeats": args.repeats, "warmup": args.warmup, "steps": args.steps,
                      "model": "reference.testing tiny llama (2 layers)", "mode": "adaptive (gate on)",
-                     "plan_ahead": args.plan_ahead,
+                     "plan_ahead": args.plan_ahead, "async_decode": args.async_decode,
+                     "plain_baseline": args.plain_baseline,
                      "cost": {"fixed_ms": args.fixed_ms, "per_token_ms": args.per_token_ms,
                               "draft_fixed_ms": args.draft_ms, "sizes": f"1..{args.max_tokens}"}},
         "results": [],
@@ -189,10 +233,16 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     for r in args.batches:
         row = measure(target, drafter, r, args)
+        if args.plain_baseline:
+            row["plain"] = measure_plain(target, r, args)
         report["results"].append(row)
-        log.info("R=%4d  host %7.1f µs/step (%5.1f .. %5.1f)  ahead %7.1f µs  reference %7.1f µs  ×%.1f  "
-                 "agree %d/%d", r, row["host_us"], row["host_us_min"], row["host_us_max"], row["ahead_us"],
-                 row["reference_us"], row["speedup_vs_reference"], row["agree"], row["steps"])
+        twin = ("" if row["reference_us"] is None else
+                f"  reference {row['reference_us']:7.1f} µs  ×{row['speedup_vs_reference']:.1f}  agree "
+                f"{row['agree']}/{row['steps']}")
+        plain = "" if "plain" not in row else (f"  | plain: host {row['plain']['host_us']:.1f}, commit "
+                                               f"{row['plain']['commit_us']:.1f} µs")
+        log.info("R=%4d  host %7.1f µs/step (%5.1f .. %5.1f)  ahead %7.1f µs  commit %7.1f µs%s%s", r, row["host_us"],
+                 row["host_us_min"], row["host_us_max"], row["ahead_us"], row["commit_us"], twin, plain)
         out.write_text(json.dumps(report, indent=2) + "\n")
     save_plot(plot, report, out.with_suffix(".png"), log)
     log.info("wrote %s", out)
@@ -200,7 +250,8 @@ def run(args: argparse.Namespace, out: Path, command: str) -> dict[str, Any]:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """Host µs per adaptive step against R: the engine (median, min..max band) and the reference twins."""
+    """Host µs per adaptive step against R: the engine's planning (median, min..max band) and commit, the reference
+    twins, and plain decoding's when measured."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,10 +260,17 @@ def plot(report: dict[str, Any], path: Path) -> None:
     rows = report["results"]
     rs = [row["R"] for row in rows]
     fig, ax = plt.subplots(figsize=(6, 4.2))
-    ax.plot(rs, [row["host_us"] for row in rows], marker="o", label="engine (schedule + gate)")
+    ax.plot(rs, [row["host_us"] for row in rows], marker="o", label="engine: schedule + gate")
     ax.fill_between(rs, [row["host_us_min"] for row in rows], [row["host_us_max"] for row in rows], alpha=0.2)
-    ax.plot(rs, [row["reference_us"] for row in rows], marker="s", linestyle="--",
-            label="reference twins (stale_budget + should_draft)")
+    if all(row["reference_us"] is not None for row in rows):
+        ax.plot(rs, [row["reference_us"] for row in rows], marker="s", linestyle="--",
+                label="reference twins (stale_budget + should_draft)")
+    ax.plot(rs, [row["commit_us"] for row in rows], marker="^", label="engine: commit of the read tokens")
+    if all("plain" in row for row in rows):
+        ax.plot(rs, [row["plain"]["host_us"] for row in rows], marker="o", linestyle=":", color="gray",
+                label="plain decoding (schedule)")
+        ax.plot(rs, [row["plain"]["commit_us"] for row in rows], marker="^", linestyle=":", color="gray",
+                label="plain decoding (commit)")
     ax.set(xscale="log", yscale="log", xlabel="decoding requests R", ylabel="µs per adaptive step",
            title=f"Host planning on {report['hardware']}")
     ax.set_xticks(rs, [str(r) for r in rs])
@@ -241,6 +299,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="EngineConfig.plan_ahead: plan while the device verifies (the engine's default on CUDA); "
                         "host_us then counts the critical path only and ahead_us what moved off it (on the CPU the "
                         "forward has run by then, so it is moved, not hidden)")
+    p.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=False,
+                   help="EngineConfig.async_decode: each step launched before the previous one's tokens are read (the "
+                        "engine's default on CUDA), the loop whose host work a GPU step waits for at large R")
+    p.add_argument("--plain-baseline", action="store_true",
+                   help="also run plain decoding (no drafter) at each R: its host planning and commit per step "
+                        "(rows' 'plain'), the baseline an adaptive step's host work is compared with")
     p.add_argument("--tag", default="cpu", help="output name host-<tag>.json")
     p.add_argument("--out", default=None,
                    help="the JSON path (default: docs/benchmarks/host-<tag>.json, with a PNG beside it)")

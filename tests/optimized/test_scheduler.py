@@ -132,7 +132,7 @@ def test_emitting_tokens_at_once_finishes_as_token_by_token():
             seq = Sequence(request_id=0, prompt_ids=prompt, params=SamplingParams(**params), slot=0,
                            status=Status.DECODE, output_ids=list(out0))
             s.running, s.free_slots = [seq], []
-            emit = s._emit_plain(seq, tokens) if path == "plain" else s._emit_each(seq, tokens, [])
+            emit = s.postprocess([seq], [tokens], None)[0] if path == "plain" else s._emit_each(seq, tokens, [])
             results.append((emit, seq.output_ids, seq.finish_reason, seq.status, s.free_slots))
         assert results[0] == results[1], (prompt, params, out0, tokens)
         cases += results[0][2] is not None

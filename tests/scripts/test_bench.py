@@ -376,6 +376,16 @@ def test_bench_host_times_the_planning_and_agrees_with_the_reference(tmp_path):
     ahead = bench_host.main(["--batches", "3", "--gamma", "3", "--repeats", "1", "--warmup", "3", "--steps", "3",
                              "--plan-ahead", "--out", str(tmp_path / "host-ahead.json")])["results"][0]
     assert ahead["agree"] == ahead["steps"] == 3 and ahead["ahead_us"] > 0  # the same decisions, planned ahead
+    # A drafter priced out keeps the gate closed (the adaptive engine's plain steps), one step ahead of the reads,
+    # beside plain decoding measured in the same run; both commit their tokens on the host every step.
+    closed = bench_host.main(["--batches", "3", "--gamma", "3", "--repeats", "1", "--warmup", "3", "--steps", "3",
+                              "--draft-ms", "50", "--async-decode", "--plain-baseline",
+                              "--out", str(tmp_path / "host-closed.json")])
+    row = closed["results"][0]
+    assert closed["settings"]["async_decode"] and row["steps"] == 3
+    assert row["agree"] is None and row["reference_us"] is None  # the twins replay the synchronous engine only
+    assert row["drafted_steps"] < row["steps"] and row["commit_us"] > 0
+    assert row["plain"]["commit_us"] > 0 and row["plain"]["step_us"] > row["plain"]["host_us"] > 0
 
 
 def test_bench_kernels_all_ops_on_cpu(tmp_path):
