@@ -233,3 +233,23 @@ def test_a_finish_time_verdict_stands_while_the_batch_keeps_most_of_its_requests
     for r in (6, 6, 5, 5, 4):
         sched.drafters(seqs[:r])
     assert calls == [6, 5, 4]
+
+
+def test_the_gates_forced_draft_is_the_references():
+    """``DraftGate.forced`` (NumPy, run every step the gate is closed) is ``reference.scheduler.draft_forced``: no
+    survivals at all, only NaN rows, enough plain steps for a probe, the gate off, a mode without a gate."""
+    from reference.scheduler import draft_forced
+
+    rng = np.random.default_rng(0)
+    for mode, gate_on in (("adaptive", True), ("adaptive", False), ("fixed", True)):
+        kw = {"k": GAMMA} if mode == "fixed" else {}
+        gate = _scheduler(mode, draft_gate=gate_on, **kw).gate
+        for _ in range(200):
+            rows = int(rng.integers(1, 5))
+            recent = np.cumprod(rng.random((rows, GAMMA)), axis=1).astype(np.float32)
+            recent[rng.random(rows) < 0.5] = np.nan
+            recent = None if rng.random() < 0.1 else recent
+            gate.steps_without_draft = int(rng.integers(0, 2 * gate.config.probe_every))
+            want = draft_forced(gate.config, None if recent is None else torch.from_numpy(recent),
+                                gate.steps_without_draft)
+            assert gate.forced(recent) == want, (mode, gate_on, recent, gate.steps_without_draft)
