@@ -31,11 +31,11 @@ measured on the model runner of the engine that will serve (``engine.runner``):
   stage ``PIPELINE_DEPTH`` times back to back, reads only the last one's tokens, and takes the difference with one
   stage launched alone, per extra stage: the larger of the host's launches and the device's work, not their sum, and
   without the pipeline's fill and drain, which a serving engine pays once and not every few steps. (Divided instead,
-  the fill and drain of four stages added about 0.25 ms to each: on an H100 the table priced a plain step of 64
-  requests at 1.48 ms while plain decoding one step ahead ran them at 1.20 ms, and speculative steps ran at 0.92-0.95
-  of their prices, so the draft gate saw plain decoding dearer than it was.) A synchronous engine's sample is one
-  stage, launch to read. While serving, ``optimized/cost_monitor.py`` compares the table with measured steps and
-  rescales its prices if they drift.
+  the four stages' fill and drain went into each: on an H100 the drafter stage was priced at 0.396 ms for one request
+  and 1.214 ms for 64, against 0.331 and 1.109 ms marginally, and runs of speculative steps cost 0.91-0.96 of their
+  prices against 0.96-1.04 after: docs/benchmarks/gate-trace-all-h100.json and gate-trace-steady-h100.json.) A
+  synchronous engine's sample is one stage, launch to read. While serving, ``optimized/cost_monitor.py`` compares
+  the table with measured steps and rescales its prices if they drift.
 * **Median of repeats**, with a CUDA synchronisation around each timed call on CUDA (a verify sample ends
   with a host read anyway; the drafter's does not).
 * **Every bucket on the GPU with graphs**; eagerly (CPU, ``--enforce-eager``) the step time is dominated by
