@@ -72,7 +72,7 @@ import torch
 from optimized.config import EngineConfig
 from optimized.runner import ModelRunner
 from reference.config import cache_folder
-from reference.cost_model import CostTable, hardware_name, measure_cost_table
+from reference.cost_model import CostTable, hardware_name, marginal_ms, measure_cost_table
 
 log = logging.getLogger("dspark.cost_model")
 
@@ -367,9 +367,7 @@ def time_verify(runner: ModelRunner, n: int, context_len: int, depth: int, margi
 
     if not marginal or depth < 2:
         return once(depth) / depth
-    one, many = once(1), once(depth)
-    extra = (many - one) / (depth - 1)
-    return extra if extra > 0 else many / depth
+    return marginal_ms(once(1), once(depth), depth)
 
 
 # ---------------------------------------------------------------------------------------------------------

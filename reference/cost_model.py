@@ -365,9 +365,7 @@ def measure_cost_table(verify_fn: Callable[[int], Callable[[], None] | None],
         samples = []
         for _ in range(repeats):
             if marginal:
-                one, many = timed_ms(fn, size, 1), timed_ms(fn, size, steps_per_call)
-                extra = (many - one) / (steps_per_call - 1)
-                samples.append(extra if extra > 0 else many / steps_per_call)
+                samples.append(marginal_ms(timed_ms(fn, size, 1), timed_ms(fn, size, steps_per_call), steps_per_call))
             else:
                 samples.append(timed_ms(fn, size, None) / steps_per_call)
         return statistics.median(samples)
@@ -385,6 +383,14 @@ def measure_cost_table(verify_fn: Callable[[int], Callable[[], None] | None],
         curve[size] = median_ms(fn, size)
     meta = {"repeats": repeats, "warmup": warmup, "steps_per_call": steps_per_call, "marginal": marginal}
     return CostTable(verify, draft, graph_max_tokens, hardware, meta, by_requests).monotone()
+
+
+def marginal_ms(one_ms: float, many_ms: float, steps: int) -> float:
+    """What one more step adds: a call of ``steps`` steps back to back took ``many_ms``, the same call of one step
+    ``one_ms``; their difference per extra step leaves out what every call pays once (the first launch, the last
+    read). A difference the noise makes non-positive falls back to the long call divided by its steps."""
+    extra = (many_ms - one_ms) / (steps - 1)
+    return extra if extra > 0 else many_ms / steps
 
 
 def hardware_name(device: torch.device | str) -> str:
