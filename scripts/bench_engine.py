@@ -60,6 +60,7 @@ Example (H200)::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import platform
@@ -199,17 +200,24 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int | l
     in_flight = len(prompts) if concurrency is None else min(concurrency, len(prompts))
     engine.reset_stats()
     sync(engine.device)
+    pauses = PauseWatch()
+    longest, longest_at = 0.0, -1
     t0 = time.perf_counter()
     for i in range(in_flight):
         engine.add_request(prompts[i], params[i], request_id=i)
     admitted = in_flight
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished and admitted < len(prompts):  # a slot freed: the next request takes it
-                engine.add_request(prompts[admitted], params[admitted], request_id=admitted)
-                admitted += 1
-        if forecast is not None:
-            add_forecast(forecast, engine.last_step_stats())
+    with pauses:
+        while engine.has_unfinished():
+            t_step = time.perf_counter()
+            for out in engine.step():
+                if out.finished and admitted < len(prompts):  # a slot freed: the next request takes it
+                    engine.add_request(prompts[admitted], params[admitted], request_id=admitted)
+                    admitted += 1
+            if forecast is not None:
+                add_forecast(forecast, engine.last_step_stats())
+            took = time.perf_counter() - t_step
+            if took > longest:
+                longest, longest_at = took, engine.stats["steps"]
     sync(engine.device)
     wall = time.perf_counter() - t0
     seqs = [engine.sequence(i) for i in range(len(prompts))]
@@ -239,7 +247,60 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int | l
         # steps that ran prompt chunks, and the mean time of their prefill stage (with its first-token read)
         "prefill_step_fraction": stats["prefill_steps"] / max(stats["steps"], 1),
         "prefill_ms": 1e3 * stats["prefill_s"] / max(stats["prefill_steps"], 1),
+        # what a slow run's time went to: its longest engine.step() call (wall, and the step count after it), the
+        # Python garbage collector's pauses and the Triton kernels compiled during the run (PauseWatch)
+        "longest_step_ms": 1e3 * longest, "longest_step_at": longest_at, **pauses.summary(),
     }
+
+
+class PauseWatch:
+    """Counts, while entered, what can stall a step loop from outside the engine's own work: the garbage collector's
+    collections (``gc.callbacks``: their number per generation and their total time) and Triton compiling a kernel
+    for a specialization it has not met yet (``triton.knobs.runtime.jit_cache_hook``, called on a cache miss; where
+    this Triton has no such hook, ``jit_compiles`` is None). Used by :func:`run_engine`: a timed run far slower than
+    its repeats shows whether one of these was the cause."""
+
+    def __init__(self) -> None:
+        self.gc_s = 0.0
+        self.collections = [0, 0, 0]
+        self.compiles: int | None = None
+        self._gc_t0 = 0.0
+        self._knobs = None
+        self._previous_hook = None
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_t0
+            self.collections[info["generation"]] += 1
+
+    def _on_compile(self, *args, **kwargs):
+        self.compiles += 1
+        if self._previous_hook is not None:
+            return self._previous_hook(*args, **kwargs)
+        return None  # a true value would tell Triton to skip the compile
+
+    def __enter__(self) -> PauseWatch:
+        gc.callbacks.append(self._on_gc)
+        try:
+            from triton import knobs
+            self._knobs = knobs.runtime if hasattr(knobs.runtime, "jit_cache_hook") else None
+        except ImportError:  # no Triton (or one without knobs): compiles not counted
+            self._knobs = None
+        if self._knobs is not None:
+            self.compiles = 0
+            self._previous_hook = self._knobs.jit_cache_hook
+            self._knobs.jit_cache_hook = self._on_compile
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on_gc)
+        if self._knobs is not None:
+            self._knobs.jit_cache_hook = self._previous_hook
+
+    def summary(self) -> dict[str, Any]:
+        return {"gc_ms": 1e3 * self.gc_s, "gc_collections": list(self.collections), "jit_compiles": self.compiles}
 
 
 def add_forecast(forecast: dict[int, list[float]], stats) -> None:
@@ -534,12 +595,19 @@ def _measure(run, warmup: int, repeats: int) -> dict[str, Any]:
     for _ in range(warmup):
         run()
     runs = [run() for _ in range(repeats)]
+    # each timed run's stall evidence, in the order they ran (the statistics below are the median run's)
+    pauses = [{"tokens_per_s": round(r["tokens_per_s"], 2), **{k: r[k] for k in PAUSE_KEYS if k in r}} for r in runs]
     runs.sort(key=lambda r: r["tokens_per_s"])
     mid = runs[len(runs) // 2]
     row = {key: v for key, v in mid.items() if key != "tokens_per_s"}
     row["output_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in runs)
     row["runs_tokens_per_s"] = [round(r["tokens_per_s"], 2) for r in runs]
+    if any(len(p) > 1 for p in pauses):
+        row["runs_pauses"] = pauses
     return row
+
+
+PAUSE_KEYS = ("longest_step_ms", "longest_step_at", "gc_ms", "gc_collections", "jit_compiles")
 
 
 def _measure_hf(target: Target, batch: list[list[int]], cfg: BenchConfig, device: torch.device) -> dict[str, Any]:

@@ -535,3 +535,22 @@ def test_bench_linear_invariant_sweep_checks_bits_and_proposes_a_table(tmp_path)
         assert all(next(r for r in op["ranked"] if r["config"] == t["config"])["identical"] for t in op["table"])
     check_invariant_tiles(report["proposed_invariant_tiles"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+
+
+def test_pause_watch_counts_collections_and_triton_compiles():
+    """bench_engine's stall evidence: a collection run while watching is counted with its time, and Triton's
+    cache-miss hook (what a compiled Triton calls before compiling a kernel for a new specialization; the interpreter
+    used here compiles nothing) counts a compile and lets it go ahead; both hooks are gone after the watch."""
+    import gc
+
+    from triton import knobs
+
+    before = len(gc.callbacks)
+    with bench_engine.PauseWatch() as watch:
+        gc.collect(1)
+        hook = knobs.runtime.jit_cache_hook
+        assert not hook(key="k", repr="kernel", fn=None, compile=None, is_manual_warmup=False, already_compiled=False)
+    summary = watch.summary()
+    assert summary["gc_collections"][1] >= 1 and summary["gc_ms"] > 0
+    assert summary["jit_compiles"] == 1
+    assert len(gc.callbacks) == before and knobs.runtime.jit_cache_hook is not hook
