@@ -338,6 +338,7 @@ class Engine:
             # The survivals of the drafts that step verified: recorded at the previous call.
             self._verified = out
             self._survivals = [s.survivals[-1] if done_plan.mode.drafts and s.survivals else None for s in out.seqs]
+            self._record_outcomes(out)
             outputs += self._commit(out)
         if prefilled is not None:
             outputs += self._collect_prefill(prefilled)
@@ -522,6 +523,7 @@ class Engine:
         self._monitor_launch(plan)
         out: StageOutput = self.runner.verify(plan, self._plan_ahead if self._ahead_on else None)
         self._verified = out
+        self._record_outcomes(out)
         if self.runner.hybrid is not None:  # each verified n-gram block's outcome joins its request's counts
             for seq, source in zip(out.seqs, self.runner.observe_hybrid(out)):
                 seq.proposal_sources.append(source)
@@ -592,6 +594,13 @@ class Engine:
         if self._monitor is not None:
             self._monitor.drafted(len(seqs))
         return self.runner.draft(seqs, blocking=blocking)
+
+    def _record_outcomes(self, out: StageOutput) -> None:
+        """A read verify step's drafts against their forecast, for the finish-time estimate's per-request factors
+        (``DraftGate.record_outcomes``; nothing unless the finish-time gate keeps statistics)."""
+        gate = self.scheduler.gate
+        if gate.track and out.verified is not None:
+            gate.record_outcomes(out.seqs, self._survivals, out.verified, [len(t) - 1 for t in out.tokens])
 
     def _monitor_launch(self, plan: StepPlan) -> None:
         """Stamp the launch of this step's verify for the cost monitor (``EngineConfig.cost_feedback``)."""

@@ -40,12 +40,15 @@ from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import CostTable
 from reference.scheduler import (
     MONOTONE_TOL,
+    OUTCOME_COLUMNS,
     FinishEstimate,
+    calibrate_rows,
     fill_stale_rows,
     finish_estimate,
     finish_pays,
     finish_survivals,
     gate_margin,
+    outcome_factors,
 )
 from reference.scheduler import Scheduler as Policy
 
@@ -397,6 +400,10 @@ class DraftGate:
         # [R, 2γ + 1] a step: ~18 µs at R = 256 on the project's CPU).
         self.track = False
         self._moments = np.zeros((max_num_seqs, 2 * gamma + 1))
+        # ... and, per slot, its verified drafts' outcomes against their forecast (reference.scheduler.outcome_row
+        # summed: steps, Σe, Σx, Σe², Σx², Σe·x), for the estimate's per-request factors (outcome_factors)
+        self._outcomes = np.zeros((max_num_seqs, OUTCOME_COLUMNS))
+        self._slot_k = np.arange(1, gamma + 1)  # [γ] k = 1..γ
         # When a list: every fresh verdict appends (R, best Θ, Θ_plain, margin, verdict) — a diagnostic for
         # benchmarks (scripts/bench_engine.py --gate-trace), computed only then.
         self.trace: list[tuple[int, float, float, float, bool]] | None = None
@@ -506,11 +513,40 @@ class DraftGate:
         self._finish = (r, verdict, self.FINISH_REUSE - 1)
         return verdict
 
-    def finish_survivals(self, seqs: list[Sequence], recent: np.ndarray) -> np.ndarray:
+    def _claim(self, slot: int, seq: Sequence) -> None:
+        """``slot`` changed hands: what was kept of its previous request is forgotten."""
+        self._owner[slot], self._count[slot] = seq, 0
+        self._recent[slot] = np.nan
+        self._moments[slot] = 0.0
+        self._outcomes[slot] = 0.0
+
+    def record_outcomes(self, seqs: list[Sequence], survivals: list, verified: list[int] | None,
+                        accepted: list[int]) -> None:
+        """One read step's verified drafts into their requests' outcome sums (only while ``track``): each request's
+        forecast survivals of the draft it verified (None: it verified none), its verify length ℓ and the drafts
+        accepted. The rows of ``reference.scheduler.outcome_row``, summed in one indexed add."""
+        if not self.track or not verified:
+            return
+        idx = [i for i, n in enumerate(verified) if n and survivals[i] is not None]
+        if not idx:
+            return
+        owner = self._owner
+        for i in idx:
+            if owner[seqs[i].slot] is not seqs[i]:
+                self._claim(seqs[i].slot, seqs[i])
+        rows = np.array([seqs[i].slot for i in idx], dtype=np.intp)  # [n] distinct slots
+        a = np.asarray([survivals[i] for i in idx], dtype=np.float64)  # [n, γ]
+        lengths = np.asarray([verified[i] for i in idx])[:, None]  # [n, 1]
+        e = np.where(self._slot_k <= lengths, a, 0.0).sum(axis=1)  # [n] expected accepted
+        x = np.asarray([accepted[i] for i in idx], dtype=np.float64)  # [n]
+        self._outcomes[rows] += np.stack([np.ones_like(e), e, x, e * e, x * x, e * x], axis=1)
+
+    def finish_survivals(self, seqs: list[Sequence], recent: np.ndarray, outcomes: bool = True) -> np.ndarray:
         """The survivals the finish-time estimate reads for ``seqs``, whose moving averages :meth:`recent_survivals`
         has just returned as ``recent``: each request's mean over all its drafts since ``track`` was set, pooled
-        towards the batch's by ``reference.scheduler.finish_survivals``; ``recent`` itself while a request has none
-        tracked. ``[R, γ]`` float32."""
+        towards the batch's by ``reference.scheduler.finish_survivals``, times its factor between the drafts it had
+        accepted and those forecast (``reference.scheduler.outcome_factors``; ``outcomes=False`` leaves it out, for
+        comparisons); ``recent`` itself while a request has none tracked. ``[R, γ]`` float32."""
         g = self.gamma
         moments = self._moments[np.array([s.slot for s in seqs], dtype=np.intp)]  # [R, 2γ + 1]
         n = moments[:, 2 * g]  # [R] drafts summed
@@ -519,6 +555,10 @@ class DraftGate:
         mean = moments[:, :g] / n[:, None]  # [R, γ]
         var = (moments[:, g:2 * g] - n[:, None] * mean * mean) / np.maximum(n - 1.0, 1.0)[:, None]  # [R, γ] ddof 1
         rows = finish_survivals(torch.from_numpy(mean), torch.from_numpy(np.maximum(var, 0.0)), torch.from_numpy(n))
+        sums = self._outcomes[np.array([s.slot for s in seqs], dtype=np.intp)]  # [R, 6]
+        if outcomes and sums[:, 0].sum() > 0:  # each request's forecasts against what it had accepted
+            factors = outcome_factors(torch.from_numpy(sums), relative=self.planner.survival_scale is not None)
+            rows = calibrate_rows(rows, factors)
         return rows.numpy()
 
     def recent_survivals(self, seqs: list[Sequence]) -> np.ndarray | None:
@@ -535,9 +575,7 @@ class DraftGate:
         for s in seqs:
             slot = s.slot
             if owner[slot] is not s:
-                owner[slot], count[slot] = s, 0
-                recent[slot] = np.nan
-                self._moments[slot] = 0.0
+                self._claim(slot, s)
             slots.append(slot)
             if count[slot] < len(s.survivals):
                 todo.append(s)

@@ -311,6 +311,71 @@ def finish_survivals(mean: Tensor, var: Tensor, count: Tensor) -> Tensor:
     return torch.cummin(rows, dim=1).values.to(torch.float32)  # survivals never grow along the block
 
 
+OUTCOME_COLUMNS = 6  # per request, over its verified drafting steps: steps, Σe, Σx, Σe², Σx², Σe·x (outcome_factors)
+
+
+def outcome_row(survivals: Tensor, verified: int, accepted: int) -> Tensor:
+    """One verified draft's contribution to its request's :func:`outcome_factors` sums: the drafts expected to be
+    accepted ``e = Σ_{k ≤ ℓ} a_k`` (its survivals over the ``verified`` slots) and those accepted ``x``:
+    ``[1, e, x, e², x², e·x]`` float64."""
+    e = float(survivals[:verified].to(torch.float64).sum())
+    x = float(accepted)
+    return torch.tensor([1.0, e, x, e * e, x * x, e * x], dtype=torch.float64)
+
+
+def outcome_factors(sums: Tensor, relative: bool = False) -> Tensor:
+    """Each request's factor between the drafts it had accepted and those its survivals forecast, pooled towards the
+    batch's factor by as much as their noise explains the spread between requests (James–Stein, as
+    :func:`finish_survivals` pools survivals).
+
+    Why: the finish time is the slowest request's, and the requests a batch is left with are those whose drafts
+    were accepted less than forecast. On an H200 (bf16, the shipped drafter) the drafts verified while a batch of 64
+    or 256 drained to its last 1-16 requests survived 0.72-0.87 times as often as their survivals forecast, against
+    0.95 over the whole batch (``docs/benchmarks/engine-h200-acceptance-feedback.json``, ``forecast``): a request's
+    own outcomes so far tell how far its forecasts run ahead of it.
+
+    Per request ``r`` over its ``n_r`` verified drafting steps ``t``, with ``e_t`` the expected and ``x_t`` the
+    accepted drafts: ``c_r = Σx / Σe``, its noise ``Σ(x_t − c_r e_t)² / (Σe)² · n_r / (n_r − 1)``; the batch's
+    ``c̄ = ΣΣx / ΣΣe``, the spread ``S²`` the variance of the ``c_r`` across requests, the noise ``σ²`` their mean
+    noise; the factor is ``c̄ + w (c_r − c̄)`` with ``w = clip(1 − σ² / S², 0, 1)``. A request with no verified draft
+    takes ``c̄``. No knob.
+
+    Args:
+        sums: ``[R, 6]`` per request: steps, ``Σe``, ``Σx``, ``Σe²``, ``Σx²``, ``Σe·x`` (rows of :func:`outcome_row`
+            added up).
+        relative: divide by ``c̄`` (each request against the batch), for survivals a batch-wide calibration has
+            scaled already (``EngineConfig.acceptance_feedback``).
+
+    Returns:
+        ``[R]`` float64 factors > 0; ones where the batch has no expected drafts at all.
+    """
+    s = sums.to(torch.float64)
+    n, e, x, ee, xx, ex = s.unbind(dim=1)  # [R] each
+    total = float(e.sum())
+    if total <= 0:
+        return torch.ones_like(n)
+    pooled = float(x.sum()) / total
+    c = torch.where(e > 0, x / e.clamp_min(1e-30), torch.full_like(e, pooled))  # [R] c_r
+    known = (n >= 2) & (e > 0)
+    resid = (xx - 2 * c * ex + c * c * ee).clamp_min(0.0)  # [R] Σ(x − c e)²
+    noise_r = resid / (e * e).clamp_min(1e-30) * n / (n - 1).clamp_min(1.0)  # [R] var of c_r
+    out = torch.full_like(e, pooled)
+    if int(known.sum()) >= 2:
+        noise = float(noise_r[known].mean())
+        spread = float(c[known].var())
+        w = min(max(1.0 - noise / spread, 0.0), 1.0) if spread > 0 else 0.0
+        out = torch.where(known, pooled + w * (c - pooled), out)
+    out = out.clamp_min(1e-3)
+    return out / pooled if relative and pooled > 0 else out
+
+
+def calibrate_rows(rows: Tensor, factors: Tensor) -> Tensor:
+    """``rows`` ``[R, γ]`` survivals times each request's factor ``[R]``, capped at 1 and non-increasing along each
+    row again (as the planner applies a batch-wide factor per slot). float32."""
+    scaled = (rows.to(torch.float64) * factors.to(torch.float64)[:, None]).clamp(0.0, 1.0)
+    return torch.cummin(scaled, dim=1).values.to(torch.float32)
+
+
 def finish_pays(estimate: FinishEstimate, margin: float = 0.0) -> bool:
     """Whether a draining batch should draft: ``(1 + margin) · plain ≥ speculative`` time to finish (the same margin
     as :func:`speculation_pays`, read the same way: plain decoding must look more than ``margin`` faster to win)."""

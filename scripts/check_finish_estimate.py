@@ -6,9 +6,11 @@ steps a closed batch of B requests takes while drafting every step: it runs the 
 (every step drafts, at the planned budget) on B prompts at a time, and after the requests' 1st, 4th and 8th draft asks
 the estimate for the expected steps still to go. Steps do not depend on the hardware (the tokens do not depend on the
 schedule either), so the default is the CPU in float32; the prices are a synthetic table, which only the budget, not the
-step count, reads. Two estimates at each checkpoint: from the survivals the finish-time gate reads (each request's mean
-over all its drafts, pooled towards the batch's: ``reference.scheduler.finish_survivals``) and, for comparison, from the
-draft gate's moving averages of the last few drafts, which the estimate read before.
+step count, reads. Three estimates at each checkpoint: from the survivals the finish-time gate reads (each request's mean
+over all its drafts, pooled towards the batch's: ``reference.scheduler.finish_survivals``, times the request's factor
+between the drafts it had accepted and those forecast: ``reference.scheduler.outcome_factors``) and, for comparison,
+from the same means without that factor (``expected_steps_means``) and from the draft gate's moving averages of the
+last few drafts (``expected_steps_recent``), which the estimate read before.
 
 Writes one JSON: per batch size and prompt group, the steps the batch took, both estimates after each checkpoint and
 their ratios to the steps that were left (``expected_over_taken``, ``recent_over_taken``), the τ the survivals forecast
@@ -71,16 +73,21 @@ def check_batch(target: Target, drafter: DSparkDrafter, prompts: list[list[int]]
             gate = engine.scheduler.gate
             recent = gate.recent_survivals(seqs)  # the draft gate's view: [R, γ] moving averages (folds the drafts)
             left = [max(1, s.params.max_new_tokens - len(s.output_ids)) for s in seqs]
-            est = engine.scheduler.planner.finish_estimate(gate.finish_survivals(seqs, recent), left)  # the gate's
-            est_recent = engine.scheduler.planner.finish_estimate(recent, left)  # from the moving averages instead
+            planner = engine.scheduler.planner
+            est = planner.finish_estimate(gate.finish_survivals(seqs, recent), left)  # the gate's
+            # the same pooled means without each request's outcome factor, and the moving averages instead
+            est_means = planner.finish_estimate(gate.finish_survivals(seqs, recent, outcomes=False), left)
+            est_recent = planner.finish_estimate(recent, left)
             estimates[n] = {"after_step": steps, "requests": len(seqs),
                             "expected_steps": round(est.speculative_steps, 2),
+                            "expected_steps_means": round(est_means.speculative_steps, 2),
                             "expected_steps_recent": round(est_recent.speculative_steps, 2),
                             # τ if every request verified its whole block: 1 + Σ_k a_k, averaged over the batch
                             "forecast_tau": round(1.0 + float(recent.sum(axis=1).mean()), 3)}
     for e in estimates.values():
         e["steps_left"] = steps - e["after_step"]
         e["expected_over_taken"] = round(e["expected_steps"] / max(e["steps_left"], 1), 3)
+        e["means_over_taken"] = round(e["expected_steps_means"] / max(e["steps_left"], 1), 3)
         e["recent_over_taken"] = round(e["expected_steps_recent"] / max(e["steps_left"], 1), 3)
     verify_steps = [len(engine.sequence(i).verify_lengths) for i in range(r)]
     return {"steps": steps, "estimates": {str(k): v for k, v in sorted(estimates.items())},

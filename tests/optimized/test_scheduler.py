@@ -13,7 +13,7 @@ from optimized.sequence import SamplingParams, Sequence, Status
 from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import CostTable
 from reference.scheduler import Scheduler as Policy
-from reference.scheduler import finish_survivals, stale_budget
+from reference.scheduler import calibrate_rows, finish_survivals, outcome_factors, outcome_row, stale_budget
 
 GAMMA = 4
 
@@ -183,6 +183,42 @@ def test_the_finish_time_gate_reads_each_requests_pooled_mean():
     assert np.allclose(moments[:GAMMA], 1.0) and np.allclose(moments[GAMMA:2 * GAMMA], 0.5)
     sched.finish_time_gate = False  # off: nothing is kept, and the estimate would read the moving averages
     assert not gate.track and gate.finish_survivals(seqs, recent) is recent
+
+
+def test_the_finish_time_gate_scales_each_request_by_its_outcomes():
+    """The gate sums, per slot, each verified draft's expected and accepted drafts (reference.scheduler.outcome_row)
+    while it keeps statistics; the estimate's rows are then finish_survivals times each request's
+    outcome_factors (reference.scheduler.calibrate_rows), relative to the batch once a batch-wide calibration
+    scales the survivals; a request that verified no draft adds nothing, and a slot that changes hands starts
+    again."""
+    sched, seqs = _finishing([0.8, 0.8, 0.8, 0.8])
+    gate = sched.gate
+    recent = gate.recent_survivals(seqs)
+    base = gate.finish_survivals(seqs, recent)  # no outcomes yet: the pooled means alone
+    rng = np.random.default_rng(1)
+    want = torch.zeros(4, 6, dtype=torch.float64)
+    for _ in range(6):
+        rows = [np.cumprod(np.clip(rng.normal(0.8, 0.05, GAMMA), 0.01, 1.0)).astype(np.float32) for _ in seqs]
+        verified = [4, 3, 4, 0]  # the last request verified no draft this step
+        accepted = [4, 3, int(rng.integers(0, 2)), 0]  # the third request lags its forecast
+        gate.record_outcomes(seqs, rows[:3] + [None], verified, accepted)
+        for i in range(3):
+            want[i] += outcome_row(torch.from_numpy(rows[i]), verified[i], accepted[i])
+    np.testing.assert_allclose(gate._outcomes[[s.slot for s in seqs]], want.numpy(), rtol=1e-6)
+    factors = outcome_factors(want)
+    assert factors[2] < factors[0]
+    got = gate.finish_survivals(seqs, recent)
+    np.testing.assert_allclose(got, calibrate_rows(torch.from_numpy(base), factors).numpy(), rtol=1e-6)
+    sched.set_survival_scale(np.ones(GAMMA))  # a batch-wide calibration in force: each request against the batch
+    np.testing.assert_allclose(gate.finish_survivals(seqs, recent),
+                               calibrate_rows(torch.from_numpy(base), outcome_factors(want, relative=True)).numpy(),
+                               rtol=1e-6)
+    newcomer = Sequence(request_id=99, prompt_ids=[2], params=SamplingParams(max_new_tokens=8), slot=seqs[0].slot)
+    gate.record_outcomes([newcomer], [np.full(GAMMA, 0.5, dtype=np.float32)], [2], [1])
+    np.testing.assert_allclose(gate._outcomes[newcomer.slot], [1, 1.0, 1, 1.0, 1, 1.0])
+    sched.finish_time_gate = False  # off: nothing is summed
+    gate.record_outcomes([newcomer], [np.full(GAMMA, 0.5, dtype=np.float32)], [2], [1])
+    assert gate._outcomes[newcomer.slot][0] == 1
 
 
 def test_the_finish_time_gate_weighs_the_slowest_request():

@@ -13,9 +13,12 @@ from reference.cost_model import CostTable
 from reference.scheduler import (
     allocate_top_b,
     best_budget,
+    calibrate_rows,
     finish_estimate,
     finish_pays,
     finish_survivals,
+    outcome_factors,
+    outcome_row,
     prefix_survival,
 )
 
@@ -133,3 +136,48 @@ def test_finish_survivals_pool_as_much_spread_as_the_noise_explains():
     rising = torch.tensor([[0.2, 0.9], [0.3, 0.1]], dtype=torch.float64)  # pooled rows are made non-increasing
     out = finish_survivals(rising, torch.zeros_like(rising), torch.tensor([2, 2]))
     assert out.dtype == torch.float32 and bool((out[:, 1] <= out[:, 0]).all()) and bool(((out >= 0) & (out <= 1)).all())
+
+
+def _outcome_sums(trials: list[list[tuple[float, float]]]) -> torch.Tensor:
+    """``[R, 6]`` outcome sums of per-request (expected, accepted) steps."""
+    return torch.stack([sum((torch.tensor([1.0, e, x, e * e, x * x, e * x], dtype=torch.float64) for e, x in t),
+                            torch.zeros(6, dtype=torch.float64)) for t in trials])
+
+
+def test_outcome_row_sums_the_verified_slots_only():
+    a = torch.tensor([0.9, 0.6, 0.3, 0.1])
+    row = outcome_row(a, verified=2, accepted=1)
+    e = 0.9 + 0.6
+    assert torch.allclose(row, torch.tensor([1.0, e, 1.0, e * e, 1.0, e], dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(outcome_row(a, 0, 0), torch.zeros(6, dtype=torch.float64).index_fill(0, torch.tensor([0]), 1))
+
+
+def test_outcome_factors_keep_a_request_that_lags_beyond_the_noise():
+    """Requests whose outcomes differ only by noise all get the batch's factor; a request that had accepted far
+    fewer drafts than forecast, step after step, keeps most of its own (lower) factor; relative factors are each
+    request's over the batch's; a request with no verified draft takes the batch's factor."""
+    same = _outcome_sums([[(2.0, 2.0), (2.0, 1.0), (2.0, 3.0)], [(2.0, 3.0), (2.0, 1.0), (2.0, 2.0)],
+                          [(2.0, 1.0), (2.0, 2.0), (2.0, 3.0)]])
+    f = outcome_factors(same)
+    assert torch.allclose(f, torch.ones(3, dtype=torch.float64))  # the same totals: no spread at all
+    noisy = _outcome_sums([[(2.0, 0.0), (2.0, 4.0)], [(2.0, 4.0), (2.0, 1.0)], [(2.0, 2.0), (2.0, 2.0)]])
+    pooled = 13 / 12
+    assert torch.allclose(outcome_factors(noisy), torch.full((3,), pooled, dtype=torch.float64))  # noise ≥ spread
+    steady = [[(2.0, 2.0)] * 8, [(2.0, 2.1), (2.0, 1.9)] * 4, [(2.0, 0.5), (2.0, 0.6)] * 4]  # the third lags
+    f = outcome_factors(_outcome_sums(steady))
+    c = torch.tensor([1.0, 1.0, 0.275], dtype=torch.float64)
+    centre = (16 + 16 + 4.4) / 48
+    assert bool((f[2] < 0.35) & (f[2] >= 0.275)) and torch.allclose(f[:2], f[:1].expand(2))
+    assert bool(((f - centre).abs() <= (c - centre).abs() + 1e-12).all())  # pooled towards the batch, never past it
+    rel = outcome_factors(_outcome_sums(steady), relative=True)
+    assert torch.allclose(rel, f / centre)
+    with_new = _outcome_sums(steady + [[]])
+    assert torch.allclose(outcome_factors(with_new)[3], torch.tensor(centre, dtype=torch.float64))
+    assert torch.equal(outcome_factors(torch.zeros(2, 6)), torch.ones(2, dtype=torch.float64))
+
+
+def test_calibrate_rows_scales_caps_and_keeps_rows_non_increasing():
+    rows = torch.tensor([[0.9, 0.8, 0.2], [0.5, 0.4, 0.3]])
+    out = calibrate_rows(rows, torch.tensor([1.5, 0.5], dtype=torch.float64))
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, torch.tensor([[1.0, 1.0, 0.3], [0.25, 0.2, 0.15]]))

@@ -33,6 +33,9 @@ def test_the_check_reports_steps_and_estimates(tmp_path):
             assert e["steps_left"] == row["steps"] - e["after_step"] and e["expected_steps"] > 0
             assert 1 <= e["forecast_tau"] <= 5
             assert e["expected_over_taken"] == pytest.approx(e["expected_steps"] / max(e["steps_left"], 1), abs=1e-3)
+            assert e["expected_steps_means"] > 0  # without the outcome factors
+            assert e["means_over_taken"] == pytest.approx(e["expected_steps_means"] / max(e["steps_left"], 1),
+                                                          abs=1e-3)
             assert e["expected_steps_recent"] > 0  # the same estimate from the draft gate's moving averages
             assert e["recent_over_taken"] == pytest.approx(e["expected_steps_recent"] / max(e["steps_left"], 1),
                                                            abs=1e-3)
