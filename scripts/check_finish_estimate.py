@@ -6,11 +6,11 @@ steps a closed batch of B requests takes while drafting every step: it runs the 
 (every step drafts, at the planned budget) on B prompts at a time, and after the requests' 1st, 4th and 8th draft asks
 the estimate for the expected steps still to go. Steps do not depend on the hardware (the tokens do not depend on the
 schedule either), so the default is the CPU in float32; the prices are a synthetic table, which only the budget, not the
-step count, reads. Three estimates at each checkpoint: from the survivals the finish-time gate reads (each request's mean
-over all its drafts, pooled towards the batch's: ``reference.scheduler.finish_survivals``, times the request's factor
-between the drafts it had accepted and those forecast: ``reference.scheduler.outcome_factors``) and, for comparison,
-from the same means without that factor (``expected_steps_means``) and from the draft gate's moving averages of the
-last few drafts (``expected_steps_recent``), which the estimate read before.
+step count, reads. Three estimates at each checkpoint: from the survivals the finish-time gate reads (each request's
+mean over all its drafts, pooled towards the batch's: ``reference.scheduler.finish_survivals``, times the request's
+factor between the drafts it had accepted and those forecast: ``reference.scheduler.outcome_factors``) and, for
+comparison, from the same means without that factor (``expected_steps_means``) and from the draft gate's moving
+averages of the last few drafts (``expected_steps_recent``), which the estimate read before.
 
 Writes one JSON: per batch size and prompt group, the steps the batch took, both estimates after each checkpoint and
 their ratios to the steps that were left (``expected_over_taken``, ``recent_over_taken``), the τ the survivals forecast
@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     if len(prompts) < needed:
         log.warning("%d prompts for %d requests: groups reuse prompts", len(prompts), needed)
     report = {"what": "finish-time estimate (expected drafting steps left) against the steps a closed batch took, "
-                      "adaptive mode with the draft gate off", "hardware": platform.processor() or platform.machine(),
+                      "adaptive mode with the draft gate off",
+              "hardware": (torch.cuda.get_device_name() if args.device == "cuda"
+                           else platform.processor() or platform.machine()),
               "device": args.device, "dtype": str(dtype), "command": "python -m scripts.check_finish_estimate "
               + shlex.join(argv if argv is not None else sys.argv[1:]), "model": args.model, "drafter": args.drafter,
               "settings": {k: v for k, v in vars(args).items() if k != "out"}, "results": []}
@@ -142,6 +144,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
                      {k: e["expected_over_taken"] for k, e in row["estimates"].items()},
                      {k: e["recent_over_taken"] for k, e in row["estimates"].items()})
             report["results"].append(row)
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")  # each batch as it ends: a cut run keeps it
     report["total_s"] = round(time.time() - start, 1)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     log.info("wrote %s", args.out)
