@@ -400,8 +400,13 @@ class DraftGate:
         # [R, 2γ + 1] a step: ~18 µs at R = 256 on the project's CPU).
         self.track = False
         self._moments = np.zeros((max_num_seqs, 2 * gamma + 1))
-        # ... and, per slot, its verified drafts' outcomes against their forecast (reference.scheduler.outcome_row
-        # summed: steps, Σe, Σx, Σe², Σx², Σe·x), for the estimate's per-request factors (outcome_factors)
+        # ... and, with ``outcomes`` on too, per slot, its verified drafts' outcomes against their forecast
+        # (reference.scheduler.outcome_row summed: steps, Σe, Σx, Σe², Σx², Σe·x), for per-request factors of the
+        # estimate's survivals (outcome_factors). Off by default: on an H100 in bf16 (docs/benchmarks/
+        # finish-estimate-h100.json) they moved the estimate's expected/taken steps from 1.09 to 1.06 after four drafts
+        # and not at all after eight, while the finish-time gate they fed decoded one request at a time 10% slower
+        # (engine-h100-gc-freeze.json: 1,659 against 1,847 tokens/s without the gate).
+        self.outcomes = False
         self._outcomes = np.zeros((max_num_seqs, OUTCOME_COLUMNS))
         self._slot_k = np.arange(1, gamma + 1)  # [γ] k = 1..γ
         # When a list: every fresh verdict appends (R, best Θ, Θ_plain, margin, verdict) — a diagnostic for
@@ -525,7 +530,7 @@ class DraftGate:
         """One read step's verified drafts into their requests' outcome sums (only while ``track``): each request's
         forecast survivals of the draft it verified (None: it verified none), its verify length ℓ and the drafts
         accepted. The rows of ``reference.scheduler.outcome_row``, summed in one indexed add."""
-        if not self.track or not verified:
+        if not (self.track and self.outcomes) or not verified:
             return
         idx = [i for i, n in enumerate(verified) if n and survivals[i] is not None]
         if not idx:
@@ -541,12 +546,12 @@ class DraftGate:
         x = np.asarray([accepted[i] for i in idx], dtype=np.float64)  # [n]
         self._outcomes[rows] += np.stack([np.ones_like(e), e, x, e * e, x * x, e * x], axis=1)
 
-    def finish_survivals(self, seqs: list[Sequence], recent: np.ndarray, outcomes: bool = True) -> np.ndarray:
+    def finish_survivals(self, seqs: list[Sequence], recent: np.ndarray, outcomes: bool | None = None) -> np.ndarray:
         """The survivals the finish-time estimate reads for ``seqs``, whose moving averages :meth:`recent_survivals`
         has just returned as ``recent``: each request's mean over all its drafts since ``track`` was set, pooled
         towards the batch's by ``reference.scheduler.finish_survivals``, times its factor between the drafts it had
-        accepted and those forecast (``reference.scheduler.outcome_factors``; ``outcomes=False`` leaves it out, for
-        comparisons); ``recent`` itself while a request has none tracked. ``[R, γ]`` float32."""
+        accepted and those forecast (``reference.scheduler.outcome_factors``) where ``outcomes`` (default: the gate's
+        :attr:`outcomes`) says so; ``recent`` itself while a request has none tracked. ``[R, γ]`` float32."""
         g = self.gamma
         moments = self._moments[np.array([s.slot for s in seqs], dtype=np.intp)]  # [R, 2γ + 1]
         n = moments[:, 2 * g]  # [R] drafts summed
@@ -556,7 +561,7 @@ class DraftGate:
         var = (moments[:, g:2 * g] - n[:, None] * mean * mean) / np.maximum(n - 1.0, 1.0)[:, None]  # [R, γ] ddof 1
         rows = finish_survivals(torch.from_numpy(mean), torch.from_numpy(np.maximum(var, 0.0)), torch.from_numpy(n))
         sums = self._outcomes[np.array([s.slot for s in seqs], dtype=np.intp)]  # [R, 6]
-        if outcomes and sums[:, 0].sum() > 0:  # each request's forecasts against what it had accepted
+        if (self.outcomes if outcomes is None else outcomes) and sums[:, 0].sum() > 0:  # forecasts against outcomes
             factors = outcome_factors(torch.from_numpy(sums), relative=self.planner.survival_scale is not None)
             rows = calibrate_rows(rows, factors)
         return rows.numpy()

@@ -61,6 +61,7 @@ def check_batch(target: Target, drafter: DSparkDrafter, prompts: list[list[int]]
                                                   device=device, dtype=dtype, seed=0, async_decode=False),
                     SchedulerConfig(mode="adaptive", draft_gate=False), table)
     engine.scheduler.gate.track = True  # keep every draft's statistics, as the finish-time gate does
+    engine.scheduler.gate.outcomes = True  # and each request's outcomes, for the estimate with their factors
     for i, p in enumerate(prompts):
         engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True), request_id=i)
     steps, estimates = 0, {}
@@ -70,11 +71,13 @@ def check_batch(target: Target, drafter: DSparkDrafter, prompts: list[list[int]]
         seqs = engine.scheduler.decoding()
         held = {len(s.survivals) for s in seqs}
         if len(held) == 1 and (n := held.pop()) in CHECKPOINTS and n not in estimates:
+            if device == "cuda":  # the newest draft's survivals are copied to the host without waiting: let them land
+                torch.cuda.synchronize()  # sync: the engine itself reads them only after the next step's token read
             gate = engine.scheduler.gate
             recent = gate.recent_survivals(seqs)  # the draft gate's view: [R, γ] moving averages (folds the drafts)
             left = [max(1, s.params.max_new_tokens - len(s.output_ids)) for s in seqs]
             planner = engine.scheduler.planner
-            est = planner.finish_estimate(gate.finish_survivals(seqs, recent), left)  # the gate's
+            est = planner.finish_estimate(gate.finish_survivals(seqs, recent, outcomes=True), left)
             # the same pooled means without each request's outcome factor, and the moving averages instead
             est_means = planner.finish_estimate(gate.finish_survivals(seqs, recent, outcomes=False), left)
             est_recent = planner.finish_estimate(recent, left)

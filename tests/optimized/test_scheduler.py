@@ -186,14 +186,17 @@ def test_the_finish_time_gate_reads_each_requests_pooled_mean():
 
 
 def test_the_finish_time_gate_scales_each_request_by_its_outcomes():
-    """The gate sums, per slot, each verified draft's expected and accepted drafts (reference.scheduler.outcome_row)
-    while it keeps statistics; the estimate's rows are then finish_survivals times each request's
-    outcome_factors (reference.scheduler.calibrate_rows), relative to the batch once a batch-wide calibration
-    scales the survivals; a request that verified no draft adds nothing, and a slot that changes hands starts
-    again."""
+    """With ``outcomes`` on (off by default: nothing is summed), the gate sums, per slot, each verified draft's
+    expected and accepted drafts (reference.scheduler.outcome_row) while it keeps statistics; the estimate's rows
+    are then finish_survivals times each request's outcome_factors (reference.scheduler.calibrate_rows), relative to
+    the batch once a batch-wide calibration scales the survivals; a request that verified no draft adds nothing, and
+    a slot that changes hands starts again."""
     sched, seqs = _finishing([0.8, 0.8, 0.8, 0.8])
     gate = sched.gate
     recent = gate.recent_survivals(seqs)
+    gate.record_outcomes(seqs, [s.survivals[-1] for s in seqs], [4] * 4, [0] * 4)
+    assert not gate.outcomes and not gate._outcomes.any()  # off: nothing summed
+    gate.outcomes = True
     base = gate.finish_survivals(seqs, recent)  # no outcomes yet: the pooled means alone
     rng = np.random.default_rng(1)
     want = torch.zeros(4, 6, dtype=torch.float64)
