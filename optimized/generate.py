@@ -55,8 +55,19 @@ def generate(target: Target, drafter: DSparkDrafter | NgramProposer | HybridProp
     params = SamplingParams.from_generation(gen)
     for rid, p in zip(ids, prompts):
         engine.add_request(list(p), params, request_id=rid)
-    while engine.has_unfinished():
-        engine.step()
+    # On a GPU the host's pauses show: every object alive now (the model, the engine, the imported modules) leaves the
+    # cyclic garbage collector's reach while the batch decodes, so that no full collection of them stalls a step (one
+    # cost 0.21 s at batch 256 on an H100's host, docs/benchmarks/engine-h100.json); given back afterwards, so that
+    # the engine's own reference cycles are collected below.
+    frozen = engine.device.type == "cuda"
+    if frozen:
+        gc.freeze()
+    try:
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        if frozen:
+            gc.unfreeze()
     results = []
     hybrid = engine.runner.hybrid is not None
     for rid in ids:
