@@ -122,6 +122,7 @@ class BenchConfig:
     layer_backend: str | None = None  # EngineConfig.layer_backend (None: fused Triton layer ops on CUDA)
     linear_rows: int | None = None  # EngineConfig.linear_rows (None: the fused projections' default; 0: cuBLAS)
     batch_invariant: bool = False  # EngineConfig.batch_invariant (exact greedy in bfloat16, one tile shape a kernel)
+    draft_context_lag: int = EngineConfig.draft_context_lag  # plain steps' features parked per slot before an append
     context_len: int = DEFAULT_CONTEXT_LEN  # KV length the cost table is profiled at
     cost_cache_dir: str | None = None  # default $DSPARK_CACHE/cost or ~/.cache/dspark/cost
     seed: int = 0
@@ -418,7 +419,8 @@ def run_benchmark(target: Target, drafter: DSparkDrafter | None, prompts: list[l
                  enforce_eager=cfg.enforce_eager, layer_backend=cfg.layer_backend, seed=cfg.seed,
                  linear_rows=cfg.linear_rows, batch_invariant=cfg.batch_invariant,
                  prefill_graph_tokens=cfg.prefill_graph_tokens, draft_ahead=False, async_decode=False,
-                 cost_feedback=cfg.cost_feedback, acceptance_feedback=cfg.acceptance_feedback)
+                 cost_feedback=cfg.cost_feedback, acceptance_feedback=cfg.acceptance_feedback,
+                 draft_context_lag=cfg.draft_context_lag)
     engines: dict[str, Engine] = {}
     t_build = time.perf_counter()
     if any(not m.drafts for _, _, m, _ in modes):
@@ -827,6 +829,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every engine with EngineConfig.acceptance_feedback: the adaptive planner scales each "
                         "slot's forecast survivals by the measured ratio of drafts that survived (rows record "
                         "survival_scale)")
+    p.add_argument("--draft-context-lag", type=int, default=EngineConfig.draft_context_lag,
+                   help="EngineConfig.draft_context_lag: a plain step's features wait in a buffer of this many "
+                        "positions per slot and are appended to the drafter's context before the request's next draft, "
+                        "or when the buffer is full (0: every plain step appends them)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop starting new configurations after this many seconds (None: no limit); the JSON says "
                         "whether it is complete")
@@ -860,7 +866,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
                       hybrid_prior_accept_sampling=args.hybrid_prior_accept_sampling,
                       hybrid_prior_strength=args.hybrid_prior_strength, gate_trace=args.gate_trace,
                       cost_feedback=args.cost_feedback, acceptance_feedback=args.acceptance_feedback,
-                      cost_samples=args.cost_samples)
+                      cost_samples=args.cost_samples, draft_context_lag=args.draft_context_lag)
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if target is None:
         target = Target.load(args.model, device=args.device, dtype=getattr(torch, dtype_name))
