@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +24,26 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not (HAS_TRITON and INTERPRETED),
                                 reason="Triton kernels on CPU need TRITON_INTERPRET=1 (the CI command sets it)")
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_dot_by_row(monkeypatch):
+    """The interpreter's ``tl.dot`` with each row of the tile multiplied on its own.
+
+    The interpreter hands a whole tile to ``np.matmul``, and OpenBLAS's float32 GEMM sums a row's products in an order
+    that can depend on where the row sits in the matrix (on a 2-core AVX2 machine rows 0–5 of a 16-row tile round
+    one way, rows 6–15 another): a row alone, at the top of its tile, then differs in its last bit from the same row
+    seventh in a block. The GPU's matrix instructions treat every row of a tile alike, which is the property these
+    tests stand for; a product per row, the same call for every row, models it on the CPU."""
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a_data, b_data = a.data, b.data  # [M, K], [K, N]
+        rows = [np.matmul(a_data[i:i + 1], b_data, dtype=d.data.dtype) for i in range(a_data.shape[0])]
+        return interpreter.TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
+
+    if hasattr(interpreter, "InterpreterBuilder"):
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 K, N = 96, 40  # a projection's input and output widths (small: the interpreter is slow)
 
 
