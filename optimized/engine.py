@@ -597,9 +597,9 @@ class Engine:
 
     def _record_outcomes(self, out: StageOutput) -> None:
         """A read verify step's drafts against their forecast, for the finish-time estimate's per-request factors
-        (``DraftGate.record_outcomes``; nothing unless the finish-time gate keeps statistics)."""
+        (``DraftGate.record_outcomes``; nothing unless the finish-time gate keeps statistics with ``outcomes`` on)."""
         gate = self.scheduler.gate
-        if gate.track and out.verified is not None:
+        if gate.track and gate.outcomes and out.verified is not None:
             gate.record_outcomes(out.seqs, self._survivals, out.verified, [len(t) - 1 for t in out.tokens])
 
     def _monitor_launch(self, plan: StepPlan) -> None:
