@@ -21,8 +21,11 @@ Names follow ``docs/method.md`` (``p_t`` target, ``p_d`` draft, ``a`` prefix sur
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from collections import deque
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -41,7 +44,27 @@ from reference.hybrid import check_mode as check_hybrid_mode
 from reference.ngram import NgramProposer, check_mode
 from reference.target import Target
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "Sequence", "Status", "StepOutput", "StepStats"]
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "Sequence", "Status", "StepOutput", "StepStats", "frozen_heap"]
+
+
+@contextlib.contextmanager
+def frozen_heap(collect: bool = True) -> Iterator[None]:
+    """Every object alive on entry out of the cyclic garbage collector's reach for the block (``gc.freeze``), given
+    back on exit (``gc.unfreeze``), so that what the block's steps allocate is all a collection walks.
+
+    On a GPU the host's pauses show in the steps: a full collection of an unfrozen heap (the model, the engine, the
+    imported modules) stalled one step of a closed batch of 256 for 0.21 s on an H100's host
+    (``runs_pauses`` in docs/benchmarks/engine-h100.json). A process that serves until it exits freezes its heap
+    once after start-up instead (``python -m optimized.serve``); a block is for callers that build engines one after
+    another, whose reference cycles must be collectable again afterwards. ``collect``: collect first, so that what
+    is garbage already is not kept until the block ends (a full collection, a fraction of a second)."""
+    if collect:
+        gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _longest_context(seqs: list[Sequence]) -> int:

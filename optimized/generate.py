@@ -8,6 +8,7 @@ same model, drafter, seed, mode and cost table, the emitted token ids and per-st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import sys
@@ -16,7 +17,7 @@ import time
 import torch
 
 from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
-from optimized.engine import Engine, EngineConfig, SamplingParams
+from optimized.engine import Engine, EngineConfig, SamplingParams, frozen_heap
 from reference.cli import LOG_FORMAT, build_parser, print_results, setup_from_args
 from reference.config import GenerationConfig, SchedulerConfig
 from reference.cost_model import CostTable
@@ -55,19 +56,11 @@ def generate(target: Target, drafter: DSparkDrafter | NgramProposer | HybridProp
     params = SamplingParams.from_generation(gen)
     for rid, p in zip(ids, prompts):
         engine.add_request(list(p), params, request_id=rid)
-    # On a GPU the host's pauses show: every object alive now (the model, the engine, the imported modules) leaves the
-    # cyclic garbage collector's reach while the batch decodes, so that no full collection of them stalls a step (one
-    # cost 0.21 s at batch 256 on an H100's host, docs/benchmarks/engine-h100.json); given back afterwards, so that
-    # the engine's own reference cycles are collected below.
-    frozen = engine.device.type == "cuda"
-    if frozen:
-        gc.freeze()
-    try:
+    # On a GPU, nothing alive before the batch starts is walked by a collection while it decodes (frozen_heap); the
+    # engine's own reference cycles are collectable again below.
+    with frozen_heap(collect=False) if engine.device.type == "cuda" else contextlib.nullcontext():
         while engine.has_unfinished():
             engine.step()
-    finally:
-        if frozen:
-            gc.unfreeze()
     results = []
     hybrid = engine.runner.hybrid is not None
     for rid in ids:

@@ -332,7 +332,9 @@ def outcome_factors(sums: Tensor, relative: bool = False) -> Tensor:
     were accepted less than forecast. On an H200 (bf16, the shipped drafter) the drafts verified while a batch of 64
     or 256 drained to its last 1-16 requests survived 0.72-0.87 times as often as their survivals forecast, against
     0.95 over the whole batch (``docs/benchmarks/engine-h200-acceptance-feedback.json``, ``forecast``): a request's
-    own outcomes so far tell how far its forecasts run ahead of it.
+    own outcomes so far tell how far its forecasts run ahead of it. Measured, they hardly moved the estimate on an
+    H100 (``docs/benchmarks/finish-estimate-h100.json``), so the engine's gate applies them only when asked
+    (``DraftGate.outcomes``).
 
     Per request ``r`` over its ``n_r`` verified drafting steps ``t``, with ``e_t`` the expected and ``x_t`` the
     accepted drafts: ``c_r = Σx / Σe``, its noise ``Σ(x_t − c_r e_t)² / (Σe)² · n_r / (n_r − 1)``; the batch's

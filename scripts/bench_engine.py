@@ -77,7 +77,7 @@ from tqdm.auto import tqdm
 
 from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
 from optimized.cost_monitor import Sample
-from optimized.engine import Engine, EngineConfig, SamplingParams
+from optimized.engine import Engine, EngineConfig, SamplingParams, frozen_heap
 from reference.cli import DEFAULT_DRAFTER, LOG_FORMAT, add_hybrid_args, load_or_init_drafter
 from reference.config import HybridConfig, NgramConfig, ProposerKind, SchedulerConfig, SchedulingMode
 from reference.cost_model import hardware_name
@@ -596,16 +596,8 @@ def _measure(run, warmup: int, repeats: int) -> dict[str, Any]:
     """Warm-up runs, then timed runs; the median run (by tokens/s) gives every reported statistic."""
     for _ in range(warmup):
         run()
-    # As a server does after start-up (python -m optimized.serve): everything alive now leaves the cyclic garbage
-    # collector's reach while the runs are timed, so that no full collection of the engine's own objects (0.2 s at
-    # batch 256 on an H100's host) lands in one of them; given back afterwards, so that a finished engine's cycles
-    # are collected.
-    gc.collect()
-    gc.freeze()
-    try:
+    with frozen_heap():  # no full collection of the engine's own objects lands in a timed run
         runs = [run() for _ in range(repeats)]
-    finally:
-        gc.unfreeze()
     # each timed run's stall evidence, in the order they ran (the statistics below are the median run's)
     pauses = [{"tokens_per_s": round(r["tokens_per_s"], 2), **{k: r[k] for k in PAUSE_KEYS if k in r}} for r in runs]
     runs.sort(key=lambda r: r["tokens_per_s"])

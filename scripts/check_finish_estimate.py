@@ -6,11 +6,12 @@ steps a closed batch of B requests takes while drafting every step: it runs the 
 (every step drafts, at the planned budget) on B prompts at a time, and after the requests' 1st, 4th and 8th draft asks
 the estimate for the expected steps still to go. Steps do not depend on the hardware (the tokens do not depend on the
 schedule either), so the default is the CPU in float32; the prices are a synthetic table, which only the budget, not the
-step count, reads. Three estimates at each checkpoint: from the survivals the finish-time gate reads (each request's
-mean over all its drafts, pooled towards the batch's: ``reference.scheduler.finish_survivals``, times the request's
-factor between the drafts it had accepted and those forecast: ``reference.scheduler.outcome_factors``) and, for
-comparison, from the same means without that factor (``expected_steps_means``) and from the draft gate's moving
-averages of the last few drafts (``expected_steps_recent``), which the estimate read before.
+step count, reads. Three estimates at each checkpoint: from the survivals the finish-time gate reads
+(``expected_steps_means``: each request's mean over all its drafts, pooled towards the batch's,
+``reference.scheduler.finish_survivals``), from the same means times each request's factor between the drafts it had
+accepted and those forecast (``expected_steps``: ``reference.scheduler.outcome_factors``, which the gate applies only
+with ``DraftGate.outcomes`` on), and from the draft gate's moving averages of the last few drafts
+(``expected_steps_recent``).
 
 Writes one JSON: per batch size and prompt group, the steps the batch took, both estimates after each checkpoint and
 their ratios to the steps that were left (``expected_over_taken``, ``recent_over_taken``), the τ the survivals forecast

@@ -24,6 +24,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not (HAS_TRITON and INTERPRETED),
                                 reason="Triton kernels on CPU need TRITON_INTERPRET=1 (the CI command sets it)")
 DTYPES = [torch.float32, torch.bfloat16]
+K, N = 96, 40  # a projection's input and output widths (small: the interpreter is slow)
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +45,6 @@ def _interpreted_dot_by_row(monkeypatch):
 
     if hasattr(interpreter, "InterpreterBuilder"):
         monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
-K, N = 96, 40  # a projection's input and output widths (small: the interpreter is slow)
 
 
 def _rows(dtype: torch.dtype, m: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
