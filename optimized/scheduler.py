@@ -49,6 +49,7 @@ from reference.scheduler import (
     finish_survivals,
     gate_margin,
     outcome_factors,
+    population_rows,
 )
 from reference.scheduler import Scheduler as Policy
 
@@ -416,7 +417,12 @@ class DraftGate:
         # offline batch; the verdict then weighs the time to finish the running requests (reference.scheduler.
         # finish_estimate), kept for FINISH_REUSE evaluations while the batch keeps most of its requests.
         self.finishing = False
-        self._finish: tuple[int, bool, int] | None = None  # (R estimated at, verdict, evaluations it still answers)
+        # (R estimated at, verdict, evaluations it still answers, whether it read stand-in rows of the history)
+        self._finish: tuple[int, bool, int, bool] | None = None
+        # With ``track``: the mean survivals of requests that left their slots after at least gate_window drafts, the
+        # last HISTORY of them: stand-ins for the requests of a finishing batch that have not drafted enough yet
+        # (reference.scheduler.population_rows), once there are PRIOR_MIN.
+        self.history: deque[np.ndarray] = deque(maxlen=self.HISTORY)
         # When a list: every fresh finish-time verdict appends (R, FinishEstimate, margin, verdict), as ``trace``.
         self.finish_trace: list[tuple[int, FinishEstimate, float, bool]] | None = None
 
@@ -428,6 +434,10 @@ class DraftGate:
     # scripts/bench_engine.py --gate-trace: 105 estimates in 101 steps at batch 64, 130 in 119 at 256).
     FINISH_REUSE = 8
     FINISH_BAND = 8
+    # The finish-time gate judges a batch that has not drafted from the requests before it once it has seen this many
+    # (a batch of 64 then takes a row of every ~2nd quantile), out of the last HISTORY.
+    PRIOR_MIN = 32
+    HISTORY = 1024
 
     @property
     def active(self) -> bool:
@@ -452,7 +462,8 @@ class DraftGate:
         if self.finishing and verdict is not None:
             # Finishing an offline batch: the verdict holds for as long as it says. Nothing probes: the requests'
             # survivals can only go stale with their contexts, and the estimate already priced every step to the end.
-            # (Before every request has drafted gate_window times, the verdict is the ordinary gate's.)
+            # (Before every request has drafted gate_window times, the verdict is the ordinary gate's, or one on
+            # stand-ins from the history once the gate has one: DraftGate.prior_survivals.)
             drafts = verdict
         else:
             # The reference's ``draft_forced(...) or verdict`` in the other order (the same boolean): a paying verdict
@@ -488,38 +499,65 @@ class DraftGate:
             # draft's survivals are noisy, and a finishing batch's plain verdict stands until the batch changes.
             finishing = self.finishing and recent is not None and min(
                 self._count[s.slot] for s in seqs) >= self.config.gate_window
-            if recent is None:
+            # ... or, before that, on stand-ins from the requests it has seen finish (their spread is what prices the
+            # slowest request), so that a batch plain decoding finishes sooner does not draft to find that out.
+            prior = self.finishing and not finishing and len(self.history) >= self.PRIOR_MIN
+            if finishing or prior:
+                verdict = self._finish_verdict(seqs, recent, margin, prior=prior)
+            elif recent is None:
                 verdict = None
-            elif finishing:
-                verdict = self._finish_verdict(seqs, recent, margin)
             else:
                 verdict = self.planner.speculation_pays(recent, len(seqs), None, margin, check=False)
-            if self.trace is not None and recent is not None and not finishing:
+            if self.trace is not None and recent is not None and not (finishing or prior):
                 best, plain = self.planner.gate_estimates(recent, len(seqs))
                 self.trace.append((len(seqs), best, plain, margin, bool(verdict)))
             self._cache = (key, recent, verdict)
         return self._cache[1], self._cache[2]
 
-    def _finish_verdict(self, seqs: list[Sequence], recent: np.ndarray, margin: float) -> bool:
+    def _finish_verdict(self, seqs: list[Sequence], recent: np.ndarray | None, margin: float,
+                        prior: bool = False) -> bool:
         """Whether drafting finishes the running requests sooner than plain decoding (``finish_pays``), re-estimated
         after ``FINISH_REUSE`` evaluations or once the batch has lost more than 1/``FINISH_BAND`` of the requests
-        it was estimated for (any request below ``FINISH_BAND`` requests), or grown."""
+        it was estimated for (any request below ``FINISH_BAND`` requests), or grown. With ``prior``, the rows of
+        requests with fewer than gate_window drafts are stand-ins from :attr:`history` (:meth:`prior_survivals`),
+        and a verdict estimated so does not answer for a batch whose every request has drafted enough."""
         r = len(seqs)
         if self._finish is not None:
-            r_est, verdict, left = self._finish
-            if left > 0 and r_est - r_est // self.FINISH_BAND <= r <= r_est:
-                self._finish = (r_est, verdict, left - 1)
+            r_est, verdict, left, was_prior = self._finish
+            if left > 0 and r_est - r_est // self.FINISH_BAND <= r <= r_est and was_prior == prior:
+                self._finish = (r_est, verdict, left - 1, prior)
                 return verdict
         remaining = [max(1, s.params.max_new_tokens - len(s.output_ids)) for s in seqs]
-        estimate = self.planner.finish_estimate(self.finish_survivals(seqs, recent), remaining)
+        rows = self.prior_survivals(seqs) if prior else self.finish_survivals(seqs, recent)
+        estimate = self.planner.finish_estimate(rows, remaining)
         verdict = finish_pays(estimate, margin)
         if self.finish_trace is not None:
             self.finish_trace.append((r, estimate, margin, verdict))
-        self._finish = (r, verdict, self.FINISH_REUSE - 1)
+        self._finish = (r, verdict, self.FINISH_REUSE - 1, prior)
         return verdict
 
+    def prior_survivals(self, seqs: list[Sequence]) -> np.ndarray:
+        """The finish-time estimate's rows for a batch some of whose requests have drafted fewer than gate_window
+        times: each of the others its mean over all its drafts, each of those a stand-in from the requests seen
+        finish (``reference.scheduler.population_rows`` of :attr:`history`, as many as there are such requests).
+        ``[R, γ]`` float32."""
+        g = self.gamma
+        moments = self._moments[np.array([s.slot for s in seqs], dtype=np.intp)]  # [R, 2γ + 1]
+        n = moments[:, 2 * g]  # [R] drafts summed
+        own = n >= self.config.gate_window
+        rows = np.empty((len(seqs), g), dtype=np.float32)
+        rows[own] = moments[own, :g] / n[own, None]
+        new = np.flatnonzero(~own)
+        if new.size:
+            rows[new] = population_rows(torch.from_numpy(np.stack(self.history)), int(new.size)).numpy()
+        return rows
+
     def _claim(self, slot: int, seq: Sequence) -> None:
-        """``slot`` changed hands: what was kept of its previous request is forgotten."""
+        """``slot`` changed hands: what was kept of its previous request is forgotten, after its mean survivals join
+        :attr:`history` (while ``track``, if it drafted at least gate_window times)."""
+        n = self._moments[slot, 2 * self.gamma]
+        if self.track and self._owner[slot] is not None and n >= self.config.gate_window:
+            self.history.append((self._moments[slot, :self.gamma] / n).astype(np.float32))
         self._owner[slot], self._count[slot] = seq, 0
         self._recent[slot] = np.nan
         self._moments[slot] = 0.0

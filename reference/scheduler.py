@@ -311,6 +311,35 @@ def finish_survivals(mean: Tensor, var: Tensor, count: Tensor) -> Tensor:
     return torch.cummin(rows, dim=1).values.to(torch.float32)  # survivals never grow along the block
 
 
+def population_rows(history: Tensor, count: int) -> Tensor:
+    """``count`` stand-in survival rows for requests that have not drafted yet, drawn from ``history``: the mean
+    survivals of requests that finished before them, taken at evenly spaced quantiles of their expected accepted
+    drafts ``Σ_k a_k`` (the ``(i + ½)/count`` quantiles, ``i = 0..count-1``).
+
+    Why: the finish-time estimate (:func:`finish_estimate`) prices the slowest request, so it needs the spread of
+    the batch's rates, not only their mean. A batch that has not drafted yet has no rates of its own; without a
+    stand-in its gate must draft a few times for every request before it can judge, and on a GPU where a large
+    batch's drafting step costs two plain steps those drafts alone can cost more than the gate later saves. The
+    rates of earlier requests of the same traffic give the spread; evenly spaced quantiles give it without noise
+    (the same rows for the same history), and a batch as large as the history takes every row once.
+
+    Args:
+        history: ``[H, γ]`` earlier requests' mean survivals (H ≥ 1).
+        count: rows wanted (≥ 0).
+
+    Returns:
+        ``[count, γ]`` float32, ordered from the slowest request's row to the fastest's.
+    """
+    if history.dim() != 2 or history.shape[0] < 1:
+        raise ValueError(f"history must be [H ≥ 1, γ], got {tuple(history.shape)}")
+    if count < 0:
+        raise ValueError(f"count must be ≥ 0, got {count}")
+    ranked = history[torch.argsort(history.to(torch.float64).sum(dim=1), stable=True)]  # [H, γ] slowest first
+    h = ranked.shape[0]
+    picks = ((torch.arange(count, dtype=torch.float64) + 0.5) * h / max(count, 1)).long().clamp_max(h - 1)  # [count]
+    return ranked[picks].to(torch.float32)
+
+
 OUTCOME_COLUMNS = 6  # per request, over its verified drafting steps: steps, Σe, Σx, Σe², Σx², Σe·x (outcome_factors)
 
 

@@ -13,7 +13,14 @@ from optimized.sequence import SamplingParams, Sequence, Status
 from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import CostTable
 from reference.scheduler import Scheduler as Policy
-from reference.scheduler import calibrate_rows, finish_survivals, outcome_factors, outcome_row, stale_budget
+from reference.scheduler import (
+    calibrate_rows,
+    finish_survivals,
+    outcome_factors,
+    outcome_row,
+    population_rows,
+    stale_budget,
+)
 
 GAMMA = 4
 
@@ -246,6 +253,84 @@ def test_the_finish_time_gate_weighs_the_slowest_request():
     for s in seqs:
         s.survivals = s.survivals[1:]
     assert sched.drafters() == seqs
+
+
+def _next_batch(sched: Scheduler, done: list[Sequence], tag: int) -> list[Sequence]:
+    """Finish ``done`` and put a batch of as many new requests, none of which has drafted, in their slots."""
+    fresh = []
+    for i, old in enumerate(done):
+        sched.finish(old, "length")
+        s = Sequence(request_id=tag + i, prompt_ids=[2, 3, 4], params=SamplingParams(max_new_tokens=40))
+        sched.add(s)
+        fresh.append(s)
+    sched.schedule()
+    for s in fresh:
+        s.status, s.num_prefilled = Status.DECODE, 3
+    return fresh
+
+
+def test_a_finishing_batch_is_judged_on_the_requests_before_it():
+    """The mean survivals of each request that leaves its slot after gate_window drafts join the gate's history
+    (only while it keeps statistics); once the history holds PRIOR_MIN rows, a finishing batch that has not drafted
+    is judged at once on stand-ins from it (reference.scheduler.population_rows): a batch after laggards decodes
+    plainly from its first step, without the drafts the gate would otherwise need to judge it, and a batch after
+    fast requests drafts. Short of PRIOR_MIN rows, or with requests waiting, the gate drafts to find out, as before."""
+    from optimized.scheduler import DraftGate
+
+    rows = [0.95] * 24 + [0.05] * 8  # a quarter of the traffic has drafts that nearly never pass
+    sched, seqs = _finishing(rows)
+    gate, k = sched.gate, DraftGate.PRIOR_MIN
+    assert len(rows) == k
+    assert sched.drafters() == []  # this batch's own drafts: the laggards set the finish time
+    fresh = _next_batch(sched, seqs, 100)
+    assert sched.drafters() == []  # the first batch's rows joined the history: plain from the first step
+    want = {tuple(np.cumprod(np.full(GAMMA, p, dtype=np.float32))) for p in (0.95, 0.05)}
+    assert len(gate.history) == k and {tuple(h) for h in gate.history} == want
+    assert all(not s.survivals for s in fresh)
+    np.testing.assert_array_equal(gate.prior_survivals(fresh),
+                                  population_rows(torch.tensor(np.stack(gate.history)), k).numpy())
+    for _ in range(sched.config.probe_every + 2):  # the verdict stands: no probe
+        assert sched.drafters() == []
+    sched.add(Sequence(request_id=999, prompt_ids=[2], params=SamplingParams(max_new_tokens=4)))
+    assert sched.drafters() == fresh  # a request waits: the ordinary gate, which knows nothing yet, drafts
+
+    sched, seqs = _finishing([0.95] * k)  # fast traffic: the batch after it drafts
+    assert sched.drafters() == seqs
+    fresh = _next_batch(sched, seqs, 100)
+    assert sched.drafters() == fresh and len(sched.gate.history) == k
+
+    sched, seqs = _finishing(rows)  # one request short of gate_window drafts: k - 1 rows, too few to judge on
+    seqs[0].survivals = seqs[0].survivals[1:]
+    sched.drafters()
+    fresh = _next_batch(sched, seqs, 100)
+    assert sched.drafters() == fresh and len(sched.gate.history) == k - 1
+
+    sched, seqs = _finishing(rows)
+    sched.finish_time_gate = False  # no statistics kept: no history
+    sched.drafters()
+    fresh = _next_batch(sched, seqs, 100)
+    assert sched.drafters() == fresh and len(sched.gate.history) == 0
+
+
+def test_population_rows_take_evenly_spaced_quantiles():
+    """``reference.scheduler.population_rows``: rows ranked by expected accepted drafts, taken at the (i + ½)/n
+    quantiles; n = H returns every row once, slowest first; one row for many requests repeats it."""
+    from reference.scheduler import population_rows
+
+    rng = np.random.default_rng(3)
+    hist = torch.from_numpy(np.cumprod(rng.random((10, GAMMA)), axis=1).astype(np.float32))
+    order = torch.argsort(hist.double().sum(1))
+    assert torch.equal(population_rows(hist, 10), hist[order])
+    assert torch.equal(population_rows(hist, 2), hist[order[[2, 7]]])
+    assert torch.equal(population_rows(hist, 5), hist[order[[1, 3, 5, 7, 9]]])
+    assert torch.equal(population_rows(hist[:1], 3), hist[:1].repeat(3, 1))
+    assert population_rows(hist, 0).shape == (0, GAMMA)
+    for bad in (torch.zeros(0, GAMMA), torch.zeros(GAMMA)):
+        try:
+            population_rows(bad, 2)
+        except ValueError:
+            continue
+        raise AssertionError("an empty or 1-D history must be refused")
 
 
 def test_a_finish_time_verdict_stands_while_the_batch_keeps_most_of_its_requests():
