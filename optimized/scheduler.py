@@ -853,7 +853,7 @@ class Scheduler:
         seqs = self.decoding()
         if not seqs or not self.config.mode.drafts:
             return False
-        self.gate.finishing = self.finish_time_gate and not self.waiting
+        self.gate.finishing = self._finishing(seqs)
         verdict = self.gate.prepare(seqs)  # cached for drafters(); None: gate off, or nothing known yet
         # The budget reads drafts `staleness` old, so with staleness ≥ 1 it is known before the next draft lands.
         if self.config.mode is SchedulingMode.ADAPTIVE and self.config.staleness > 0 and verdict is not False:
@@ -947,6 +947,14 @@ class Scheduler:
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
         return any(s in text for s in seq.params.stop)
 
+    def _finishing(self, seqs: list[Sequence]) -> bool:
+        """Whether the draft gate weighs finish times for ``seqs``: the finish-time gate is on, no request waits, and
+        there are two requests or more. One request's finish time is its own rate over its remaining tokens, which
+        the ordinary gate already weighs — and it probes again when that rate changes within the answer, where a
+        finish-time verdict would stand to the end (on an H100 the finish-time gate decoded one request at a time
+        10% slower than the ordinary gate: docs/benchmarks/engine-h100-gc-freeze.json)."""
+        return self.finish_time_gate and not self.waiting and len(seqs) > 1
+
     def drafters(self, seqs: list[Sequence] | None = None) -> list[Sequence]:
         """The requests that draft at the end of this step for the next one: every decoding request (or ``seqs``, an
         engine one step ahead drafting before its read), or nobody when the draft gate closes (or there is no
@@ -954,7 +962,7 @@ class Scheduler:
         if seqs is None:
             seqs = self.decoding()
         seqs = seqs if self.config.mode.drafts else []
-        self.gate.finishing = self.finish_time_gate and not self.waiting
+        self.gate.finishing = self._finishing(seqs)
         self.drafted = bool(seqs) and self.gate.decide(seqs)
         return seqs if self.drafted else []
 

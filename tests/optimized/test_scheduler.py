@@ -254,6 +254,11 @@ def test_the_finish_time_gate_weighs_the_slowest_request():
         s.survivals = s.survivals[1:]
     assert sched.drafters() == seqs
 
+    sched, seqs = _finishing([0.05])  # one request: the ordinary gate, which probes again after probe_every steps
+    steps = [sched.drafters() for _ in range(sched.config.probe_every + 1)]
+    assert not sched.gate.finishing
+    assert steps[:-1] == [[]] * sched.config.probe_every and steps[-1] == seqs
+
 
 def _next_batch(sched: Scheduler, done: list[Sequence], tag: int) -> list[Sequence]:
     """Finish ``done`` and put a batch of as many new requests, none of which has drafted, in their slots."""
