@@ -503,7 +503,7 @@ class DraftGate:
             # slowest request), so that a batch plain decoding finishes sooner does not draft to find that out.
             prior = self.finishing and not finishing and len(self.history) >= self.PRIOR_MIN
             if finishing or prior:
-                verdict = self._finish_verdict(seqs, recent, margin, prior=prior)
+                verdict = self._finish_verdict(seqs, recent, prior=prior)
             elif recent is None:
                 verdict = None
             else:
@@ -514,9 +514,14 @@ class DraftGate:
             self._cache = (key, recent, verdict)
         return self._cache[1], self._cache[2]
 
-    def _finish_verdict(self, seqs: list[Sequence], recent: np.ndarray | None, margin: float,
-                        prior: bool = False) -> bool:
-        """Whether drafting finishes the running requests sooner than plain decoding (``finish_pays``), re-estimated
+    def _finish_verdict(self, seqs: list[Sequence], recent: np.ndarray | None, prior: bool = False) -> bool:
+        """Whether drafting finishes the running requests sooner than plain decoding (``finish_pays``, without the
+        ordinary gate's margin: that margin leans towards drafting because a wrong close lasts until the next probe
+        while a wrong open is undone at the next step, and a finish-time verdict, either way, stands without probes
+        until it is re-estimated. On an H100 a closed batch of 64 sat that close to break-even: its estimate put
+        drafting at 1.08 times plain decoding's time with a margin of 0.04 (docs/benchmarks/gate-trace-prior-h100.json),
+        and runs whose measured prices moved it inside the margin drafted throughout and took 1.13 times as long as
+        plain decoding (docs/benchmarks/engine-h100-async-all.json)), re-estimated
         after ``FINISH_REUSE`` evaluations or once the batch has lost more than 1/``FINISH_BAND`` of the requests
         it was estimated for (any request below ``FINISH_BAND`` requests), or grown. With ``prior``, the rows of
         requests with fewer than gate_window drafts are stand-ins from :attr:`history` (:meth:`prior_survivals`),
@@ -530,9 +535,9 @@ class DraftGate:
         remaining = [max(1, s.params.max_new_tokens - len(s.output_ids)) for s in seqs]
         rows = self.prior_survivals(seqs) if prior else self.finish_survivals(seqs, recent)
         estimate = self.planner.finish_estimate(rows, remaining)
-        verdict = finish_pays(estimate, margin)
+        verdict = finish_pays(estimate)
         if self.finish_trace is not None:
-            self.finish_trace.append((r, estimate, margin, verdict))
+            self.finish_trace.append((r, estimate, 0.0, verdict))
         self._finish = (r, verdict, self.FINISH_REUSE - 1, prior)
         return verdict
 

@@ -338,6 +338,18 @@ def test_population_rows_take_evenly_spaced_quantiles():
         raise AssertionError("an empty or 1-D history must be refused")
 
 
+def test_a_finish_time_verdict_weighs_the_estimate_without_the_gates_margin():
+    """The ordinary gate drafts unless plain decoding looks more than its margin faster; a finish-time verdict, which
+    no probe revisits either way, takes whichever finishes sooner: 2% slower drafting is plain, 2% faster drafts."""
+    from reference.scheduler import FinishEstimate, gate_margin
+
+    for ratio, drafts in ((1.02, False), (0.98, True)):
+        sched, seqs = _finishing([0.9] * 4)
+        assert gate_margin(sched.config, 4) > 0.1
+        sched.planner.finish_estimate = lambda a, remaining, r=ratio: FinishEstimate(r, 1.0, 20.0, 40)
+        assert (sched.drafters() == seqs) is drafts
+
+
 def test_a_finish_time_verdict_stands_while_the_batch_keeps_most_of_its_requests():
     """One estimate answers up to FINISH_REUSE evaluations while the batch keeps all but 1/FINISH_BAND of the requests
     it was estimated for (all of them below FINISH_BAND requests); fewer, or more, re-estimate at once."""
