@@ -423,7 +423,8 @@ class DraftGate:
         # last HISTORY of them: stand-ins for the requests of a finishing batch that have not drafted enough yet
         # (reference.scheduler.population_rows), once there are PRIOR_MIN.
         self.history: deque[np.ndarray] = deque(maxlen=self.HISTORY)
-        # When a list: every fresh finish-time verdict appends (R, FinishEstimate, margin, verdict), as ``trace``.
+        # When a list: every fresh finish-time verdict appends (R, FinishEstimate, margin, verdict), as ``trace``; its
+        # margin is 0.0 (finish_pays without one: _finish_verdict).
         self.finish_trace: list[tuple[int, FinishEstimate, float, bool]] | None = None
 
     # A finish-time verdict answers this many evaluations while the batch keeps all but 1/FINISH_BAND of the requests

@@ -408,8 +408,10 @@ def calibrate_rows(rows: Tensor, factors: Tensor) -> Tensor:
 
 
 def finish_pays(estimate: FinishEstimate, margin: float = 0.0) -> bool:
-    """Whether a draining batch should draft: ``(1 + margin) · plain ≥ speculative`` time to finish (the same margin
-    as :func:`speculation_pays`, read the same way: plain decoding must look more than ``margin`` faster to win)."""
+    """Whether a draining batch should draft: ``(1 + margin) · plain ≥ speculative`` time to finish (``margin`` read
+    as in :func:`speculation_pays`: plain decoding must look more than ``margin`` faster to win). The engine's
+    finish-time gate passes none: its verdict, either way, stands without probes until it is re-estimated, so
+    neither answer needs the benefit of the doubt."""
     return (1.0 + margin) * estimate.plain_s >= estimate.speculative_s
 
 
