@@ -44,7 +44,6 @@ from reference.scheduler import (
     FinishEstimate,
     calibrate_rows,
     fill_stale_rows,
-    finish_estimate,
     finish_pays,
     finish_survivals,
     gate_margin,
@@ -222,13 +221,16 @@ class BudgetPlanner:
 
     def finish_estimate(self, a_latest: np.ndarray, remaining: list[int]) -> FinishEstimate:
         """``reference.scheduler.finish_estimate`` at this planner's prices (the survivals scaled as the budget sees
-        them, the measured price multipliers, the budget it would plan), its table lookups cached. Host only."""
+        them, the measured price multipliers, the budget it would plan), its table lookups cached: host NumPy
+        (:func:`finish_estimate_host`, the same estimate to rounding)."""
         arr = np.asarray(a_latest, dtype=np.float32)  # [R, γ]
         r = arr.shape[0]
         budget = self._best(self._theta(arr, r, r, check=False))[0]  # _theta scales the survivals itself
+        a = self._scaled(arr)  # [R, γ] float32
+        if np.isnan(a).any():  # rows of requests without a draft: filled (and checked) as the reference fills them
+            a = fill_stale_rows(torch.from_numpy(np.ascontiguousarray(a))).numpy()
         # the measured multipliers per batch size, in the prices (each step of the estimate has its own batch)
-        return finish_estimate(torch.from_numpy(self._scaled(arr)), torch.tensor(remaining, dtype=torch.float64),
-                               _Prices(self), budget)
+        return finish_estimate_host(a, remaining, _Prices(self), budget)
 
     def _scaled(self, arr: np.ndarray) -> np.ndarray:
         """``arr`` ``[R, γ]`` float32 times the per-slot ``survival_scale``, capped at 1 and non-increasing again (NaN
@@ -316,6 +318,77 @@ class _Prices:
         if draft is None:
             draft = self.planner._draft_times[num_requests] = self.planner.cost.draft_time(num_requests)
         return self.planner.scales(num_requests)[1] * (self.planner.verify_time(num_tokens, num_requests) + draft)
+
+
+def finish_estimate_host(a: np.ndarray, remaining: list[int] | np.ndarray, cost: CostTable | _Prices,
+                         budget: int) -> FinishEstimate:
+    """``reference.scheduler.finish_estimate(a, remaining, cost, budget)`` in NumPy: the same model and the same
+    float64 arithmetic, equal to rounding (sums in another order; ``tests/optimized/test_finish_estimate_host.py``).
+
+    The reference walks the drafting steps one at a time in Python and runs its ``[T, R]`` normal tail through
+    torch: at R = 256 (about 150 steps) 3.6 ms on the project's 2-core CPU, several times more with its cores
+    busy, and an engine one step ahead that makes an estimate between a verify launch and the next one makes the
+    device wait for it. Here the steps' prices are looked up once per distinct number of requests left and the tail
+    is computed only where it is below 1 (``erfc`` is exactly 2 below −6).
+
+    Args:
+        a: ``[R, γ]`` survivals without NaN (float32 or float64), as the reference's once filled.
+        remaining: ``[R]`` tokens each request may still emit (at least 1).
+        cost: the prices (``step_time`` of drafting steps, ``verify_time`` of plain ones).
+        budget: the drafts ``B`` a step verifies for all ``R`` requests.
+    """
+    a = np.asarray(a, dtype=np.float32).astype(np.float64)  # [R, γ] as the reference's float32 -> float64
+    r, gamma = a.shape
+    n = np.asarray(remaining, dtype=np.float64).reshape(-1)  # [R]
+    if n.shape[0] != r or not bool((n >= 1).all()):
+        raise ValueError(f"remaining must hold one count ≥ 1 per request ({r}), got {n.tolist()}")
+    # allocate_top_b: a stable descending sort of the slot-major candidates (ties: slot, then request ascending)
+    order = np.argsort(-a.T.reshape(-1), kind="stable")[:budget]  # [B] flat j·R + r
+    lens = np.bincount(order % r, minlength=r)  # [R]
+    verified = np.arange(gamma) < lens[:, None]  # [R, γ]
+    av = np.where(verified, a, 0.0)  # [R, γ]
+    mean = av.sum(axis=1)  # [R] E[A_r]
+    second = (av * (2 * np.arange(1, gamma + 1, dtype=np.float64) - 1)).sum(axis=1)  # [R] E[A_r²]
+    rate = 1.0 + mean  # [R]
+    mu = n / rate  # [R] expected steps to finish
+    sigma = np.sqrt(n * np.maximum(second - mean**2, 0.0) / rate**3)  # [R]
+    per_request = budget / r
+
+    # Plain: the longest answers set the steps; between two remaining lengths the step prices the requests left.
+    plain_s, done, left = 0.0, 0, r
+    lengths, counts = np.unique(n, return_counts=True)
+    for length, count in zip(lengths.tolist(), counts.tolist()):
+        plain_s += (int(length) - done) * cost.verify_time(left, left)
+        done, left = int(length), left - count
+
+    # Drafting: step t runs while some F_r > t, priced at the requests expected to be left.
+    horizon = int(math.ceil(float((mu + 6 * sigma).max()))) + 1
+    spread = np.maximum(sigma, 1e-9)  # [R]
+    # Before step `first` every request's tail is below −6 standard scores (a step earlier than needed, for
+    # rounding): P(F_r > t) is exactly 1 there for all r, so those steps are the same step, counted at once.
+    first = min(horizon, max(0, math.floor(float((mu - 6.0 * math.sqrt(2.0) * spread).min() - 0.5)) - 1))
+    t = np.arange(first, horizon, dtype=np.float64)[:, None] + 0.5  # [T', 1]
+    x = (t - mu[None, :]) / spread[None, :] / math.sqrt(2.0)  # [T', R]
+    unfinished = np.ones_like(x)  # [T', R] P(F_r > t): 0.5·erfc(x), exactly 1 where x < −6
+    tail = x >= -6.0
+    below = 0.5 * torch.special.erfc(torch.from_numpy(x[tail])).numpy()  # [n] the tail where it is below 1
+    unfinished[tail] = below
+    one = math.log1p(-(1 - 1e-15))  # log P(F_r ≤ t) where the tail is 1 (clamped, as the reference)
+    logs = np.full_like(x, one)  # [T', R]
+    logs[tail] = np.log1p(-np.minimum(below, 1 - 1e-15))
+    full = 1.0 - math.exp(r * one)  # P(max F > t) while every tail is 1
+    some = 1.0 - np.exp(logs.sum(axis=1))  # [T'] P(max F > t)
+    live = unfinished.sum(axis=1)  # [T'] expected requests left
+    keep = some > 1e-6
+    p = some[keep]
+    k = np.maximum(1, np.rint(live[keep] / p)).astype(np.int64)  # requests left (round half to even, as round)
+    ks, where = np.unique(k, return_inverse=True)
+    prices = np.array([cost.step_time(int(q) + round(int(q) * per_request), int(q)) for q in ks.tolist()])
+    speculative_s = float(np.dot(p, prices[where]))
+    if first:  # the steps before it: all r requests left
+        k_full = max(1, round(r / full))
+        speculative_s += first * full * cost.step_time(k_full + round(k_full * per_request), k_full)
+    return FinishEstimate(speculative_s, plain_s, first * full + float(some.sum()), int(n.max()))
 
 
 def step_time_curve(cost: CostTable, first: int, count: int, num_requests: int) -> np.ndarray:
