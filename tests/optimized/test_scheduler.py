@@ -317,6 +317,29 @@ def test_a_finishing_batch_is_judged_on_the_requests_before_it():
     assert sched.drafters() == fresh and len(sched.gate.history) == 0
 
 
+def test_stand_ins_are_population_rows_of_the_history_as_it_is_now():
+    """The gate ranks its history once until it changes: its stand-ins for any number of requests are
+    ``population_rows`` of the history at that moment, before and after more requests join it."""
+    rows = [0.95, 0.3, 0.7, 0.05, 0.5, 0.9, 0.2, 0.8] * 4
+    sched, seqs = _finishing(rows)
+    sched.drafters()
+    fresh = _next_batch(sched, seqs, 100)
+    sched.drafters()  # the new requests claim their slots: the first batch's rows join the history
+    gate = sched.gate
+    for count in (1, 2, 5, 31, 32, 33, 100):
+        np.testing.assert_array_equal(gate._stand_ins(count),
+                                      population_rows(torch.tensor(np.stack(gate.history)), count).numpy())
+    for i, s in enumerate(fresh):  # the new batch drafts gate_window times, its rows unlike the first batch's
+        s.survivals = [np.cumprod(np.full(GAMMA, 0.1 + 0.02 * i, dtype=np.float32))] * sched.config.gate_window
+    sched.drafters()
+    _next_batch(sched, fresh, 200)
+    sched.drafters()
+    assert len(gate.history) == 2 * len(rows)
+    for count in (1, 7, 64, 65):
+        np.testing.assert_array_equal(gate._stand_ins(count),
+                                      population_rows(torch.tensor(np.stack(gate.history)), count).numpy())
+
+
 def test_population_rows_take_evenly_spaced_quantiles():
     """``reference.scheduler.population_rows``: rows ranked by expected accepted drafts, taken at the (i + ½)/n
     quantiles; n = H returns every row once, slowest first; one row for many requests repeats it."""
