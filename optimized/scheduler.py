@@ -326,10 +326,10 @@ def finish_estimate_host(a: np.ndarray, remaining: list[int] | np.ndarray, cost:
     float64 arithmetic, equal to rounding (sums in another order; ``tests/optimized/test_finish_estimate_host.py``).
 
     The reference walks the drafting steps one at a time in Python and runs its ``[T, R]`` normal tail through
-    torch: at R = 256 (about 150 steps) 3.6 ms on the project's 2-core CPU, several times more with its cores
-    busy, and an engine one step ahead that makes an estimate between a verify launch and the next one makes the
-    device wait for it. Here the steps' prices are looked up once per distinct number of requests left and the tail
-    is computed only where it is below 1 (``erfc`` is exactly 2 below −6).
+    torch: at R = 256 (about 130 steps) 2.8 ms on the project's 2-core CPU with the other core busy, more with
+    torch's threads contending, between a verify launch and the next. Here the steps' prices are looked up once per
+    distinct number of requests left and the tail is computed only where it is below 1 (``erfc`` is exactly 2 below
+    −6): 1.6 ms on the same machine, one torch thread.
 
     Args:
         a: ``[R, γ]`` survivals without NaN (float32 or float64), as the reference's once filled.
@@ -503,8 +503,9 @@ class DraftGate:
 
     # A finish-time verdict answers this many evaluations while the batch keeps all but 1/FINISH_BAND of the requests
     # it was estimated for (below FINISH_BAND requests: all of them): a drafting batch changes its survivals every
-    # step and, once its first requests are done, its size too, and an estimate (about 1 ms of host time at 256
-    # requests on the project's 2-core CPU) need not follow each. Re-estimated whenever the size changed, a draining
+    # step and, once its first requests are done, its size too, and an estimate (finish_estimate_host: about 1.6 ms
+    # of host time at 256 requests on the project's 2-core CPU with its other core busy, the reference's 2.8 ms)
+    # need not follow each. Re-estimated whenever the size changed, a draining
     # batch made an estimate nearly every step, between the verify launch and the draft launch (on an H200,
     # scripts/bench_engine.py --gate-trace: 105 estimates in 101 steps at batch 64, 130 in 119 at 256).
     FINISH_REUSE = 8
