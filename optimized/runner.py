@@ -39,6 +39,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from optimized.config import EngineConfig
@@ -217,7 +218,7 @@ class ModelRunner:
         # Plain steps' tapped features not yet in the drafter's context (EngineConfig.draft_context_lag): per slot,
         # position p's row sits at p mod lag; the last slot takes padding rows. _lag[slot] counts them (host).
         self.context_lag = config.draft_context_lag if self.drafter is not None else 0
-        self._lag = [0] * config.max_num_seqs
+        self._lag = np.zeros(config.max_num_seqs, dtype=np.int64)  # [S] host
         if self.context_lag:
             self.pending_features = torch.zeros(config.max_num_seqs + 1, self.context_lag, self.target.feature_size,
                                                 dtype=self.target.dtype, device=self.device)  # [S+1, lag, m·d]
@@ -233,8 +234,9 @@ class ModelRunner:
         self.anchor = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] x_0 of each slot
         self.anchor_pos = torch.zeros(slots, dtype=torch.long, device=dev)  # [S] its absolute position
         self.draft_tokens = torch.zeros(slots, g, dtype=torch.long, device=dev)  # [S, γ]
-        # [S, 1] an engine without a drafter verifies through greedy_verify too, with one slot no row ever verifies
-        self.no_drafts = torch.zeros(slots, 1, dtype=torch.long, device=dev) if not g else None
+        # [S, 1] a step that verifies no drafts (an engine without a drafter, or a plain step of one with a drafter)
+        # goes through greedy_verify too, with one slot no row ever verifies: no gather of the slots' drafts
+        self.no_drafts = torch.zeros(slots, 1, dtype=torch.long, device=dev)
         self.draft_probs = torch.zeros(slots, g, self.vocab, dtype=torch.float32, device=dev)  # [S, γ, V]
         # [S] p_d of the slot's drafts is the one-hot of its own tokens (greedy drafts, n-gram proposals), implicit:
         # its draft_probs rows are neither written nor read (rejection_sample's draft_onehot).
@@ -501,10 +503,10 @@ class ModelRunner:
         plain = bool(self.context_lag) and plan.mode is SchedulingMode.NONE  # the target alone, features parked
         graphs = self.plain_graphs if plain else self.verify_graphs
         if plain:
-            if any(self._lag[s.slot] >= self.context_lag for s in decoding):  # a full buffer: append it first
+            held = np.array(slots, dtype=np.intp)  # [R]
+            if (self._lag[held] >= self.context_lag).any():  # a full buffer: append it first
                 self.catch_up_context(decoding)
-            for s in decoding:
-                self._lag[s.slot] += 1
+            self._lag[held] += 1  # slots are distinct
         n_pad = graphs.padded(n_tokens)
         # Token layout, on the device, straight into the graphs' static buffers (one launch with Triton): request j
         # owns tokens cu[j] .. cu[j+1]-1 = [x_0, x_1..x_ℓ] (optimized/kernels/layout.py).
@@ -533,7 +535,8 @@ class ModelRunner:
             # launches fewer than index, argmax and the anchors' update, host work that bounds plain decoding one
             # step ahead at large batches).
             moved = True
-            drafts = self.draft_tokens[rows] if g else self.no_drafts[:r]  # [R, γ] ([R, 1], never read, without γ)
+            # [R, γ] the drafts, or [R, 1] never read when no row verifies any (plain decoding: every ℓ is 0)
+            drafts = self.no_drafts[:r] if plan.mode is SchedulingMode.NONE or not g else self.draft_tokens[rows]
             result = greedy_verify(drafts, lens, logits, backend=self.config.kernel_backend, row_starts=b.cu[: r + 1],
                                    anchors=(self.anchor, self.anchor_pos, rows))
             emitted, n_emitted = result.tokens, result.num_emitted
@@ -616,7 +619,7 @@ class ModelRunner:
         A slot's k parked tokens are its last k verified ones, one a plain step: positions anchor - k .. anchor - 1
         (the device's anchor, after every step launched so far; a step that verifies drafts appends its own
         features, and none runs between a request's plain steps and its next draft, which calls this first)."""
-        lagging = [(s.slot, self._lag[s.slot]) for s in seqs if self._lag[s.slot]]
+        lagging = [(s.slot, int(self._lag[s.slot])) for s in seqs if self._lag[s.slot]]
         if not lagging:
             return
         slots, back = [], []
