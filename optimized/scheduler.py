@@ -341,6 +341,7 @@ def finish_estimate_host(a: np.ndarray, remaining: list[int] | np.ndarray, cost:
     r, gamma = a.shape
     n = np.asarray(remaining, dtype=np.float64).reshape(-1)  # [R]
     if n.shape[0] != r or not bool((n >= 1).all()):
+        # sync: none, host NumPy (an error path)
         raise ValueError(f"remaining must hold one count ≥ 1 per request ({r}), got {n.tolist()}")
     # allocate_top_b: a stable descending sort of the slot-major candidates (ties: slot, then request ascending)
     order = np.argsort(-a.T.reshape(-1), kind="stable")[:budget]  # [B] flat j·R + r
@@ -357,7 +358,7 @@ def finish_estimate_host(a: np.ndarray, remaining: list[int] | np.ndarray, cost:
     # Plain: the longest answers set the steps; between two remaining lengths the step prices the requests left.
     plain_s, done, left = 0.0, 0, r
     lengths, counts = np.unique(n, return_counts=True)
-    for length, count in zip(lengths.tolist(), counts.tolist()):
+    for length, count in zip(lengths.tolist(), counts.tolist()):  # sync: none, host NumPy
         plain_s += (int(length) - done) * cost.verify_time(left, left)
         done, left = int(length), left - count
 
@@ -383,6 +384,7 @@ def finish_estimate_host(a: np.ndarray, remaining: list[int] | np.ndarray, cost:
     p = some[keep]
     k = np.maximum(1, np.rint(live[keep] / p)).astype(np.int64)  # requests left (round half to even, as round)
     ks, where = np.unique(k, return_inverse=True)
+    # sync: none, host NumPy; one lookup per distinct number of requests left
     prices = np.array([cost.step_time(int(q) + round(int(q) * per_request), int(q)) for q in ks.tolist()])
     speculative_s = float(np.dot(p, prices[where]))
     if first:  # the steps before it: all r requests left
