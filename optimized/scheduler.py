@@ -225,7 +225,7 @@ class BudgetPlanner:
         (:func:`finish_estimate_host`, the same estimate to rounding)."""
         arr = np.asarray(a_latest, dtype=np.float32)  # [R, γ]
         r = arr.shape[0]
-        budget = self._best(self._theta(arr, r, r, check=False))[0]  # _theta scales the survivals itself
+        budget = self.budget(arr, r, r, check=False)  # the budget it would plan (it scales the survivals itself)
         a = self._scaled(arr)  # [R, γ] float32
         if np.isnan(a).any():  # rows of requests without a draft: filled (and checked) as the reference fills them
             a = fill_stale_rows(torch.from_numpy(np.ascontiguousarray(a))).numpy()
