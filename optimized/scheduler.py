@@ -124,6 +124,10 @@ class BudgetPlanner:
         # Per-slot factors of the survivals from the drafts that survived (optimized/acceptance_monitor.py): Θ is
         # computed on min(1, a_k · factor_k), non-increasing again. None: the survivals as they are (the reference's).
         self.survival_scale: np.ndarray | None = None
+        # The adaptive budget's prior (reference.scheduler.Scheduler.stale_prior): the last stale matrix in which some
+        # request had a row; its mean stale curve is computed only for a step in which no request has one.
+        self._stale_seen: np.ndarray | None = None  # [R, γ] float32, never written after it is kept
+        self._stale_prior: np.ndarray | None = None  # [γ] its mean, once asked for
 
     @property
     def cost(self) -> CostTable | None:
@@ -188,6 +192,38 @@ class BudgetPlanner:
         engine's own: cumulative products of sigmoids, and moving averages of such rows); NaN rows are looked for
         and filled either way."""
         return self._best(self._theta(a_stale, num_anchor_tokens, num_requests, check))[0]
+
+    def stale_budget(self, a_stale: np.ndarray, num_anchor_tokens: int, num_requests: int | None = None, *,
+                     check: bool = True, record: bool = True) -> int:
+        """The budget of an ``adaptive`` plan, as ``reference.scheduler.Scheduler.lengths`` computes it: :meth:`budget`,
+        except that in a step in which no request has a stale row (a request that arrives alone, a batch that starts
+        together) every row is the mean stale curve of the last step in which some request had one (the reference's
+        ``stale_prior``; zeros before any, as :meth:`budget`). ``a_stale`` ``[R, γ]`` float32 is then kept as that
+        step's (unless ``record`` is False: a budget planned ahead of its step is recorded when the step uses it,
+        :meth:`note_stale`), and must not be written afterwards."""
+        arr = np.asarray(a_stale, dtype=np.float32)  # [R, γ]
+        if arr.ndim == 2 and arr.shape[0] and np.isnan(arr[:, 0]).all():  # rows are whole: no request has one
+            prior = self.stale_prior()
+            if prior is not None:
+                arr = np.repeat(prior[None, :], arr.shape[0], axis=0)  # [R, γ] fill_stale_rows with the prior
+        elif record:
+            self.note_stale(arr)
+        return self.budget(arr, num_anchor_tokens, num_requests, check=check)
+
+    def note_stale(self, a_stale: np.ndarray) -> None:
+        """Keep ``a_stale`` ``[R, γ]`` float32 (not written afterwards) as the last step's stale survivals, for
+        :meth:`stale_prior`, if some request has a row in it."""
+        if a_stale.shape[0] and not np.isnan(a_stale[:, 0]).all():
+            self._stale_seen, self._stale_prior = a_stale, None
+
+    def stale_prior(self) -> np.ndarray | None:
+        """``reference.scheduler.stale_mean`` of the last stale survivals kept (``[γ]`` float32, the same torch mean
+        of the same contiguous rows), None before any."""
+        if self._stale_prior is None and self._stale_seen is not None:
+            seen = self._stale_seen
+            known = seen[~np.isnan(seen[:, 0])]  # [R_known, γ] a fresh contiguous array, as the reference's index
+            self._stale_prior = torch.from_numpy(known).mean(dim=0).numpy()  # sync: none, a CPU tensor
+        return self._stale_prior
 
     def scales(self, num_requests: int) -> tuple[float, float]:
         """The (plain, speculative) price multipliers for a step of ``num_requests`` requests."""
@@ -771,8 +807,9 @@ class Scheduler:
         self.policy = self._policy()
         self.gate = DraftGate(config, gamma, max_num_seqs, self.planner)
         self._nan_row = np.full(gamma, np.nan, dtype=np.float32)  # [γ] the stale row of a request too new for one
-        # The next step's budget, planned ahead by plan_ahead: ((request id, drafts held) of each request, B)
-        self._ahead: tuple[tuple[tuple[int, int], ...], int] | None = None
+        # The next step's budget, planned ahead by plan_ahead: ((request id, drafts held) of each request, B, the
+        # stale survivals it was planned on)
+        self._ahead: tuple[tuple[tuple[int, int], ...], int, np.ndarray] | None = None
         self.ahead_hits = 0  # steps whose budget was planned ahead (for tests and benchmarks)
         # An offline batch (EngineConfig.finish_time_gate): once no request waits, the draft gate weighs the time to
         # finish the running requests instead of one step's throughput (DraftGate.finishing).
@@ -905,10 +942,11 @@ class Scheduler:
         if mode is SchedulingMode.ADAPTIVE:
             if not unrecorded and ahead is not None and ahead[0] == holdings(decoding):  # planned during the verify
                 self.ahead_hits += 1
+                self.planner.note_stale(ahead[2])
                 return StepPlan(chunks, decoding, mode, budget=ahead[1])
             stale = self._stale_survivals(decoding, ahead=unrecorded)  # [R, γ] host copy, NaN rows = too new
             # The engine's own survivals (no range or monotonicity check: they hold by construction).
-            budget = self.planner.budget(stale, num_anchor_tokens=r, num_requests=r, check=False)
+            budget = self.planner.stale_budget(stale, num_anchor_tokens=r, num_requests=r, check=False)
             return StepPlan(chunks, decoding, mode, budget=budget)
         if mode in (SchedulingMode.FIXED, SchedulingMode.DSD):  # the n-gram proposer's blocks may be shorter
             k = self.policy.uniform_length(r)
@@ -955,7 +993,8 @@ class Scheduler:
             stale = self._stale_survivals(seqs, ahead=1)  # [R, γ] the next step's stale rows
             r = len(seqs)
             self._ahead = (holdings(seqs, ahead=1),
-                           self.planner.budget(stale, num_anchor_tokens=r, num_requests=r, check=False))
+                           self.planner.stale_budget(stale, num_anchor_tokens=r, num_requests=r, check=False,
+                                                     record=False), stale)
         return verdict is True or not self.gate.active
 
     # ------------------------------------------------------------------------------------------------ after the device

@@ -458,12 +458,14 @@ def draft_forced(config: SchedulerConfig, a_latest: Tensor | None, steps_without
     return a_latest is None or bool(torch.isnan(a_latest).all()) or steps_without_draft >= config.probe_every
 
 
-def fill_stale_rows(a_stale: Tensor) -> Tensor:
+def fill_stale_rows(a_stale: Tensor, prior: Tensor | None = None) -> Tensor:
     """Replace NaN rows (requests with no stale survivals) by the mean stale curve of the other requests.
 
-    With no stale row at all the fill is zeros: such candidates add nothing to ``τ``, so the budget ignores
-    them (ties go to the smaller budget). A mean of non-increasing rows is non-increasing, so the result is
-    a valid survival matrix.
+    With no stale row at all the fill is ``prior`` ``[γ]`` — the mean stale curve of the last step that had one
+    (:attr:`Scheduler.stale_prior`): a request that arrives alone, or a batch that starts together, is expected to
+    draft as the requests before it did — or zeros when there is none: such candidates add nothing to ``τ``, so the
+    budget ignores them (ties go to the smaller budget). A mean of non-increasing rows is non-increasing, so the
+    result is a valid survival matrix.
     """
     R, gamma = _shape(a_stale, "a_stale")
     missing = torch.isnan(a_stale)  # [R, γ]
@@ -472,17 +474,34 @@ def fill_stale_rows(a_stale: Tensor) -> Tensor:
         raise ValueError("a_stale has rows that are partly NaN; a request has either a full stale row or none")
     known = a_stale[~row_missing]  # [R_known, γ]
     _checked_survivals(known, "a_stale")
-    fill = known.mean(dim=0) if known.shape[0] > 0 else torch.zeros(gamma, dtype=a_stale.dtype, device=a_stale.device)
+    if known.shape[0] > 0:
+        fill = known.mean(dim=0)  # [γ]
+    elif prior is not None:
+        fill = torch.as_tensor(prior, dtype=a_stale.dtype, device=a_stale.device)  # [γ]
+        if tuple(fill.shape) != (gamma,):
+            raise ValueError(f"prior must have shape ({gamma},) like a row of a_stale, got {tuple(fill.shape)}")
+        _checked_survivals(fill[None], "prior")
+    else:
+        fill = torch.zeros(gamma, dtype=a_stale.dtype, device=a_stale.device)
     return torch.where(row_missing[:, None], fill[None, :], a_stale)  # [R, γ]
 
 
-def stale_budget(a_stale: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests: int | None = None) -> int:
-    """The asynchronous budget: :func:`best_budget` of the stale survivals, NaN rows filled by :func:`fill_stale_rows`.
+def stale_mean(a_stale: Tensor) -> Tensor | None:
+    """The mean stale curve ``[γ]`` of the requests that have a stale row (what :func:`fill_stale_rows` fills the
+    others with), None when none has one."""
+    known = a_stale[~torch.isnan(a_stale).all(dim=1)]  # [R_known, γ]
+    return known.mean(dim=0) if known.shape[0] > 0 else None
+
+
+def stale_budget(a_stale: Tensor, cost: CostTable, num_anchor_tokens: int, num_requests: int | None = None,
+                 prior: Tensor | None = None) -> int:
+    """The asynchronous budget: :func:`best_budget` of the stale survivals, NaN rows filled by :func:`fill_stale_rows`
+    (with ``prior`` when no request has a stale row).
 
     This is the host half of the ``adaptive`` mode (:meth:`Scheduler.lengths`); an engine that allocates on the
     device calls it directly and must get the same integer.
     """
-    return best_budget(fill_stale_rows(a_stale), cost, num_anchor_tokens, num_requests)
+    return best_budget(fill_stale_rows(a_stale, prior), cost, num_anchor_tokens, num_requests)
 
 
 # ---------------------------------------------------------------------------- the policies
@@ -501,6 +520,10 @@ class Scheduler:
     cost: CostTable | None = None
     # Loop state of the draft gate: consecutive steps, up to now, that did not draft (the loop updates it).
     steps_without_draft: int = field(default=0, init=False)
+    # Loop state of the adaptive budget: the mean stale curve [γ] of the last step in which some request had a stale
+    # row (stale_mean), the fill of a step in which none has (fill_stale_rows); None before the first. lengths()
+    # updates it.
+    stale_prior: Tensor | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         mode = self.config.mode
@@ -536,8 +559,10 @@ class Scheduler:
         holds the calibrated survivals request ``r`` had at step ``t - config.staleness`` (default 2; vLLM's
         merged code uses 1), i.e. those of its draft ``staleness`` drafts before the current one (a decoding
         request drafts every step, so the two counts agree). A request with no such draft (it joined since)
-        is a NaN row; it gets the mean stale curve of the other requests, or zeros if no request has one
-        (then the budget ignores it, yet the allocation from current values may still give it slots).
+        is a NaN row; it gets the mean stale curve of the other requests, or, if no request has one, that of the
+        last step in which some request had one (:attr:`stale_prior`: a request that arrives alone drafts, it is
+        expected, as those before it did), or zeros before any (then the budget ignores it, yet the allocation from
+        current values may still give it slots). The prior is older than the stale rows, so it anticipates nothing.
 
         Why both parts are non-anticipating, hence lossless:
             * the budget ``K`` is a function of step ``t - staleness``'s survivals and of ``T_0``, all fixed
@@ -577,7 +602,11 @@ class Scheduler:
                 raise ValueError("adaptive mode needs a_stale (NaN rows for requests without stale survivals)")
             if tuple(a_stale.shape) != (R, gamma):
                 raise ValueError(f"a_stale has shape {tuple(a_stale.shape)}, expected {(R, gamma)} like a_current")
-            budget = stale_budget(a_stale, self.cost, self._anchor_tokens(num_anchor_tokens), num_requests)
+            budget = stale_budget(a_stale, self.cost, self._anchor_tokens(num_anchor_tokens), num_requests,
+                                  prior=self.stale_prior)
+            mean = stale_mean(a_stale)
+            if mean is not None:
+                self.stale_prior = mean
             lens = allocate_top_b(a, budget)
         elif mode is SchedulingMode.ORACLE:
             if accepted_if_full is None:

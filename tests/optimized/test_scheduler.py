@@ -120,6 +120,36 @@ def test_record_drafts_keeps_numpy_row_views_and_plans_as_the_reference():
     assert plan.budget == stale_budget(drafts[0], sched.cost, 2)  # staleness 1: the draft before the current one
 
 
+def test_budgets_without_stale_rows_take_the_reference_prior_across_batches():
+    """A step in which no request has a stale row (the first ``staleness`` steps of a request that arrives alone, or
+    of a batch that starts together) fills every row with the mean stale curve of the last step that had one: the
+    engine's budgets equal those of the reference policy stepped through the same stale matrices — with the budget
+    planned during the verify (``plan_ahead``) or at the schedule, and with the prior kept between batches."""
+    gen = torch.Generator().manual_seed(3)
+    row = lambda: torch.cumprod(0.55 + 0.45 * torch.rand(GAMMA, generator=gen), 0)  # noqa: E731
+    for ahead in (False, True):
+        sched = _scheduler("adaptive", staleness=2)
+        policy = Policy(sched.config, gamma=sched.gamma, cost=sched.cost)
+        budgets, expected = [], []
+        for _batch in range(3):  # each batch starts with no stale row; the first has no prior either
+            seqs = _decoding(sched, [[], []])
+            for _step in range(4):
+                rows = torch.stack([row(), row()])  # [R, γ] this step's drafts
+                sched.record_drafts(seqs, rows)
+                stale = torch.stack([torch.from_numpy(s.survivals[-3]) if len(s.survivals) > 2
+                                     else torch.full((GAMMA,), float("nan")) for s in seqs])
+                expected.append(int(policy.lengths(rows, a_stale=stale, num_anchor_tokens=2).sum()))
+                budgets.append(sched.schedule().budget)
+                if ahead:  # the next step's budget, planned while this one verifies
+                    sched.plan_ahead()
+            for s in seqs:
+                sched.finish(s, "length")
+        assert budgets == expected, (ahead, budgets, expected)
+        assert (sched.ahead_hits > 0) == ahead
+        # the batches after the first budget their first two steps from the prior, not zeros
+        assert expected[0] == expected[1] == 0 and expected[4] > 0 and expected[8] > 0
+
+
 def test_emitting_tokens_at_once_finishes_as_token_by_token():
     """The fast commit (no logprobs, no stop strings) keeps the same tokens and finishes for the same reason as the
     token-by-token loop: EOS before, at and after the length limit and the end of the slot, ignore_eos, empty steps."""

@@ -24,6 +24,7 @@ from reference.scheduler import (
     prefix_survival,
     rank_candidates,
     stale_budget,
+    stale_mean,
 )
 
 # Θ is computed in float64 from a handful of additions and one division; two allocations with the same
@@ -359,10 +360,46 @@ def test_adaptive_budget_comes_from_stale_and_allocation_from_current():
     assert stale_budget(a_stale, cost, 2) == 2
     a_now = torch.tensor([[0.3, 0.1], [0.95, 0.9]])
     assert torch.equal(sched.lengths(a_now, a_stale=a_stale, num_anchor_tokens=2), torch.tensor([0, 2]))
-    # No stale row at all: zeros, a zero budget.
+    # No stale row at all in a scheduler's first steps: zeros, a zero budget.
     all_new = torch.full((2, 2), math.nan)
     assert torch.equal(fill_stale_rows(all_new), torch.zeros(2, 2))
-    assert torch.equal(sched.lengths(a_now, a_stale=all_new, num_anchor_tokens=2), torch.tensor([0, 0]))
+    fresh = make("adaptive", gamma=2, cost=cost)
+    assert torch.equal(fresh.lengths(a_now, a_stale=all_new, num_anchor_tokens=2), torch.tensor([0, 0]))
+    assert fresh.stale_prior is None
+
+
+def test_a_step_without_stale_rows_takes_the_last_mean_stale_curve():
+    """Requests that arrive after others left (alone, or a batch starting together) are expected to draft as the
+    requests before them did: the budget fills their rows with the mean stale curve of the last step that had one,
+    not with zeros (which would verify none of their first `staleness` drafts)."""
+    cost = CostTable({2: 10.0, 3: 12.0, 4: 14.0, 5: 30.0, 6: 30.0}, {})
+    sched = make("adaptive", gamma=2, cost=cost)
+    a_now = torch.tensor([[0.95, 0.9], [0.95, 0.9]])
+    first = torch.tensor([[0.9, 0.8], [0.5, 0.2]])
+    sched.lengths(a_now, a_stale=first, num_anchor_tokens=2)
+    assert torch.equal(sched.stale_prior, stale_mean(first)) and torch.allclose(sched.stale_prior,
+                                                                                 torch.tensor([0.7, 0.5]))
+    # The next batch starts with no stale row: the prior fills every row, so the budget is the one it prices.
+    all_new = torch.full((2, 2), math.nan)
+    prior_rows = sched.stale_prior.expand(2, 2)
+    assert torch.equal(fill_stale_rows(all_new, sched.stale_prior), prior_rows)
+    expected = best_budget(prior_rows, cost, 2)
+    assert expected > 0
+    assert stale_budget(all_new, cost, 2, prior=sched.stale_prior) == expected
+    lens = sched.lengths(a_now, a_stale=all_new, num_anchor_tokens=2)
+    assert int(lens.sum()) == expected
+    assert torch.allclose(sched.stale_prior, torch.tensor([0.7, 0.5]))  # a step without rows keeps the prior
+    # Known rows are filled from the batch, never from the prior; the prior follows the newest known rows.
+    some = torch.tensor([[0.2, 0.1], [math.nan, math.nan]])
+    assert torch.equal(fill_stale_rows(some, torch.tensor([0.9, 0.9])), torch.tensor([[0.2, 0.1], [0.2, 0.1]]))
+    sched.lengths(a_now, a_stale=some, num_anchor_tokens=2)
+    assert torch.equal(sched.stale_prior, torch.tensor([0.2, 0.1]))
+    assert stale_mean(all_new) is None
+    # A malformed prior is refused with its shape or range named.
+    with pytest.raises(ValueError, match="prior must have shape"):
+        fill_stale_rows(all_new, torch.tensor([0.5, 0.4, 0.3]))
+    with pytest.raises(ValueError, match="prior must lie in"):
+        fill_stale_rows(all_new, torch.tensor([1.5, 0.4]))
 
 
 # ---------------------------------------------------------------------------- validation
