@@ -391,9 +391,12 @@ class Engine:
             return []
         t0 = time.perf_counter()
         reach = self._reach
-        seqs = [s for s in decoding if id(s) in reach or id(s) not in reach_before]
+        if len(reach) == len(decoding):  # the usual step verifies every request decoding now (its plan's requests
+            seqs = decoding  # are those, in the same order): no pass of Python over them
+        else:
+            seqs = [s for s in decoding if id(s) in reach or id(s) not in reach_before]
         if starting:  # their anchor is the first token, one position past the prompt the host knows of
-            seqs += [s for s in starting if s.params.max_new_tokens > 1]
+            seqs = seqs + [s for s in starting if s.params.max_new_tokens > 1]
             reach_before = {**reach_before, **dict.fromkeys(map(id, starting), 1)}
             longest = max(longest, _longest_context(starting))
         ahead = max(reach_before.values(), default=0) + max(reach.values(), default=0)
