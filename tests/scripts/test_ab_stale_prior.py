@@ -1,0 +1,47 @@
+"""``scripts/ab_stale_prior.py``: the two arms differ only in the budget's prior, and the report pairs them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from optimized.scheduler import BudgetPlanner
+from reference.target import Target
+from reference.testing import tiny_drafter, tiny_hf_model
+from scripts import ab_stale_prior
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_zero_fill_arm_withholds_the_prior_and_restores_it():
+    planner = BudgetPlanner.__new__(BudgetPlanner)  # only the prior's state is needed
+    planner._stale_seen, planner._stale_prior = np.array([[0.9, 0.5], [np.nan, np.nan]], dtype=np.float32), None
+    with ab_stale_prior.arm("prior"):
+        np.testing.assert_allclose(planner.stale_prior(), [0.9, 0.5])
+    with pytest.raises(RuntimeError), ab_stale_prior.arm("zero_fill"):
+        assert planner.stale_prior() is None
+        raise RuntimeError("a failing run")
+    np.testing.assert_allclose(planner.stale_prior(), [0.9, 0.5])  # restored even after the failure
+    with pytest.raises(ValueError, match="unknown arm"), ab_stale_prior.arm("both"):
+        pass
+
+
+def test_report_pairs_the_arms_per_batch_and_mode(tmp_path):
+    target = Target.from_model(tiny_hf_model("llama", num_layers=2), name="tiny-llama")
+    drafter = tiny_drafter(target, gamma=4, markov_rank=8)
+    out = tmp_path / "ab.json"
+    argv = ["--rounds", "1", "--out", str(out), "--", "--batch-sizes", "1", "--modes", "adaptive+async",
+            "--max-new-tokens", "6", "--requests-per-slot", "2", "--warmup", "0", "--repeats", "1",
+            "--hf-max-batch", "0", "--context-len", "16", "--cost-cache-dir", str(tmp_path / "cost")]
+    report = ab_stale_prior.main(argv, target=target, drafter=drafter, prompt_ids=[[5, 6, 7, 8], [9, 2]])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    cell = report["summary"]["1"]["adaptive+async"]
+    assert [len(v) for v in cell["tokens_per_s"].values()] == [1, 1]
+    med = cell["median_tokens_per_s"]
+    assert med["prior"] > 0 and med["zero_fill"] > 0
+    assert cell["prior_over_zero_fill"] == pytest.approx(med["prior"] / med["zero_fill"], rel=1e-3)
+    assert report["command"].startswith("python -m scripts.ab_stale_prior --rounds 1")
+    with pytest.raises(SystemExit, match="before '--'"):
+        ab_stale_prior.main(["--", "--out", str(out)])
