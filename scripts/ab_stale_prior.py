@@ -6,7 +6,8 @@ one (``reference.scheduler.Scheduler.stale_prior``); before, it filled them with
 step's drafts. ``scripts/replay_budget.py`` prices the difference from a cost table; this script measures it on the
 engine itself. Two runs of the same build on a shared GPU can differ by more than the difference, so the arms
 alternate (``prior``, ``zero_fill``, ``prior``, ... ``--rounds`` times each) within one process and the report gives
-each arm's median over its rounds, per batch size and mode, and the ratio of the two medians.
+each arm's median over its rounds, per batch size and mode, and the ratio of the two medians. The target is loaded
+once for every run.
 
 The ``zero_fill`` arm is the engine with ``BudgetPlanner.stale_prior`` answering "none yet" at every step (so the
 rows are zeros, as before the prior); nothing else differs. Every argument after ``--`` goes to
@@ -36,6 +37,7 @@ from typing import Any
 
 from optimized.scheduler import BudgetPlanner
 from reference.cli import LOG_FORMAT
+from reference.target import Target
 from scripts import bench_engine
 
 log = logging.getLogger("dspark.ab_stale_prior")
@@ -57,6 +59,26 @@ def arm(name: str) -> Iterator[None]:
         yield
     finally:
         BudgetPlanner.stale_prior = original
+
+
+@contextlib.contextmanager
+def target_loaded_once() -> Iterator[None]:
+    """``Target.load`` remembered by its arguments for the block: every run of both arms shares one target (each
+    run already builds an engine per configuration from one), instead of loading and converting it again."""
+    loaded: dict[str, Target] = {}
+    original = Target.__dict__["load"]  # the classmethod itself, put back as it was
+
+    def load(cls: type[Target], *args: Any, **kwargs: Any) -> Target:
+        key = repr((args, sorted(kwargs.items())))
+        if key not in loaded:
+            loaded[key] = original.__func__(cls, *args, **kwargs)
+        return loaded[key]
+
+    Target.load = classmethod(load)
+    try:
+        yield
+    finally:
+        Target.load = original
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -95,7 +117,7 @@ def main(argv: list[str] | None = None, **bench_kwargs: Any) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     start = time.time()
     runs = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, target_loaded_once():
         for i in range(args.rounds):
             for name in ARMS:
                 log.info("round %d/%d, arm %s", i + 1, args.rounds, name)

@@ -45,3 +45,21 @@ def test_report_pairs_the_arms_per_batch_and_mode(tmp_path):
     assert report["command"].startswith("python -m scripts.ab_stale_prior --rounds 1")
     with pytest.raises(SystemExit, match="before '--'"):
         ab_stale_prior.main(["--", "--out", str(out)])
+
+
+def test_target_is_loaded_once_for_every_run(monkeypatch):
+    calls = []
+
+    def fake_load(cls, name, *, device="cpu"):
+        calls.append((name, device))
+        return object()
+
+    monkeypatch.setattr(Target, "load", classmethod(fake_load))
+    before = Target.__dict__["load"]
+    with ab_stale_prior.target_loaded_once():
+        a, b = Target.load("m", device="cpu"), Target.load("m", device="cpu")
+        c = Target.load("other", device="cpu")
+    assert a is b and c is not a and calls == [("m", "cpu"), ("other", "cpu")]
+    assert Target.__dict__["load"] is before  # put back as it was
+    Target.load("m")
+    assert len(calls) == 3  # outside the block every call loads again
