@@ -1,7 +1,8 @@
 """What the benchmark and profiling scripts (``scripts.bench_engine``, ``scripts.profile_engine``,
 ``scripts.bench_kernels``) share: the flags that choose prompts, device, dtype and graphs, the prompts those flags
 select, the ``[ngram:|hybrid:]mode[:K]`` spelling of a configuration, seeded request lengths, a device barrier for
-timing and the device tag of output files. A library: no command line here.
+timing and the device tag of output files; and the flags and models of the scripts that study a drafter's drafts
+(``scripts.replay_budget``, ``scripts.check_finish_estimate``). A library: no command line here.
 
 Names follow ``docs/method.md`` (``ℓ`` verify length, ``γ`` block size).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,9 @@ from typing import Any
 import torch
 
 from optimized.config import EngineConfig
+from reference.cli import DEFAULT_DRAFTER, load_or_init_drafter
 from reference.config import SCHEDULER_MODES, NgramConfig, ProposerKind, SchedulingMode
+from reference.drafter import DSparkDrafter
 from reference.hybrid import check_mode as check_hybrid_mode
 from reference.ngram import check_mode
 from reference.target import Target
@@ -90,6 +94,39 @@ def add_engine_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="every kernel on one tile shape at every step size (EngineConfig.batch_invariant): exact "
                         "greedy tokens in bfloat16, at some speed")
+
+
+def add_drafted_decode_args(p: argparse.ArgumentParser, *, max_prompt_tokens: int) -> None:
+    """Target, drafter, answer length, prompts and device: the flags of the scripts that decode held-out prompts with
+    a drafter to study its drafts (``scripts.replay_budget``, ``scripts.check_finish_estimate``); the CPU in float32 by
+    default, since the drafts do not depend on the hardware's speed. :func:`load_drafted_models` loads what they
+    name."""
+    p.add_argument("--model", default="smollm2-135m-instruct", help="target: name, .gguf or HF directory")
+    p.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter checkpoint")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (EOS ignored)")
+    p.add_argument("--max-prompt-tokens", type=int, default=max_prompt_tokens,
+                   help="drop longer prompts (after the template)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompts-file", default=None, help='JSONL, one {"prompt": ...} per line')
+    src.add_argument("--sharegpt-file", default=None, help="ShareGPT .json(.gz) (default: the packaged file)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine runs")
+
+
+def load_drafted_models(args: argparse.Namespace, target: Target | None = None,
+                        drafter: DSparkDrafter | None = None) -> tuple[Target, DSparkDrafter, torch.dtype]:
+    """The target and drafter :func:`add_drafted_decode_args` names (``target``/``drafter`` given: those, as tests
+    pass them), the drafter on the target's device and dtype: bfloat16 on CUDA, float32 on the CPU."""
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    if target is None:
+        target = Target.load(args.model, device=args.device, dtype=dtype)
+    if drafter is None:
+        drafter = load_or_init_drafter(args.drafter, target)
+    return target, drafter.to(device=args.device, dtype=dtype), dtype
+
+
+def device_name(device: str) -> str:
+    """The hardware a run on ``device`` (``"cpu"`` or ``"cuda"``) ran on, as the reports record it."""
+    return torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
 
 
 def load_prompts(args: argparse.Namespace, target: Target, needed: int) -> list[list[int]]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import shlex
 import sys
 import time
@@ -38,12 +37,12 @@ import torch
 from tqdm.auto import tqdm
 
 from optimized.engine import Engine, EngineConfig, SamplingParams
-from reference.cli import DEFAULT_DRAFTER, LOG_FORMAT, load_or_init_drafter
+from reference.cli import LOG_FORMAT
 from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
 from reference.target import Target
-from scripts.benchmarking import load_prompts
+from scripts.benchmarking import add_drafted_decode_args, device_name, load_drafted_models, load_prompts
 
 log = logging.getLogger("dspark.check_finish_estimate")
 
@@ -104,35 +103,22 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     """Run the check and write ``--out``; ``target``, ``drafter`` and ``prompt_ids`` replace the loaded ones (tests)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct", help="target: name, .gguf or HF directory")
-    p.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter checkpoint")
+    add_drafted_decode_args(p, max_prompt_tokens=256)
     p.add_argument("--batch-sizes", default="16,64", help="comma list of closed-batch sizes B")
     p.add_argument("--groups", type=int, default=2, help="prompt groups (batches of distinct prompts) per batch size")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (EOS ignored)")
-    p.add_argument("--max-prompt-tokens", type=int, default=256, help="drop longer prompts (after the template)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompts-file", default=None, help='JSONL, one {"prompt": ...} per line')
-    src.add_argument("--sharegpt-file", default=None, help="ShareGPT .json(.gz) (default: the packaged file)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine runs")
     p.add_argument("--out", default="finish-estimate.json", help="the JSON report")
     args = p.parse_args(argv)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     if not sizes or min(sizes) < 1 or args.groups < 1 or args.max_new_tokens < 2:
         raise SystemExit("need batch sizes ≥ 1, --groups ≥ 1 and --max-new-tokens ≥ 2")
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    if target is None:
-        target = Target.load(args.model, device=args.device, dtype=dtype)
-    if drafter is None:
-        drafter = load_or_init_drafter(args.drafter, target)
-    drafter = drafter.to(device=args.device, dtype=dtype)
+    target, drafter, dtype = load_drafted_models(args, target, drafter)
     needed = sum(sizes) * args.groups
     prompts = prompt_ids if prompt_ids is not None else load_prompts(args, target, needed)
     if len(prompts) < needed:
         log.warning("%d prompts for %d requests: groups reuse prompts", len(prompts), needed)
     report = {"what": "finish-time estimate (expected drafting steps left) against the steps a closed batch took, "
                       "adaptive mode with the draft gate off",
-              "hardware": (torch.cuda.get_device_name() if args.device == "cuda"
-                           else platform.processor() or platform.machine()),
+              "hardware": device_name(args.device),
               "device": args.device, "dtype": str(dtype), "command": "python -m scripts.check_finish_estimate "
               + shlex.join(argv if argv is not None else sys.argv[1:]), "model": args.model, "drafter": args.drafter,
               "settings": {k: v for k, v in vars(args).items() if k != "out"}, "results": []}

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import shlex
 import sys
 import time
@@ -48,13 +47,13 @@ import torch
 from tqdm.auto import tqdm
 
 from optimized.engine import Engine, EngineConfig, SamplingParams
-from reference.cli import DEFAULT_DRAFTER, LOG_FORMAT, load_or_init_drafter
+from reference.cli import LOG_FORMAT
 from reference.config import SchedulerConfig
 from reference.cost_model import CostTable
 from reference.drafter import DSparkDrafter
 from reference.scheduler import Scheduler, best_budget
 from reference.target import Target
-from scripts.benchmarking import load_prompts
+from scripts.benchmarking import add_drafted_decode_args, device_name, load_drafted_models, load_prompts
 
 log = logging.getLogger("dspark.replay_budget")
 
@@ -128,29 +127,17 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     """Record, replay and write ``--out``; ``target``, ``drafter``, ``prompt_ids`` replace the loaded ones (tests)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct", help="target: name, .gguf or HF directory")
-    p.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="drafter checkpoint")
+    add_drafted_decode_args(p, max_prompt_tokens=384)
     p.add_argument("--cost-table", required=True, help="cost table JSON, or a benchmark JSON with cost_table_async")
     p.add_argument("--requests", type=int, default=48, help="requests (held-out prompts), replayed one at a time")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (EOS ignored)")
-    p.add_argument("--max-prompt-tokens", type=int, default=384, help="drop longer prompts (after the template)")
     p.add_argument("--staleness", type=int, default=SchedulerConfig.staleness, help="the budget's staleness")
     p.add_argument("--batch-size", type=int, default=4, help="requests decoded together while recording")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompts-file", default=None, help='JSONL, one {"prompt": ...} per line')
-    src.add_argument("--sharegpt-file", default=None, help="ShareGPT .json(.gz) (default: the packaged file)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engine runs")
     p.add_argument("--out", default="budget-prior.json", help="the JSON report")
     args = p.parse_args(argv)
     if args.requests < 1 or args.max_new_tokens < 2 or args.staleness < 1 or args.batch_size < 1:
         raise SystemExit("need --requests ≥ 1, --max-new-tokens ≥ 2, --staleness ≥ 1 and --batch-size ≥ 1")
     cost, cost_hw = load_cost_table(args.cost_table)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    if target is None:
-        target = Target.load(args.model, device=args.device, dtype=dtype)
-    if drafter is None:
-        drafter = load_or_init_drafter(args.drafter, target)
-    drafter = drafter.to(device=args.device, dtype=dtype)
+    target, drafter, dtype = load_drafted_models(args, target, drafter)
     prompts = prompt_ids if prompt_ids is not None else load_prompts(args, target, args.requests)
     prompts = prompts[:args.requests]
     start = time.time()
@@ -162,8 +149,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
         r["over_fixed"] = round(r["tokens_per_s"] / base, 4)
     report = {"what": "adaptive budgets replayed one request at a time on the drafts of a full-block run, priced by a "
                       "measured cost table",
-              "hardware": (torch.cuda.get_device_name() if args.device == "cuda"
-                           else platform.processor() or platform.machine()),
+              "hardware": device_name(args.device),
               "prices": cost_hw, "device": args.device, "dtype": str(dtype),
               "command": "python -m scripts.replay_budget " + shlex.join(argv if argv is not None else sys.argv[1:]),
               "model": args.model, "drafter": args.drafter,
