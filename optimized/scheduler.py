@@ -377,8 +377,8 @@ def finish_estimate_host(a: np.ndarray, remaining: list[int] | np.ndarray, cost:
     r, gamma = a.shape
     n = np.asarray(remaining, dtype=np.float64).reshape(-1)  # [R]
     if n.shape[0] != r or not bool((n >= 1).all()):
-        # sync: none, host NumPy (an error path)
-        raise ValueError(f"remaining must hold one count ≥ 1 per request ({r}), got {n.tolist()}")
+        got = n.tolist()  # sync: none, host NumPy (an error path)
+        raise ValueError(f"remaining must hold one count ≥ 1 per request ({r}), got {got}")
     # allocate_top_b: a stable descending sort of the slot-major candidates (ties: slot, then request ascending)
     order = np.argsort(-a.T.reshape(-1), kind="stable")[:budget]  # [B] flat j·R + r
     lens = np.bincount(order % r, minlength=r)  # [R]
@@ -420,8 +420,8 @@ def finish_estimate_host(a: np.ndarray, remaining: list[int] | np.ndarray, cost:
     p = some[keep]
     k = np.maximum(1, np.rint(live[keep] / p)).astype(np.int64)  # requests left (round half to even, as round)
     ks, where = np.unique(k, return_inverse=True)
-    # sync: none, host NumPy; one lookup per distinct number of requests left
-    prices = np.array([cost.step_time(int(q) + round(int(q) * per_request), int(q)) for q in ks.tolist()])
+    left_counts = ks.tolist()  # sync: none, host NumPy; one lookup per distinct number of requests left
+    prices = np.array([cost.step_time(q + round(q * per_request), q) for q in left_counts])
     speculative_s = float(np.dot(p, prices[where]))
     if first:  # the steps before it: all r requests left
         k_full = max(1, round(r / full))

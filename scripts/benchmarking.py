@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -122,11 +121,6 @@ def load_drafted_models(args: argparse.Namespace, target: Target | None = None,
     if drafter is None:
         drafter = load_or_init_drafter(args.drafter, target)
     return target, drafter.to(device=args.device, dtype=dtype), dtype
-
-
-def device_name(device: str) -> str:
-    """The hardware a run on ``device`` (``"cpu"`` or ``"cuda"``) ran on, as the reports record it."""
-    return torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
 
 
 def load_prompts(args: argparse.Namespace, target: Target, needed: int) -> list[list[int]]:

@@ -39,10 +39,10 @@ from tqdm.auto import tqdm
 from optimized.engine import Engine, EngineConfig, SamplingParams
 from reference.cli import LOG_FORMAT
 from reference.config import SchedulerConfig
-from reference.cost_model import CostTable
+from reference.cost_model import CostTable, hardware_name
 from reference.drafter import DSparkDrafter
 from reference.target import Target
-from scripts.benchmarking import add_drafted_decode_args, device_name, load_drafted_models, load_prompts
+from scripts.benchmarking import add_drafted_decode_args, load_drafted_models, load_prompts
 
 log = logging.getLogger("dspark.check_finish_estimate")
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
         log.warning("%d prompts for %d requests: groups reuse prompts", len(prompts), needed)
     report = {"what": "finish-time estimate (expected drafting steps left) against the steps a closed batch took, "
                       "adaptive mode with the draft gate off",
-              "hardware": device_name(args.device),
+              "hardware": hardware_name(args.device),
               "device": args.device, "dtype": str(dtype), "command": "python -m scripts.check_finish_estimate "
               + shlex.join(argv if argv is not None else sys.argv[1:]), "model": args.model, "drafter": args.drafter,
               "settings": {k: v for k, v in vars(args).items() if k != "out"}, "results": []}

@@ -49,11 +49,11 @@ from tqdm.auto import tqdm
 from optimized.engine import Engine, EngineConfig, SamplingParams
 from reference.cli import LOG_FORMAT
 from reference.config import SchedulerConfig
-from reference.cost_model import CostTable
+from reference.cost_model import CostTable, hardware_name
 from reference.drafter import DSparkDrafter
 from reference.scheduler import Scheduler, best_budget
 from reference.target import Target
-from scripts.benchmarking import add_drafted_decode_args, device_name, load_drafted_models, load_prompts
+from scripts.benchmarking import add_drafted_decode_args, load_drafted_models, load_prompts
 
 log = logging.getLogger("dspark.replay_budget")
 
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
         r["over_fixed"] = round(r["tokens_per_s"] / base, 4)
     report = {"what": "adaptive budgets replayed one request at a time on the drafts of a full-block run, priced by a "
                       "measured cost table",
-              "hardware": device_name(args.device),
+              "hardware": hardware_name(args.device),
               "prices": cost_hw, "device": args.device, "dtype": str(dtype),
               "command": "python -m scripts.replay_budget " + shlex.join(argv if argv is not None else sys.argv[1:]),
               "model": args.model, "drafter": args.drafter,
