@@ -717,6 +717,8 @@ def sample_draft_block(
     store_greedy: bool = True,
     vocab: Tensor | None = None,
     fused_reductions: bool | None = None,
+    split_tile: int | None = None,
+    split_warps: int | None = None,
 ) -> DraftOutput:
     """Sample a Markov-head block and its confidence logits (the loop in the module docstring).
 
@@ -762,6 +764,10 @@ def sample_draft_block(
         fused_reductions: the split variant's per-row reductions done by the last program of each row in the logits
             and race launches (2γ launches instead of 4γ; the same arithmetic in the same order, so the same bits);
             ``None``: ``FUSED_REDUCTIONS``.
+        split_tile: the split variant's W2 tile, ``BLOCK_V · BLOCK_R`` products a program (a power of two >= 16;
+            ``None``: ``SPLIT_TILE_ELEMENTS``). A wider tile means fewer vocabulary blocks: the softmax sums combine
+            other partials, so sampled rows' ``p_d`` may differ in the last ulp; greedy tokens do not change.
+        split_warps: warps a program of the split variant's launches (``None``: ``SPLIT_NUM_WARPS``).
 
     Returns:
         :class:`reference.drafter.DraftOutput`: tokens ``[R, γ]`` int64, probs ``[R, γ, V]`` fp32 (with
@@ -843,6 +849,12 @@ def sample_draft_block(
     w1, w2, conf_w, conf_b = w1.contiguous(), w2.contiguous(), conf_w.contiguous(), conf_b.to(conf_w.dtype).contiguous()
     if split is None:  # the interpreter runs programs one by one: there the split variant only adds launches
         split = base_logits.is_cuda and R < SPLIT_MAX_R
+    tile = SPLIT_TILE_ELEMENTS if split_tile is None else split_tile
+    warps = SPLIT_NUM_WARPS if split_warps is None else split_warps
+    if not (isinstance(tile, int) and tile >= 16 and not tile & (tile - 1)):
+        raise ValueError(f"split_tile must be a power of two >= 16, got {split_tile!r}")
+    if warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"split_warps must be 1, 2, 4, 8 or 16, got {split_warps!r}")
     if split:
         rows = split_rows if split_rows is not None else SPLIT_ROWS
         if rows is None:
@@ -851,7 +863,7 @@ def sample_draft_block(
             raise ValueError(f"split_rows must be 1 or a power of two >= 16, got {rows}")
         _launch_split(out, base_logits, h, anchor_ids, anchor_pos, temperature, rid, w1, w2, conf_w, conf_b,
                       lo, hi, block_r, block_d, rows, probs_rows, store_greedy, vocab,
-                      FUSED_REDUCTIONS if fused_reductions is None else fused_reductions)
+                      FUSED_REDUCTIONS if fused_reductions is None else fused_reductions, tile=tile, warps=warps)
         return out
     block_v = max(16, min(MAX_BLOCK_V, W2_TILE_ELEMENTS // block_r, triton.next_power_of_2(V)))
     _sample_draft_block_kernel[(R,)](
@@ -872,7 +884,7 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
                   temperature: Tensor, rid: Tensor, w1: Tensor, w2: Tensor, conf_w: Tensor, conf_b: Tensor,
                   lo: int, hi: int, block_r: int, block_d: int, rows: int = 1,
                   probs_rows: Tensor | None = None, store_greedy: bool = True, vocab: Tensor | None = None,
-                  fused: bool = False) -> None:
+                  fused: bool = False, *, tile: int, warps: int) -> None:
     """The split-vocabulary variant into ``out``: 4γ launches (A, S, B, W per slot), or with ``fused`` 2γ and one
     memset (the last program of a row in A and B does S's and W's work), no host syncs (CUDA-graph capturable).
 
@@ -887,7 +899,7 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
     v_out = out.probs.shape[2]
     has_vocab = vocab is not None
     lane_ids = vocab if has_vocab else anchor_ids  # any pointer when unread (HAS_VOCAB=False)
-    block_v = max(16, min(MAX_BLOCK_V, SPLIT_TILE_ELEMENTS // block_r, triton.next_power_of_2(V)))
+    block_v = max(16, min(MAX_BLOCK_V, tile // block_r, triton.next_power_of_2(V)))
     nb = triton.cdiv(V, block_v)
     block_nb = triton.next_power_of_2(nb)
     dev = base_logits.device
@@ -910,7 +922,7 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
                 j, gamma, R, V, v_out, d, r, nb,
                 HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, FUSED=fused, BLOCK_M=rows, BLOCK_V=block_v,
                 BLOCK_D=block_d, BLOCK_R=max(16, block_r), BLOCK_NB=block_nb,
-                num_warps=SPLIT_NUM_WARPS,
+                num_warps=warps,
             )
         else:
             _draft_split_logits_kernel[(R, nb)](
@@ -922,22 +934,22 @@ def _launch_split(out: DraftOutput, base_logits: Tensor, h: Tensor, anchor_ids: 
                 j, gamma, V, v_out, d, r, nb,
                 HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, FUSED=fused, BLOCK_V=block_v, BLOCK_D=block_d,
                 BLOCK_R=block_r, BLOCK_NB=block_nb,
-                num_warps=SPLIT_NUM_WARPS,
+                num_warps=warps,
             )
         if not fused:
-            # SPLIT_NUM_WARPS as the race launch had when it combined the sums itself: the same reduction tree over
+            # `warps` as the race launch had when it combined the sums itself: the same reduction tree over
             # the same [BLOCK_NB] layout, so the softmax sum keeps its bits (the fused reduction runs in the logits
-            # launch, at SPLIT_NUM_WARPS too).
+            # launch, at `warps` too).
             _draft_split_stats_kernel[(R,)](
                 out.tokens, out.conf_logits, dest, temperature, block_max, block_sum, arg_value, arg_index,
                 row_max, row_sum, lane_ids, j, gamma, nb,
-                HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, BLOCK_NB=block_nb, num_warps=SPLIT_NUM_WARPS,
+                HAS_ROWS=has_rows, HAS_VOCAB=has_vocab, BLOCK_NB=block_nb, num_warps=warps,
             )
         _draft_split_race_kernel[(R, nb)](
             out.tokens, out.probs, dest, anchor_pos, temperature, rid, row_max, row_sum, race_score, race_index,
             counter, lane_ids, lo, hi, j, gamma, V, v_out, nb,
             HAS_ROWS=has_rows, STORE_GREEDY=store_greedy, HAS_VOCAB=has_vocab, FUSED=fused, BLOCK_V=block_v,
-            BLOCK_NB=block_nb, num_warps=SPLIT_NUM_WARPS,
+            BLOCK_NB=block_nb, num_warps=warps,
         )
         if not fused:
             # One warp: a max and a min over NB partials, exact in any order.
@@ -963,6 +975,8 @@ def sample_block(
     probs_rows: Tensor | None = None,
     store_greedy: bool = True,
     fused_reductions: bool | None = None,
+    split_tile: int | None = None,
+    split_warps: int | None = None,
 ) -> DraftOutput:
     """``drafter.sample_block`` with the Markov head fused; the RNN and "none" heads run the reference loop.
 
@@ -978,6 +992,7 @@ def sample_block(
         store_greedy: ``False``: greedy rows write no ``p_d``, as :func:`sample_draft_block` (Markov head; the other
             heads return every row's ``p_d`` regardless).
         fused_reductions: the split variant's reductions in 2γ launches, as :func:`sample_draft_block`.
+        split_tile, split_warps: the split variant's W2 tile and warps, as :func:`sample_draft_block`.
     """
     if drafter.config.head != "markov":
         if probs_out is not None or probs_rows is not None:
@@ -994,4 +1009,4 @@ def sample_block(
                               w1, w2, drafter.conf_head.weight, drafter.conf_head.bias,
                               backend=backend, split=split, split_rows=split_rows, probs_out=probs_out,
                               probs_rows=probs_rows, store_greedy=store_greedy, vocab=vocab,
-                              fused_reductions=fused_reductions)
+                              fused_reductions=fused_reductions, split_tile=split_tile, split_warps=split_warps)

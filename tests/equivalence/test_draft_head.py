@@ -554,3 +554,25 @@ def test_draft_vocab_rejects_bad_ids():
     with pytest.raises(ValueError, match="draft_vocab_size"):
         DrafterConfig(vocab_size=50, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                       intermediate_size=64, target_num_layers=4, draft_vocab_size=51)
+
+
+@needs_triton
+@pytest.mark.parametrize("split_rows", [1, 16])
+def test_split_tile_and_warps_are_free_parameters(split_rows):
+    """The split variant's W2 tile and warps (``split_tile``, ``split_warps``: what ``scripts/bench_draft_head.py``
+    sweeps) change how the vocabulary is cut into blocks, not what is drawn: greedy and sampled rows keep the
+    reference's tokens and ``p_d`` within the fp32 tolerance at every tile, from blocks of 16 lanes to one block
+    for the whole vocabulary; a tile or warp count that is no power of two fails fast."""
+    R, gamma, V, rank = 18, 3, 203, 16
+    drafter = make_drafter(V, gamma, rank, seed=21)
+    h, anchor_ids, anchor_pos, temperature, request_ids = make_inputs(R, gamma, V, seed=22)  # greedy and sampled
+    want = drafter.sample_block(h, anchor_ids, anchor_pos, temperature, 13, request_ids)
+    inputs = to_device(h, anchor_ids, anchor_pos, temperature)
+    for tile, warps in ((256, 4), (1024, 8), (4096, 2)):  # 16, 64 and 256 lanes a block: 13, 4 and 1 blocks
+        got = fast.sample_block(on_device(drafter), *inputs, 13, request_ids.to(DEVICE), backend="triton", split=True,
+                                split_rows=split_rows, split_tile=tile, split_warps=warps)
+        assert_close_fp32(got, want)
+    for bad in (dict(split_tile=300), dict(split_tile=8), dict(split_warps=3)):
+        with pytest.raises(ValueError, match="split_tile|split_warps"):
+            fast.sample_block(on_device(drafter), *inputs, 13, request_ids.to(DEVICE), backend="triton", split=True,
+                              **bad)
