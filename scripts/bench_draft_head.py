@@ -51,13 +51,17 @@ FULL = dict(vocab=49152, hidden=576, rank=64, gamma=7)  # SmolLM2-135M with the 
 TINY = dict(vocab=300, hidden=32, rank=16, gamma=3)
 
 
+ROWS = (1, 16, 32, 64)  # requests a program of the split logits launch (1, or powers of two >= 16: the tl.dot minimum)
+
+
 def variants(R: int, tiles: list[int], warps: list[int], tiny: bool) -> list[dict]:
-    """The launch configurations tried at R requests: the one-program kernel, then the split kernels over rows a
-    program (16 only from 16 requests on), W2 tile, warps and fused reductions."""
+    """The launch configurations tried at R requests: the one-program kernel, then the split kernels over requests a
+    program (up to R: 16 only from 16 requests on, 32 from 32, 64 from 64; 1 and 16 at any R with ``tiny``), W2
+    tile, warps and fused reductions."""
     out = [dict(split=False)]
-    for rows, tile, w, fused in itertools.product((1, 16), tiles, warps, (False, True)):
-        if rows == 16 and R < 16 and not tiny:
-            continue  # a 16-row program for fewer requests only adds masked lanes
+    for rows, tile, w, fused in itertools.product(ROWS, tiles, warps, (False, True)):
+        if rows > 1 and rows > R and not (tiny and rows == 16):
+            continue  # a program of more rows than requests only adds masked lanes
         out.append(dict(split=True, split_rows=rows, split_tile=tile, split_warps=w, fused_reductions=fused))
     return out
 
@@ -136,8 +140,10 @@ def time_graph(fn: Callable[[], torch.Tensor], device: torch.device, repeats: in
 
 
 def sweep(batches: list[int], temperatures: list[float], shapes: dict, device: torch.device, dtype: torch.dtype,
-          tiles: list[int], warps: list[int], repeats: int, iters: int, tiny: bool) -> list[dict]:
-    """Every variant at every (R, T): its µs per draft and whether its tokens equal the default variant's."""
+          tiles: list[int], warps: list[int], repeats: int, iters: int, tiny: bool,
+          on_row: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """Every variant at every (R, T): its µs per draft and whether its tokens equal the default variant's.
+    ``on_row`` gets the rows so far after each (R, T) (the report is written as it grows)."""
     rows = []
     for R, temp in itertools.product(batches, temperatures):
         inputs = make_inputs(R, shapes, temp, device, dtype, seed=R)
@@ -163,6 +169,7 @@ def sweep(batches: list[int], temperatures: list[float], shapes: dict, device: t
                      "variants": sorted(results, key=lambda x: x["us"])})
         log.info("R=%4d T=%.1f default %-45s %8.1f µs | best %-45s %8.1f µs (×%.3f)", R, temp, label(base), base_us,
                  best["variant"], best["us"], best["us"] / base_us)
+        on_row(rows)
     return rows
 
 
@@ -219,7 +226,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     iters = args.iters or (20 if device.type == "cuda" else 1)
     started = time.perf_counter()
-    results = sweep(batches, temps, shapes, device, dtype, tiles, warps, args.repeats, iters, tiny)
+    out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"draft-head-graph-{default_tag(device)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "hardware": hardware_name(device),
         "command": "python -m scripts.bench_draft_head " + shlex.join(argv if argv is not None else sys.argv[1:]),
@@ -233,12 +241,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "SPLIT_NUM_WARPS": draft_head.SPLIT_NUM_WARPS, "FUSED_REDUCTIONS": draft_head.FUSED_REDUCTIONS},
         "repeats": args.repeats,
         "iters": iters,
-        "results": results,
-        "total_s": round(time.perf_counter() - started, 1),
+        "results": [],
+        "complete": False,
     }
-    out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"draft-head-graph-{default_tag(device)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+
+    def write(rows: list[dict]) -> None:  # after every (R, T): a run cut short keeps what it measured
+        report.update(results=rows, total_s=round(time.perf_counter() - started, 1))
+        out.write_text(json.dumps(report, indent=1) + "\n")
+
+    sweep(batches, temps, shapes, device, dtype, tiles, warps, args.repeats, iters, tiny, on_row=write)
+    report["complete"] = True
+    write(report["results"])
     log.info("wrote %s", out)
     save_plot(plot, report, out.with_suffix(".png"), log)
     return report

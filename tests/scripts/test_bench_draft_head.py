@@ -19,8 +19,9 @@ def test_grid_and_default_follow_the_module_constants(monkeypatch):
     few = bench_draft_head.variants(4, [4096, 8192], [4, 8], tiny=False)
     many = bench_draft_head.variants(64, [4096, 8192], [4, 8], tiny=False)
     assert few[0] == {"split": False} and many[0] == {"split": False}
-    assert {v["split_rows"] for v in few[1:]} == {1} and {v["split_rows"] for v in many[1:]} == {1, 16}
-    assert len(many) == 1 + 2 * 2 * 2 * 2 and len(set(map(bench_draft_head.label, many))) == len(many)
+    assert {v["split_rows"] for v in few[1:]} == {1} and {v["split_rows"] for v in many[1:]} == {1, 16, 32, 64}
+    assert {v["split_rows"] for v in bench_draft_head.variants(40, [4096], [4], tiny=False)[1:]} == {1, 16, 32}
+    assert len(many) == 1 + 4 * 2 * 2 * 2 and len(set(map(bench_draft_head.label, many))) == len(many)
     cuda = torch.device("cuda")  # only its type is read
     monkeypatch.setattr(draft_head, "SPLIT_MAX_R", 128)
     monkeypatch.setattr(draft_head, "SPLIT_ROWS_FROM", 32)
@@ -41,7 +42,8 @@ def test_tiny_sweep_writes_every_variant(tmp_path):
     report = bench_draft_head.main(["--device", "cpu", "--batches", "2", "--temperatures", "0,1", "--tiles", "256",
                                     "--warps", "4", "--repeats", "1", "--out", str(out)])
     assert json.loads(out.read_text()) == report
-    assert report["timing"].startswith("eager") and report["defaults"]["SPLIT_MAX_R"] == draft_head.SPLIT_MAX_R
+    assert report["complete"] and report["timing"].startswith("eager")
+    assert report["defaults"]["SPLIT_MAX_R"] == draft_head.SPLIT_MAX_R
     assert [(r["R"], r["temperature"]) for r in report["results"]] == [(2, 0.0), (2, 1.0)]
     for row in report["results"]:
         assert row["default"] == "one-program" and row["best_us"] <= row["default_us"]
