@@ -2,19 +2,20 @@
 
 The engine runs the drafter's Markov head inside its draft CUDA graph, once per drafting step, for R requests (the
 graph's bucket size): γ slots, each a pass over the whole vocabulary. Which kernel runs, and how, is decided by
-module constants that were chosen by reasoning or by eager timings (which include ~0.9 ms of Python launch overhead a
-draft): ``SPLIT_MAX_R`` (one program per request from that many requests on, else the split-vocabulary kernels),
-``SPLIT_ROWS_FROM`` (16 requests a program in the split logits launch from that many on), ``SPLIT_TILE_ELEMENTS``
-and ``SPLIT_NUM_WARPS`` (the split launches' W2 tile and warps) and ``FUSED_REDUCTIONS`` (the per-row reductions
-done by the last program of a row instead of launches of their own). This script times every combination the way
-the engine pays for it: each variant is captured in a CUDA graph with the engine's arguments (``probs_out`` with
-``probs_rows``, ``store_greedy=False``, bf16 weights and U_k, SmolLM2-135M's shapes, γ = 7) and the graph replayed.
+module constants: ``SPLIT_MAX_R`` (one program per request from that many requests on, else the split-vocabulary
+kernels), and for the split kernels ``SPLIT_TABLE`` (by R: the W2 tile, the warps, and whether the per-row reductions
+are done by the last program of each row instead of launches of their own) and ``SPLIT_ROWS`` (requests a program of
+the logits launch). This script times every combination the way the engine pays for it: each variant is captured in
+a CUDA graph with the engine's arguments (``probs_out`` with ``probs_rows``, ``store_greedy=False``, bf16 weights and
+U_k, SmolLM2-135M's shapes, γ = 7) and the graph replayed. Eager timings would add ~0.9 ms of Python launch overhead
+a draft and hide the device time that decides.
 
 Per batch size R and temperature (greedy rows, the engine's default, and sampled rows at T = 1) it reports each
 variant's µs per draft (median over ``--repeats`` of the mean of ``--iters`` replays), whether its tokens equal the
 current default's (greedy: they must; sampled: a different block cut changes the softmax sums in the last ulp, which
 may flip a race between near-equal lanes), the current default, the fastest variant and their ratio. The defaults
-are changed by hand from this report, with the JSON cited where they are set.
+are changed by hand from this report, with the JSON cited where they are set. The report is rewritten after every
+(R, T), so a run cut short keeps what it measured (``complete`` says whether it finished).
 
     python -m scripts.bench_draft_head --out docs/benchmarks/draft-head-graph-h100.json
 
@@ -29,7 +30,6 @@ import itertools
 import json
 import logging
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +42,7 @@ from tqdm import tqdm
 from optimized.kernels import draft_head
 from reference.cli import LOG_FORMAT
 from reference.cost_model import hardware_name
+from scripts.bench_kernels import time_us
 from scripts.benchmarking import default_tag, save_plot
 
 log = logging.getLogger("dspark.bench_draft_head")
@@ -54,12 +55,13 @@ TINY = dict(vocab=300, hidden=32, rank=16, gamma=3)
 ROWS = (1, 16, 32, 64)  # requests a program of the split logits launch (1, or powers of two >= 16: the tl.dot minimum)
 
 
-def variants(R: int, tiles: list[int], warps: list[int], tiny: bool) -> list[dict]:
+def variants(R: int, tiles: list[int], warps: list[int], tiny: bool, rows_options: tuple[int, ...] = ROWS
+             ) -> list[dict]:
     """The launch configurations tried at R requests: the one-program kernel, then the split kernels over requests a
     program (up to R: 16 only from 16 requests on, 32 from 32, 64 from 64; 1 and 16 at any R with ``tiny``), W2
     tile, warps and fused reductions."""
     out = [dict(split=False)]
-    for rows, tile, w, fused in itertools.product(ROWS, tiles, warps, (False, True)):
+    for rows, tile, w, fused in itertools.product(rows_options, tiles, warps, (False, True)):
         if rows > 1 and rows > R and not (tiny and rows == 16):
             continue  # a program of more rows than requests only adds masked lanes
         out.append(dict(split=True, split_rows=rows, split_tile=tile, split_warps=w, fused_reductions=fused))
@@ -71,9 +73,9 @@ def default_variant(R: int, device: torch.device) -> dict:
     split = device.type == "cuda" and R < draft_head.SPLIT_MAX_R
     if not split:
         return dict(split=False)
-    rows = draft_head.SPLIT_ROWS or (16 if R >= draft_head.SPLIT_ROWS_FROM else 1)
-    return dict(split=True, split_rows=rows, split_tile=draft_head.SPLIT_TILE_ELEMENTS,
-                split_warps=draft_head.SPLIT_NUM_WARPS, fused_reductions=draft_head.FUSED_REDUCTIONS)
+    launch = draft_head.split_launch(R)
+    return dict(split=True, split_rows=launch["rows"], split_tile=launch["tile"], split_warps=launch["warps"],
+                fused_reductions=launch["fused"])
 
 
 def label(v: dict) -> str:
@@ -114,33 +116,22 @@ def draft_fn(inputs: dict, variant: dict) -> Callable[[], torch.Tensor]:
 def time_graph(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int, iters: int
                ) -> tuple[float, torch.Tensor]:
     """µs per call of ``fn`` replayed from a CUDA graph (eagerly on the CPU), and its output."""
-    if device.type == "cuda":
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()  # compiles, and leaves the allocations the capture reuses
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
-        step, sync = graph.replay, (lambda: torch.cuda.synchronize(device))
-    else:
-        out, step, sync = fn(), fn, (lambda: None)
-    step()
-    samples = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        for _ in range(iters):
-            step()
-        sync()
-        samples.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(samples), out.clone()
+    if device.type != "cuda":
+        return time_us(fn, device, repeats, iters), fn()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()  # compiles, and leaves the allocations the capture reuses
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return time_us(graph.replay, device, repeats, iters), out.clone()
 
 
 def sweep(batches: list[int], temperatures: list[float], shapes: dict, device: torch.device, dtype: torch.dtype,
-          tiles: list[int], warps: list[int], repeats: int, iters: int, tiny: bool,
+          tiles: list[int], warps: list[int], repeats: int, iters: int, tiny: bool, rows_options: tuple[int, ...],
           on_row: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
     """Every variant at every (R, T): its µs per draft and whether its tokens equal the default variant's.
     ``on_row`` gets the rows so far after each (R, T) (the report is written as it grows)."""
@@ -148,7 +139,7 @@ def sweep(batches: list[int], temperatures: list[float], shapes: dict, device: t
     for R, temp in itertools.product(batches, temperatures):
         inputs = make_inputs(R, shapes, temp, device, dtype, seed=R)
         base = default_variant(R, device)
-        grid = variants(R, tiles, warps, tiny)
+        grid = variants(R, tiles, warps, tiny, rows_options)
         if base not in grid:
             grid.insert(0, base)
         base_us, base_tokens = time_graph(draft_fn(inputs, base), device, repeats, iters)
@@ -189,7 +180,7 @@ def plot(report: dict, path: Path) -> None:
             pts = [(R, us) for R, us in pts if us is not None]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=f"{name} (best tile)")
-        ax.plot(Rs, [r["default_us"] for r in rows], "k--", marker="x", label="current default")
+        ax.plot(Rs, [r["default_us"] for r in rows], "k--", marker="x", label="the default when measured")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("requests R")
@@ -210,6 +201,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--temperatures", default="0,1", help="comma list of T (0: greedy rows)")
     p.add_argument("--tiles", default=None, help="comma list of split W2 tiles (default 4096,8192,16384,32768)")
     p.add_argument("--warps", default="4,8", help="comma list of split warps")
+    p.add_argument("--rows", default=",".join(map(str, ROWS)),
+                   help="comma list of requests a program of the split logits launch (1, or powers of two >= 16)")
     p.add_argument("--tiny", action="store_true", help="miniature shapes (default on the CPU)")
     p.add_argument("--repeats", type=int, default=5, help="timed loops per variant (the median is reported)")
     p.add_argument("--iters", type=int, default=None, help="replays per timed loop (default 20 on cuda, 1 on cpu)")
@@ -236,9 +229,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "dtype": str(dtype).removeprefix("torch."),
         "shapes": shapes,
         "temperatures": temps,
-        "defaults": {"SPLIT_MAX_R": draft_head.SPLIT_MAX_R, "SPLIT_ROWS_FROM": draft_head.SPLIT_ROWS_FROM,
-                     "SPLIT_TILE_ELEMENTS": draft_head.SPLIT_TILE_ELEMENTS,
-                     "SPLIT_NUM_WARPS": draft_head.SPLIT_NUM_WARPS, "FUSED_REDUCTIONS": draft_head.FUSED_REDUCTIONS},
+        "defaults": {"SPLIT_MAX_R": draft_head.SPLIT_MAX_R, "SPLIT_ROWS": draft_head.SPLIT_ROWS,
+                     "SPLIT_TABLE": [dict(e) for e in draft_head.SPLIT_TABLE]},
         "repeats": args.repeats,
         "iters": iters,
         "results": [],
@@ -249,7 +241,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report.update(results=rows, total_s=round(time.perf_counter() - started, 1))
         out.write_text(json.dumps(report, indent=1) + "\n")
 
-    sweep(batches, temps, shapes, device, dtype, tiles, warps, args.repeats, iters, tiny, on_row=write)
+    rows_options = tuple(int(r) for r in args.rows.split(","))
+    sweep(batches, temps, shapes, device, dtype, tiles, warps, args.repeats, iters, tiny, rows_options, on_row=write)
     report["complete"] = True
     write(report["results"])
     log.info("wrote %s", out)

@@ -103,42 +103,54 @@ W2_TILE_ELEMENTS = 65536
 NUM_WARPS = 16
 MAX_BLOCK_V = 1024  # as RACE_BLOCK_V in common.py
 MAX_BLOCK_D = 1024  # hidden-state tile of the confidence dot product (d = 576 for SmolLM2-135M: one tile)
-# Split variant: one W2 tile of BLOCK_V · BLOCK_R ≤ SPLIT_TILE_ELEMENTS products per program, 64 per thread at 8
-# warps (r = 64 -> BLOCK_V = 256, NB = 192 blocks for V = 49152: at R = 1 about 1.5 programs per H200 SM, all of W2
-# in flight at once). Compiled ahead of time for sm_90 (triton 3.9 on a CPU host, bf16 W2, r = 64, 8 warps): the logits
-# kernel takes 32 registers where the launcher marks r, V, d and the strides divisible by 16 (SmolLM2's shapes), about
-# 100 where it marks none, no spills. Chosen by that reasoning, not yet swept on the H200: measure with
-# scripts/bench_kernels.py --op draft_head.
-SPLIT_TILE_ELEMENTS = 16384
-SPLIT_NUM_WARPS = 8
-# `sample_draft_block(split=None)` takes the split variant on CUDA below this many requests. At small R the
-# one-program kernel leaves most SMs idle, while at large R its R programs fill the GPU and the split variant only
-# adds launches. Measured on one H200 (2026-11-29, SmolLM2 shapes, γ = 7): the one-program kernel took 1.9 ms of
-# device time per draft at R = 64 inside the engine's graph (the split kernels 0.064 ms at R = 1), and
-# scripts/bench_kernels.py put the split variant ahead at R = 16 (0.89 vs 1.59 ms) and behind at R = 256 (3.9 vs
-# 2.4 ms, both including ~0.9 ms of eager launch overhead). The crossover lies between 64 and 256: 128 until an
-# in-graph sweep pins it. Those split timings predate the per-row reduction launches (every program re-reduced its
-# row's NB partials then), which moved the crossover by an amount not yet measured; split=True works at any R.
-SPLIT_MAX_R = 128
-# Rows per program of the split variant's logits launch. 1: one program per (request, vocabulary block), each reading
-# its block of W2 (at R = 64, 64 reads of all of W2 per slot: 0.65 of the 1.0 ms the head took in an H200 profile).
-# 16 or more: one program per (16 requests, block), W2's block read once for all of them and applied with tl.dot
-# (_draft_split_logits_rows_kernel; sm_90 compile as above with BLOCK_M = 16: 161-188 registers over fp32/bf16 U_k
-# with and without probs_rows at SmolLM2's shapes, 233 with V and r not multiples of 16, no spills; with no int
-# divisible by 16 at all it reaches 255 and spills). On one H200 (triton 3.6, greedy rows, SmolLM2's shapes, with the
-# per-row reductions; `python -m scripts.bench_kernels --op draft_head --batches 16,64,256`, eager, the two variants
-# launching the same kernels, so their difference is device time), µs per draft, 1 row / 16 rows a program: R = 16
-# 1,372 / 1,392, R = 64 1,201 / 818, R = 256 2,142 / 2,779. So 16 rows from SPLIT_ROWS_FROM requests (between the
-# tie at 16 and the gain at 64) up to SPLIT_MAX_R, where the one-program kernel takes over; None picks by R.
+# The split variant's launches by request count R (the draft graph's bucket size), measured inside CUDA graphs with the
+# engine's arguments (probs_rows, store_greedy=False, bf16 weights and U_k, SmolLM2's shapes, γ = 7) by
+# scripts/bench_draft_head.py on one H100 (docs/benchmarks/draft-head-graph-h100*.json). Each entry serves R below
+# ``below`` (None: any R): a W2 tile of ``tile`` products a program (BLOCK_V = tile / BLOCK_R lanes, at most
+# MAX_BLOCK_V: 256 and 512 lanes at r = 64), ``warps`` warps a program, with ``fused`` the per-row reductions done by
+# the last program of each row to finish the launch before them (an arrival counter per row: an atomic add with
+# release/acquire order, the partials then read from L2; two launches a slot instead of four, the same bits), and
+# ``rows`` requests a program of the logits launch (1, or a power of two >= 16 for _draft_split_logits_rows_kernel:
+# W2's block read once for that many requests and applied with tl.dot).
+# Greedy, µs per draft, the table's launch against the one used before (16384-product tiles at 8 warps, separate
+# reductions, 16 requests a program from 32 on): R = 1 55.5 / 70.0, R = 4 64.3 / 79.9, R = 16 137.7 / 181.8,
+# R = 32 238.8 / 392.1, R = 64 415.2 / 738.7; sampled rows (T = 1) alike (R = 64 517.9 / 913.8). Four warps won at
+# every R but one (R = 1: 8 warps 1% ahead at 8,192 products), wider tiles from R = 16 on (65,536 products lost to
+# 32,768 at R = 16..256), the fused reductions below R = 32 (3-20% faster there, 1-7% slower from 32 on), and a
+# program per request always won over 16, 32 or 64 requests a program sharing W2's block
+# (_draft_split_logits_rows_kernel: 1.6-1.8x slower in the graph from R = 16 on).
+# (Sharing W2's block wins in eager timings, where launch overhead hides device time: on an H200,
+# `scripts/bench_kernels.py --op draft_head` gave R = 64 818 against 1,201 µs a draft.)
+SPLIT_TABLE: tuple[dict, ...] = (dict(below=16, tile=16384, warps=4, fused=True, rows=1),
+                                 dict(below=32, tile=32768, warps=4, fused=True, rows=1),
+                                 dict(below=None, tile=32768, warps=4, fused=False, rows=1))
+# The launches used before that sweep (16,384-product tiles at 8 warps, separate reductions, 16 requests a program from
+# 32 on; the one-program kernel from PREVIOUS_SPLIT_MAX_R requests on): the baseline arm of
+# `scripts/ab_engine.py --experiment draft_head`, which measures the table's effect on the engine.
+PREVIOUS_SPLIT_TABLE: tuple[dict, ...] = (dict(below=32, tile=16384, warps=8, fused=False, rows=1),
+                                          dict(below=None, tile=16384, warps=8, fused=False, rows=16))
+PREVIOUS_SPLIT_MAX_R = 128
+# Overrides of the table for every R (None: the table's): the tests shrink the tile so that small vocabularies span
+# several blocks and end in a partial one.
+SPLIT_TILE_ELEMENTS: int | None = None
+SPLIT_NUM_WARPS: int | None = None
+FUSED_REDUCTIONS: bool | None = None
 SPLIT_ROWS: int | None = None
-SPLIT_ROWS_FROM = 32
-# The split variant's per-row reductions (launches S and W) done instead by the last program of each row to finish the
-# launch before them (an arrival counter per row: an atomic add with release/acquire order, the partials then read from
-# L2), so a slot takes two launches instead of four: 14 instead of 28 a draft at γ = 7, a node each in the draft graph.
-# On one H200 the GPU tests found the same bits as the separate launches; the engine with fixed K = 7 one step ahead
-# took 1.284 / 1.348 / 1.423 ms a step at batch 1 / 2 / 4 against 1.288 / 1.364 / 1.433 without — but in separate
-# runs whose plain steps differed by up to 4%, so the gain is not resolved. Off until a paired measurement settles it.
-FUSED_REDUCTIONS = False
+# `sample_draft_block(split=None)` takes the split variant on CUDA below this many requests, the one-program kernel
+# (grid (R,), each program streaming W2 γ times) from it on. In the graph on one H100 the split variant won at every
+# R measured, up to 256 (greedy 1,475 against 1,705 µs a draft, T = 1 1,885 against 2,184;
+# docs/benchmarks/draft-head-graph-h100-wide.json, -sampled.json); above 256 requests nothing was measured, and the
+# one-program kernel stays.
+SPLIT_MAX_R = 257
+
+
+def split_launch(R: int) -> dict:
+    """The split variant's launch for ``R`` requests: ``tile``, ``warps``, ``fused`` and ``rows`` from
+    :data:`SPLIT_TABLE`, each overridden by :data:`SPLIT_TILE_ELEMENTS`, :data:`SPLIT_NUM_WARPS`,
+    :data:`FUSED_REDUCTIONS` and :data:`SPLIT_ROWS` when set."""
+    entry = next(e for e in SPLIT_TABLE if e["below"] is None or R < e["below"])
+    overrides = dict(tile=SPLIT_TILE_ELEMENTS, warps=SPLIT_NUM_WARPS, fused=FUSED_REDUCTIONS, rows=SPLIT_ROWS)
+    return {k: entry[k] if v is None else v for k, v in overrides.items()}
 
 
 @triton.jit
@@ -739,8 +751,7 @@ def sample_draft_block(
         split: Triton variant: ``True`` the split-vocabulary kernels (grid ``(R, NB)``), ``False`` one program per
             request, ``None`` split on CUDA when ``R < SPLIT_MAX_R``. Ignored by the torch backend.
         split_rows: requests per program of the split variant's logits launch: 1, or a power of two >= 16 (W2's
-            block shared by that many requests); ``None``: ``SPLIT_ROWS``, or by ``R`` (16 from
-            ``SPLIT_ROWS_FROM`` requests).
+            block shared by that many requests); ``None``: :func:`split_launch`'s choice for R.
         probs_out: optional contiguous ``[R, γ, V]`` float32 buffer the draft distributions are written into (and
             returned as). The engine's draft graphs pass views of one static buffer, so the graphs of all request
             buckets share it instead of each keeping its own output (5.5 GiB over the buckets of 256 requests at
@@ -763,11 +774,12 @@ def sample_draft_block(
             never written (the engine's buffer is zero there, so ``p_d`` is 0 outside the vocabulary).
         fused_reductions: the split variant's per-row reductions done by the last program of each row in the logits
             and race launches (2γ launches instead of 4γ; the same arithmetic in the same order, so the same bits);
-            ``None``: ``FUSED_REDUCTIONS``.
+            ``None``: :func:`split_launch`'s choice for R.
         split_tile: the split variant's W2 tile, ``BLOCK_V · BLOCK_R`` products a program (a power of two >= 16;
-            ``None``: ``SPLIT_TILE_ELEMENTS``). A wider tile means fewer vocabulary blocks: the softmax sums combine
-            other partials, so sampled rows' ``p_d`` may differ in the last ulp; greedy tokens do not change.
-        split_warps: warps a program of the split variant's launches (``None``: ``SPLIT_NUM_WARPS``).
+            ``None``: :func:`split_launch`'s choice for R). A wider tile means fewer vocabulary blocks: the softmax
+            sums combine other partials, so sampled rows' ``p_d`` may differ in the last ulp; greedy tokens do not
+            change.
+        split_warps: warps a program of the split variant's launches (``None``: :func:`split_launch`'s choice).
 
     Returns:
         :class:`reference.drafter.DraftOutput`: tokens ``[R, γ]`` int64, probs ``[R, γ, V]`` fp32 (with
@@ -849,21 +861,20 @@ def sample_draft_block(
     w1, w2, conf_w, conf_b = w1.contiguous(), w2.contiguous(), conf_w.contiguous(), conf_b.to(conf_w.dtype).contiguous()
     if split is None:  # the interpreter runs programs one by one: there the split variant only adds launches
         split = base_logits.is_cuda and R < SPLIT_MAX_R
-    tile = SPLIT_TILE_ELEMENTS if split_tile is None else split_tile
-    warps = SPLIT_NUM_WARPS if split_warps is None else split_warps
+    launch = split_launch(R)
+    tile = launch["tile"] if split_tile is None else split_tile
+    warps = launch["warps"] if split_warps is None else split_warps
     if not (isinstance(tile, int) and tile >= 16 and not tile & (tile - 1)):
         raise ValueError(f"split_tile must be a power of two >= 16, got {split_tile!r}")
     if warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"split_warps must be 1, 2, 4, 8 or 16, got {split_warps!r}")
     if split:
-        rows = split_rows if split_rows is not None else SPLIT_ROWS
-        if rows is None:
-            rows = 16 if R >= SPLIT_ROWS_FROM else 1
+        rows = launch["rows"] if split_rows is None else split_rows
         if rows != 1 and (rows < 16 or rows & (rows - 1)):
             raise ValueError(f"split_rows must be 1 or a power of two >= 16, got {rows}")
         _launch_split(out, base_logits, h, anchor_ids, anchor_pos, temperature, rid, w1, w2, conf_w, conf_b,
                       lo, hi, block_r, block_d, rows, probs_rows, store_greedy, vocab,
-                      FUSED_REDUCTIONS if fused_reductions is None else fused_reductions, tile=tile, warps=warps)
+                      launch["fused"] if fused_reductions is None else fused_reductions, tile=tile, warps=warps)
         return out
     block_v = max(16, min(MAX_BLOCK_V, W2_TILE_ELEMENTS // block_r, triton.next_power_of_2(V)))
     _sample_draft_block_kernel[(R,)](

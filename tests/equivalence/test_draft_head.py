@@ -438,7 +438,7 @@ def test_split_rows_over_several_row_blocks(monkeypatch, rows):
 
 def test_auto_variant_follows_batch_size(monkeypatch):
     launches = []
-    monkeypatch.setattr(fast, "_launch_split", lambda *a: launches.append(a[0].tokens.shape[0]))
+    monkeypatch.setattr(fast, "_launch_split", lambda *a, **kw: launches.append(a[0].tokens.shape[0]))
     R, gamma, V, r = 3, 2, 40, 4
     base, h = torch.zeros(R, gamma, V, device=DEVICE), torch.zeros(R, gamma, 8, device=DEVICE)
     ids, temp = torch.zeros(R, dtype=torch.int64, device=DEVICE), torch.zeros(R, device=DEVICE)

@@ -24,16 +24,16 @@ def test_grid_and_default_follow_the_module_constants(monkeypatch):
     assert len(many) == 1 + 4 * 2 * 2 * 2 and len(set(map(bench_draft_head.label, many))) == len(many)
     cuda = torch.device("cuda")  # only its type is read
     monkeypatch.setattr(draft_head, "SPLIT_MAX_R", 128)
-    monkeypatch.setattr(draft_head, "SPLIT_ROWS_FROM", 32)
-    monkeypatch.setattr(draft_head, "SPLIT_ROWS", None)
+    monkeypatch.setattr(draft_head, "SPLIT_TABLE", (dict(below=16, tile=4096, warps=4, fused=True, rows=1),
+                                                    dict(below=None, tile=8192, warps=8, fused=False, rows=16)))
     assert bench_draft_head.default_variant(128, cuda) == {"split": False}
     assert bench_draft_head.default_variant(4, torch.device("cpu")) == {"split": False}  # the interpreter's choice
-    small, large = bench_draft_head.default_variant(16, cuda), bench_draft_head.default_variant(32, cuda)
-    assert small["split_rows"] == 1 and large["split_rows"] == 16
-    assert small["split_tile"] == draft_head.SPLIT_TILE_ELEMENTS and small["split_warps"] == draft_head.SPLIT_NUM_WARPS
-    assert small["fused_reductions"] == draft_head.FUSED_REDUCTIONS
-    assert small in bench_draft_head.variants(16, [draft_head.SPLIT_TILE_ELEMENTS], [draft_head.SPLIT_NUM_WARPS],
-                                              tiny=False)
+    small, large = bench_draft_head.default_variant(15, cuda), bench_draft_head.default_variant(16, cuda)
+    assert small == dict(split=True, split_rows=1, split_tile=4096, split_warps=4, fused_reductions=True)
+    assert large == dict(split=True, split_rows=16, split_tile=8192, split_warps=8, fused_reductions=False)
+    monkeypatch.setattr(draft_head, "SPLIT_TILE_ELEMENTS", 128)  # an override wins over the table at every R
+    assert bench_draft_head.default_variant(16, cuda)["split_tile"] == 128
+    assert large in bench_draft_head.variants(16, [8192], [8], tiny=False)
 
 
 @needs_triton

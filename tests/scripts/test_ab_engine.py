@@ -1,4 +1,5 @@
-"""``scripts/ab_stale_prior.py``: the two arms differ only in the budget's prior, and the report pairs them."""
+"""``scripts/ab_engine.py``: each experiment's two arms differ only in the change it measures, and the report pairs
+them; ``scripts/ab_stale_prior.py`` is its stale-prior experiment under the earlier name."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import json
 import numpy as np
 import pytest
 
+from optimized.kernels import draft_head
 from optimized.scheduler import BudgetPlanner
 from reference.target import Target
 from reference.testing import tiny_drafter, tiny_hf_model
-from scripts import ab_stale_prior
+from scripts import ab_engine, ab_stale_prior
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -18,14 +20,30 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_zero_fill_arm_withholds_the_prior_and_restores_it():
     planner = BudgetPlanner.__new__(BudgetPlanner)  # only the prior's state is needed
     planner._stale_seen, planner._stale_prior = np.array([[0.9, 0.5], [np.nan, np.nan]], dtype=np.float32), None
-    with ab_stale_prior.arm("prior"):
+    with ab_engine.arm("prior"):
         np.testing.assert_allclose(planner.stale_prior(), [0.9, 0.5])
-    with pytest.raises(RuntimeError), ab_stale_prior.arm("zero_fill"):
+    with pytest.raises(RuntimeError), ab_engine.arm("zero_fill"):
         assert planner.stale_prior() is None
         raise RuntimeError("a failing run")
     np.testing.assert_allclose(planner.stale_prior(), [0.9, 0.5])  # restored even after the failure
-    with pytest.raises(ValueError, match="unknown arm"), ab_stale_prior.arm("both"):
+    with pytest.raises(ValueError, match="unknown arm"), ab_engine.arm("both"):
         pass
+    with pytest.raises(ValueError, match="unknown experiment"), ab_engine.arm("prior", "budget"):
+        pass
+
+
+def test_previous_draft_head_arm_restores_the_table():
+    table, max_r = draft_head.SPLIT_TABLE, draft_head.SPLIT_MAX_R
+    assert ab_engine.arms("draft_head") == ("table", "previous")
+    with ab_engine.arm("table", "draft_head"):
+        assert draft_head.SPLIT_TABLE is table and draft_head.split_launch(64)["rows"] == 1
+    with pytest.raises(RuntimeError), ab_engine.arm("previous", "draft_head"):
+        assert draft_head.SPLIT_MAX_R == draft_head.PREVIOUS_SPLIT_MAX_R
+        # before the in-graph sweep: 16,384-product tiles at 8 warps, 16 requests a program from 32 on
+        assert draft_head.split_launch(16) == dict(tile=16384, warps=8, fused=False, rows=1)
+        assert draft_head.split_launch(64) == dict(tile=16384, warps=8, fused=False, rows=16)
+        raise RuntimeError("a failing run")
+    assert draft_head.SPLIT_TABLE is table and draft_head.SPLIT_MAX_R == max_r
 
 
 def test_report_pairs_the_arms_per_batch_and_mode(tmp_path):
@@ -56,7 +74,7 @@ def test_target_is_loaded_once_for_every_run(monkeypatch):
 
     monkeypatch.setattr(Target, "load", classmethod(fake_load))
     before = Target.__dict__["load"]
-    with ab_stale_prior.target_loaded_once():
+    with ab_engine.target_loaded_once():
         a, b = Target.load("m", device="cpu"), Target.load("m", device="cpu")
         c = Target.load("other", device="cpu")
     assert a is b and c is not a and calls == [("m", "cpu"), ("other", "cpu")]
