@@ -4,8 +4,8 @@ The engine runs the drafter's Markov head inside its draft CUDA graph, once per 
 graph's bucket size): γ slots, each a pass over the whole vocabulary. Which kernel runs, and how, is decided by
 module constants: ``SPLIT_MAX_R`` (one program per request from that many requests on, else the split-vocabulary
 kernels), and for the split kernels ``SPLIT_TABLE`` (by R: the W2 tile, the warps, and whether the per-row reductions
-are done by the last program of each row instead of launches of their own) and ``SPLIT_ROWS`` (requests a program of
-the logits launch). This script times every combination the way the engine pays for it: each variant is captured in
+are done by the last program of each row instead of launches of their own, and the requests a program of the logits
+launch). This script times every combination the way the engine pays for it: each variant is captured in
 a CUDA graph with the engine's arguments (``probs_out`` with ``probs_rows``, ``store_greedy=False``, bf16 weights and
 U_k, SmolLM2-135M's shapes, γ = 7) and the graph replayed. Eager timings would add ~0.9 ms of Python launch overhead
 a draft and hide the device time that decides.
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "dtype": str(dtype).removeprefix("torch."),
         "shapes": shapes,
         "temperatures": temps,
-        "defaults": {"SPLIT_MAX_R": draft_head.SPLIT_MAX_R, "SPLIT_ROWS": draft_head.SPLIT_ROWS,
+        "defaults": {"SPLIT_MAX_R": draft_head.SPLIT_MAX_R,
                      "SPLIT_TABLE": [dict(e) for e in draft_head.SPLIT_TABLE]},
         "repeats": args.repeats,
         "iters": iters,

@@ -130,12 +130,9 @@ SPLIT_TABLE: tuple[dict, ...] = (dict(below=16, tile=16384, warps=4, fused=True,
 PREVIOUS_SPLIT_TABLE: tuple[dict, ...] = (dict(below=32, tile=16384, warps=8, fused=False, rows=1),
                                           dict(below=None, tile=16384, warps=8, fused=False, rows=16))
 PREVIOUS_SPLIT_MAX_R = 128
-# Overrides of the table for every R (None: the table's): the tests shrink the tile so that small vocabularies span
+# The table's tile overridden at every R (None: the table's): the tests shrink it so that small vocabularies span
 # several blocks and end in a partial one.
 SPLIT_TILE_ELEMENTS: int | None = None
-SPLIT_NUM_WARPS: int | None = None
-FUSED_REDUCTIONS: bool | None = None
-SPLIT_ROWS: int | None = None
 # `sample_draft_block(split=None)` takes the split variant on CUDA below this many requests, the one-program kernel
 # (grid (R,), each program streaming W2 γ times) from it on. In the graph on one H100 the split variant won at every
 # R measured, up to 256 (greedy 1,475 against 1,705 µs a draft, T = 1 1,885 against 2,184;
@@ -145,12 +142,11 @@ SPLIT_MAX_R = 257
 
 
 def split_launch(R: int) -> dict:
-    """The split variant's launch for ``R`` requests: ``tile``, ``warps``, ``fused`` and ``rows`` from
-    :data:`SPLIT_TABLE`, each overridden by :data:`SPLIT_TILE_ELEMENTS`, :data:`SPLIT_NUM_WARPS`,
-    :data:`FUSED_REDUCTIONS` and :data:`SPLIT_ROWS` when set."""
+    """The split variant's launch for ``R`` requests from :data:`SPLIT_TABLE`: ``tile`` (or
+    :data:`SPLIT_TILE_ELEMENTS` when set), ``warps``, ``fused`` and ``rows``."""
     entry = next(e for e in SPLIT_TABLE if e["below"] is None or R < e["below"])
-    overrides = dict(tile=SPLIT_TILE_ELEMENTS, warps=SPLIT_NUM_WARPS, fused=FUSED_REDUCTIONS, rows=SPLIT_ROWS)
-    return {k: entry[k] if v is None else v for k, v in overrides.items()}
+    tile = entry["tile"] if SPLIT_TILE_ELEMENTS is None else SPLIT_TILE_ELEMENTS
+    return dict(tile=tile, warps=entry["warps"], fused=entry["fused"], rows=entry["rows"])
 
 
 @triton.jit
@@ -861,14 +857,14 @@ def sample_draft_block(
     w1, w2, conf_w, conf_b = w1.contiguous(), w2.contiguous(), conf_w.contiguous(), conf_b.to(conf_w.dtype).contiguous()
     if split is None:  # the interpreter runs programs one by one: there the split variant only adds launches
         split = base_logits.is_cuda and R < SPLIT_MAX_R
-    launch = split_launch(R)
-    tile = launch["tile"] if split_tile is None else split_tile
-    warps = launch["warps"] if split_warps is None else split_warps
-    if not (isinstance(tile, int) and tile >= 16 and not tile & (tile - 1)):
-        raise ValueError(f"split_tile must be a power of two >= 16, got {split_tile!r}")
-    if warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"split_warps must be 1, 2, 4, 8 or 16, got {split_warps!r}")
     if split:
+        launch = split_launch(R)
+        tile = launch["tile"] if split_tile is None else split_tile
+        warps = launch["warps"] if split_warps is None else split_warps
+        if not (isinstance(tile, int) and tile >= 16 and not tile & (tile - 1)):
+            raise ValueError(f"split_tile must be a power of two >= 16, got {split_tile!r}")
+        if warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"split_warps must be 1, 2, 4, 8 or 16, got {split_warps!r}")
         rows = launch["rows"] if split_rows is None else split_rows
         if rows != 1 and (rows < 16 or rows & (rows - 1)):
             raise ValueError(f"split_rows must be 1 or a power of two >= 16, got {rows}")
