@@ -129,10 +129,12 @@ def timed(fn: Callable[[], Any], device: torch.device, repeats: int, iters: int,
     return statistics.median(samples)
 
 
-def sweep_configs(rows: int, k_max: int) -> list[dict]:
+def sweep_configs(rows: int, k_max: int, norm: bool = True) -> list[dict]:
     """Tile grid of the sweep for inputs of at most ``k_max`` columns: up to two rows, row-loop tiles of 256 columns up
     to the whole row (a weight tile of at most 8192 values in registers); from two rows on, ``tl.dot`` tiles of 16
-    rows. Tiles wider than the row are left out."""
+    rows, each also with its K tiles split over 2–9 programs per output tile (``SPLIT_K``, four warps) and, for an
+    op with a norm (``norm``), with the norm's pass over the whole row in one tile (``RMS_BLOCK_K``). Tiles wider
+    than the row are left out."""
     widest = 1 << (k_max - 1).bit_length()
     configs = []
     block_m = 1 << (rows - 1).bit_length()
@@ -141,8 +143,14 @@ def sweep_configs(rows: int, k_max: int) -> list[dict]:
             if bn * bk <= 8192 and min(256, widest) <= bk <= max(256, widest):
                 configs.append(dict(kernel="rows", BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps))
     if rows > 1:
-        configs += [dict(kernel="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (16, 32)
-                    for bk in (64, 128, 256, 512) if bk <= widest for w in (4, 8)]
+        dots = [dict(kernel="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (16, 32)
+                for bk in (64, 128, 256, 512) if bk <= widest for w in (4, 8)]
+        dots += [dict(kernel="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, SPLIT_K=split)
+                 for bn in (16, 32) for bk in (64, 128, 256) if bk <= widest
+                 for split in (2, 3, 4, 6, 9) if split <= -(-k_max // bk)]
+        if norm:  # the same tiles with the norm's sums of squares in one whole-row tile
+            dots += [dict(cfg, RMS_BLOCK_K=widest) for cfg in dots if cfg["BLOCK_K"] < widest]
+        configs += dots
     return configs
 
 
@@ -339,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 log.warning("M=%d %s default tile failed: %s", m, op, str(e).splitlines()[0][:200])
                 default = float("inf")
             best = (default, None)
-            grid = sweep_configs(m, inter if op == "down" else hidden)
+            grid = sweep_configs(m, inter if op == "down" else hidden, norm=op in ("qkv", "gate_up"))
             if args.sweep_max_configs and len(grid) > args.sweep_max_configs:
                 step = len(grid) / args.sweep_max_configs
                 grid = [grid[int(i * step)] for i in range(args.sweep_max_configs)]

@@ -220,24 +220,38 @@ if HAS_TRITON:
     @triton.jit
     def _norm_linear_kernel(
         x_ptr, res_ptr, gain_ptr, w_ptr, b_ptr, y_ptr, sum_ptr,  # x, res, sum [M, K]; w [N or 2N, K]; y [M, N]
+        part_ptr, ticket_ptr,  # split K only: partial sums [SPLIT_K, M, N or 2N] float32; a ticket per output tile
         M, N, K, eps,
         stride_xm, stride_rm, stride_wn, stride_ym, stride_sm,
         NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        RMS_BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):
         """``[BLOCK_M, BLOCK_K]`` input tiles against ``[BLOCK_N, BLOCK_K]`` weight tiles, walking K, each pair one
-        ``tl.dot`` (matrix instructions, 16 rows a tile at least)."""
+        ``tl.dot`` (matrix instructions, 16 rows a tile at least).
+
+        Pass 1 (the norm's sums of squares) walks K in ``RMS_BLOCK_K`` tiles, which may be the whole row: one load
+        in flight instead of a chain of dependent ones. With ``SPLIT_K`` > 1 the K tiles are dealt out to ``SPLIT_K``
+        programs per output tile (grid axis 2), which gives a few-row step more programs than its ``N / BLOCK_N``
+        column blocks; each writes its partial sums to ``part_ptr`` and takes a ticket, and the program that takes
+        the last one adds the partials in split order — the same order whichever program finishes last, so the
+        result is deterministic — applies the epilogue and hands the ticket counter back at zero for the next
+        launch."""
         pid_n = tl.program_id(0)
-        rows = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         rmask = rows < M
         outs = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         omask = outs < N
         if NORM:  # pass 1: the residual sum (stored once) and each row's 1 / rms
             inv_rms = _inv_rms(x_ptr, res_ptr, sum_ptr, rows, rmask, K, eps, stride_xm, stride_rm, stride_sm,
-                               pid_n == 0, HAS_RESIDUAL, BLOCK_K)
+                               (pid_n == 0) & (pid_k == 0), HAS_RESIDUAL, RMS_BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # pass 2: normalise each tile as HF rounds it, multiply it in
+        k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K  # this split's K columns, whole tiles
+        k_lo = pid_k * k_per
+        for k0 in range(k_lo, tl.minimum(K, k_lo + k_per), BLOCK_K):  # pass 2: normalise each tile, multiply it in
             cols = k0 + tl.arange(0, BLOCK_K)
             kmask = cols < K
             h = _input_tile(x_ptr, res_ptr, rows, rmask, cols, kmask, stride_xm, stride_rm, HAS_RESIDUAL)
@@ -253,7 +267,27 @@ if HAS_TRITON:
             acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
             if GATED:
                 acc_up = tl.dot(h, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
-        _store_output(acc, acc_up, b_ptr, y_ptr, rows, rmask, outs, omask, stride_ym, HAS_BIAS, GATED)
+        if SPLIT_K == 1:
+            _store_output(acc, acc_up, b_ptr, y_ptr, rows, rmask, outs, omask, stride_ym, HAS_BIAS, GATED)
+        else:
+            width = 2 * N if GATED else N  # a partial row holds the gate columns, then the up columns
+            tile_mask = rmask[:, None] & omask[None, :]
+            mine = part_ptr + (pid_k * M + rows[:, None]) * width + outs[None, :]
+            tl.store(mine, acc, mask=tile_mask)
+            if GATED:
+                tl.store(mine + N, acc_up, mask=tile_mask)
+            tl.debug_barrier()  # every thread's partials are written before the ticket releases them
+            ticket = ticket_ptr + pid_m * tl.num_programs(0) + pid_n
+            if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:  # the last split: reduce
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in tl.static_range(SPLIT_K):  # in split order, whichever program came last
+                    theirs = part_ptr + (s * M + rows[:, None]) * width + outs[None, :]
+                    acc += tl.load(theirs, mask=tile_mask, other=0.0, cache_modifier=".cg")  # L2, not a stale L1
+                    if GATED:
+                        acc_up += tl.load(theirs + N, mask=tile_mask, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # the counter at zero for the next launch
+                _store_output(acc, acc_up, b_ptr, y_ptr, rows, rmask, outs, omask, stride_ym, HAS_BIAS, GATED)
 
     @triton.jit
     def _norm_linear_rows_kernel(
@@ -311,6 +345,25 @@ if HAS_TRITON:
                     acc_up = tl.where(mine, acc_up + tl.sum(hf * w_up, axis=1)[None, :], acc_up)
         rows = (first + lanes).to(tl.int64)
         _store_output(acc, acc_up, b_ptr, y_ptr, rows, rows < M, outs, omask, stride_ym, HAS_BIAS, GATED)
+
+
+_TICKETS: dict[torch.device, Tensor] = {}
+
+
+def _tickets(device: torch.device, count: int) -> Tensor:
+    """The split-K kernels' ticket counters on ``device``: ``count`` int32 zeros, one per output tile of a launch.
+
+    Every launch hands its counters back at zero, so one buffer serves every launch on the device — as long as no two
+    split-K launches run at the same time on two streams (the engine runs its forward on one stream). It is
+    allocated, zeroed, the first time a device needs it, which must not be inside a CUDA graph capture (the zeroing
+    would be captured, not run): run a step eagerly first, as the engine's warm-up does."""
+    have = _TICKETS.get(device)
+    if have is None or have.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split-K projection's ticket counters are allocated at the first eager call on a "
+                               "device, not inside a CUDA graph capture: run the step once before capturing it")
+        have = _TICKETS[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+    return have
 
 
 @functools.cache
@@ -371,7 +424,9 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
         residual: ``[M, K]`` added to ``x`` before the norm, or ``None``.
         gated: return ``silu(x̂ W_gateᵀ) · (x̂ W_upᵀ)`` ``[M, N]`` instead of the projection.
         config: the kernel (``kernel``: ``"rows"`` or ``"dot"``) and its tile sizes (``BLOCK_M``, ``BLOCK_N``,
-            ``BLOCK_K``, ``num_warps``), default :func:`kernel_config` (the benchmark sweeps them).
+            ``BLOCK_K``, ``num_warps``, optionally Triton's ``num_stages``; for ``"dot"`` also ``RMS_BLOCK_K``, the
+            norm pass's tile, default ``BLOCK_K``, and ``SPLIT_K``, programs per output tile, default 1), default
+            :func:`kernel_config` (the benchmark sweeps them).
         row_invariant: compute every row with the one ``tl.dot`` configuration at any size, so that a row's output
             does not depend on the other rows of the step (slower than the row loop at one or two rows).
 
@@ -408,19 +463,31 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
         cfg = dict(kernel_config(m, n, k, gated, row_invariant, arch, x.dtype) if config is None else config)
         block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
         kind = cfg.pop("kernel", "rows" if block_m < 16 else "dot")
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+        dummy = x  # stands in for absent pointers (never read: the flags compile the accesses away)
+        extra: tuple = ()
         if kind == "dot":
             kernel = _norm_linear_kernel
             cfg["DOT_PRECISION"] = "ieee" if x.dtype == torch.float32 else "tf32"
+            split_k = cfg.setdefault("SPLIT_K", 1)
+            cfg.setdefault("RMS_BLOCK_K", cfg["BLOCK_K"])
+            if not isinstance(split_k, int) or split_k < 1 or (split_k > 1 and row_invariant):
+                raise ValueError(f"SPLIT_K must be a positive int (1 with row_invariant: a split changes the sums' "
+                                 f"order), got {split_k!r}")
+            if split_k > 1:
+                parts = torch.empty((split_k, m, rows_out), dtype=torch.float32, device=x.device)
+                extra = (parts, _tickets(x.device, grid[0] * grid[1]))
+                grid = grid + (split_k,)
+            else:
+                extra = (dummy, dummy)
         elif kind == "rows":
             kernel = _norm_linear_rows_kernel
         else:
             raise ValueError(f"config['kernel'] must be 'rows' or 'dot', got {kind!r}")
-        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-        dummy = x  # stands in for absent pointers (never read: the flags compile the accesses away)
         res = residual if residual is not None else x
         kernel[grid](
             x, res, norm_weight if norm_weight is not None else dummy, weight,
-            bias if bias is not None else dummy, y, total,
+            bias if bias is not None else dummy, y, total, *extra,
             m, n, k, eps,
             x.stride(0), res.stride(0), weight.stride(0), y.stride(0), total.stride(0),
             NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,

@@ -97,6 +97,61 @@ def test_any_tiling_gives_the_same_result(config):
     check(torch.float32, *run_both(kw, True, config))
 
 
+SPLIT_CASES = [dict(SPLIT_K=2), dict(SPLIT_K=3), dict(SPLIT_K=4, RMS_BLOCK_K=64), dict(RMS_BLOCK_K=64),
+               dict(SPLIT_K=9)]  # 9 splits of 4 K tiles: some programs get no tile and add zeros
+
+
+def split_config(extra):
+    return dict(kernel="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, **extra)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("extra", SPLIT_CASES, ids=str)
+@pytest.mark.parametrize("gated", [False, True])
+def test_split_k_and_whole_row_norm_tile(extra, gated):
+    """K dealt out to several programs per output tile, their partials added by the last one in split order, and the
+    norm's pass in one whole-row tile: the definition to float32 summation order, the residual sum exact, the same
+    bits on every call (the reduction order does not depend on which program finishes last), and the ticket
+    counters handed back at zero for the next launch."""
+    from optimized.kernels import linear as module
+
+    kw = case(5, 50, 36, torch.float32, gated=gated, bias=not gated)
+    first = run_both(kw, gated, split_config(extra))
+    check(torch.float32, *first)
+    again, *_ = run_both(kw, gated, split_config(extra))
+    assert torch.equal(first[0], again)
+    assert all(int(t.abs().sum()) == 0 for t in module._TICKETS.values())
+
+
+def test_split_k_is_refused_with_row_invariance():
+    if not (HAS_TRITON and (INTERPRETED or torch.cuda.is_available())):
+        pytest.skip("the Triton path checks its config")
+    kw = case(3, 32, 16, torch.float32, device="cpu" if INTERPRETED else "cuda")
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        norm_linear(kw["x"], kw["weight"], backend="triton", row_invariant=True, config=split_config(dict(SPLIT_K=2)))
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        norm_linear(kw["x"], kw["weight"], backend="triton", config=split_config(dict(SPLIT_K=0)))
+
+
+@pytest.mark.parametrize("extra", [dict(SPLIT_K=2), dict(SPLIT_K=3, RMS_BLOCK_K=1024), dict(SPLIT_K=9)], ids=str)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=on_gpu)])
+def test_gpu_split_k(extra, gated, _):
+    """Compiled on the device at SmolLM2's widths, bf16, 8 rows (a K = 7 block): split K against the definition, the
+    same bits on 20 calls in a row (the last program's reduction order is fixed, and its ticket read sees every
+    partial), and the counters at zero afterwards."""
+    from optimized.kernels import linear as module
+
+    kw = case(8, 576, 1536 if gated else 960, torch.bfloat16, gated=gated, device="cuda")
+    cfg = dict(kernel="dot", BLOCK_M=16, BLOCK_N=32 if gated else 16, BLOCK_K=64, num_warps=4, **extra)
+    first = run_both(kw, gated, cfg)
+    check(torch.bfloat16, *first)
+    for _ in range(20):
+        assert torch.equal(norm_linear(**kw, eps=EPS, gated=gated, backend="triton", config=cfg)[0], first[0])
+    torch.cuda.synchronize()
+    assert all(int(t.abs().sum()) == 0 for t in module._TICKETS.values())
+
+
 @needs_interpreter
 def test_reads_strided_rows():
     """Row views (the q columns of a fused q/k/v output, gathered rows) need no contiguous copy."""
