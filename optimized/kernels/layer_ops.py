@@ -76,6 +76,25 @@ def rope_cos_sin(positions: Tensor, inv_freq: Tensor, scaling: float, dtype: tor
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
+def rope_table(num_positions: int, inv_freq: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
+    """``[P, 2·D]``: :func:`rope_cos_sin` of the positions ``0..P-1``, each row its cos then its sin.
+
+    A step's tables are then rows of it (:func:`rope_lookup`: one gather) instead of eight small kernels each time the
+    forward runs — in a CUDA graph at batch 1 each of those kernels costs a few microseconds however little it does.
+    The entries are elementwise float32 functions of the position, so a row holds exactly the bits that computing
+    that position's tables in the step gives (tests/equivalence/test_layer_ops.py)."""
+    cos, sin = rope_cos_sin(torch.arange(num_positions, device=inv_freq.device), inv_freq, scaling, dtype)
+    return torch.cat((cos, sin), dim=1)  # [P, 2·D]
+
+
+def rope_lookup(table: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """The cos/sin tables ``[N, D]`` of ``positions`` ``[N]`` (each ``< P``) from a :func:`rope_table` ``[P, 2·D]``:
+    two views of one gathered ``[N, 2·D]`` block (row stride 2·D, which the RoPE kernels take)."""
+    rows = table.index_select(0, positions)  # [N, 2·D]
+    d = table.shape[1] // 2
+    return rows[:, :d], rows[:, d:]
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE of x [N, heads, D] with tables [N, D] (Llama convention, not interleaved pairs)."""
     x1, x2 = x.chunk(2, dim=-1)

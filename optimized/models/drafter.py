@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from optimized.kernels.layer_ops import rms_norm, rope_append_kv, rope_cos_sin
+from optimized.kernels.layer_ops import rms_norm, rope_append_kv, rope_cos_sin, rope_lookup, rope_table
 from optimized.kernels.linear import FUSED_MAX_ROWS
 from optimized.models.target import AttentionShape, check_int32, fuse_linears, layer_weights, run_layers
 from reference.drafter import DSparkDrafter
@@ -85,6 +85,7 @@ class OptimizedDrafter:
         self.linear_rows = FUSED_MAX_ROWS if linear_rows is None else linear_rows  # the limit in force
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
+        self.rope: Tensor | None = None  # [max_seq_len + γ, 2·D] cos | sin per position, made with the caches
 
     def allocate_cache(self, max_num_seqs: int, max_seq_len: int) -> None:
         """Allocate the context caches ``[L, max_num_seqs + 1, max_seq_len + γ, Hkv, D]``.
@@ -99,6 +100,14 @@ class OptimizedDrafter:
         size = (len(self.layers), max_num_seqs + 1, max_seq_len + self.gamma, s.num_kv_heads, s.head_dim)
         self.k_cache = torch.zeros(size, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(size, dtype=self.dtype, device=self.device)
+        self.rope = rope_table(max_seq_len + self.gamma, self.inv_freq, 1.0, self.dtype)  # every cache position
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos/sin ``[N, D]`` of ``positions``: rows of the table made with the caches (one gather), or computed
+        when the caches were put in place by hand."""
+        if self.rope is not None and self.k_cache is not None and self.rope.shape[0] == self.k_cache.shape[2]:
+            return rope_lookup(self.rope, positions)
+        return rope_cos_sin(positions, self.inv_freq, 1.0, self.dtype)
 
     def _require_cache(self) -> tuple[Tensor, Tensor]:
         if self.k_cache is None:
@@ -131,7 +140,7 @@ class OptimizedDrafter:
                             backend=ops)  # [N, d]
         kv = F.linear(h_ctx, self.context_kv, self.context_kv_bias)  # [N, L·2·Hkv·D]
         kv = kv.view(n, len(self.layers), 2, s.num_kv_heads, s.head_dim)  # [N, L, 2, Hkv, D]
-        cos, sin = rope_cos_sin(pos, self.inv_freq, 1.0, self.dtype)  # [N, D] each
+        cos, sin = self._rope(pos)  # [N, D] each
         for i, w in enumerate(self.layers):  # k_norm (Qwen3-style drafters), RoPE of k, then k and v to the cache
             rope_append_kv(None, kv[:, i, 0], kv[:, i, 1], cos, sin, k_cache[i], v_cache[i], slots, pos,
                            k_norm=w.k_norm, eps=s.eps, backend=ops)
@@ -161,7 +170,7 @@ class OptimizedDrafter:
         write_slots = slots.long().repeat_interleave(g)  # [R·γ]
         cu = (torch.arange(r + 1, device=anchor_pos.device) * g).to(torch.int32)  # [R+1]: γ queries each
         kv_lens = (anchor_pos + g).to(torch.int32)  # [R]: context 0..P-1 plus the block
-        cos, sin = rope_cos_sin(positions, self.inv_freq, 1.0, self.dtype)  # [R·γ, D]
+        cos, sin = self._rope(positions)  # [R·γ, D]
 
         x = self._block_embeddings(anchor_ids).reshape(r * g, d)  # [R·γ, d]
         x, _ = run_layers(x, self.layers, self.shape, cos, sin, k_cache, v_cache, write_slots, positions, cu, kv_lens,

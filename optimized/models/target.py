@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from optimized.kernels.attention import varlen_attention
-from optimized.kernels.layer_ops import resolve_backend, rope_append_kv, rope_cos_sin, silu_mul
+from optimized.kernels.layer_ops import resolve_backend, rope_append_kv, rope_cos_sin, rope_lookup, rope_table, silu_mul
 from optimized.kernels.layer_ops import rms_norm as fused_rms_norm
 from optimized.kernels.linear import FUSED_MAX_ROWS, fused_rows, linear, norm_linear
 from reference.config import default_target_layer_ids
@@ -281,6 +281,7 @@ class OptimizedTarget:
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
+        self.rope: Tensor | None = None  # [max_seq_len, 2·D] cos | sin per position, made with the caches
 
     @classmethod
     def load(cls, name_or_dir: str = "smollm2-135m-instruct", *, layer_ids=None, device="cpu",
@@ -311,6 +312,8 @@ class OptimizedTarget:
         size = (self.num_layers, max_num_seqs + 1, max_seq_len, s.num_kv_heads, s.head_dim)
         self.k_cache = torch.zeros(size, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(size, dtype=self.dtype, device=self.device)
+        # every position the caches can hold: a step's RoPE tables are a gather from it, not eight kernels
+        self.rope = rope_table(max_seq_len, self.inv_freq, self.rope_scaling, self.dtype)
 
     @property
     def max_num_seqs(self) -> int:
@@ -360,7 +363,10 @@ class OptimizedTarget:
         trash = k_cache.shape[1] - 1
         write_slots, write_pos = token_write_index(positions, cu_seqlens_q, slot_ids, trash)  # [N] each
         attn_slots = torch.where(slot_ids < 0, trash, slot_ids).to(torch.int32)  # [R]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling, self.dtype)  # [N, D] each
+        if self.rope is not None and self.rope.shape[0] == k_cache.shape[2]:  # the table of these caches
+            cos, sin = rope_lookup(self.rope, positions)  # [N, D] each
+        else:  # caches put in place by hand
+            cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling, self.dtype)
 
         x = F.embedding(input_ids, self.embed)  # [N, d]
         # taps[l] = the residual stream after layer l = HF's hidden_states[l + 1]

@@ -16,7 +16,16 @@ import os
 import pytest
 import torch
 
-from optimized.kernels.layer_ops import HAS_TRITON, rms_norm, rms_norm_torch, rope_append_kv, rope_cos_sin, silu_mul
+from optimized.kernels.layer_ops import (
+    HAS_TRITON,
+    rms_norm,
+    rms_norm_torch,
+    rope_append_kv,
+    rope_cos_sin,
+    rope_lookup,
+    rope_table,
+    silu_mul,
+)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
@@ -175,3 +184,20 @@ def test_layer_ops_round_like_torch_on_cuda(dtype):
     close(outs[0][0], outs[1][0], dtype, scale=2, mostly_identical=False)
     close(outs[0][1], outs[1][1], dtype, scale=2, mostly_identical=False)
     assert torch.equal(outs[0][2], outs[1][2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_rope_table_rows_are_the_step_tables(dtype, device):
+    """A gather from the table of every cache position gives exactly the bits of computing the step's tables (the
+    models take their RoPE tables from it), for positions in any order, repeated, and at either end of the table."""
+    head_dim, positions = 64, 3000
+    inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    table = rope_table(positions, inv_freq, 1.25, dtype)
+    assert table.shape == (positions, 2 * head_dim) and table.dtype == dtype
+    pos = torch.tensor([0, 2999, 17, 17, 1024, 5, 2048, 1], device=device)
+    cos, sin = rope_lookup(table, pos)
+    want_cos, want_sin = rope_cos_sin(pos, inv_freq, 1.25, dtype)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert cos.stride() == sin.stride() and cos.stride(-1) == 1  # the layout the RoPE kernel takes
