@@ -132,9 +132,9 @@ def timed(fn: Callable[[], Any], device: torch.device, repeats: int, iters: int,
 def sweep_configs(rows: int, k_max: int, norm: bool = True) -> list[dict]:
     """Tile grid of the sweep for inputs of at most ``k_max`` columns: up to two rows, row-loop tiles of 256 columns up
     to the whole row (a weight tile of at most 8192 values in registers); from two rows on, ``tl.dot`` tiles of 16
-    rows, each also with its K tiles split over 2–9 programs per output tile (``SPLIT_K``, four warps) and, for an
-    op with a norm (``norm``), with the norm's pass over the whole row in one tile (``RMS_BLOCK_K``). Tiles wider
-    than the row are left out."""
+    rows, each also with its K tiles split over 2–9 programs per output tile (``SPLIT_K``, four warps), with 1, 2 or 4
+    software-pipeline stages (Triton's ``num_stages``; its default is 3) and, for an op with a norm (``norm``), with
+    the norm's pass over the whole row in one tile (``RMS_BLOCK_K``). Tiles wider than the row are left out."""
     widest = 1 << (k_max - 1).bit_length()
     configs = []
     block_m = 1 << (rows - 1).bit_length()
@@ -148,6 +148,8 @@ def sweep_configs(rows: int, k_max: int, norm: bool = True) -> list[dict]:
         dots += [dict(kernel="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, SPLIT_K=split)
                  for bn in (16, 32) for bk in (64, 128, 256) if bk <= widest
                  for split in (2, 3, 4, 6, 9) if split <= -(-k_max // bk)]
+        dots += [dict(kernel="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=stages)
+                 for bn in (16, 32) for bk in (64, 128) if bk <= widest for stages in (1, 2, 4)]
         if norm:  # the same tiles with the norm's sums of squares in one whole-row tile
             dots += [dict(cfg, RMS_BLOCK_K=widest) for cfg in dots if cfg["BLOCK_K"] < widest]
         configs += dots
@@ -271,7 +273,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--intermediate", type=int, default=1536, help="MLP width I (SmolLM2-135M: 1536)")
     p.add_argument("--tiny", action="store_true", help="miniature shapes (default on the CPU)")
     p.add_argument("--sweep", action="store_true", help="also time each fused op over a grid of tile sizes")
-    p.add_argument("--sweep-rows", default="1,8", help="row counts of the sweep")
+    p.add_argument("--sweep-rows", default="1,8", help="row counts of the sweep (default: %(default)s)")
+    p.add_argument("--sweep-ops", default="qkv,o,gate_up,down",
+                   help="the fused ops the sweep times, comma list of qkv, o, gate_up, down (default: %(default)s)")
     p.add_argument("--invariant-sweep", default="",
                    help="comma list of row counts: time each op over a grid of tl.dot tiles at every one of them, "
                         "compare each tile's bits with the first row-invariant tile's, rank the tiles by their "
@@ -298,6 +302,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     num_layers = args.layers or (2 if tiny else 30)
     rows = [int(r) for r in args.rows.split(",")] if args.rows else ([1, 3] if tiny else [1, 2, 4, 8, 16, 32, 64])
     sweep_rows = [int(r) for r in args.sweep_rows.split(",")] if args.sweep else []
+    sweep_ops = [op for op in args.sweep_ops.split(",") if op]
+    if not set(sweep_ops) <= {"qkv", "o", "gate_up", "down"}:
+        raise SystemExit(f"--sweep-ops takes qkv, o, gate_up and down, got {args.sweep_ops!r}")
     iters = args.iters or (20 if graphs else 1)
     out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"linear-{default_tag(device)}.json"
     command = "python -m scripts.bench_linear " + " ".join(shlex.quote(a) for a in (argv if argv is not None
@@ -340,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out.write_text(json.dumps(report, indent=2) + "\n")
     for m in sweep_rows:
         x = torch.randn(m, hidden, generator=gen).to(device=device, dtype=dtype)
-        for op in ("qkv", "o", "gate_up", "down"):
+        for op in sweep_ops:
             try:
                 default = timed(one_op(op, x, layers, None, backend), device, args.repeats, iters, graphs) / num_layers
             except Exception as e:  # the default tile does not compile here: every other tile is still timed
