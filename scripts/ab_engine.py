@@ -16,6 +16,9 @@ run builds its engines (and captures their graphs) under its arm. Every argument
 * ``draft_head``, arms ``table`` and ``previous``: the Markov head's launches (``optimized/kernels/draft_head.py``):
   ``SPLIT_TABLE`` and ``SPLIT_MAX_R`` as they are, against ``PREVIOUS_SPLIT_TABLE`` and ``PREVIOUS_SPLIT_MAX_R``, the
   launches before ``scripts/bench_draft_head.py`` measured them in the draft graph.
+* ``small_rows``, arms ``table`` and ``previous``: the fused projections' ``tl.dot`` launches for steps of 3 to 16
+  token rows (``optimized/kernels/linear.py``): ``DOT_TILES`` as it is (split K, the norm's pass in one tile, the
+  pipeline depth ``scripts/bench_linear.py --sweep`` chose) against ``PREVIOUS_DOT_TILES``.
 
 Example (arrivals, one request at a time; docs/benchmarks/stale-prior-ab-h100.json came from this experiment, run as
 ``python -m scripts.ab_stale_prior``, which remains its shorthand)::
@@ -40,7 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from optimized.kernels import draft_head
+from optimized.kernels import draft_head, linear
 from optimized.scheduler import BudgetPlanner
 from reference.cli import LOG_FORMAT
 from reference.target import Target
@@ -71,12 +74,25 @@ def _previous_draft_head() -> Iterator[None]:
         draft_head.SPLIT_TABLE, draft_head.SPLIT_MAX_R = saved
 
 
+@contextlib.contextmanager
+def _previous_small_rows() -> Iterator[None]:
+    """The fused projections' tl.dot tiles before the split-K sweep (``PREVIOUS_DOT_TILES``)."""
+    saved = linear.DOT_TILES
+    linear.DOT_TILES = linear.PREVIOUS_DOT_TILES
+    try:
+        yield
+    finally:
+        linear.DOT_TILES = saved
+
+
 # experiment -> (what it compares, (the engine as it is, arm name), (the baseline arm's name, its context))
 EXPERIMENTS: dict[str, tuple[str, str, tuple[str, Any]]] = {
     "stale_prior": ("the adaptive budget's stale-row prior (prior) and zeros instead (zero_fill)", "prior",
                     ("zero_fill", _zero_fill)),
     "draft_head": ("the Markov head's launches from the in-graph sweep (table) and those before it (previous)",
                    "table", ("previous", _previous_draft_head)),
+    "small_rows": ("the fused projections' tl.dot tiles of 3-16 rows from the split-K sweep (table) and those before "
+                   "it (previous)", "table", ("previous", _previous_small_rows)),
 }
 
 

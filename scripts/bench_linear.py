@@ -326,7 +326,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         unfused = timed(lambda x=x: chain(x, layers, False, backend, hidden), device, args.repeats, iters,
                         graphs) / num_layers
         row = {"rows": m, "unfused_us_per_layer": round(unfused, 3),
-               "default_config": {op: kernel_config(m, n, hidden if op != "down" else inter, op == "gate_up")
+               "default_config": {op: kernel_config(m, n, hidden if op != "down" else inter, op == "gate_up",
+                                                   norm=op in ("qkv", "gate_up"))
                                   for op, n in (("qkv", qkv), ("o", hidden), ("gate_up", inter), ("down", hidden))}}
         try:
             fused = timed(lambda x=x: chain(x, layers, True, backend, hidden), device, args.repeats, iters,

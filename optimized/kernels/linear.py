@@ -78,6 +78,21 @@ FUSED_MAX_ROWS = 16
 # at 1 / 2 / 4 / 8 / 16 rows against cuBLAS's ~22 (docs/benchmarks/linear-row-loop-h200.json).
 ROW_LOOP_ROWS = 2
 
+# The tl.dot tiles of a default (not row-invariant) step of more than ROW_LOOP_ROWS rows, by the op's kind: "norm"
+# (add + norm + matmul: q/k/v), "gated" (add + norm + gate/up matmul + SiLU·up) and "plain" (o, down). ``k_tiles``:
+# the K tiles a program multiplies in, which splits K over ceil(K / BLOCK_K / k_tiles) programs per output tile
+# (None: no split); ``rms_whole_row``: the norm's pass over the whole row in one tile; ``num_stages``: Triton's
+# software pipelining (None: its default). The split and the one-tile norm serve steps of up to SPLIT_MAX_ROWS rows
+# (the fused steps); larger steps take the tile without them.
+DOT_TILES: dict[str, dict] = {
+    "norm": dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, k_tiles=None, rms_whole_row=False, num_stages=None),
+    "gated": dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, k_tiles=None, rms_whole_row=False, num_stages=None),
+    "plain": dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, k_tiles=None, rms_whole_row=False, num_stages=None),
+}
+SPLIT_MAX_ROWS = 16
+# The tiles before the split-K sweep (scripts/ab_engine.py --experiment small_rows runs the engine with them).
+PREVIOUS_DOT_TILES: dict[str, dict] = {kind: dict(tile) for kind, tile in DOT_TILES.items()}
+
 # The row-invariant tl.dot tiles by step size, smallest first: each entry serves steps of up to ``max_rows`` rows
 # (None: any). Several entries let a large step take larger tiles — but only tiles that give every row the bits the
 # first entry gives it, or a token's bits would depend on its step again. Whether two tiles agree is the GPU's
@@ -373,8 +388,25 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def dot_tile(m: int, k: int, gated: bool, norm: bool) -> dict:
+    """The default ``tl.dot`` launch of an ``m``-row step of an op with ``k`` input columns (:data:`DOT_TILES`)."""
+    tile = DOT_TILES["gated" if gated else "norm" if norm else "plain"]
+    block_k = min(tile["BLOCK_K"], triton.next_power_of_2(k))
+    cfg = dict(kernel="dot", BLOCK_M=16, BLOCK_N=tile["BLOCK_N"], BLOCK_K=block_k, num_warps=tile["num_warps"])
+    if tile.get("num_stages"):
+        cfg["num_stages"] = tile["num_stages"]
+    if m <= SPLIT_MAX_ROWS:
+        if tile.get("k_tiles"):
+            split = triton.cdiv(triton.cdiv(k, block_k), tile["k_tiles"])
+            if split > 1:
+                cfg["SPLIT_K"] = split
+        if norm and tile.get("rms_whole_row"):
+            cfg["RMS_BLOCK_K"] = triton.next_power_of_2(k)
+    return cfg
+
+
 def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = False,
-                  arch: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> dict:
+                  arch: tuple[int, int] | None = None, dtype: torch.dtype | None = None, norm: bool = False) -> dict:
     """Kernel, tile sizes and warps for an ``[m, k] · [n, k]ᵀ`` step (``n`` output columns, gate and up counted once).
 
     Up to :data:`ROW_LOOP_ROWS` rows: the row loop (``kernel="rows"``), with the whole input row in one tile
@@ -382,7 +414,8 @@ def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = Fal
     at once, and as few output columns a program as keep its weight tile at ~2048 values: one to four columns,
     hundreds of programs. A one-row step is latency-bound, and this was the fastest shape of the sweep on the H200
     (scripts/bench_linear.py: 2–4× faster than 64-wide K tiles walked in a loop). More rows: ``tl.dot`` tiles of 16
-    rows (``kernel="dot"``); on the H200 at 8 rows its chain costs ~20 µs a layer against cuBLAS's ~22 with the
+    rows (``kernel="dot"``) as :data:`DOT_TILES` gives them for the op's kind (``norm``: the op has a norm in front;
+    :func:`dot_tile`); on the H200 at 8 rows its chain costs ~20 µs a layer against cuBLAS's ~22 with the
     separate norm and SiLU kernels (docs/benchmarks/linear-small-rows-h200.json).
 
     With ``row_invariant`` every ``m`` takes a ``tl.dot`` tile of :data:`INVARIANT_TILES` by step size, on a GPU of
@@ -399,8 +432,7 @@ def kernel_config(m: int, n: int, k: int, gated: bool, row_invariant: bool = Fal
         return dict(kernel="dot", BLOCK_M=tile["BLOCK_M"], BLOCK_N=tile["BLOCK_N"],
                     BLOCK_K=min(tile["BLOCK_K"], triton.next_power_of_2(k)), num_warps=tile["num_warps"])
     if m > ROW_LOOP_ROWS:
-        return dict(kernel="dot", BLOCK_M=16, BLOCK_N=32 if gated else 16, BLOCK_K=min(256, triton.next_power_of_2(k)),
-                    num_warps=4)
+        return dot_tile(m, k, gated, norm or gated)
     block_k = min(triton.next_power_of_2(k), 2048)
     return dict(kernel="rows", BLOCK_M=min(triton.next_power_of_2(m), 16), BLOCK_N=max(1, 2048 // block_k),
                 BLOCK_K=block_k, num_warps=2)
@@ -460,7 +492,8 @@ def norm_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm_w
     total = x if residual is None else torch.empty_like(x)
     if m:
         arch = _capability(x.device.index) if x.is_cuda and row_invariant else None
-        cfg = dict(kernel_config(m, n, k, gated, row_invariant, arch, x.dtype) if config is None else config)
+        cfg = dict(kernel_config(m, n, k, gated, row_invariant, arch, x.dtype, norm=norm_weight is not None)
+                   if config is None else config)
         block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
         kind = cfg.pop("kernel", "rows" if block_m < 16 else "dot")
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))

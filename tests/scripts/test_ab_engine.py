@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from optimized.kernels import draft_head
+from optimized.kernels import draft_head, linear
 from optimized.scheduler import BudgetPlanner
 from reference.target import Target
 from reference.testing import tiny_drafter, tiny_hf_model
@@ -44,6 +44,19 @@ def test_previous_draft_head_arm_restores_the_table():
         assert draft_head.split_launch(64) == dict(tile=16384, warps=8, fused=False, rows=16)
         raise RuntimeError("a failing run")
     assert draft_head.SPLIT_TABLE is table and draft_head.SPLIT_MAX_R == max_r
+
+
+def test_previous_small_rows_arm_restores_the_tiles():
+    tiles = linear.DOT_TILES
+    assert ab_engine.arms("small_rows") == ("table", "previous")
+    with pytest.raises(RuntimeError), ab_engine.arm("previous", "small_rows"):
+        assert linear.DOT_TILES is linear.PREVIOUS_DOT_TILES
+        # before the split-K sweep: no split, the norm's pass in 256-column tiles, Triton's pipeline depth
+        for gated, norm in ((False, True), (True, True), (False, False)):
+            cfg = linear.kernel_config(8, 960, 576, gated, norm=norm)
+            assert cfg == dict(kernel="dot", BLOCK_M=16, BLOCK_N=32 if gated else 16, BLOCK_K=256, num_warps=4)
+        raise RuntimeError("a failing run")
+    assert linear.DOT_TILES is tiles
 
 
 def test_report_pairs_the_arms_per_batch_and_mode(tmp_path):
