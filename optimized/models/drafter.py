@@ -86,6 +86,7 @@ class OptimizedDrafter:
         self.k_cache: Tensor | None = None
         self.v_cache: Tensor | None = None
         self.rope: Tensor | None = None  # [max_seq_len + γ, 2·D] cos | sin per position, made with the caches
+        self._block_offsets = self._block_starts = torch.empty(0, dtype=torch.int32)  # made with the caches
 
     def allocate_cache(self, max_num_seqs: int, max_seq_len: int) -> None:
         """Allocate the context caches ``[L, max_num_seqs + 1, max_seq_len + γ, Hkv, D]``.
@@ -101,6 +102,10 @@ class OptimizedDrafter:
         self.k_cache = torch.zeros(size, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(size, dtype=self.dtype, device=self.device)
         self.rope = rope_table(max_seq_len + self.gamma, self.inv_freq, 1.0, self.dtype)  # every cache position
+        # the backbone's index constants, made once instead of by small kernels in every draft (graph nodes too):
+        # block offsets 0..γ-1, and the block starts 0, γ, 2γ, … (cu_seqlens of R blocks = its first R + 1 entries)
+        self._block_offsets = torch.arange(self.gamma, device=self.device)  # [γ] int64
+        self._block_starts = (torch.arange(max_num_seqs + 2, device=self.device) * self.gamma).to(torch.int32)
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos/sin ``[N, D]`` of ``positions``: rows of the table made with the caches (one gather), or computed
@@ -165,10 +170,14 @@ class OptimizedDrafter:
         padded = slot_ids < 0
         slots = torch.where(padded, trash, slot_ids).to(torch.int32)  # [R]
         anchor_pos = torch.where(padded, 0, anchor_pos.long())  # [R]
-        offsets = torch.arange(g, device=anchor_pos.device)
+        starts = self._block_starts
+        if starts.shape[0] > r and starts.device == anchor_pos.device:  # the constants of allocate_cache
+            offsets, cu = self._block_offsets, starts[:r + 1]  # [γ]; [R+1]: γ queries each
+        else:  # more requests than the caches' slots (padded buckets)
+            offsets = torch.arange(g, device=anchor_pos.device)
+            cu = (torch.arange(r + 1, device=anchor_pos.device) * g).to(torch.int32)
         positions = (anchor_pos[:, None] + offsets).reshape(r * g)  # [R·γ] P..P+γ-1
-        write_slots = slots.long().repeat_interleave(g)  # [R·γ]
-        cu = (torch.arange(r + 1, device=anchor_pos.device) * g).to(torch.int32)  # [R+1]: γ queries each
+        write_slots = slots.long()[:, None].expand(r, g).reshape(r * g)  # [R·γ] each slot γ times
         kv_lens = (anchor_pos + g).to(torch.int32)  # [R]: context 0..P-1 plus the block
         cos, sin = self._rope(positions)  # [R·γ, D]
 
