@@ -158,6 +158,18 @@ def summarise(runs: list[dict[str, Any]], names: tuple[str, str] = ("prior", "ze
     return out
 
 
+def dot_tiles_from_file(path: str) -> dict:
+    """The tl.dot tile table in ``path``: a DOT_TILES table itself, or a ``bench_linear --sweep`` report's first
+    proposed one (a ValueError if it has none)."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict) and "sweep" in data:  # a bench_linear report
+        proposals = data.get("proposed_dot_tiles") or []
+        if not proposals:
+            raise ValueError(f"{path} is a bench_linear report without a proposed tl.dot table (run it with --sweep)")
+        data = proposals[0]["table"]
+    return linear.check_dot_tiles(data)
+
+
 def main(argv: list[str] | None = None, *, prog: str = "ab_engine", experiment: str = "stale_prior",
          **bench_kwargs: Any) -> dict[str, Any]:
     """Command line; ``bench_kwargs`` (``target``, ``drafter``, ``prompt_ids``) go to ``bench_engine.main`` (tests);
@@ -169,7 +181,15 @@ def main(argv: list[str] | None = None, *, prog: str = "ab_engine", experiment: 
     p.add_argument("--experiment", default=experiment, choices=sorted(EXPERIMENTS), help="the change measured")
     p.add_argument("--rounds", type=int, default=3, help="runs of each arm, alternated")
     p.add_argument("--out", default=None, help="the JSON report (default EXPERIMENT-ab.json)")
+    p.add_argument("--dot-tiles", default=None,
+                   help="small_rows: a JSON file with the tl.dot tiles of the table arm, a DOT_TILES table or a "
+                        "scripts/bench_linear.py --sweep report (its first proposed table) (default: DOT_TILES as "
+                        "it is)")
     args = p.parse_args(own)
+    if args.dot_tiles:
+        if args.experiment != "small_rows":
+            raise SystemExit("--dot-tiles is for --experiment small_rows")
+        linear.set_dot_tiles(dot_tiles_from_file(args.dot_tiles))
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
     if any(a == "--out" or a.startswith("--out=") for a in bench_argv):
@@ -193,6 +213,8 @@ def main(argv: list[str] | None = None, *, prog: str = "ab_engine", experiment: 
               "hardware": first["hardware"], "model": first["model"], "drafter": first["drafter"],
               "command": f"python -m scripts.{prog} " + shlex.join(argv),
               "rounds": args.rounds, "settings": first["settings"], "summary": summarise(runs, names),
+              **({"dot_tiles": {"table": linear.DOT_TILES, "previous": linear.PREVIOUS_DOT_TILES}}
+                 if args.experiment == "small_rows" else {}),
               "total_s": round(time.time() - start, 1)}
     out_path.write_text(json.dumps(result, indent=2) + "\n")
     key = f"{names[0]}_over_{names[1]}"

@@ -42,7 +42,7 @@ import triton
 from tqdm import tqdm
 
 from optimized.kernels.layer_ops import rms_norm, silu_mul
-from optimized.kernels.linear import FUSED_MAX_ROWS, kernel_config, linear, norm_linear
+from optimized.kernels.linear import DOT_TILE_KEYS, FUSED_MAX_ROWS, kernel_config, linear, norm_linear
 from reference.cli import LOG_FORMAT
 from reference.cost_model import hardware_name
 from scripts.benchmarking import default_tag, save_plot
@@ -154,6 +154,38 @@ def sweep_configs(rows: int, k_max: int, norm: bool = True) -> list[dict]:
             dots += [dict(cfg, RMS_BLOCK_K=widest) for cfg in dots if cfg["BLOCK_K"] < widest]
         configs += dots
     return configs
+
+
+KIND_OPS = {"norm": ("qkv",), "gated": ("gate_up",), "plain": ("o", "down")}  # DOT_TILES' kinds and their ops
+
+
+def _dot_key(cfg: dict) -> tuple:
+    """A swept ``tl.dot`` config as a DOT_TILES entry (the same entry for every op of a kind)."""
+    return (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg.get("SPLIT_K", 1), "RMS_BLOCK_K" in cfg,
+            cfg.get("num_stages"))
+
+
+def proposed_dot_tiles(sweep: list[dict], rows: int) -> dict[str, Any]:
+    """From the tile sweep at ``rows`` rows: per kind of ``DOT_TILES`` the ``tl.dot`` entry with the least time summed
+    over the kind's ops (an entry only if every op of the kind timed it), with that time and the time of the
+    table in force (``default_us``, from the same sweep). ``{"table": DOT_TILES-format, "us": ..., "default_us": ...}``;
+    empty if the sweep has no ``tl.dot`` rows at ``rows``."""
+    table, us, default_us = {}, {}, {}
+    for kind, ops in KIND_OPS.items():
+        times: dict[tuple, dict[str, float]] = {}
+        for entry in sweep:
+            cfg = entry["config"]
+            if entry["rows"] == rows and entry["op"] in ops and isinstance(cfg, dict) and cfg["kernel"] == "dot":
+                times.setdefault(_dot_key(cfg), {})[entry["op"]] = entry["us"]
+        whole = {key: sum(t.values()) for key, t in times.items() if set(t) == set(ops)}
+        if not whole:
+            return {}
+        best = min(whole, key=whole.get)
+        table[kind] = dict(zip(DOT_TILE_KEYS, best, strict=True))
+        us[kind] = round(whole[best], 3)
+        defaults = [e["us"] for e in sweep if e["rows"] == rows and e["op"] in ops and e["config"] == "default"]
+        default_us[kind] = round(sum(defaults), 3) if len(defaults) == len(ops) and None not in defaults else None
+    return {"rows": rows, "table": table, "us": us, "default_us": default_us}
 
 
 def _tensors(outputs: list) -> list[torch.Tensor]:
@@ -373,6 +405,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report["sweep"].append({"rows": m, "op": op, "config": "default", "us": finite(default),
                                     "best": best[1], "best_us": finite(best[0])})
             out.write_text(json.dumps(report, indent=2) + "\n")
+    proposals = [p for p in (proposed_dot_tiles(report["sweep"], m) for m in sweep_rows) if p]
+    if proposals:  # the default tl.dot launches the sweep proposes (optimized.kernels.linear.set_dot_tiles)
+        report["proposed_dot_tiles"] = proposals
+        for proposal in proposals:
+            log.info("proposed DOT_TILES at %d rows: %s (µs per layer by kind %s, the table in force %s)",
+                     proposal["rows"], json.dumps(proposal["table"]), proposal["us"], proposal["default_us"])
+        out.write_text(json.dumps(report, indent=2) + "\n")
     inv_rows = [int(r) for r in args.invariant_sweep.split(",") if r]
     if inv_rows:
         report["invariant_sweep"] = invariant_sweep(inv_rows, layers, hidden, inter, device, dtype, backend,

@@ -79,19 +79,45 @@ FUSED_MAX_ROWS = 16
 ROW_LOOP_ROWS = 2
 
 # The tl.dot tiles of a default (not row-invariant) step of more than ROW_LOOP_ROWS rows, by the op's kind: "norm"
-# (add + norm + matmul: q/k/v), "gated" (add + norm + gate/up matmul + SiLU·up) and "plain" (o, down). ``k_tiles``:
-# the K tiles a program multiplies in, which splits K over ceil(K / BLOCK_K / k_tiles) programs per output tile
-# (None: no split); ``rms_whole_row``: the norm's pass over the whole row in one tile; ``num_stages``: Triton's
-# software pipelining (None: its default). The split and the one-tile norm serve steps of up to SPLIT_MAX_ROWS rows
-# (the fused steps); larger steps take the tile without them.
+# (add + norm + matmul: q/k/v), "gated" (add + norm + gate/up matmul + SiLU·up) and "plain" (o, down). ``split_k``:
+# programs per output tile, each multiplying in its share of the K tiles (1: no split; never more than there are
+# tiles); ``rms_whole_row``: the norm's pass over the whole row in one tile; ``num_stages``: Triton's software
+# pipelining (None: its default). The split and the one-tile norm serve steps of up to SPLIT_MAX_ROWS rows (the
+# fused steps); larger steps take the tile without them. ``scripts/bench_linear.py --sweep`` proposes a table
+# (``proposed_dot_tiles``) and ``set_dot_tiles`` installs one.
+DOT_TILE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "split_k", "rms_whole_row", "num_stages")
 DOT_TILES: dict[str, dict] = {
-    "norm": dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, k_tiles=None, rms_whole_row=False, num_stages=None),
-    "gated": dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, k_tiles=None, rms_whole_row=False, num_stages=None),
-    "plain": dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, k_tiles=None, rms_whole_row=False, num_stages=None),
+    "norm": dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, split_k=1, rms_whole_row=False, num_stages=None),
+    "gated": dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, split_k=1, rms_whole_row=False, num_stages=None),
+    "plain": dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, split_k=1, rms_whole_row=False, num_stages=None),
 }
 SPLIT_MAX_ROWS = 16
 # The tiles before the split-K sweep (scripts/ab_engine.py --experiment small_rows runs the engine with them).
 PREVIOUS_DOT_TILES: dict[str, dict] = {kind: dict(tile) for kind, tile in DOT_TILES.items()}
+
+
+def check_dot_tiles(tiles: dict) -> dict[str, dict]:
+    """``tiles`` as a table in :data:`DOT_TILES`'s format, or a ValueError naming what is wrong with it."""
+    if not isinstance(tiles, dict) or set(tiles) != {"norm", "gated", "plain"}:
+        raise ValueError(f"a tl.dot tile table has exactly the kinds norm, gated and plain, got {tiles!r}")
+    for kind, tile in tiles.items():
+        if not isinstance(tile, dict) or set(tile) != set(DOT_TILE_KEYS):
+            raise ValueError(f"the {kind} tile has exactly the keys {list(DOT_TILE_KEYS)}, got {tile!r}")
+        sizes = [tile["BLOCK_N"], tile["BLOCK_K"], tile["num_warps"]]
+        if any(not isinstance(v, int) or v < 1 or v & (v - 1) for v in sizes) or min(sizes[:2]) < 16:
+            raise ValueError(f"the {kind} tile's sizes must be powers of two, BLOCK_N/K ≥ 16: {tile}")
+        if not isinstance(tile["split_k"], int) or tile["split_k"] < 1 or not isinstance(tile["rms_whole_row"], bool):
+            raise ValueError(f"the {kind} tile's split_k must be a positive int and rms_whole_row a bool: {tile}")
+        if tile["num_stages"] is not None and (not isinstance(tile["num_stages"], int) or tile["num_stages"] < 1):
+            raise ValueError(f"the {kind} tile's num_stages must be None or a positive int: {tile}")
+    return {kind: dict(tiles[kind]) for kind in ("norm", "gated", "plain")}
+
+
+def set_dot_tiles(tiles: dict) -> None:
+    """Install a table of default ``tl.dot`` tiles (:func:`check_dot_tiles` first)."""
+    global DOT_TILES
+    DOT_TILES = check_dot_tiles(tiles)
+
 
 # The row-invariant tl.dot tiles by step size, smallest first: each entry serves steps of up to ``max_rows`` rows
 # (None: any). Several entries let a large step take larger tiles — but only tiles that give every row the bits the
@@ -393,14 +419,13 @@ def dot_tile(m: int, k: int, gated: bool, norm: bool) -> dict:
     tile = DOT_TILES["gated" if gated else "norm" if norm else "plain"]
     block_k = min(tile["BLOCK_K"], triton.next_power_of_2(k))
     cfg = dict(kernel="dot", BLOCK_M=16, BLOCK_N=tile["BLOCK_N"], BLOCK_K=block_k, num_warps=tile["num_warps"])
-    if tile.get("num_stages"):
+    if tile["num_stages"]:
         cfg["num_stages"] = tile["num_stages"]
     if m <= SPLIT_MAX_ROWS:
-        if tile.get("k_tiles"):
-            split = triton.cdiv(triton.cdiv(k, block_k), tile["k_tiles"])
-            if split > 1:
-                cfg["SPLIT_K"] = split
-        if norm and tile.get("rms_whole_row"):
+        split = min(tile["split_k"], triton.cdiv(k, block_k))  # no more programs than K tiles
+        if split > 1:
+            cfg["SPLIT_K"] = split
+        if norm and tile["rms_whole_row"]:
             cfg["RMS_BLOCK_K"] = triton.next_power_of_2(k)
     return cfg
 

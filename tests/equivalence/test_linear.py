@@ -123,6 +123,31 @@ def test_split_k_and_whole_row_norm_tile(extra, gated):
     assert all(int(t.abs().sum()) == 0 for t in module._TICKETS.values())
 
 
+def test_dot_tiles_table_drives_the_default_launch():
+    from optimized.kernels import linear as module
+
+    saved = module.DOT_TILES
+    try:
+        module.set_dot_tiles(dict(saved, norm=dict(saved["norm"], BLOCK_K=64, split_k=4, rms_whole_row=True,
+                                                   num_stages=2),
+                                  plain=dict(saved["plain"], BLOCK_K=256, split_k=9)))
+        cfg = kernel_config(8, 960, 576, False, norm=True)
+        assert cfg == dict(kernel="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2, SPLIT_K=4,
+                           RMS_BLOCK_K=1024)
+        assert kernel_config(8, 576, 576, False)["SPLIT_K"] == 3  # no more programs than K tiles (576 / 256)
+        big = kernel_config(FUSED_MAX_ROWS + 1, 960, 576, False, norm=True)  # above the fused steps: no split
+        assert "SPLIT_K" not in big and "RMS_BLOCK_K" not in big
+        assert kernel_config(8, 960, 576, False, row_invariant=True, norm=True).get("SPLIT_K", 1) == 1
+        with pytest.raises(ValueError, match="kinds"):
+            module.set_dot_tiles({"norm": saved["norm"]})
+        with pytest.raises(ValueError, match="split_k"):
+            module.set_dot_tiles(dict(saved, gated=dict(saved["gated"], split_k=0)))
+        with pytest.raises(ValueError, match="powers of two"):
+            module.set_dot_tiles(dict(saved, plain=dict(saved["plain"], BLOCK_N=24)))
+    finally:
+        module.DOT_TILES = saved
+
+
 def test_split_k_is_refused_with_row_invariance():
     if not (HAS_TRITON and (INTERPRETED or torch.cuda.is_available())):
         pytest.skip("the Triton path checks its config")

@@ -94,3 +94,32 @@ def test_target_is_loaded_once_for_every_run(monkeypatch):
     assert Target.__dict__["load"] is before  # put back as it was
     Target.load("m")
     assert len(calls) == 3  # outside the block every call loads again
+
+
+def test_dot_tiles_come_from_a_table_or_a_sweep_report(tmp_path):
+    from scripts.bench_linear import proposed_dot_tiles
+
+    def row(op, us, **cfg):
+        return {"rows": 8, "op": op, "us": us,
+                "config": dict(kernel="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, **cfg)}
+
+    sweep = [row("qkv", 5.0), row("qkv", 4.0, SPLIT_K=3, RMS_BLOCK_K=1024), row("gate_up", 6.0),
+             row("gate_up", 7.0, SPLIT_K=2), row("o", 3.0), row("o", 2.0, SPLIT_K=3), row("down", 4.0),
+             row("down", 6.0, SPLIT_K=3), row("down", 1.0, SPLIT_K=6),  # split 6: o did not time it
+             {"rows": 8, "op": "qkv", "config": "default", "us": 5.5}]
+    proposal = proposed_dot_tiles(sweep, 8)
+    assert proposal["table"]["norm"] == dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, split_k=3, rms_whole_row=True,
+                                             num_stages=None)
+    assert proposal["table"]["gated"]["split_k"] == 1
+    assert proposal["table"]["plain"]["split_k"] == 1 and proposal["us"]["plain"] == 7.0  # 3 + 4 against 2 + 6
+    assert proposal["default_us"]["norm"] == 5.5 and proposal["default_us"]["plain"] is None
+    assert proposed_dot_tiles(sweep, 16) == {}
+    report = tmp_path / "linear.json"
+    report.write_text(json.dumps({"sweep": sweep, "proposed_dot_tiles": [proposal]}))
+    assert ab_engine.dot_tiles_from_file(str(report)) == proposal["table"]
+    table = tmp_path / "tiles.json"
+    table.write_text(json.dumps(proposal["table"]))
+    assert ab_engine.dot_tiles_from_file(str(table)) == proposal["table"]
+    report.write_text(json.dumps({"sweep": sweep}))
+    with pytest.raises(ValueError, match="without a proposed"):
+        ab_engine.dot_tiles_from_file(str(report))
