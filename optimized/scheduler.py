@@ -26,6 +26,7 @@ import bisect
 import itertools
 import math
 import operator
+from array import array
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -103,9 +104,10 @@ class BudgetPlanner:
     arrays (``Scheduler.record_drafts`` keeps them so; torch tensors are accepted too), and Θ is computed on
     Python floats while there are at most ``PYTHON_MAX_CANDIDATES`` candidates (a sort and one accumulate, no
     NumPy call) and in a few NumPy calls above that. Both give the same floats: the float64 sums run in the same
-    order, and Python and NumPy divide alike. ``scripts/bench_host.py`` measures the host planning of a whole
-    step. Rows with NaN (requests too new to have stale survivals) take the reference's own fill, in torch, so
-    the filled values are bit-identical.
+    order, and Python and NumPy divide alike. :meth:`stale_budget` takes the Python floats straight from the
+    matrix when no row is NaN (the usual step), skipping the NumPy tests for missing rows. ``scripts/bench_host.py``
+    measures the host planning of a whole step. Rows with NaN (requests too new to have stale survivals) take the
+    reference's own fill, in torch, so the filled values are bit-identical.
     """
 
     # Up to this many candidates R·γ, Θ is computed on Python floats. On the project's 2-core CPU (2026-12-01, tiny
@@ -202,6 +204,17 @@ class BudgetPlanner:
         step's (unless ``record`` is False: a budget planned ahead of its step is recorded when the step uses it,
         :meth:`note_stale`), and must not be written afterwards."""
         arr = np.asarray(a_stale, dtype=np.float32)  # [R, γ]
+        if not check and self.survival_scale is None and 0 < arr.size <= self.PYTHON_MAX_CANDIDATES and arr.ndim == 2:
+            # The usual step at small R, on Python floats: one C call reads every survival, and the NaN test is a sum
+            # (NaN exactly when some entry is NaN). With no NaN, every request has its row: the matrix is kept for the
+            # prior (note_stale's test holds) and Θ needs no fill: the same floats as below, without a dozen NumPy
+            # calls (each several µs on a host whose caches the forwards evicted).
+            gains = arr.ravel().tolist()  # sync: none, host NumPy; [R·γ]
+            if not math.isnan(sum(gains)):
+                if record:
+                    self._stale_seen, self._stale_prior = arr, None
+                r, g = arr.shape
+                return self._best(self._theta_floats(gains, num_anchor_tokens, r, g, num_requests))[0]
         if arr.ndim == 2 and arr.shape[0] and np.isnan(arr[:, 0]).all():  # rows are whole: no request has one
             prior = self.stale_prior()
             if prior is not None:
@@ -298,18 +311,26 @@ class BudgetPlanner:
         arr = self._scaled(arr)  # what the drafts' outcomes say of the forecasts (acceptance feedback), if anything
         r, g = arr.shape
         n_s = r if num_requests is None else num_requests
-        step, step_list = self._step_times(num_anchor_tokens, r, r * g)  # [R·γ + 1] each
         if r * g <= self.PYTHON_MAX_CANDIDATES:
             gains = arr.ravel().tolist()  # sync: none, host NumPy; [R·γ]
             # Unchecked survivals lie in [0, 1] or are NaN, so their sum is NaN exactly when a row must be filled.
             if check or math.isnan(sum(gains)):
                 gains = self._filled(arr, check).ravel().tolist()  # sync: none, host NumPy
-            gains.sort(reverse=True)  # descending (equal values: order immaterial)
-            tau = itertools.accumulate(gains, initial=float(n_s))  # [R·γ + 1] sequential float64 sums
-            return map(operator.truediv, tau, step_list)  # [R·γ + 1] τ(B) / step(B), computed as they are read
+            return self._theta_floats(gains, num_anchor_tokens, r, g, num_requests)
+        step, _ = self._step_times(num_anchor_tokens, r, r * g)  # [R·γ + 1]
         gains = np.sort(self._filled(arr, check), axis=None)[::-1]  # [R·γ] descending
         tau = np.cumsum(np.concatenate(([float(n_s)], gains)))  # [R·γ + 1] float64, sequential as the sums above
         return tau / step
+
+    def _theta_floats(self, gains: list[float], num_anchor_tokens: int, r: int, g: int,
+                      num_requests: int | None) -> Iterator[float]:
+        """Θ(B) for B = 0..R·γ on Python floats (an iterator, B = 0 first) from ``gains``, the ``[R·γ]`` filled
+        survivals as floats (sorted here, in place): the same float64 sums in the same order as the NumPy path."""
+        _, step_list = self._step_times(num_anchor_tokens, r, r * g)  # [R·γ + 1]
+        gains.sort(reverse=True)  # descending (equal values: order immaterial)
+        n_s = r if num_requests is None else num_requests
+        tau = itertools.accumulate(gains, initial=float(n_s))  # [R·γ + 1] sequential float64 sums
+        return map(operator.truediv, tau, step_list)  # [R·γ + 1] τ(B) / step(B), computed as they are read
 
     @staticmethod
     def _filled(arr: np.ndarray, check: bool) -> np.ndarray:
@@ -481,6 +502,23 @@ def _staircase(out: np.ndarray, ns: np.ndarray, where: np.ndarray, sizes: list[i
     out[hit] = values[idx[hit]]
 
 
+def fold_floats(old: list[float], new: list[float], window: float) -> array:
+    """``reference.scheduler.fold_recent`` on Python floats, with the float32 results of the engine's NumPy fold: the
+    entries of ``old`` (the moving averages, NaN: none yet) and ``new`` (the drafts' survivals) are float32 values,
+    and so is ``window``; returns the folded ``array('f')``, ``new`` where ``old`` is NaN.
+
+    Each float32 operation of ``old + (new − old) / window`` is done in float64 and rounded to float32 (storing into
+    an ``array('f')`` rounds to nearest): for +, − and ÷ of float32 operands that is the float32 result itself, as
+    float64 carries more than 2·24 + 2 bits (double rounding is innocuous then: Figueroa, "When is double rounding
+    innocuous?", 1995). ``tests/optimized/test_scheduler_host_fastpath.py`` checks it bit for bit on random floats."""
+    diff = array("f", map(operator.sub, new, old))  # float32(new − old)
+    step = array("f", map(operator.truediv, diff, itertools.repeat(window)))  # float32(diff / window)
+    avg = array("f", map(operator.add, old, step))  # float32(old + step)
+    if math.isnan(sum(old)):  # some average is NaN (none yet): the draft itself there (o != o: o is NaN)
+        avg = array("f", [n if o != o else a for o, n, a in zip(old, new, avg)])
+    return avg
+
+
 def holdings(seqs: list[Sequence], ahead: int = 0) -> tuple[tuple[int, int], ...]:
     """What the gate's verdict and a budget are planned from: each request and how many drafts it holds (``ahead``
     more). Equal holdings mean equal inputs, so a decision computed earlier for them is the decision now."""
@@ -504,6 +542,9 @@ class DraftGate:
         # Per slot: the moving average (NaN before the first draft), how many of the slot's drafts it holds, and whose
         # drafts they are.
         self._recent = np.full((max_num_seqs, gamma), np.nan, dtype=np.float32)  # [S, γ]
+        # The same memory as a flat float32 memoryview (never rebind _recent): its items read and write as Python floats
+        # (writes round to float32), for the fold of a few requests without NumPy calls (recent_survivals).
+        self._recent_floats = memoryview(self._recent.reshape(-1))  # [S·γ] 'f'
         self._count = [0] * max_num_seqs
         self._owner: list[Sequence | None] = [None] * max_num_seqs
         # With ``track`` (the finish-time gate on): per slot, the sum and the sum of squares of every draft's
@@ -552,6 +593,10 @@ class DraftGate:
     # (a batch of 64 then takes a row of every ~2nd quantile), out of the last HISTORY.
     PRIOR_MIN = 32
     HISTORY = 1024
+    # Up to this many survivals R·γ a step's fold runs on Python floats (fold_floats) rather than in NumPy: a NumPy
+    # call costs several µs on a host whose caches the forwards evicted, a Python float a fraction of one; the two
+    # broke even near R = 8 at γ = 7 on the project's 2-core CPU (DraftGate._fold_floats).
+    PYTHON_MAX_FOLD = 64
 
     @property
     def active(self) -> bool:
@@ -741,7 +786,9 @@ class DraftGate:
         array), or None when none has drafted. NumPy float32: the same IEEE operations as the reference's torch
         ones. The rows folded here were copied to the host by earlier steps' drafts, and this step's token read has
         synchronised since, so they have landed. (Per-slot rows in Python lists cost 280 µs a step at R = 256 on
-        the project's CPU, ``scripts/bench_host.py``; the array, one pass over the requests and one fold, less.)"""
+        the project's CPU, ``scripts/bench_host.py``; the array, one pass over the requests and one fold, less.)
+        A fold of at most ``PYTHON_MAX_FOLD`` survivals runs on Python floats instead (:meth:`_fold_floats`): the
+        same float32 results, without NumPy's per-call cost, which dominates at a few requests."""
         owner, count, recent = self._owner, self._count, self._recent
         # One pass over the requests (at R = 256 each pass of Python over them costs tens of µs): a slot that changed
         # hands starts afresh, and each request's next unfolded draft is picked up.
@@ -756,15 +803,18 @@ class DraftGate:
                 new_rows.append(s.survivals[count[slot]])
         everybody, passes, folded = len(todo) == len(seqs), 0, None
         while todo:  # normally one pass: a request drafts at most once between two gates
-            rows = np.array([s.slot for s in todo], dtype=np.intp)  # [n] distinct slots
-            new = np.array(new_rows)  # [n, γ] float32
-            old = recent[rows]  # [n, γ]
-            # fold_recent: the draft itself where there is no average yet (NaN), else old + (new - old) / window
-            folded = np.where(np.isnan(old), new, old + (new - old) / self._window)  # [n, γ] float32
-            recent[rows] = folded
-            if self.track:  # one indexed add
-                wide = new.astype(np.float64)  # [n, γ]
-                self._moments[rows] += np.concatenate([wide, wide * wide, np.ones((len(rows), 1))], axis=1)
+            if len(todo) * self.gamma <= self.PYTHON_MAX_FOLD and not self.track:
+                folded = self._fold_floats([s.slot for s in todo], new_rows)  # [n, γ] float32, the same floats
+            else:
+                rows = np.array([s.slot for s in todo], dtype=np.intp)  # [n] distinct slots
+                new = np.array(new_rows)  # [n, γ] float32
+                old = recent[rows]  # [n, γ]
+                # fold_recent: the draft itself where there is no average yet (NaN), else old + (new - old) / window
+                folded = np.where(np.isnan(old), new, old + (new - old) / self._window)  # [n, γ] float32
+                recent[rows] = folded
+                if self.track:  # one indexed add
+                    wide = new.astype(np.float64)  # [n, γ]
+                    self._moments[rows] += np.concatenate([wide, wide * wide, np.ones((len(rows), 1))], axis=1)
             passes += 1
             later, new_rows = [], []
             for s in todo:
@@ -778,6 +828,22 @@ class DraftGate:
         if all(count[slot] == 0 for slot in slots):
             return None
         return recent[np.array(slots, dtype=np.intp)]  # [R, γ] a copy
+
+    def _fold_floats(self, slots: list[int], new_rows: list) -> np.ndarray:
+        """The NumPy fold of :meth:`recent_survivals` for a few requests (``slots``, distinct, and their drafts'
+        float32 rows ``new_rows``), on Python floats: :func:`fold_floats`, the same float32 results. In the engine
+        (caches cold after the forwards) the NumPy fold's nine calls made :meth:`recent_survivals` take ~54 µs of the
+        gate's ~93 µs at R = 1 on the project's 2-core CPU; this takes it to ~30 µs, and at R = 8 (56 survivals)
+        both cost about the same (``scripts/bench_host.py``), hence ``PYTHON_MAX_FOLD``. Each average is read and
+        written through the flat float32 view of ``_recent``. Returns the folded ``[n, γ]`` rows (a fresh array)."""
+        g, flat, old, new = self.gamma, self._recent_floats, [], []
+        for slot, row in zip(slots, new_rows):
+            old += flat[slot * g:(slot + 1) * g].tolist()  # [γ] the average (float32 values as floats)
+            new += row.tolist()  # sync: none, host NumPy (a landed host copy: see recent_survivals); [γ]
+        folded = fold_floats(old, new, float(self._window))  # [n·γ] array('f')
+        for i, slot in enumerate(slots):
+            flat[slot * g:(slot + 1) * g] = folded[i * g:(i + 1) * g]  # the same float32 bits
+        return np.frombuffer(folded, dtype=np.float32).reshape(len(slots), g)  # [n, γ] over the fresh array's memory
 
 
 class Scheduler:
