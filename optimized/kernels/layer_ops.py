@@ -286,6 +286,9 @@ def rope_append_kv(q: Tensor | None, k: Tensor, v: Tensor, cos: Tensor, sin: Ten
             raise ValueError(f"{name} needs a contiguous last dimension")
     if k_cache.stride() != v_cache.stride() or cos.stride() != sin.stride():
         raise ValueError("k_cache/v_cache (and cos/sin) must share one layout")
+    if n > 1 and (slots.stride(0) != 1 or positions.stride(0) != 1):  # the kernel reads them as arrays
+        raise ValueError(f"slots and positions must be contiguous, got strides {slots.stride()} and "
+                         f"{positions.stride()}")
     heads = 0 if q is None else q.shape[1]
     q_out = None if q is None else torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
     if n:

@@ -177,7 +177,9 @@ class OptimizedDrafter:
             offsets = torch.arange(g, device=anchor_pos.device)
             cu = (torch.arange(r + 1, device=anchor_pos.device) * g).to(torch.int32)
         positions = (anchor_pos[:, None] + offsets).reshape(r * g)  # [R·γ] P..P+γ-1
-        write_slots = slots.long()[:, None].expand(r, g).reshape(r * g)  # [R·γ] each slot γ times
+        # [R·γ] each slot γ times, in memory: the kernels read it as a contiguous array (a reshape of the expand could
+        # be a stride-0 view, at R = 1)
+        write_slots = slots.long()[:, None].expand(r, g).contiguous().view(r * g)
         kv_lens = (anchor_pos + g).to(torch.int32)  # [R]: context 0..P-1 plus the block
         cos, sin = self._rope(positions)  # [R·γ, D]
 

@@ -201,3 +201,16 @@ def test_rope_table_rows_are_the_step_tables(dtype, device):
     want_cos, want_sin = rope_cos_sin(pos, inv_freq, 1.25, dtype)
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     assert cos.stride() == sin.stride() and cos.stride(-1) == 1  # the layout the RoPE kernel takes
+
+
+@needs_interpreter
+def test_rope_append_refuses_strided_slots():
+    """The kernel reads slots and positions as arrays: a stride-0 view (an expanded slot) is an error, not a write
+    at another token's coordinates."""
+    n, hkv, d = 4, 2, 8
+    k, v = torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+    cos, sin = torch.ones(n, d), torch.zeros(n, d)
+    k_cache, v_cache = torch.zeros(2, 16, hkv, d), torch.zeros(2, 16, hkv, d)
+    slots = torch.zeros(1, dtype=torch.long).expand(n)  # stride 0
+    with pytest.raises(ValueError, match="contiguous"):
+        rope_append_kv(None, k, v, cos, sin, k_cache, v_cache, slots, torch.arange(n), backend="triton")
