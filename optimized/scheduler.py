@@ -838,7 +838,7 @@ class DraftGate:
         written through the flat float32 view of ``_recent``. Returns the folded ``[n, γ]`` rows (a fresh array)."""
         g, flat, old, new = self.gamma, self._recent_floats, [], []
         for slot, row in zip(slots, new_rows):
-            old += flat[slot * g:(slot + 1) * g].tolist()  # [γ] the average (float32 values as floats)
+            old += flat[slot * g:(slot + 1) * g].tolist()  # sync: none, a host memoryview; [γ] the average
             new += row.tolist()  # sync: none, host NumPy (a landed host copy: see recent_survivals); [γ]
         folded = fold_floats(old, new, float(self._window))  # [n·γ] array('f')
         for i, slot in enumerate(slots):

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from optimized.kernels.layer_ops import rms_norm, rope_append_kv, rope_cos_sin, rope_lookup, rope_table
+from optimized.kernels.layer_ops import rms_norm, rope_append_kv, rope_lookup, rope_table
 from optimized.kernels.linear import FUSED_MAX_ROWS
 from optimized.models.target import AttentionShape, check_int32, fuse_linears, layer_weights, run_layers
 from reference.drafter import DSparkDrafter
@@ -107,13 +107,6 @@ class OptimizedDrafter:
         self._block_offsets = torch.arange(self.gamma, device=self.device)  # [γ] int64
         self._block_starts = (torch.arange(max_num_seqs + 2, device=self.device) * self.gamma).to(torch.int32)
 
-    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos/sin ``[N, D]`` of ``positions``: rows of the table made with the caches (one gather), or computed
-        when the caches were put in place by hand."""
-        if self.rope is not None and self.k_cache is not None and self.rope.shape[0] == self.k_cache.shape[2]:
-            return rope_lookup(self.rope, positions)
-        return rope_cos_sin(positions, self.inv_freq, 1.0, self.dtype)
-
     def _require_cache(self) -> tuple[Tensor, Tensor]:
         if self.k_cache is None:
             raise RuntimeError("no context cache: call allocate_cache(max_num_seqs, max_seq_len) first")
@@ -145,7 +138,7 @@ class OptimizedDrafter:
                             backend=ops)  # [N, d]
         kv = F.linear(h_ctx, self.context_kv, self.context_kv_bias)  # [N, L·2·Hkv·D]
         kv = kv.view(n, len(self.layers), 2, s.num_kv_heads, s.head_dim)  # [N, L, 2, Hkv, D]
-        cos, sin = self._rope(pos)  # [N, D] each
+        cos, sin = rope_lookup(self.rope, pos)  # [N, D] each: rows of the table made with the caches
         for i, w in enumerate(self.layers):  # k_norm (Qwen3-style drafters), RoPE of k, then k and v to the cache
             rope_append_kv(None, kv[:, i, 0], kv[:, i, 1], cos, sin, k_cache[i], v_cache[i], slots, pos,
                            k_norm=w.k_norm, eps=s.eps, backend=ops)
@@ -181,7 +174,7 @@ class OptimizedDrafter:
         # be a stride-0 view, at R = 1)
         write_slots = slots.long()[:, None].expand(r, g).contiguous().view(r * g)
         kv_lens = (anchor_pos + g).to(torch.int32)  # [R]: context 0..P-1 plus the block
-        cos, sin = self._rope(positions)  # [R·γ, D]
+        cos, sin = rope_lookup(self.rope, positions)  # [R·γ, D]
 
         x = self._block_embeddings(anchor_ids).reshape(r * g, d)  # [R·γ, d]
         x, _ = run_layers(x, self.layers, self.shape, cos, sin, k_cache, v_cache, write_slots, positions, cu, kv_lens,

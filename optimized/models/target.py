@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from optimized.kernels.attention import varlen_attention
-from optimized.kernels.layer_ops import resolve_backend, rope_append_kv, rope_cos_sin, rope_lookup, rope_table, silu_mul
+from optimized.kernels.layer_ops import resolve_backend, rope_append_kv, rope_lookup, rope_table, silu_mul
 from optimized.kernels.layer_ops import rms_norm as fused_rms_norm
 from optimized.kernels.linear import FUSED_MAX_ROWS, fused_rows, linear, norm_linear
 from reference.config import default_target_layer_ids
@@ -363,10 +363,7 @@ class OptimizedTarget:
         trash = k_cache.shape[1] - 1
         write_slots, write_pos = token_write_index(positions, cu_seqlens_q, slot_ids, trash)  # [N] each
         attn_slots = torch.where(slot_ids < 0, trash, slot_ids).to(torch.int32)  # [R]
-        if self.rope is not None and self.rope.shape[0] == k_cache.shape[2]:  # the table of these caches
-            cos, sin = rope_lookup(self.rope, positions)  # [N, D] each
-        else:  # caches put in place by hand
-            cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling, self.dtype)
+        cos, sin = rope_lookup(self.rope, positions)  # [N, D] each: rows of the table made with the caches
 
         x = F.embedding(input_ids, self.embed)  # [N, d]
         # taps[l] = the residual stream after layer l = HF's hidden_states[l + 1]

@@ -128,7 +128,8 @@ def test_target_matches_reference_triton_interpreted(family, linear_rows):
 def test_taps_read_from_the_next_norm_are_the_separate_add():
     """A tapped layer's output is read from the sum the next layer's first norm computes: the same bits, in bf16 too,
     as adding the layer's MLP output on its own (what the taps cost before: one add kernel each)."""
-    from optimized.models.target import decoder_layer, rope_cos_sin, run_layers, token_write_index
+    from optimized.kernels.layer_ops import rope_cos_sin
+    from optimized.models.target import decoder_layer, run_layers, token_write_index
 
     target = tiny_target("llama")
     target.model.to(torch.bfloat16)
