@@ -11,13 +11,7 @@
 # Needs the target at $MODEL and ShareGPT at $SHAREGPT (docs/training.md, "Reproduction scripts on a GPU machine").
 # Run it on a copy of the repository; `bash scripts/reproduce/pack.sh` packs $RES for the trip back.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export PYTHONPATH=/tmp/stage/site:$PWD  # the staged wheels (gguf) and the repository
-MODEL=${MODEL:-/tmp/stage/target.gguf}
-SHAREGPT=${SHAREGPT:-/tmp/stage/sharegpt.json.gz}
-DRAFTER=${DRAFTER:-checkpoints/smollm2-135m-instruct-dspark}
-RES=${RES:-/tmp/res}
-source "$(dirname "$0")/timeline.sh"  # stamp, run
+source "$(dirname "$0")/staged.sh"  # environment, MODEL, SHAREGPT, DRAFTER, RES, SRC, GPU; stamp, run
 
 run tests-invariance timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/equivalence/test_linear.py \
   tests/equivalence/test_gpu.py -k "row_invariant or batch_invariant"

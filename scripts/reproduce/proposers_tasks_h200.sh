@@ -7,13 +7,8 @@
 # Needs the target at $MODEL (docs/training.md, "Reproduction scripts on a GPU machine"). Run it on a copy of the
 # repository; `bash scripts/reproduce/pack.sh` packs $RES for the trip back.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export PYTHONPATH=/tmp/stage/site:$PWD
-MODEL=${MODEL:-/tmp/stage/target.gguf}
-DRAFTER=${DRAFTER:-checkpoints/smollm2-135m-instruct-dspark}
-RES=${RES:-/tmp/res}
+source "$(dirname "$0")/staged.sh"  # environment, MODEL, SHAREGPT, DRAFTER, RES, SRC, GPU; stamp, run
 LIMIT=${LIMIT:-210}
-source "$(dirname "$0")/timeline.sh"  # stamp, run
 EVAL=(--model "$MODEL" --prompts-file docs/benchmarks/eval_tasks.jsonl --max-new-tokens 256 --limit "$LIMIT")
 
 run cache python -c "from reference.target import Target; Target.load('$MODEL')"

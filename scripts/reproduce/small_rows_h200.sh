@@ -11,15 +11,7 @@
 # Needs the target at $MODEL and ShareGPT at $SHAREGPT (docs/training.md, "Reproduction scripts on a GPU machine").
 # Run it on a copy of the repository; `bash scripts/reproduce/pack.sh` packs $RES for the trip back.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export PYTHONPATH=/tmp/stage/site:$PWD  # the staged wheels (gguf) and the repository
-MODEL=${MODEL:-/tmp/stage/target.gguf}
-SHAREGPT=${SHAREGPT:-/tmp/stage/sharegpt.json.gz}
-DRAFTER=${DRAFTER:-checkpoints/smollm2-135m-instruct-dspark}
-RES=${RES:-/tmp/res}
-GPU=$(python -c "import torch; n = torch.cuda.get_device_name().lower(); print('h200' if 'h200' in n else 'h100' if 'h100' in n else 'gpu')")
-source "$(dirname "$0")/timeline.sh"  # stamp, run
-SRC=(--model "$MODEL" --drafter "$DRAFTER" --sharegpt-file "$SHAREGPT")
+source "$(dirname "$0")/staged.sh"  # environment, MODEL, SHAREGPT, DRAFTER, RES, SRC, GPU; stamp, run
 
 run tests timeout 150 python -m pytest -q -p no:cacheprovider -k "gpu or cuda" tests/equivalence/test_linear.py \
   tests/equivalence/test_layer_ops.py
