@@ -139,22 +139,41 @@ def target_loaded_once() -> Iterator[None]:
 
 def summarise(runs: list[dict[str, Any]], names: tuple[str, str] = ("prior", "zero_fill")) -> dict[str, Any]:
     """Per batch size and mode: each arm's tokens/s over its rounds, their medians and ``NEW_over_OLD``, the ratio of
-    the medians (``names``: the two arms, the engine as it is first)."""
+    the medians (``names``: the two arms, the engine as it is first); likewise each arm's engine step time
+    (``step_ms``) and mean accepted length (``tau``), and ``step_OLD_over_NEW``, the ratio of the median step times.
+
+    Tokens/s is τ × steps/s. Arms whose kernels sum in another order can emit other greedy tokens in bfloat16, and so
+    accept other drafts: their τ differs by chance, and only the step time says which step is cheaper."""
     new, old = names
-    table: dict[str, dict[str, dict[str, list[float]]]] = {}
+    table: dict[str, dict[str, dict[str, dict[str, list[float]]]]] = {}
     for run in runs:
         for r in run["results"]:
             if r.get("engine") != "optimized":
                 continue
-            cell = table.setdefault(str(r["batch_size"]), {}).setdefault(r["label"], {a: [] for a in names})
-            cell[run["arm"]].append(float(r["output_tokens_per_s"]))
+            cell = table.setdefault(str(r["batch_size"]), {}).setdefault(
+                r["label"], {key: {a: [] for a in names} for key in ("tokens_per_s", "step_ms", "tau")})
+            cell["tokens_per_s"][run["arm"]].append(float(r["output_tokens_per_s"]))
+            if "step_ms" in r:
+                cell["step_ms"][run["arm"]].append(float(r["step_ms"]))
+            if "mean_accepted_length" in r:
+                cell["tau"][run["arm"]].append(float(r["mean_accepted_length"]))
+
+    def medians(arms: dict[str, list[float]], digits: int) -> dict[str, float | None]:
+        return {a: round(statistics.median(v), digits) if v else None for a, v in arms.items()}
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 4) if a is not None and b else None
+
     out: dict[str, Any] = {}
     for b, modes in table.items():
         out[b] = {}
-        for label, arms in modes.items():
-            med = {a: round(statistics.median(v), 1) if v else None for a, v in arms.items()}
-            ratio = round(med[new] / med[old], 4) if med[new] is not None and med[old] else None
-            out[b][label] = {"tokens_per_s": arms, "median_tokens_per_s": med, f"{new}_over_{old}": ratio}
+        for label, cell in modes.items():
+            tps, step, tau = medians(cell["tokens_per_s"], 1), medians(cell["step_ms"], 4), medians(cell["tau"], 3)
+            out[b][label] = {"tokens_per_s": cell["tokens_per_s"], "median_tokens_per_s": tps,
+                             f"{new}_over_{old}": ratio(tps[new], tps[old]),
+                             "step_ms": cell["step_ms"], "median_step_ms": step,
+                             f"step_{old}_over_{new}": ratio(step[old], step[new]),
+                             "tau": cell["tau"], "median_tau": tau}
     return out
 
 
@@ -217,10 +236,11 @@ def main(argv: list[str] | None = None, *, prog: str = "ab_engine", experiment: 
                  if args.experiment == "small_rows" else {}),
               "total_s": round(time.time() - start, 1)}
     out_path.write_text(json.dumps(result, indent=2) + "\n")
-    key = f"{names[0]}_over_{names[1]}"
+    key, step_key = f"{names[0]}_over_{names[1]}", f"step_{names[1]}_over_{names[0]}"
     for b, modes in result["summary"].items():
         for label, cell in modes.items():
-            log.info("batch %4s %-16s %s %s (medians %s)", b, label, key, cell[key], cell["median_tokens_per_s"])
+            log.info("batch %4s %-16s %s %s (medians %s), %s %s (ms %s), τ %s", b, label, key, cell[key],
+                     cell["median_tokens_per_s"], step_key, cell[step_key], cell["median_step_ms"], cell["median_tau"])
     log.info("wrote %s", out_path)
     return result
 

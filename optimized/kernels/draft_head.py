@@ -118,7 +118,9 @@ MAX_BLOCK_D = 1024  # hidden-state tile of the confidence dot product (d = 576 f
 # every R but one (R = 1: 8 warps 1% ahead at 8,192 products), wider tiles from R = 16 on (65,536 products lost to
 # 32,768 at R = 16..256), the fused reductions below R = 32 (3-20% faster there, 1-7% slower from 32 on), and a
 # program per request always won over 16, 32 or 64 requests a program sharing W2's block
-# (_draft_split_logits_rows_kernel: 1.6-1.8x slower in the graph from R = 16 on).
+# (_draft_split_logits_rows_kernel: 1.6-1.8x slower in the graph from R = 16 on). In the engine on an H100, alternated
+# with the launches before (scripts/ab_engine.py --experiment draft_head, fixed K = 7 one step ahead,
+# docs/benchmarks/draft-head-ab-h100.json), the table gave 1.015x the tokens/s at batch 16 and 1.096x at batch 64.
 # (Sharing W2's block wins in eager timings, where launch overhead hides device time: on an H200,
 # `scripts/bench_kernels.py --op draft_head` gave R = 64 818 against 1,201 µs a draft.)
 SPLIT_TABLE: tuple[dict, ...] = (dict(below=16, tile=16384, warps=4, fused=True, rows=1),

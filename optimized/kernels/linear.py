@@ -84,7 +84,10 @@ ROW_LOOP_ROWS = 2
 # tiles); ``rms_whole_row``: the norm's pass over the whole row in one tile; ``num_stages``: Triton's software
 # pipelining (None: its default). The split and the one-tile norm serve steps of up to SPLIT_MAX_ROWS rows (the
 # fused steps); larger steps take the tile without them. ``scripts/bench_linear.py --sweep`` proposes a table
-# (``proposed_dot_tiles``) and ``set_dot_tiles`` installs one.
+# (``proposed_dot_tiles``) and ``set_dot_tiles`` installs one. On an H100 (docs/benchmarks/linear-splitk-h100.json) no
+# swept tile of an eight-row step beat this table by more than 1.2% (the best: split K = 3 for o and down, 128-column
+# tiles at 8 warps for gate/up), and with that proposal a fixed K = 7 step at batch 1 took 1.231 ms against 1.227
+# (profile-h100-fixed7-b1-splitk.json, profile-h100-fixed7-b1.json): the table stays, the split is off by default.
 DOT_TILE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "split_k", "rms_whole_row", "num_stages")
 DOT_TILES: dict[str, dict] = {
     "norm": dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, split_k=1, rms_whole_row=False, num_stages=None),

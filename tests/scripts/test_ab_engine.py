@@ -73,6 +73,9 @@ def test_report_pairs_the_arms_per_batch_and_mode(tmp_path):
     med = cell["median_tokens_per_s"]
     assert med["prior"] > 0 and med["zero_fill"] > 0
     assert cell["prior_over_zero_fill"] == pytest.approx(med["prior"] / med["zero_fill"], rel=1e-3)
+    step, tau = cell["median_step_ms"], cell["median_tau"]  # the step's price apart from the acceptance
+    assert step["prior"] > 0 and step["zero_fill"] > 0 and tau["prior"] >= 1 and tau["zero_fill"] >= 1
+    assert cell["step_zero_fill_over_prior"] == pytest.approx(step["zero_fill"] / step["prior"], rel=1e-3)
     assert report["command"].startswith("python -m scripts.ab_stale_prior --rounds 1")
     with pytest.raises(SystemExit, match="before '--'"):
         ab_stale_prior.main(["--", "--out", str(out)])
