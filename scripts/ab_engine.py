@@ -48,6 +48,7 @@ from optimized.scheduler import BudgetPlanner
 from reference.cli import LOG_FORMAT
 from reference.target import Target
 from scripts import bench_engine
+from scripts.benchmarking import dot_tiles_from_file
 
 log = logging.getLogger("dspark.ab_engine")
 
@@ -175,18 +176,6 @@ def summarise(runs: list[dict[str, Any]], names: tuple[str, str] = ("prior", "ze
                              f"step_{old}_over_{new}": ratio(step[old], step[new]),
                              "tau": cell["tau"], "median_tau": tau}
     return out
-
-
-def dot_tiles_from_file(path: str) -> dict:
-    """The tl.dot tile table in ``path``: a DOT_TILES table itself, or a ``bench_linear --sweep`` report's first
-    proposed one (a ValueError if it has none)."""
-    data = json.loads(Path(path).read_text())
-    if isinstance(data, dict) and "sweep" in data:  # a bench_linear report
-        proposals = data.get("proposed_dot_tiles") or []
-        if not proposals:
-            raise ValueError(f"{path} is a bench_linear report without a proposed tl.dot table (run it with --sweep)")
-        data = proposals[0]["table"]
-    return linear.check_dot_tiles(data)
 
 
 def main(argv: list[str] | None = None, *, prog: str = "ab_engine", experiment: str = "stale_prior",

@@ -10,6 +10,7 @@ Names follow ``docs/method.md`` (``ℓ`` verify length, ``γ`` block size).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from optimized.config import EngineConfig
+from optimized.kernels import linear
 from reference.cli import DEFAULT_DRAFTER, load_or_init_drafter
 from reference.config import SCHEDULER_MODES, NgramConfig, ProposerKind, SchedulingMode
 from reference.drafter import DSparkDrafter
@@ -180,3 +182,15 @@ def save_plot(plot: Callable[[dict[str, Any], Path], None], report: dict[str, An
         log.info("matplotlib is not installed: no plot")
     except Exception as e:
         log.warning("plotting failed: %s", e)
+
+
+def dot_tiles_from_file(path: str) -> dict:
+    """The tl.dot tile table in ``path``: a DOT_TILES table itself, or a ``bench_linear --sweep`` report's first
+    proposed one (a ValueError if it has none)."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict) and "sweep" in data:  # a bench_linear report
+        proposals = data.get("proposed_dot_tiles") or []
+        if not proposals:
+            raise ValueError(f"{path} is a bench_linear report without a proposed tl.dot table (run it with --sweep)")
+        data = proposals[0]["table"]
+    return linear.check_dot_tiles(data)

@@ -47,12 +47,20 @@ from torch.profiler import ProfilerActivity, profile
 
 from optimized.cost_model import DEFAULT_CONTEXT_LEN, cached_profile
 from optimized.engine import Engine, EngineConfig, SamplingParams
+from optimized.kernels import linear
 from reference.cli import DEFAULT_DRAFTER, LOG_FORMAT, load_or_init_drafter
 from reference.config import SchedulerConfig, SchedulingMode
 from reference.cost_model import hardware_name
 from reference.drafter import DSparkDrafter
 from reference.target import Target
-from scripts.benchmarking import add_engine_source_args, load_prompts, parse_mode, request_lengths, sync
+from scripts.benchmarking import (
+    add_engine_source_args,
+    dot_tiles_from_file,
+    load_prompts,
+    parse_mode,
+    request_lengths,
+    sync,
+)
 
 log = logging.getLogger("dspark.profile_engine")
 
@@ -240,7 +248,8 @@ def run_profile(target: Target, drafter: DSparkDrafter | None, prompts: list[lis
                      "batch_invariant": engine.runner.target.row_invariant,
                      "draft_head_in_graph": engine.runner.head_in_graph, "draft_ahead": args.draft_ahead,
                      "async_decode": args.async_decode, "refill": args.refill, "keep_drafter": args.keep_drafter,
-                     "dtype": str(target.dtype), "prefill_steps": prefill_steps, "gamma": gamma},
+                     "dtype": str(target.dtype), "prefill_steps": prefill_steps, "gamma": gamma,
+                     "dot_tiles": linear.DOT_TILES},
         "step_ms_median": statistics.median(timed) if timed else None,
         "step_ms_all": [round(t, 3) for t in timed],
         "profiled_step_ms_median": statistics.median(profiled) if profiled else None,
@@ -310,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="root of the random-number contract (EngineConfig.seed)")
     p.add_argument("--top", type=int, default=15, help="operators listed per table")
     p.add_argument("--trace", default=None, help="also write a Chrome trace (chrome://tracing, Perfetto) here")
+    p.add_argument("--dot-tiles", default=None, metavar="FILE",
+                   help="run with the fused projections' tl.dot tiles of 3-16-row steps from FILE: a DOT_TILES table "
+                        "or a scripts/bench_linear.py --sweep report (its first proposed table); recorded in the "
+                        "report's settings (default: DOT_TILES in optimized/kernels/linear.py as it is)")
     p.add_argument("--out", default=None, help="JSON report path")
     return p
 
@@ -330,7 +343,13 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
         prompt_ids = load_prompts(args, target, 4 * args.batch_size if args.refill else args.batch_size)
     command = "python -m scripts.profile_engine " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                       else sys.argv[1:]))
-    return run_profile(target, drafter, prompt_ids, args, command)
+    in_force = linear.DOT_TILES
+    if args.dot_tiles:
+        linear.set_dot_tiles(dot_tiles_from_file(args.dot_tiles))
+    try:
+        return run_profile(target, drafter, prompt_ids, args, command)
+    finally:
+        linear.DOT_TILES = in_force
 
 
 if __name__ == "__main__":

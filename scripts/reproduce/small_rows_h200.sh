@@ -7,7 +7,9 @@
 #   3. scripts/ab_engine.py --experiment small_rows: the engine with the sweep's proposed table (--dot-tiles) against
 #      PREVIOUS_DOT_TILES, alternated in one process, plain decoding and fixed K = 7 one step ahead at batch 1 and 2
 #                                                                   -> small-rows-ab-GPU.json
-#   4. scripts/profile_engine.py of fixed K = 7 at batch 1, one step ahead -> profile-GPU-fixed7-b1.json
+#   4. scripts/profile_engine.py of fixed K = 7 at batch 1, one step ahead, with the table in force and with the
+#      sweep's (--dot-tiles): the step's time apart from τ, which another summation order moves in bfloat16
+#                                                   -> profile-GPU-fixed7-b1.json, profile-GPU-fixed7-b1-splitk.json
 # Needs the target at $MODEL and ShareGPT at $SHAREGPT (docs/training.md, "Reproduction scripts on a GPU machine").
 # Run it on a copy of the repository; `bash scripts/reproduce/pack.sh` packs $RES for the trip back.
 set -uo pipefail
@@ -22,5 +24,7 @@ run ab timeout 330 python -m scripts.ab_engine --experiment small_rows --rounds 
   -- "${SRC[@]}" --modes none+async,fixed:7+async --batch-sizes 1,2 --min-requests 16 --hf-max-batch 0 --repeats 2
 run profile timeout 100 python -m scripts.profile_engine "${SRC[@]}" --mode fixed:7 --batch-size 1 --async-decode \
   --out "$RES/profile-$GPU-fixed7-b1.json"
+run profile-splitk timeout 100 python -m scripts.profile_engine "${SRC[@]}" --mode fixed:7 --batch-size 1 \
+  --async-decode --dot-tiles "$RES/linear-splitk-$GPU.json" --out "$RES/profile-$GPU-fixed7-b1-splitk.json"
 stamp DONE
 touch "$RES/DONE"

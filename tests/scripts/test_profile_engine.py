@@ -84,3 +84,29 @@ def test_profile_keep_drafter_runs_plain_steps_of_a_drafting_engine(models, tmp_
     assert report["mean_accepted_length"] == 1.0
     profile_engine.main(args, target=target, drafter=drafter, prompt_ids=PROMPTS)
     assert built[-1].runner.drafter is None
+
+
+def test_dot_tiles_flag_installs_a_table_for_the_run_only(models, tmp_path, monkeypatch):
+    from optimized.kernels import linear
+    target, drafter = models
+    table = {kind: dict(tile, split_k=2) for kind, tile in linear.DOT_TILES.items()}
+    (tmp_path / "tiles.json").write_text(json.dumps(table))
+    in_force, seen = linear.DOT_TILES, []
+    run_profile = profile_engine.run_profile
+
+    def spy(*args, **kwargs):  # the table in force while the engine runs
+        seen.append(linear.DOT_TILES)
+        return run_profile(*args, **kwargs)
+
+    monkeypatch.setattr(profile_engine, "run_profile", spy)
+    report = profile_engine.main(["--mode", "fixed:2", "--batch-size", "1", "--steps", "1", "--warmup", "0",
+                                  "--context-len", "16", "--cost-cache-dir", str(tmp_path / "cost"),
+                                  "--dot-tiles", str(tmp_path / "tiles.json")],
+                                 target=target, drafter=drafter, prompt_ids=PROMPTS[:1])
+    assert seen == [table] and report["settings"]["dot_tiles"] == table
+    assert linear.DOT_TILES is in_force  # put back after the run
+    (tmp_path / "bad.json").write_text(json.dumps({"norm": {}}))
+    with pytest.raises(ValueError, match="kinds norm, gated and plain"):
+        profile_engine.main(["--mode", "none", "--dot-tiles", str(tmp_path / "bad.json")],
+                            target=target, drafter=drafter, prompt_ids=PROMPTS[:1])
+    assert linear.DOT_TILES is in_force
