@@ -194,10 +194,9 @@ def main(argv: list[str] | None = None, *, prog: str = "ab_engine", experiment: 
                         "scripts/bench_linear.py --sweep report (its first proposed table) (default: DOT_TILES as "
                         "it is)")
     args = p.parse_args(own)
-    if args.dot_tiles:
-        if args.experiment != "small_rows":
-            raise SystemExit("--dot-tiles is for --experiment small_rows")
-        linear.set_dot_tiles(dot_tiles_from_file(args.dot_tiles))
+    if args.dot_tiles and args.experiment != "small_rows":
+        raise SystemExit("--dot-tiles is for --experiment small_rows")
+    tiles = dot_tiles_from_file(args.dot_tiles) if args.dot_tiles else None
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
     if any(a == "--out" or a.startswith("--out=") for a in bench_argv):
@@ -207,7 +206,7 @@ def main(argv: list[str] | None = None, *, prog: str = "ab_engine", experiment: 
     out_path = Path(args.out or f"{args.experiment.replace('_', '-')}-ab.json")
     start = time.time()
     runs = []
-    with tempfile.TemporaryDirectory() as tmp, target_loaded_once():
+    with tempfile.TemporaryDirectory() as tmp, target_loaded_once(), linear.dot_tiles_in_force(tiles):
         for i in range(args.rounds):
             for name in names:
                 log.info("round %d/%d, arm %s", i + 1, args.rounds, name)
@@ -215,13 +214,14 @@ def main(argv: list[str] | None = None, *, prog: str = "ab_engine", experiment: 
                     report = bench_engine.main([*bench_argv, "--out", str(Path(tmp) / f"{name}-{i}.json")],
                                                **bench_kwargs)
                 runs.append({"arm": name, "round": i, **report})
+        table = linear.DOT_TILES  # the table arm's tiles
     first = runs[0]
     result = {"what": f"bench_engine with {EXPERIMENTS[args.experiment][0]}, alternated in one process",
               "experiment": args.experiment, "arms": list(names),
               "hardware": first["hardware"], "model": first["model"], "drafter": first["drafter"],
               "command": f"python -m scripts.{prog} " + shlex.join(argv),
               "rounds": args.rounds, "settings": first["settings"], "summary": summarise(runs, names),
-              **({"dot_tiles": {"table": linear.DOT_TILES, "previous": linear.PREVIOUS_DOT_TILES}}
+              **({"dot_tiles": {"table": table, "previous": linear.PREVIOUS_DOT_TILES}}
                  if args.experiment == "small_rows" else {}),
               "total_s": round(time.time() - start, 1)}
     out_path.write_text(json.dumps(result, indent=2) + "\n")

@@ -332,6 +332,7 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
     """Command line; tests pass an already-built ``target``/``drafter`` and tokenised ``prompt_ids``."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     args = build_parser().parse_args(argv)
+    tiles = dot_tiles_from_file(args.dot_tiles) if args.dot_tiles else None  # before the model loads: fails fast
     if args.batch_size < 1 or args.steps < 1 or args.warmup < 0 or args.refill < 0:
         raise SystemExit("need --batch-size ≥ 1, --steps ≥ 1, --warmup ≥ 0 and --refill ≥ 0")
     if target is None:
@@ -343,13 +344,8 @@ def main(argv: list[str] | None = None, *, target: Target | None = None, drafter
         prompt_ids = load_prompts(args, target, 4 * args.batch_size if args.refill else args.batch_size)
     command = "python -m scripts.profile_engine " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                       else sys.argv[1:]))
-    in_force = linear.DOT_TILES
-    if args.dot_tiles:
-        linear.set_dot_tiles(dot_tiles_from_file(args.dot_tiles))
-    try:
+    with linear.dot_tiles_in_force(tiles):
         return run_profile(target, drafter, prompt_ids, args, command)
-    finally:
-        linear.DOT_TILES = in_force
 
 
 if __name__ == "__main__":

@@ -122,6 +122,20 @@ def set_dot_tiles(tiles: dict) -> None:
     DOT_TILES = check_dot_tiles(tiles)
 
 
+@contextlib.contextmanager
+def dot_tiles_in_force(tiles: dict | None) -> Iterator[None]:
+    """``tiles`` installed as :func:`set_dot_tiles` does for the block, and the table before it put back after it,
+    whatever the block raised (``None``: the table as it is)."""
+    global DOT_TILES
+    saved = DOT_TILES
+    if tiles is not None:
+        set_dot_tiles(tiles)
+    try:
+        yield
+    finally:
+        DOT_TILES = saved
+
+
 # The row-invariant tl.dot tiles by step size, smallest first: each entry serves steps of up to ``max_rows`` rows
 # (None: any). Several entries let a large step take larger tiles — but only tiles that give every row the bits the
 # first entry gives it, or a token's bits would depend on its step again. Whether two tiles agree is the GPU's

@@ -148,6 +148,23 @@ def test_dot_tiles_table_drives_the_default_launch():
         module.DOT_TILES = saved
 
 
+def test_dot_tiles_in_force_for_a_block_only():
+    from optimized.kernels import linear as module
+
+    saved = module.DOT_TILES
+    table = dict(saved, plain=dict(saved["plain"], split_k=3))
+    with pytest.raises(RuntimeError), module.dot_tiles_in_force(table):
+        assert module.DOT_TILES == table and module.DOT_TILES is not table  # a checked copy, as set_dot_tiles
+        assert kernel_config(8, 576, 576, False)["SPLIT_K"] == 3
+        raise RuntimeError("a failing run")
+    assert module.DOT_TILES is saved
+    with module.dot_tiles_in_force(None):
+        assert module.DOT_TILES is saved
+    with pytest.raises(ValueError, match="kinds"), module.dot_tiles_in_force({"norm": saved["norm"]}):
+        pass
+    assert module.DOT_TILES is saved
+
+
 def test_split_k_is_refused_with_row_invariance():
     if not (HAS_TRITON and (INTERPRETED or torch.cuda.is_available())):
         pytest.skip("the Triton path checks its config")
