@@ -347,6 +347,45 @@ def test_a_finishing_batch_is_judged_on_the_requests_before_it():
     assert sched.drafters() == fresh and len(sched.gate.history) == 0
 
 
+def test_the_gate_reuses_its_verdict_only_for_the_same_requests_holding_the_same_drafts():
+    """The draft gate's verdict is cached without reading the requests: reused for the same request objects in the
+    same order with no draft recorded since (and the same finishing flag), evaluated again after any new draft, for
+    another set of requests of the same size, or in another order; a reused verdict is what a fresh gate decides."""
+    from optimized.scheduler import DraftGate
+
+    cost = CostTable.affine(fixed_ms=5.0, per_token_ms=0.3, draft_fixed_ms=2.0, sizes=list(range(1, 129)))
+    sched = Scheduler(SchedulerConfig(mode="adaptive"), gamma=GAMMA, max_num_seqs=6, max_seq_len=64,
+                      prefill_chunk=64, cost=cost)
+    rows = [np.cumprod(np.full(GAMMA, p, dtype=np.float32)) for p in (0.9, 0.2, 0.6, 0.95, 0.1, 0.4)]
+    seqs = _decoding(sched, [[torch.from_numpy(r)] for r in rows])
+    gate, calls = sched.gate, []
+    pays = sched.planner.speculation_pays
+    sched.planner.speculation_pays = lambda *a, **k: calls.append(len(a[0])) or pays(*a, **k)
+
+    def fresh_verdict(group: list[Sequence]) -> bool:
+        twin = DraftGate(sched.config, GAMMA, 6, sched.planner)
+        return twin._evaluate(group)[1]
+
+    sched.drafters(seqs[:4])
+    assert calls == [4]
+    sched.drafters(seqs[:4])
+    sched.drafters(list(seqs[:4]))  # another list of the same objects: reused
+    assert calls == [4]
+    sched.record_drafts(seqs[:4], rows[:4])  # a new draft: evaluated again
+    sched.drafters(seqs[:4])
+    assert len(calls) == 2
+    sched.drafters(seqs[:3] + seqs[4:5])  # as many requests, one of them another: evaluated again
+    assert len(calls) == 3
+    sched.drafters([seqs[1], seqs[0], seqs[2], seqs[4]])  # the same requests in another order: evaluated again
+    assert len(calls) == 4
+    sched.drafters(seqs[:5])  # one more request: evaluated again
+    assert len(calls) == 5
+    calls.clear()
+    for group in (seqs[:4], seqs[1:5], seqs):
+        cached = gate._evaluate(group)[1]
+        assert cached == fresh_verdict(group) and gate._evaluate(group)[1] == cached
+
+
 def test_stand_ins_are_population_rows_of_the_history_as_it_is_now():
     """The gate ranks its history once until it changes: its stand-ins for any number of requests are
     ``population_rows`` of the history at that moment, before and after more requests join it."""
@@ -359,8 +398,9 @@ def test_stand_ins_are_population_rows_of_the_history_as_it_is_now():
     for count in (1, 2, 5, 31, 32, 33, 100):
         np.testing.assert_array_equal(gate._stand_ins(count),
                                       population_rows(torch.tensor(np.stack(gate.history)), count).numpy())
-    for i, s in enumerate(fresh):  # the new batch drafts gate_window times, its rows unlike the first batch's
-        s.survivals = [np.cumprod(np.full(GAMMA, 0.1 + 0.02 * i, dtype=np.float32))] * sched.config.gate_window
+    rows_fresh = [np.cumprod(np.full(GAMMA, 0.1 + 0.02 * i, dtype=np.float32)) for i in range(len(fresh))]
+    for _ in range(sched.config.gate_window):  # the new batch drafts gate_window times, its rows unlike the first's
+        sched.record_drafts(fresh, rows_fresh)
     sched.drafters()
     _next_batch(sched, fresh, 200)
     sched.drafters()
@@ -415,8 +455,8 @@ def test_a_finish_time_verdict_stands_while_the_batch_keeps_most_of_its_requests
         sched.drafters(seqs[:r])
     assert calls == [64, 64 - band - 1, 64]  # 63, 60, 56 reuse the first; 55 and 64 (grown) do not; 60 reuses the third
     for _ in range(gate.FINISH_REUSE):  # at most FINISH_REUSE evaluations per estimate (each after a new draft:
-        for s in seqs:  # the same drafts again would reuse the cached verdict without evaluating)
-            s.survivals = s.survivals + s.survivals[-1:]
+        # the same drafts again would reuse the cached verdict without evaluating)
+        sched.record_drafts(seqs, [s.survivals[-1] for s in seqs])
         sched.drafters(seqs[:60])
     assert calls[3:] == [60]
 
