@@ -53,9 +53,9 @@ def frozen_heap(collect: bool = True) -> Iterator[None]:
     back on exit (``gc.unfreeze``), so that what the block's steps allocate is all a collection walks.
 
     On a GPU the host's pauses show in the steps: a full collection of an unfrozen heap (the model, the engine, the
-    imported modules) stalled one step of a closed batch of 256 for 0.21 s on an H100's host
-    (``runs_pauses`` in docs/benchmarks/engine-h100-no-stand-ins.json). A process that serves until it exits freezes its heap
-    once after start-up instead (``python -m optimized.serve``); a block is for callers that build engines one after
+    imported modules) stalled one step of a closed batch of 256 for 0.21 s on an H100's host (``runs_pauses`` in
+    docs/benchmarks/engine-h100-no-stand-ins.json). A process that serves until it exits freezes its heap once after
+    start-up instead (``python -m optimized.serve``); a block is for callers that build engines one after
     another, whose reference cycles must be collectable again afterwards. ``collect``: collect first, so that what
     is garbage already is not kept until the block ends (a full collection, a fraction of a second)."""
     if collect:
