@@ -540,9 +540,10 @@ class DraftGate:
         self.config, self.gamma, self.planner = config, gamma, planner
         self.steps_without_draft = 0  # consecutive steps, up to now, that did not draft
         self._window = np.float32(config.gate_window)  # the moving average's window, as the float32 it divides by
-        # (drafts recorded, finishing, the requests, recent survivals, verdict, whether nothing is known: survivals
-        # None or all NaN) of the last evaluation
-        self._cache: tuple[int, bool, list[Sequence], np.ndarray | None, bool | None, bool] | None = None
+        # (drafts recorded, finishing, the requests, recent survivals, verdict) of the last evaluation
+        self._cache: tuple[int, bool, list[Sequence], np.ndarray | None, bool | None] | None = None
+        # (survivals, whether they are all NaN) of forced's last all-NaN test, kept for the same survivals object
+        self._all_nan: tuple[np.ndarray, bool] | None = None
         # Blocks of drafts recorded so far (Scheduler.record_drafts): the requests' draft counts change only with it.
         self.recorded = 0
         # Per slot: the moving average (NaN before the first draft), how many of the slot's drafts it holds, and whose
@@ -634,24 +635,26 @@ class DraftGate:
             # The reference's ``draft_forced(...) or verdict`` in the other order (the same boolean): a paying verdict
             # drafts whatever draft_forced says, so its rules run only when the cost says no, or nothing is known yet
             # (every step while the gate is closed: NumPy on the host array, not torch, ~10x cheaper at R = 256).
-            drafts = verdict or self.forced(recent, unknown=self._cache[5])
+            drafts = verdict or self.forced(recent)
         if drafts and self.steps_without_draft:  # a draft after plain steps restarts the moving averages (as
             # reference.generate.step): every recorded draft is folded, the next one folds as the first
             self._recent[[s.slot for s in seqs]] = np.nan
         self.steps_without_draft = 0 if drafts else self.steps_without_draft + 1
         return drafts
 
-    def forced(self, recent: np.ndarray | None, unknown: bool | None = None) -> bool:
+    def forced(self, recent: np.ndarray | None) -> bool:
         """``reference.scheduler.draft_forced`` on the recent survivals ``recent`` (``[R, γ]`` host float32 or None)
-        and this gate's count of plain steps: the same rules, in NumPy. ``unknown``: whether ``recent`` is None or
-        all NaN, when already known (:meth:`decide` passes the one cached with the survivals: the rules run every
-        step while the gate is closed, on the same survivals)."""
+        and this gate's count of plain steps: the same rules in the same order, in NumPy. They run every step while
+        the gate is closed, on the same (cached) survivals: their all-NaN test is kept for that array object (the
+        survivals are fresh arrays, never written after the evaluation that made them)."""
         config = self.config
         if not (config.mode.has_draft_gate and config.draft_gate):
             return True
-        if unknown is None:
-            unknown = recent is None or bool(np.isnan(recent).all())
-        return unknown or self.steps_without_draft >= config.probe_every
+        if recent is None or self.steps_without_draft >= config.probe_every:
+            return True
+        if self._all_nan is None or self._all_nan[0] is not recent:
+            self._all_nan = (recent, bool(np.isnan(recent).all()))
+        return self._all_nan[1]
 
     def prepare(self, seqs: list[Sequence]) -> bool | None:
         """The cost's verdict for ``seqs`` ahead of :meth:`decide` (which then reuses it if the same requests hold the
@@ -685,8 +688,7 @@ class DraftGate:
             if self.trace is not None and recent is not None and not (finishing or prior):
                 best, plain = self.planner.gate_estimates(recent, len(seqs))
                 self.trace.append((len(seqs), best, plain, margin, bool(verdict)))
-            unknown = recent is None or bool(np.isnan(recent).all())
-            self._cache = (self.recorded, self.finishing, list(seqs), recent, verdict, unknown)
+            self._cache = (self.recorded, self.finishing, list(seqs), recent, verdict)
         return self._cache[3], self._cache[4]
 
     def _finish_verdict(self, seqs: list[Sequence], recent: np.ndarray | None, prior: bool = False) -> bool:
